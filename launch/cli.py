@@ -1,0 +1,38 @@
+"""The ``distaff`` command: one entry point, each subcommand owned by the module that implements it."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module with a ``main(argv)``, one-line help)
+COMMANDS = {
+    "tokenizer": ("distaff.train.tokenizer", "train a SentencePiece tokenizer (distaff tokenizer train ...)"),
+    "data": ("distaff.train.data.cli", "prepare and verify webdataset shards (distaff data prepare|verify ...)"),
+    "pretrain": ("distaff.train.pretrain", "pretrain a DeBERTa model (--config CONFIG.yaml [key=value ...])"),
+    "export-hf": ("distaff.train.export", "export a checkpoint to a Hugging Face folder"),
+    "launch": ("distaff.launch.launcher", "run pretraining under the deepspeed launcher"),
+    "slurm": ("distaff.launch.slurm", "write and submit a Slurm job for pretraining"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: distaff COMMAND [ARGS ...]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if argv[0] not in COMMANDS:
+        print(f"distaff: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

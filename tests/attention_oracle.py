@@ -1,0 +1,32 @@
+"""A deliberately naive disentangled attention (explicit per-pair position rows, plain autograd).
+
+Independent of ``distaff.kernels.reference``'s row-block formulation: tests run both in float64
+and compare values and gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distaff.kernels.relative_position import relative_position_index
+
+
+def naive_attention(q, k, v, pos_key, pos_query, *, position_buckets, max_relative_positions,
+                    attention_mask=None, softmax_scale=None):
+    n, d = q.shape[2], q.shape[3]
+    terms = 1 + (pos_key is not None) + (pos_query is not None)
+    scale = softmax_scale if softmax_scale is not None else (d * terms) ** -0.5
+    idx = relative_position_index(n, n, position_buckets, max_relative_positions, q.device)
+    scores = torch.einsum("bhid,bhjd->bhij", q, k)
+    if pos_key is not None:  # c2p: Q_i . Kr[idx(i, j)]
+        scores = scores + torch.einsum("bhid,hijd->bhij", q, pos_key[:, idx])
+    if pos_query is not None:  # p2c: K_j . Qr[idx(i, j)]
+        scores = scores + torch.einsum("bhjd,hijd->bhij", k, pos_query[:, idx])
+    scores = scores * scale
+    if attention_mask is None:
+        return torch.softmax(scores, -1) @ v
+    m = attention_mask.bool()
+    visible = (m[:, None, :, None] & m[:, None, None, :])
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+    probs = torch.where(visible.any(-1, keepdim=True), probs, torch.zeros_like(probs))
+    return probs @ v
