@@ -1,0 +1,164 @@
+"""Moving models between distaff and Hugging Face ``transformers`` (``DebertaV2ForMaskedLM`` folders).
+
+``from_hf`` reads ``config.json`` plus ``model.safetensors`` (single or sharded) or
+``pytorch_model.bin`` (with ``torch.load(weights_only=True)``: nothing is unpickled). Both HF MLM
+head layouts are understood: the default ``cls.predictions.*`` (``legacy=True``) and the original
+DeBERTa ``lm_predictions.lm_head.*``. ``to_hf`` writes the ``cls.predictions`` layout, which also
+covers ``embedding_size != hidden_size``; the Enhanced Mask Decoder is a pretraining-only part
+and is not exported.
+
+This module does not import ``transformers``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from distaff.train.model import DebertaForMaskedLM
+from distaff.train.model_config import ConfigError, ModelConfig
+
+# DebertaV2Config's defaults, used for fields a config.json leaves out (they differ from ours).
+HF_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=128100, hidden_size=1536, num_hidden_layers=24, num_attention_heads=24, intermediate_size=6144,
+    hidden_act="gelu", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, max_position_embeddings=512,
+    type_vocab_size=0, initializer_range=0.02, layer_norm_eps=1e-7, relative_attention=False,
+    max_relative_positions=-1, pad_token_id=0, position_biased_input=True, pos_att_type=[], position_buckets=-1,
+    share_att_key=False, norm_rel_ebd="none", embedding_size=None,
+)
+
+# Head parameters: distaff name -> name in each HF layout.
+HEAD_KEYS = {
+    "legacy": {"lm_head.dense.weight": "cls.predictions.transform.dense.weight",
+               "lm_head.dense.bias": "cls.predictions.transform.dense.bias",
+               "lm_head.LayerNorm.weight": "cls.predictions.transform.LayerNorm.weight",
+               "lm_head.LayerNorm.bias": "cls.predictions.transform.LayerNorm.bias",
+               "lm_head.bias": "cls.predictions.bias"},
+    "original": {"lm_head.dense.weight": "lm_predictions.lm_head.dense.weight",
+                 "lm_head.dense.bias": "lm_predictions.lm_head.dense.bias",
+                 "lm_head.LayerNorm.weight": "lm_predictions.lm_head.LayerNorm.weight",
+                 "lm_head.LayerNorm.bias": "lm_predictions.lm_head.LayerNorm.bias",
+                 "lm_head.bias": "lm_predictions.lm_head.bias"},
+}
+# HF keys that carry no information of their own (tied copies, buffers, the RTD discriminator head).
+IGNORED_HF_KEYS = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias",
+                   "deberta.embeddings.position_ids")
+IGNORED_HF_PREFIXES = ("mask_predictions.",)
+# Absolute positions of the original DeBERTa-v3 checkpoints: unused by HF, EMD's table for us.
+HF_ABSOLUTE_POSITIONS = "deberta.embeddings.position_embeddings.weight"
+
+
+def model_config_from_hf(hf_config: dict[str, Any], source: str = "config.json", **overrides: Any) -> ModelConfig:
+    """Our config from a ``DebertaV2Config`` dict; distaff-only fields come from ``overrides``."""
+    if hf_config.get("model_type", "deberta-v2") != "deberta-v2":
+        raise ConfigError(f"{source}: model_type is {hf_config['model_type']!r}, expected 'deberta-v2'")
+    if hf_config.get("conv_kernel_size", 0):
+        raise ConfigError(f"{source}: conv_kernel_size={hf_config['conv_kernel_size']} (the convolution layer of "
+                          "DeBERTa-v2-xlarge) is not supported by distaff")
+    hidden = hf_config.get("hidden_size", HF_DEFAULTS["hidden_size"])
+    heads = hf_config.get("num_attention_heads", HF_DEFAULTS["num_attention_heads"])
+    head_size = hf_config.get("attention_head_size")
+    if head_size is not None and heads and head_size * heads != hidden:
+        raise ConfigError(f"{source}: attention_head_size={head_size} with {heads} heads != hidden_size={hidden}; "
+                          "distaff requires head size = hidden_size / num_attention_heads")
+    values = {name: hf_config.get(name, default) for name, default in HF_DEFAULTS.items()}
+    values["pos_att_type"] = values["pos_att_type"] or []
+    if values["pad_token_id"] is None:
+        values["pad_token_id"] = 0
+    return ModelConfig.from_dict({**values, **overrides}, source)
+
+
+def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """``config.json`` contents for ``DebertaV2ForMaskedLM``."""
+    values = {name: getattr(cfg, name) for name in HF_DEFAULTS}
+    return {"architectures": ["DebertaV2ForMaskedLM"], "model_type": "deberta-v2", "legacy": True,
+            "tie_word_embeddings": True, **values}
+
+
+def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF folder, without unpickling anything."""
+    single, index, legacy_bin = folder / "model.safetensors", folder / "model.safetensors.index.json", \
+        folder / "pytorch_model.bin"
+    if single.is_file():
+        return load_file(single)
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            if not (folder / shard).is_file():
+                raise FileNotFoundError(f"{index} names shard {shard}, which is missing from {folder}")
+            state.update(load_file(folder / shard))
+        return state
+    if legacy_bin.is_file():
+        return torch.load(legacy_bin, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"no weights in {folder}: expected model.safetensors, model.safetensors.index.json "
+                            "or pytorch_model.bin")
+
+
+def _distaff_state(hf_state: dict[str, torch.Tensor], model: DebertaForMaskedLM,
+                   source: str) -> dict[str, torch.Tensor]:
+    """Rename HF keys to ours and check that every parameter is present with the right shape."""
+    layout = "original" if any(k.startswith("lm_predictions.") for k in hf_state) else "legacy"
+    renames = {hf: ours for ours, hf in HEAD_KEYS[layout].items()}
+    if model.emd is not None and HF_ABSOLUTE_POSITIONS in hf_state and not model.config.position_biased_input:
+        renames[HF_ABSOLUTE_POSITIONS] = "emd.position_embeddings.weight"
+    expected = model.state_dict()
+    state, unexpected = {}, []
+    for key, tensor in hf_state.items():
+        ours = renames.get(key, key)
+        if ours in expected:
+            state[ours] = tensor
+        elif key not in IGNORED_HF_KEYS and not key.startswith(IGNORED_HF_PREFIXES) and key != HF_ABSOLUTE_POSITIONS:
+            unexpected.append(key)
+    if unexpected:
+        raise ValueError(f"{source}: weights not used by a model of this config: {sorted(unexpected)[:10]}"
+                         f"{' ...' if len(unexpected) > 10 else ''} (does config.json match the weights?)")
+    fresh = {"emd."}  # EMD is ours: an HF checkpoint never has it, so it keeps its initialisation
+    missing = [k for k in expected if k not in state and not k.startswith(tuple(fresh))]
+    if missing:
+        raise ValueError(f"{source}: missing weights {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+    for key, tensor in state.items():
+        if tensor.shape != expected[key].shape:
+            raise ValueError(f"{source}: {key} has shape {tuple(tensor.shape)} in the checkpoint but "
+                             f"{tuple(expected[key].shape)} in the model built from its config")
+    return state
+
+
+def from_hf(path: str | Path, **overrides: Any) -> DebertaForMaskedLM:
+    """Load an HF ``DebertaV2ForMaskedLM`` folder; ``overrides`` set distaff fields (``emd=True`` ...)."""
+    folder = Path(path)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no config.json in {folder}")
+    cfg = model_config_from_hf(json.loads(config_path.read_text()), str(config_path), **overrides)
+    model = DebertaForMaskedLM(cfg)
+    state = _distaff_state(read_hf_weights(folder), model, str(folder))
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def hf_state_dict(model: DebertaForMaskedLM) -> dict[str, torch.Tensor]:
+    """Our weights under HF's ``cls.predictions`` names, EMD left out."""
+    renames = HEAD_KEYS["legacy"]
+    return {renames.get(k, k): t.detach().cpu().contiguous().clone()
+            for k, t in model.state_dict().items() if not k.startswith("emd.")}
+
+
+def to_hf(model: DebertaForMaskedLM, path: str | Path, tokenizer: str | Path | None = None) -> Path:
+    """Write an HF folder that ``AutoModelForMaskedLM.from_pretrained`` loads with no missing or
+    unexpected keys; ``tokenizer`` is a tokenizer folder whose files are copied alongside."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(hf_state_dict(model), out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config_dict(model.config), indent=2) + "\n")
+    if tokenizer is not None:
+        source = Path(tokenizer)
+        if not source.is_dir():
+            raise FileNotFoundError(f"tokenizer folder not found: {source}")
+        shutil.copytree(source, out, dirs_exist_ok=True)
+    return out

@@ -1,0 +1,300 @@
+"""DeBERTa-v2/v3 for masked-language modelling, readable in one sitting.
+
+Parameter names follow Hugging Face's ``DebertaV2ForMaskedLM`` (``deberta.embeddings...``,
+``deberta.encoder.layer.N.attention.self.query_proj`` ...) so checkpoints map one to one; only the
+MLM head (``lm_head``) and the Enhanced Mask Decoder (``emd``) are named by distaff and mapped in
+:mod:`distaff.train.hf`.
+
+The pieces: embeddings -> L post-LN transformer layers with disentangled self-attention over a
+shared relative-position table -> (EMD) -> MLM head tied to the word embeddings. Attention and
+the fused ops go through :mod:`distaff.kernels`, which picks Triton on CUDA and the PyTorch
+reference elsewhere (``attention_impl`` / ``kernel_impl`` in the config).
+
+Padded positions: their embeddings are zeroed (as in HF) and, as queries, they attend to nothing,
+so their hidden states are not meaningful; every real token's output equals HF's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from distaff import kernels
+from distaff.train.model_config import ModelConfig
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with an optional fused residual add (``LN(x + residual)``)."""
+
+    def __init__(self, size: int, eps: float, impl: str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.bias = nn.Parameter(torch.zeros(size))
+        self.eps, self.impl = eps, impl
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return kernels.layer_norm(x, self.weight, self.bias, self.eps, residual, impl=self.impl)
+
+
+class Embeddings(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.embedding_size, padding_idx=cfg.pad_token_id)
+        self.position_embeddings = (nn.Embedding(cfg.max_position_embeddings, cfg.embedding_size)
+                                    if cfg.position_biased_input else None)
+        self.token_type_embeddings = (nn.Embedding(cfg.type_vocab_size, cfg.embedding_size)
+                                      if cfg.type_vocab_size > 0 else None)
+        self.embed_proj = (nn.Linear(cfg.embedding_size, cfg.hidden_size, bias=False)
+                           if cfg.embedding_size != cfg.hidden_size else None)
+        self.LayerNorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, cfg.kernel_impl)
+        self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None,
+                mask: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings.weight[: input_ids.shape[1]]
+        if self.token_type_embeddings is not None:
+            types = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
+            x = x + self.token_type_embeddings(types)
+        if self.embed_proj is not None:
+            x = self.embed_proj(x)
+        x = self.LayerNorm(x) * mask.unsqueeze(-1).to(x.dtype)
+        return self.dropout(x)
+
+
+class DisentangledSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hidden, self.heads = cfg.hidden_size, cfg.num_attention_heads
+        self.query_proj = nn.Linear(hidden, hidden)
+        self.key_proj = nn.Linear(hidden, hidden)
+        self.value_proj = nn.Linear(hidden, hidden)
+        self.c2p, self.p2c = "c2p" in cfg.pos_att_type, "p2c" in cfg.pos_att_type
+        self.relative = cfg.relative_attention
+        if self.relative and not cfg.share_att_key:
+            self.pos_key_proj = nn.Linear(hidden, hidden) if self.c2p else None
+            self.pos_query_proj = nn.Linear(hidden, hidden) if self.p2c else None
+        self.share_att_key = cfg.share_att_key
+        self.pos_dropout = nn.Dropout(cfg.hidden_dropout_prob)
+        self.attn_dropout = cfg.attention_probs_dropout_prob
+        # HF scales by the configured position terms even when relative attention is off.
+        self.scale = (cfg.head_dim * (1 + len(cfg.pos_att_type))) ** -0.5
+        self.position_buckets = cfg.position_buckets
+        self.max_relative_positions = cfg.resolved_max_relative_positions
+        self.impl = cfg.attention_impl
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., N, H*d]`` -> ``[..., H, N, d]``."""
+        return x.unflatten(-1, (self.heads, -1)).transpose(-3, -2)
+
+    def _position_tables(self, rel: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``Kr`` and ``Qr`` as ``[H, 2*span, d]`` from the (normalised) relative embeddings."""
+        if not self.relative:
+            return None, None
+        rel = self.pos_dropout(rel)
+        key_proj = self.key_proj if self.share_att_key else self.pos_key_proj
+        query_proj = self.query_proj if self.share_att_key else self.pos_query_proj
+        pos_key = self._heads(key_proj(rel)) if self.c2p else None
+        pos_query = self._heads(query_proj(rel)) if self.p2c else None
+        return pos_key, pos_query
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor, rel: torch.Tensor | None,
+                query_states: torch.Tensor) -> torch.Tensor:
+        q = self._heads(self.query_proj(query_states))
+        k, v = self._heads(self.key_proj(hidden)), self._heads(self.value_proj(hidden))
+        pos_key, pos_query = self._position_tables(rel)
+        out = kernels.disentangled_attention(
+            q, k, v, pos_key, pos_query,
+            position_buckets=self.position_buckets, max_relative_positions=self.max_relative_positions,
+            attention_mask=mask, dropout_p=self.attn_dropout if self.training else 0.0,
+            softmax_scale=self.scale, impl=self.impl)
+        return out.transpose(1, 2).flatten(2)
+
+
+class SelfOutput(nn.Module):
+    """``LN(dropout(dense(x)) + residual)``; HF's ``attention.output`` and (shape aside) ``output``."""
+
+    def __init__(self, in_size: int, cfg: ModelConfig):
+        super().__init__()
+        self.dense = nn.Linear(in_size, cfg.hidden_size)
+        self.LayerNorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, cfg.kernel_impl)
+        self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dropout(self.dense(x)), residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self = DisentangledSelfAttention(cfg)
+        self.output = SelfOutput(cfg.hidden_size, cfg)
+
+    def forward(self, hidden, mask, rel, query_states):
+        return self.output(self.self(hidden, mask, rel, query_states), query_states)
+
+
+class Intermediate(nn.Module):
+    """The feed-forward expansion: fused ``gelu(x W^T + b)``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.impl = cfg.kernel_impl
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.bias_gelu(F.linear(x, self.dense.weight), self.dense.bias, impl=self.impl)
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention = Attention(cfg)
+        self.intermediate = Intermediate(cfg)
+        self.output = SelfOutput(cfg.intermediate_size, cfg)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor, rel: torch.Tensor | None,
+                query_states: torch.Tensor | None = None) -> torch.Tensor:
+        """Keys and values come from ``hidden``; queries from ``query_states`` (EMD) or ``hidden``."""
+        attended = self.attention(hidden, mask, rel, hidden if query_states is None else query_states)
+        return self.output(self.intermediate(attended), attended)
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.layer = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.rel_embeddings = nn.Embedding(2 * cfg.att_span, cfg.hidden_size) if cfg.relative_attention else None
+        # Present whenever norm_rel_ebd asks for it (as in HF), even if unused without relative attention.
+        self.LayerNorm = (LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, cfg.kernel_impl)
+                          if cfg.norm_rel_ebd == "layer_norm" else None)
+        self.activation_checkpointing = cfg.activation_checkpointing
+
+    def rel_table(self) -> torch.Tensor | None:
+        """The shared relative-position table, normalised once per forward for all layers."""
+        if self.rel_embeddings is None:
+            return None
+        rel = self.rel_embeddings.weight
+        return self.LayerNorm(rel) if self.LayerNorm is not None else rel
+
+    def run_layer(self, layer: Layer, hidden, mask, rel, query_states=None) -> torch.Tensor:
+        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(layer, hidden, mask, rel, query_states, use_reentrant=False)
+        return layer(hidden, mask, rel, query_states)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor, rel: torch.Tensor | None,
+                num_layers: int | None = None) -> torch.Tensor:
+        for layer in self.layer[:num_layers]:
+            hidden = self.run_layer(layer, hidden, mask, rel)
+        return hidden
+
+
+class DebertaModel(nn.Module):
+    """Embeddings + encoder; ``DebertaV2Model``'s computation for 2-D padding masks."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embeddings = Embeddings(cfg)
+        self.encoder = Encoder(cfg)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, num_layers: int | None = None) -> torch.Tensor:
+        """Hidden states after the first ``num_layers`` layers (all by default)."""
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        hidden = self.embeddings(input_ids, token_type_ids, mask)
+        return self.encoder(hidden, mask, self.encoder.rel_table(), num_layers)
+
+
+class EnhancedMaskDecoder(nn.Module):
+    """EMD (DeBERTa paper, sec. 3.2): absolute positions enter just before the MLM head.
+
+    Queries ``H + P`` (the last layer's input plus absolute position embeddings) attend over
+    ``H`` through the last encoder layer's weights, ``n`` times, each output becoming the next
+    query. Only its output feeds the MLM head, so the encoder's own pass through the last layer
+    is skipped when EMD is on (the paper's computation, one layer cheaper).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.applications = cfg.emd_layers
+
+    def forward(self, encoder: Encoder, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        rel, last = encoder.rel_table(), encoder.layer[-1]
+        query = hidden + self.position_embeddings.weight[: hidden.shape[1]]
+        for _ in range(self.applications):
+            query = encoder.run_layer(last, hidden, mask, rel, query)
+        return query
+
+
+class MLMHead(nn.Module):
+    """Transform (dense, GELU, LayerNorm) then the decoder tied to the word embeddings, plus a bias."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.embedding_size)
+        self.LayerNorm = LayerNorm(cfg.embedding_size, cfg.layer_norm_eps, cfg.kernel_impl)
+        self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+        self.impl = cfg.kernel_impl
+
+    def transform(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(kernels.bias_gelu(F.linear(hidden, self.dense.weight), self.dense.bias, impl=self.impl))
+
+
+@dataclass
+class MaskedLMOutput:
+    # [B, N, D]: the encoder output; with EMD, the last layer's input (what EMD decodes from)
+    last_hidden_state: torch.Tensor
+    logits: torch.Tensor | None = None          # [B, N, V]; only computed when no labels are given
+    loss: torch.Tensor | None = None            # mean cross-entropy over labelled tokens
+    num_labelled: torch.Tensor | None = None
+    num_correct: torch.Tensor | None = None
+
+
+class DebertaForMaskedLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.deberta = DebertaModel(config)
+        self.emd = EnhancedMaskDecoder(config) if config.emd else None
+        self.lm_head = MLMHead(config)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """HF's initialisation: N(0, initializer_range) weights, zero biases and padding row."""
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+            if module.padding_idx is not None:
+                nn.init.zeros_(module.weight[module.padding_idx])
+
+    @property
+    def word_embeddings(self) -> nn.Embedding:
+        return self.deberta.embeddings.word_embeddings
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> MaskedLMOutput:
+        """With ``labels`` (-100 = ignore): the loss, computed on labelled positions only, without
+        building the logits. Without: ``[B, N, V]`` logits."""
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        skip_last = 1 if self.emd is not None else 0
+        hidden = self.deberta(input_ids, mask, token_type_ids, num_layers=self.config.num_hidden_layers - skip_last)
+        decoded = self.emd(self.deberta.encoder, hidden, mask) if self.emd is not None else hidden
+        if labels is None:
+            logits = F.linear(self.lm_head.transform(decoded), self.word_embeddings.weight, self.lm_head.bias)
+            return MaskedLMOutput(hidden, logits=logits)
+        labelled = labels != -100
+        # Only labelled positions (~15%) go through the head transform and the vocabulary projection.
+        result = kernels.masked_lm_loss(self.lm_head.transform(decoded[labelled]), self.word_embeddings.weight,
+                                        self.lm_head.bias, labels[labelled], impl=self.config.kernel_impl)
+        return MaskedLMOutput(hidden, loss=result.loss, num_labelled=result.num_labelled,
+                              num_correct=result.num_correct)
