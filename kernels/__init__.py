@@ -23,7 +23,7 @@ IMPLS = ("auto", "triton", "reference")
 _TRITON_MODULES = {
     "disentangled_attention": "attention",
     "disentangled_attention_varlen": "attention",
-    "layer_norm": "layer_norm",
+    "layer_norm": "fused_layer_norm",
     "bias_gelu": "gelu",
     "masked_lm_loss": "mlm_loss",
 }

@@ -266,7 +266,9 @@ def masked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     labelled = labels.reshape(-1) != ignore_index
     rows = hidden.reshape(-1, hidden.shape[-1])[labelled]
     targets = labels.reshape(-1)[labelled]
-    logits = F.linear(rows, weight, bias).float()
+    logits = F.linear(rows, weight, bias)
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
     num = targets.numel()
     loss = F.cross_entropy(logits, targets, reduction="sum") / max(num, 1)
     correct = (logits.argmax(-1) == targets).sum() if num else torch.zeros((), dtype=torch.long, device=hidden.device)

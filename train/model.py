@@ -139,6 +139,13 @@ class Attention(nn.Module):
         return self.output(self.self(hidden, mask, rel, query_states), query_states)
 
 
+def _dense_gelu(dense: nn.Linear, x: torch.Tensor, impl: str) -> torch.Tensor:
+    """``gelu(x W^T + b)`` with the bias add fused into the GELU; under autocast the bias is cast
+    to the activation dtype so the (large) output is not promoted to float32."""
+    h = F.linear(x, dense.weight)
+    return kernels.bias_gelu(h, dense.bias.to(h.dtype), impl=impl)
+
+
 class Intermediate(nn.Module):
     """The feed-forward expansion: fused ``gelu(x W^T + b)``."""
 
@@ -148,7 +155,7 @@ class Intermediate(nn.Module):
         self.impl = cfg.kernel_impl
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.bias_gelu(F.linear(x, self.dense.weight), self.dense.bias, impl=self.impl)
+        return _dense_gelu(self.dense, x, self.impl)
 
 
 class Layer(nn.Module):
@@ -243,7 +250,7 @@ class MLMHead(nn.Module):
         self.impl = cfg.kernel_impl
 
     def transform(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(kernels.bias_gelu(F.linear(hidden, self.dense.weight), self.dense.bias, impl=self.impl))
+        return self.LayerNorm(_dense_gelu(self.dense, hidden, self.impl))
 
 
 @dataclass

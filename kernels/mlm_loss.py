@@ -1,0 +1,184 @@
+"""Masked-LM loss that never materialises the ``[labelled_tokens, vocab]`` logits.
+
+``masked_lm_loss(hidden, weight, bias, labels, ignore_index)``:
+
+1. picks the labelled positions (``labels != ignore_index``) and gathers their hidden rows;
+2. walks those rows in chunks of ``row_chunk`` rows: one cuBLAS ``addmm`` gives the chunk's
+   ``[row_chunk, V]`` logits, one Triton program per row makes two passes over the vocabulary in
+   ``vocab_block`` slices (online max / sum-exp / first argmax, then ``softmax - onehot`` written
+   over the logits in place), and two more cuBLAS products turn that logit gradient into the
+   chunk's hidden-row gradient and its contribution to the weight gradient;
+3. keeps only the gradients (hidden rows, weight and bias, scaled by ``1 / labelled``) for
+   backward, which multiplies them by the incoming scalar gradient.
+
+The gradients are computed in forward (as Liger-Kernel's fused linear cross-entropy does) because
+the loss is a scalar at the end of the graph: recomputing the logits in backward would cost one
+more vocabulary projection for nothing. Forward skips the gradient work when no input needs it.
+
+Extra memory beyond the inputs: one logits chunk (``row_chunk x V`` in the compute dtype), the
+hidden-row gradient ``[labelled, E]``, a float32 weight gradient ``[V, E]`` (plus one ``[V, E]``
+product per chunk in the compute dtype when that is not float32) and float32 bias gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import MaskedLMLoss
+
+LOGITS_CHUNK_ELEMENTS = 1 << 26  # default row_chunk: about 64 Mi logits (128 MiB in bf16) per chunk
+MAX_VOCAB_BLOCK = 4096
+
+
+@triton.jit
+def _cross_entropy_rows(logits_ptr, targets_ptr, row_loss_ptr, correct_ptr, n_vocab, grad_scale,
+                        COMPUTE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Loss, argmax hit and (optionally, in place) ``(softmax - onehot) * grad_scale`` of one row."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * n_vocab
+    target = tl.load(targets_ptr + row)
+    running_max = tl.full([], float("-inf"), tl.float32)
+    running_sum = tl.full([], 0.0, tl.float32)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_index = tl.full([], 0, tl.int64)
+    for start in range(0, n_vocab, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        logits = tl.load(row_ptr + cols, mask=cols < n_vocab, other=float("-inf")).to(tl.float32)
+        block_max = tl.max(logits, axis=0)
+        # Strictly greater: on ties the earlier block keeps the first maximal index, as torch.argmax.
+        best_index = tl.where(block_max > best, start + tl.argmax(logits, axis=0).to(tl.int64), best_index)
+        best = tl.maximum(best, block_max)
+        new_max = tl.maximum(running_max, block_max)
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(logits - new_max), axis=0)
+        running_max = new_max
+    lse = running_max + tl.log(running_sum)
+    tl.store(row_loss_ptr + row, lse - tl.load(row_ptr + target).to(tl.float32))
+    tl.store(correct_ptr + row, (best_index == target).to(tl.int32))
+    if COMPUTE_GRAD:
+        for start in range(0, n_vocab, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            in_vocab = cols < n_vocab
+            logits = tl.load(row_ptr + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
+            grad = (tl.exp(logits - lse) - (cols == target).to(tl.float32)) * grad_scale
+            tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=in_vocab)
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.dtype:
+    """The dtype the projection runs in: autocast's when it is on, else the (common) input dtype."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        return torch.get_autocast_dtype(hidden.device.type)
+    dtypes = {hidden.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())
+    if len(dtypes) != 1:
+        raise ValueError(f"masked_lm_loss needs hidden, weight and bias in one dtype outside autocast, got "
+                         f"hidden={hidden.dtype}, weight={weight.dtype}, bias={None if bias is None else bias.dtype}")
+    return hidden.dtype
+
+
+def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  labels: torch.Tensor) -> None:
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"labels shape {tuple(labels.shape)} does not match hidden {tuple(hidden.shape[:-1])}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [vocab, {hidden.shape[-1]}], got {tuple(weight.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must be [vocab={weight.shape[0]}], got {tuple(bias.shape)}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be an integer tensor, got {labels.dtype}")
+
+
+def _labelled_rows(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int, n_vocab: int):
+    """Flat indices of the labelled positions, their hidden rows and their targets."""
+    flat_labels = labels.reshape(-1)
+    positions = (flat_labels != ignore_index).nonzero().squeeze(1)
+    targets = flat_labels.index_select(0, positions).long()
+    if targets.numel() and bool(((targets < 0) | (targets >= n_vocab)).any()):
+        bad = targets[(targets < 0) | (targets >= n_vocab)][0].item()
+        raise ValueError(f"label {bad} is outside the vocabulary [0, {n_vocab}) and is not ignore_index={ignore_index}")
+    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
+    return positions, rows, targets
+
+
+class _MaskedLMLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, ignore_index, row_chunk, vocab_block):
+        n_vocab, device = weight.shape[0], hidden.device
+        positions, rows, targets = _labelled_rows(hidden, labels, ignore_index, n_vocab)
+        n_labelled = targets.numel()
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        compute_grad = need_hidden or need_weight or need_bias  # zero gradients if nothing is labelled
+        row_loss = torch.empty(n_labelled, dtype=torch.float32, device=device)
+        correct = torch.empty(n_labelled, dtype=torch.int32, device=device)
+        grad_rows = torch.empty_like(rows) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_weight else None
+        grad_bias = torch.zeros(n_vocab, dtype=torch.float32, device=device) if need_bias else None
+        grad_scale = 1.0 / max(n_labelled, 1)
+        warps = 8 if vocab_block >= 2048 else 4
+        for start in range(0, n_labelled, row_chunk):
+            end = min(start + row_chunk, n_labelled)
+            chunk = rows[start:end]
+            logits = chunk @ weight.t() if bias is None else torch.addmm(bias, chunk, weight.t())
+            _cross_entropy_rows[(end - start,)](logits, targets[start:end], row_loss[start:end], correct[start:end],
+                                                n_vocab, grad_scale, COMPUTE_GRAD=compute_grad,
+                                                BLOCK_V=vocab_block, num_warps=warps)
+            if compute_grad:  # `logits` now holds d loss / d logits
+                if grad_rows is not None:
+                    torch.mm(logits, weight, out=grad_rows[start:end])
+                if grad_weight is not None and logits.dtype == torch.float32:
+                    grad_weight.addmm_(logits.t(), chunk)
+                elif grad_weight is not None:  # half-precision product, summed over chunks in float32
+                    grad_weight += logits.t() @ chunk
+                if grad_bias is not None:
+                    grad_bias += logits.sum(0, dtype=torch.float32)
+        ctx.save_for_backward(positions, grad_rows, grad_weight, grad_bias)
+        ctx.hidden_shape, ctx.dtypes = hidden.shape, (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        loss = row_loss.sum() * grad_scale
+        num_labelled = torch.tensor(n_labelled, dtype=torch.int64, device=device)
+        num_correct = correct.sum(dtype=torch.int64)
+        ctx.mark_non_differentiable(num_labelled, num_correct)
+        return loss, num_labelled, num_correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_num_labelled, _grad_num_correct):
+        positions, grad_rows, grad_weight, grad_bias = ctx.saved_tensors
+        hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes
+        d_hidden = d_weight = d_bias = None
+        if grad_rows is not None:
+            d_hidden = grad_loss.new_zeros(ctx.hidden_shape, dtype=hidden_dtype)
+            d_hidden.view(-1, ctx.hidden_shape[-1]).index_copy_(0, positions, (grad_rows * grad_loss).to(hidden_dtype))
+        if grad_weight is not None:
+            d_weight = (grad_weight * grad_loss).to(weight_dtype)
+        if grad_bias is not None:
+            d_bias = (grad_bias * grad_loss).to(bias_dtype)
+        return d_hidden, d_weight, d_bias, None, None, None, None
+
+
+def masked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                   ignore_index: int = -100, *, row_chunk: int | None = None,
+                   vocab_block: int | None = None) -> MaskedLMLoss:
+    """Mean cross-entropy of ``hidden @ weight.T + bias`` over the positions whose label is not
+    ``ignore_index``, with the labelled and correctly predicted (first argmax) counts.
+
+    ``hidden``: ``[..., E]``; ``weight``: ``[V, E]``; ``bias``: ``[V]`` or None; ``labels``:
+    ``[...]``. ``row_chunk`` labelled rows are projected at a time (default: about
+    ``LOGITS_CHUNK_ELEMENTS / V``, a multiple of 64); ``vocab_block`` is the softmax kernel's slice
+    of the vocabulary (a power of two, default ``min(next_pow2(V), MAX_VOCAB_BLOCK)``).
+    """
+    _check_inputs(hidden, weight, bias, labels)
+    n_vocab = weight.shape[0]
+    if row_chunk is None:
+        row_chunk = max(1, LOGITS_CHUNK_ELEMENTS // n_vocab)
+        row_chunk = row_chunk // 64 * 64 or row_chunk
+    if vocab_block is None:
+        vocab_block = min(triton.next_power_of_2(n_vocab), MAX_VOCAB_BLOCK)
+    if row_chunk < 1 or vocab_block < 16 or vocab_block & (vocab_block - 1):
+        raise ValueError(f"row_chunk must be >= 1 and vocab_block a power of two >= 16, got {row_chunk}, {vocab_block}")
+    dtype = _compute_dtype(hidden, weight, bias)
+    hidden, weight = hidden.to(dtype), weight.to(dtype).contiguous()
+    bias = None if bias is None else bias.to(dtype)
+    # Autocast is off inside: the inputs are already in the compute dtype.
+    with torch.autocast(hidden.device.type, enabled=False):
+        loss, num_labelled, num_correct = _MaskedLMLoss.apply(hidden, weight, bias, labels, int(ignore_index),
+                                                               int(row_chunk), int(vocab_block))
+    return MaskedLMLoss(loss, num_labelled, num_correct)
