@@ -179,3 +179,24 @@ def test_activation_checkpointing_gives_identical_gradients():
         model(ids, mask, labels=labels).loss.backward()
     for (name, a), (_, b) in zip(plain.named_parameters(), ckpt.named_parameters()):
         torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+def test_triton_paths_in_the_model_match_hf(tmp_path):
+    """attention_impl / kernel_impl = triton (interpreter on CPU): same logits and loss gradients."""
+    torch.manual_seed(0)
+    hf = DebertaV2ForMaskedLM(DebertaV2Config(**{**BASE, "hidden_size": 64, "num_attention_heads": 2,
+                                                 "num_hidden_layers": 1})).eval()
+    hf.save_pretrained(tmp_path)
+    ids, mask, _ = _inputs(BASE["vocab_size"])
+    ids, mask = ids[:, :24], mask[:, :24]
+    labels = torch.where(mask.bool() & (torch.arange(24) % 3 == 0), ids, -100)
+    with torch.no_grad():
+        fused = from_hf(tmp_path, attention_impl="triton", kernel_impl="triton").eval()
+        _assert_close(fused(ids, mask).logits, hf(input_ids=ids, attention_mask=mask).logits, mask)
+    fused = from_hf(tmp_path, attention_impl="triton", kernel_impl="triton", emd=True).eval()
+    plain = from_hf(tmp_path, attention_impl="reference", kernel_impl="reference", emd=True).eval()
+    plain.load_state_dict(fused.state_dict())
+    for model in (fused, plain):
+        model(ids, mask, labels=labels).loss.backward()
+    for (name, a), (_, b) in zip(fused.named_parameters(), plain.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
