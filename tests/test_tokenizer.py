@@ -1,0 +1,78 @@
+"""Tokenizer training on real text, the metadata, and the Hugging Face round trip."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from data_fixtures import corpus_files, tokenizer_dir  # noqa: F401  (session fixtures)
+
+from distaff.launch.cli import main as distaff_main
+from distaff.train.tokenizer import METADATA_FILE, load_tokenizer_info
+
+
+def _paragraphs(shared_data: Path, name: str, start: int, count: int) -> list[str]:
+    """Real paragraphs from beyond the slice the tokenizer was trained on."""
+    with gzip.open(shared_data / "corpus" / f"{name}.txt.gz", "rt", encoding="utf-8") as f:
+        text = f.read(start + 400_000)[start:]
+    return [p for p in text.split("\n\n") if p.strip()][:count]
+
+
+def test_special_ids_and_fingerprint(tokenizer_dir: Path) -> None:
+    info = load_tokenizer_info(tokenizer_dir)
+    assert (info.pad_id, info.cls_id, info.sep_id, info.unk_id, info.mask_id) == (0, 1, 2, 3, 4)
+    assert info.vocab_size == 4000 and len(info.fingerprint) == 64
+    processor = info.processor()
+    assert [processor.id_to_piece(i) for i in range(5)] == ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]
+
+
+@pytest.mark.parametrize("corpus", ["austen", "python-docs"])
+def test_auto_tokenizer_matches_spm(tokenizer_dir: Path, shared_data: Path, corpus: str) -> None:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    info = load_tokenizer_info(tokenizer_dir)
+    assert (hf.pad_token_id, hf.cls_token_id, hf.sep_token_id, hf.unk_token_id, hf.mask_token_id) == \
+        (info.pad_id, info.cls_id, info.sep_id, info.unk_id, info.mask_id)
+    assert len(hf) == info.vocab_size
+    processor = info.processor()
+    paragraphs = _paragraphs(shared_data, corpus, 700_000, 400)
+    assert len(paragraphs) == 400
+    ours = [[info.cls_id, *ids, info.sep_id] for ids in processor.encode(paragraphs)]
+    theirs = hf(paragraphs)["input_ids"]
+    mismatched = [p for p, a, b in zip(paragraphs, ours, theirs) if a != b]
+    # Known difference: on long runs of one repeated character (ASCII-art tables such as "+-----+") the two
+    # unigram Viterbi implementations break exact score ties differently. Everything else must match.
+    assert all("---" in p or "===" in p or "***" in p for p in mismatched), mismatched[:2]
+    assert len(mismatched) <= len(paragraphs) // 50
+    known = next(ids for ids in ours if info.unk_id not in ids)  # the two render [UNK] differently
+    assert hf.decode(known, skip_special_tokens=True) == processor.decode(known[1:-1])
+
+
+def test_cli_trains_a_loadable_folder(corpus_files: list[Path], tmp_path: Path) -> None:
+    out = tmp_path / "tok"
+    code = distaff_main(["tokenizer", "train", "--input", str(corpus_files[3]), str(corpus_files[2]),
+                         "--vocab-size", "600", "--out", str(out), "--max-input-mb", "0.2"])
+    assert code == 0
+    meta = json.loads((out / METADATA_FILE).read_text())
+    assert meta["vocab_size"] == 600 and meta["special_ids"]["mask"] == 4
+    assert load_tokenizer_info(out).fingerprint == meta["fingerprint"]
+
+
+def test_missing_input_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    missing = tmp_path / "nowhere.txt.gz"
+    code = distaff_main(["tokenizer", "train", "--input", str(missing), "--vocab-size", "500",
+                         "--out", str(tmp_path / "tok")])
+    assert code == 1
+    assert str(missing) in capsys.readouterr().err
+
+
+def test_tampered_model_is_rejected(tokenizer_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = Path(shutil.copytree(tokenizer_dir, tmp_path / "tok"))
+    (copy / "spm.model").write_bytes((copy / "spm.model").read_bytes() + b"\0")
+    with pytest.raises(ValueError, match="spm.model"):
+        load_tokenizer_info(copy)

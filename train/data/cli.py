@@ -1,0 +1,67 @@
+"""``distaff data prepare ...`` and ``distaff data verify DIR``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from distaff.train.data.prepare import PrepareConfig, prepare
+from distaff.train.data.sources import DataError, ReadOptions
+from distaff.train.data.verify import verify
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="distaff data", description="prepare and verify webdataset shards")
+    sub = parser.add_subparsers(dest="action", required=True)
+    p = sub.add_parser("prepare", help="tokenize text into shards + manifest (resumes an interrupted run)")
+    p.add_argument("--input", nargs="+", required=True, help=".txt, .txt.gz, .jsonl, .jsonl.gz or .parquet files")
+    p.add_argument("--tokenizer", required=True, help="folder written by `distaff tokenizer train`")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence, [CLS] and [SEP] included")
+    p.add_argument("--out", required=True, help="output data dir")
+    p.add_argument("--doc-per-file", action="store_true", help=".txt: each file is one document "
+                   "(default: documents are separated by blank lines)")
+    p.add_argument("--text-field", default="text", help=".jsonl/.parquet field holding the text")
+    p.add_argument("--pack-documents", action="store_true", help="fill sequences with several documents")
+    p.add_argument("--heldout-fraction", type=float, default=0.01, help="share of documents held out (0: none)")
+    p.add_argument("--shard-mb", type=float, default=16.0, help="MB of raw text per shard")
+    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
+    p.add_argument("--skip-bad", action="store_true", help="skip, count and log bad documents instead of failing")
+    p.add_argument("--no-progress", action="store_true")
+    v = sub.add_parser("verify", help="check every shard against the manifest")
+    v.add_argument("data_dir")
+    return parser
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    if not 0.0 <= args.heldout_fraction < 1.0:
+        raise DataError(f"--heldout-fraction {args.heldout_fraction} must lie in [0, 1)")
+    config = PrepareConfig(
+        inputs=tuple(args.input), tokenizer_dir=args.tokenizer, seq_len=args.seq_len, out_dir=args.out,
+        read=ReadOptions(doc_per_file=args.doc_per_file, text_field=args.text_field, skip_bad=args.skip_bad),
+        pack_documents=args.pack_documents, shard_mb=args.shard_mb,
+        heldout_every=round(1 / args.heldout_fraction) if args.heldout_fraction > 0 else 0,
+        progress=False if args.no_progress else None,
+        **({} if args.workers is None else {"workers": args.workers}))
+    manifest = prepare(config)
+    for name, split in manifest.splits.items():
+        print(f"{name}: {len(split.shards)} shards, {split.samples} samples, {split.tokens} tokens")
+    for reason, count in sorted(manifest.skipped.items()):
+        print(f"skipped {count}: {reason}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    if args.action == "verify":
+        problems = verify(args.data_dir)
+        for problem in problems:
+            print(problem)
+        print(f"{args.data_dir}: {len(problems)} problem(s)" if problems else f"{args.data_dir}: ok")
+        return 1 if problems else 0
+    try:
+        return _prepare(args)
+    except (DataError, OSError) as err:
+        print(f"distaff data prepare: {err}", file=sys.stderr)
+        return 1

@@ -1,0 +1,181 @@
+"""Reading raw corpora into documents: ``.txt``/``.txt.gz``, ``.jsonl``/``.jsonl.gz`` and ``.parquet``.
+
+Bad input raises :class:`DataError` naming the file and line; with ``skip_bad`` the bad document (or,
+for a corrupt compressed stream, the rest of that file) is skipped, counted in :class:`ReadStats` and
+logged. Empty documents are always skipped and counted: they carry no tokens.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO, Iterable, Iterator, Sequence
+
+log = logging.getLogger(__name__)
+
+TEXT_SUFFIXES = (".txt", ".txt.gz")
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz")
+PARQUET_SUFFIXES = (".parquet",)
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file (and line or member)."""
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    doc_per_file: bool = False  # .txt: the whole file is one document instead of blank-line separated ones
+    text_field: str = "text"  # .jsonl / .parquet column holding the text
+    skip_bad: bool = False  # skip (count, log) bad documents instead of raising
+
+
+@dataclass(frozen=True)
+class Document:
+    source: str
+    line: int  # first line of the document in its file (1-based; row number for parquet)
+    text: str
+
+
+@dataclass
+class ReadStats:
+    skipped: Counter = field(default_factory=Counter)  # reason -> count
+
+    def skip(self, reason: str, where: str, err: object, skip_bad: bool) -> None:
+        if not skip_bad:
+            raise DataError(f"{where}: {err}")
+        self.skipped[reason] += 1
+        log.warning("skipped (%s) %s: %s", reason, where, err)
+
+
+def check_inputs(paths: Sequence[str | Path]) -> list[Path]:
+    """Fail before any work if an input is missing or of an unknown format."""
+    resolved = [Path(p) for p in paths]
+    for path in resolved:
+        if not path.is_file():
+            raise DataError(f"{path}: input file not found")
+        if not path.name.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES):
+            raise DataError(f"{path}: unknown input format (expected .txt, .txt.gz, .jsonl, .jsonl.gz or .parquet)")
+    return resolved
+
+
+def iter_documents(paths: Sequence[str | Path], options: ReadOptions,
+                   stats: ReadStats | None = None) -> Iterator[Document]:
+    stats = stats if stats is not None else ReadStats()
+    for path in check_inputs(paths):
+        yield from iter_file_documents(path, options, stats)
+
+
+def iter_file_documents(path: Path, options: ReadOptions, stats: ReadStats) -> Iterator[Document]:
+    if path.name.endswith(PARQUET_SUFFIXES):
+        docs = _parquet_documents(path, options, stats)
+    else:
+        docs = _line_documents(path, options, stats)
+    for doc in docs:
+        if doc.text.strip():
+            yield doc
+        else:
+            stats.skipped["empty_document"] += 1
+            log.debug("skipped empty document %s:%d", doc.source, doc.line)
+
+
+def _open_binary(path: Path) -> BinaryIO:
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def _numbered_lines(path: Path, options: ReadOptions, stats: ReadStats) -> Iterator[tuple[int, bytes]]:
+    """Lines of a (possibly gzipped) file; a corrupt stream is an error naming the file and line."""
+    lineno = 0
+    try:
+        with _open_binary(path) as f:
+            for lineno, line in enumerate(f, start=1):
+                yield lineno, line
+    except (EOFError, zlib.error, gzip.BadGzipFile) as err:
+        stats.skip("corrupt_file", f"{path}: after line {lineno}", f"corrupt compressed stream ({err})", options.skip_bad)
+
+
+def _decode(raw: bytes, where: str, options: ReadOptions, stats: ReadStats) -> str | None:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        stats.skip("invalid_utf8", where, f"invalid UTF-8 at byte {err.start} of the document", options.skip_bad)
+        return None
+
+
+def _line_documents(path: Path, options: ReadOptions, stats: ReadStats) -> Iterator[Document]:
+    lines = _numbered_lines(path, options, stats)
+    if path.name.endswith(JSONL_SUFFIXES):
+        yield from _jsonl_documents(path, lines, options, stats)
+    elif options.doc_per_file:
+        yield from _emit(path, 1, b"".join(line for _, line in lines), options, stats)
+    else:
+        yield from _paragraph_documents(path, lines, options, stats)
+
+
+def _emit(path: Path, first_line: int, raw: bytes, options: ReadOptions, stats: ReadStats) -> Iterable[Document]:
+    text = _decode(raw, f"{path}:{first_line}", options, stats)
+    return () if text is None else (Document(str(path), first_line, text.strip("\n")),)
+
+
+def _paragraph_documents(path: Path, lines: Iterable[tuple[int, bytes]], options: ReadOptions,
+                         stats: ReadStats) -> Iterator[Document]:
+    """Documents separated by one or more blank lines."""
+    buffer: list[bytes] = []
+    first = 0
+    for lineno, line in lines:
+        if line.strip():
+            if not buffer:
+                first = lineno
+            buffer.append(line)
+        elif buffer:
+            yield from _emit(path, first, b"".join(buffer), options, stats)
+            buffer = []
+    if buffer:
+        yield from _emit(path, first, b"".join(buffer), options, stats)
+
+
+def _jsonl_documents(path: Path, lines: Iterable[tuple[int, bytes]], options: ReadOptions,
+                     stats: ReadStats) -> Iterator[Document]:
+    for lineno, line in lines:
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        decoded = _decode(line, where, options, stats)
+        if decoded is None:
+            continue
+        try:
+            record = json.loads(decoded)
+        except json.JSONDecodeError as err:
+            stats.skip("invalid_json", where, f"invalid JSON ({err})", options.skip_bad)
+            continue
+        text = record.get(options.text_field) if isinstance(record, dict) else None
+        if text is None and isinstance(record, dict) and options.text_field in record:
+            text = ""  # an explicit null is an empty document
+        if not isinstance(text, str):
+            stats.skip("missing_field", where, f"no string field {options.text_field!r}", options.skip_bad)
+            continue
+        yield Document(str(path), lineno, text)
+
+
+def _parquet_documents(path: Path, options: ReadOptions, stats: ReadStats) -> Iterator[Document]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        reader = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as err:
+        raise DataError(f"{path}: not a readable parquet file ({err})") from err
+    if options.text_field not in reader.schema_arrow.names:
+        raise DataError(f"{path}: no column {options.text_field!r} (columns: {reader.schema_arrow.names})")
+    row = 0
+    try:
+        for batch in reader.iter_batches(columns=[options.text_field]):
+            for text in batch.column(0).to_pylist():
+                row += 1
+                yield Document(str(path), row, text or "")
+    except pa.ArrowException as err:
+        stats.skip("corrupt_file", f"{path}: after row {row}", f"corrupt parquet data ({err})", options.skip_bad)

@@ -1,0 +1,63 @@
+"""``distaff data verify``: read every shard of a data dir against its manifest and list every problem.
+
+Checks: the tokenizer copy matches the manifest's fingerprint; each shard opens and reads to the end;
+each member is a 1-D ``.npy`` of the manifest's dtype, at most ``seq_len`` long, framed ``[CLS] ... [SEP]``,
+with ids below the vocabulary size; the sample and token counts match the manifest.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from distaff.train.data.manifest import Manifest, data_url, load_data_tokenizer, open_data_file, read_manifest
+from distaff.train.data.shards import count_problem, iter_shard
+from distaff.train.data.sources import DataError
+
+
+def _sample_problems(array: np.ndarray, manifest: Manifest) -> list[str]:
+    problems = []
+    if len(array) > manifest.seq_len:
+        problems.append(f"{len(array)} tokens, more than seq_len {manifest.seq_len}")
+    if len(array) < 3 or array[0] != manifest.special_ids["cls"] or array[-1] != manifest.special_ids["sep"]:
+        problems.append("not framed as [CLS] ... [SEP]")
+    if len(array) and int(array.max()) >= manifest.vocab_size:
+        problems.append(f"token id {int(array.max())} outside the vocabulary of {manifest.vocab_size}")
+    return problems
+
+
+def verify_shard(data_dir: str | Path, manifest: Manifest, relpath: str, samples: int, tokens: int) -> list[str]:
+    where = data_url(data_dir, relpath)
+    problems, seen_samples, seen_tokens, last_member = [], 0, 0, None
+    try:
+        with open_data_file(data_dir, relpath) as stream:
+            for last_member, array in iter_shard(stream, where, np.dtype(manifest.dtype)):
+                seen_samples += 1
+                seen_tokens += len(array)
+                problems += [f"{where}: member {last_member}: {p}" for p in _sample_problems(array, manifest)]
+    except DataError as err:
+        return problems + [str(err)]
+    count = count_problem(where, seen_samples, samples, last_member)
+    if count:
+        problems.append(count)
+    elif seen_tokens != tokens:
+        problems.append(f"{where}: {seen_tokens} tokens but the manifest says {tokens}")
+    return problems
+
+
+def verify(data_dir: str | Path) -> list[str]:
+    """Every problem found, one line each naming the file (and member); empty when the data dir is sound."""
+    try:
+        manifest = read_manifest(data_dir)
+    except DataError as err:
+        return [str(err)]
+    problems = []
+    try:
+        load_data_tokenizer(data_dir, manifest)
+    except (DataError, OSError, ValueError) as err:
+        problems.append(str(err))
+    for split in manifest.splits.values():
+        for shard in split.shards:
+            problems += verify_shard(data_dir, manifest, shard.path, shard.samples, shard.tokens)
+    return problems

@@ -1,0 +1,169 @@
+"""SentencePiece unigram tokenizer: training, the on-disk folder, and the metadata the data pipeline reads.
+
+A tokenizer folder holds
+  * ``spm.model``            - the SentencePiece model (what DeBERTa-v3 ships),
+  * ``tokenizer.json`` + ``tokenizer_config.json`` + ``special_tokens_map.json`` - a Hugging Face
+    ``DebertaV2Tokenizer`` folder, so ``transformers.AutoTokenizer.from_pretrained(dir)`` loads it,
+  * ``distaff_tokenizer.json`` - our metadata: special-token ids and the sha256 of ``spm.model``.
+
+Special tokens follow DeBERTa-v3: ``[PAD]=0 [CLS]=1 [SEP]=2 [UNK]=3``. ``[MASK]`` is a SentencePiece
+control symbol at id 4 (inside the model, so ``spm.model`` alone knows every id; DeBERTa-v3 instead
+appends it after the last piece).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import sentencepiece as spm
+
+log = logging.getLogger(__name__)
+
+METADATA_FILE = "distaff_tokenizer.json"
+MODEL_FILE = "spm.model"
+SPECIAL_TOKENS = {"pad": "[PAD]", "cls": "[CLS]", "sep": "[SEP]", "unk": "[UNK]", "mask": "[MASK]"}
+WORD_START = "\u2581"  # SentencePiece's marker for a piece that begins a word
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    path: Path
+    vocab_size: int
+    pad_id: int
+    cls_id: int
+    sep_id: int
+    unk_id: int
+    mask_id: int
+    fingerprint: str  # sha256 of spm.model
+
+    @property
+    def special_ids(self) -> tuple[int, ...]:
+        return (self.pad_id, self.cls_id, self.sep_id, self.unk_id, self.mask_id)
+
+    def processor(self) -> spm.SentencePieceProcessor:
+        return spm.SentencePieceProcessor(model_file=str(self.path / MODEL_FILE))
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_tokenizer_info(path: str | Path) -> TokenizerInfo:
+    """Read a tokenizer folder's metadata and check it describes the ``spm.model`` beside it."""
+    path = Path(path)
+    meta_path = path / METADATA_FILE
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{meta_path}: tokenizer metadata not found (train one with `distaff tokenizer train`)")
+    meta = json.loads(meta_path.read_text())
+    fingerprint = file_sha256(path / MODEL_FILE)
+    if fingerprint != meta["fingerprint"]:
+        raise ValueError(f"{path / MODEL_FILE}: sha256 {fingerprint} does not match {meta_path} ({meta['fingerprint']})")
+    ids = meta["special_ids"]
+    return TokenizerInfo(path=path, vocab_size=int(meta["vocab_size"]), pad_id=ids["pad"], cls_id=ids["cls"],
+                         sep_id=ids["sep"], unk_id=ids["unk"], mask_id=ids["mask"], fingerprint=fingerprint)
+
+
+def word_start_table(processor: spm.SentencePieceProcessor) -> list[bool]:
+    """Per id: does the piece begin a word (leading U+2581)? Special ids count as word starts."""
+    return [processor.id_to_piece(i).startswith(WORD_START) or processor.is_control(i) or processor.is_unknown(i)
+            for i in range(processor.get_piece_size())]
+
+
+def _training_lines(inputs: Sequence[str | Path], max_bytes: int | None) -> Iterator[str]:
+    # Documents are read with the data pipeline's readers (same formats, same errors); SentencePiece
+    # trains on lines, so each document is split into its non-empty lines.
+    from distaff.train.data.sources import ReadOptions, iter_documents
+
+    seen = 0
+    for doc in iter_documents(inputs, ReadOptions()):
+        for line in doc.text.split("\n"):
+            if line.strip():
+                yield line
+                seen += len(line)
+                if max_bytes is not None and seen >= max_bytes:
+                    return
+
+
+def train_tokenizer(inputs: Sequence[str | Path], vocab_size: int, out_dir: str | Path, *,
+                    character_coverage: float = 0.9995, max_input_bytes: int | None = None,
+                    num_threads: int = 2, max_sentence_length: int = 16384, seed_sentences: int = 2_000_000,
+                    model_max_length: int = 512) -> TokenizerInfo:
+    """Train a unigram SentencePiece model on ``inputs`` and write a complete tokenizer folder."""
+    missing = [str(p) for p in inputs if "://" not in str(p) and not Path(p).is_file()]
+    if missing:
+        raise FileNotFoundError(f"tokenizer input not found: {', '.join(missing)}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=_training_lines(inputs, max_input_bytes), model_writer=model,
+        vocab_size=vocab_size, model_type="unigram", character_coverage=character_coverage,
+        pad_id=0, pad_piece=SPECIAL_TOKENS["pad"], bos_id=1, bos_piece=SPECIAL_TOKENS["cls"],
+        eos_id=2, eos_piece=SPECIAL_TOKENS["sep"], unk_id=3, unk_piece=SPECIAL_TOKENS["unk"],
+        control_symbols=[SPECIAL_TOKENS["mask"]], num_threads=num_threads,
+        max_sentence_length=max_sentence_length, input_sentence_size=seed_sentences,
+        shuffle_input_sentence=True, minloglevel=2)
+    (out_dir / MODEL_FILE).write_bytes(model.getvalue())
+    _write_hf_files(out_dir, model_max_length)
+    processor = spm.SentencePieceProcessor(model_file=str(out_dir / MODEL_FILE))
+    meta = {
+        "format": "distaff-tokenizer/1",
+        "model_type": "unigram",
+        "vocab_size": processor.get_piece_size(),
+        "special_ids": {name: processor.piece_to_id(piece) for name, piece in SPECIAL_TOKENS.items()},
+        "fingerprint": file_sha256(out_dir / MODEL_FILE),
+        "sources": [str(p) for p in inputs],
+    }
+    (out_dir / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return load_tokenizer_info(out_dir)
+
+
+def _write_hf_files(out_dir: Path, model_max_length: int) -> None:
+    """Write the Hugging Face side: a slow-tokenizer config, then the converted ``tokenizer.json``."""
+    tokens = {f"{name}_token": piece for name, piece in SPECIAL_TOKENS.items()}
+    config = {"tokenizer_class": "DebertaV2Tokenizer", "vocab_type": "spm", "do_lower_case": False,
+              "split_by_punct": False, "bos_token": SPECIAL_TOKENS["cls"], "eos_token": SPECIAL_TOKENS["sep"],
+              "model_max_length": model_max_length, **tokens}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out_dir / "special_tokens_map.json").write_text(json.dumps(tokens, indent=2) + "\n")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:  # transformers is optional at training time; the config above already loads
+        log.warning("transformers not installed: %s has no tokenizer.json (converted on first load)", out_dir)
+        return
+    AutoTokenizer.from_pretrained(str(out_dir)).save_pretrained(str(out_dir))
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="distaff tokenizer", description="train a SentencePiece unigram tokenizer")
+    sub = parser.add_subparsers(dest="action", required=True)
+    train = sub.add_parser("train", help="train spm.model + a Hugging Face tokenizer folder")
+    train.add_argument("--input", nargs="+", required=True, help=".txt/.txt.gz/.jsonl(.gz)/.parquet files")
+    train.add_argument("--vocab-size", type=int, required=True)
+    train.add_argument("--out", required=True, help="output folder")
+    train.add_argument("--character-coverage", type=float, default=0.9995)
+    train.add_argument("--max-input-mb", type=float, default=None, help="train on the first MB of text only")
+    train.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    max_bytes = None if args.max_input_mb is None else int(args.max_input_mb * 1e6)
+    try:
+        info = train_tokenizer(args.input, args.vocab_size, args.out, character_coverage=args.character_coverage,
+                               max_input_bytes=max_bytes, num_threads=args.threads)
+    except (OSError, ValueError, RuntimeError) as err:
+        print(f"distaff tokenizer: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {info.path}: vocab {info.vocab_size}, sha256 {info.fingerprint[:12]}")
+    return 0
