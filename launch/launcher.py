@@ -1,0 +1,165 @@
+"""``distaff launch``: run pretraining under the ``deepspeed`` launcher, on one node or many.
+
+One node (no hosts given, a single host, or a one-node Slurm allocation): ``deepspeed --num_gpus G``
+starts the ranks locally. Several nodes: the hosts come from ``--hosts`` (a Slurm hostlist expression such
+as ``gpu[01-03,07]`` or ``a,b,c``) or from the Slurm allocation we run in (``SLURM_JOB_NODELIST``);
+a hostfile and a ``.deepspeed_env`` are written into ``<run.out_dir>/launch/`` and deepspeed
+starts the ranks over ssh (pdsh). ``.deepspeed_env`` carries the variables every node needs
+(NCCL, W&B, caches, PYTHONPATH) because ssh sessions do not inherit our environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from distaff.launch.hostlist import expand_hostlist
+from distaff.launch.run_config import LaunchTarget, resolve_or_exit
+
+TRAINER_MODULE = "distaff.train.pretrain"
+DEFAULT_MASTER_PORT = 29500
+
+# Variables copied into .deepspeed_env when set: exact names, and whole families by prefix.
+NODE_ENV_NAMES = (
+    "PYTHONPATH", "OMP_NUM_THREADS", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "TRITON_CACHE_DIR",
+    "XDG_CACHE_HOME", "TOKENIZERS_PARALLELISM",
+)
+NODE_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "WANDB_", "HF_", "TRANSFORMERS_")
+# Never written to a file in the run directory: nodes read credentials from ~/.netrc instead.
+SECRET_NAMES = ("WANDB_API_KEY", "HF_TOKEN")
+
+
+def node_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables of ``env`` that every node needs (see NODE_ENV_NAMES / NODE_ENV_PREFIXES), sorted."""
+    return {
+        name: env[name] for name in sorted(env)
+        if (name in NODE_ENV_NAMES or name.startswith(NODE_ENV_PREFIXES)) and name not in SECRET_NAMES
+    }
+
+
+def format_deepspeed_env(variables: Mapping[str, str]) -> str:
+    """``.deepspeed_env`` text: one ``NAME=value`` per line, nothing else.
+
+    deepspeed splits every line on its first ``=`` (a blank or comment line crashes it) and pastes
+    the value into ``export NAME="value"`` on each node, so values that a double-quoted shell
+    string would change or that span lines are refused here rather than corrupted there.
+    """
+    lines = []
+    for name, value in variables.items():
+        if not name.isidentifier():
+            raise ValueError(f".deepspeed_env: {name!r} is not a valid variable name")
+        bad = sorted({char for char in value if char in '\n\r"$`\\'})
+        if bad:
+            raise ValueError(f".deepspeed_env: value of {name} contains {bad}, which cannot be passed to other nodes")
+        lines.append(f"{name}={value}\n")
+    return "".join(lines)
+
+
+def format_hostfile(hosts: list[str], slots: int) -> str:
+    """A deepspeed (MPI-style) hostfile: ``host slots=N`` per line."""
+    if len(set(hosts)) != len(hosts):
+        raise ValueError(f"hostfile: duplicate hosts in {hosts}")
+    if slots < 1:
+        raise ValueError(f"hostfile: slots per host must be >= 1, got {slots}")
+    return "".join(f"{host} slots={slots}\n" for host in hosts)
+
+
+def hosts_from_environment(hosts_arg: str | None, env: Mapping[str, str]) -> list[str]:
+    """Hosts from ``--hosts``, else from the Slurm allocation, else none (single node)."""
+    spec = hosts_arg or env.get("SLURM_JOB_NODELIST", "")
+    return expand_hostlist(spec) if spec else []
+
+
+def deepspeed_command(target: LaunchTarget, *, gpus_per_node: int | None, master_port: int,
+                      hostfile: Path | None = None, master_addr: str | None = None) -> list[str]:
+    """The ``deepspeed`` command line (run through this interpreter, so the venv is the same)."""
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner"]
+    if hostfile is not None:
+        cmd += ["--hostfile", str(hostfile), "--master_addr", str(master_addr)]
+    if gpus_per_node is not None:
+        cmd += ["--num_gpus", str(gpus_per_node)]
+    # The trainer reads LOCAL_RANK from the environment; deepspeed would also append --local_rank.
+    cmd += ["--master_port", str(master_port), "--no_local_rank", "--module", TRAINER_MODULE]
+    return cmd + target.trainer_args()
+
+
+def _parse_env_pairs(pairs: list[str]) -> dict[str, str]:
+    extra = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--env {pair!r}: expected NAME=VALUE")
+        extra[name] = value
+    return extra
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="distaff launch", description="Run pretraining under the deepspeed launcher.",
+        epilog="Remaining key=value arguments are config overrides, e.g. optim.lr=3e-4.")
+    parser.add_argument("--config", required=True, help="run config YAML")
+    parser.add_argument("--hosts", help="hostlist, e.g. 'gpu[01-03,07]' or 'a,b' (default: the Slurm "
+                        "allocation, else this node only)")
+    parser.add_argument("--gpus-per-node", type=int, help="ranks per node (default: every local GPU; "
+                        "for several hosts: $SLURM_GPUS_ON_NODE, else 1)")
+    parser.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT)
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="extra variable for every node (repeatable)")
+    parser.add_argument("--dry-run", action="store_true", help="print the files and the command, run nothing")
+    parser.add_argument("overrides", nargs="*", help="config overrides dotted.key=value")
+    return parser
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    command: list[str]
+    env: dict[str, str]           # the deepspeed launcher's environment
+    files: dict[Path, str]        # written before launching (hostfile, .deepspeed_env); empty on one node
+
+
+def plan_launch(target: LaunchTarget, *, hosts: list[str], gpus_per_node: int | None, master_port: int,
+                env: Mapping[str, str]) -> LaunchPlan:
+    """The command, environment and files for a launch on ``hosts`` (none or one: this node)."""
+    env = dict(env)
+    if len(hosts) <= 1:  # this node only: deepspeed starts the ranks without ssh
+        command = deepspeed_command(target, gpus_per_node=gpus_per_node, master_port=master_port)
+        return LaunchPlan(command, env, {})
+    slots = gpus_per_node or int(env.get("SLURM_GPUS_ON_NODE", "1"))
+    launch_dir = target.out_dir / "launch"
+    hostfile, env_file = launch_dir / "hostfile", launch_dir / ".deepspeed_env"
+    files = {hostfile: format_hostfile(hosts, slots), env_file: format_deepspeed_env(node_environment(env))}
+    # deepspeed looks for .deepspeed_env in ~ and the cwd; an absolute DS_ENV_FILE points it at ours.
+    env["DS_ENV_FILE"] = str(env_file)
+    command = deepspeed_command(target, gpus_per_node=slots, master_port=master_port,
+                                hostfile=hostfile, master_addr=hosts[0])
+    return LaunchPlan(command, env, files)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    target = resolve_or_exit(args.config, args.overrides, "distaff launch")
+    try:
+        env = {**os.environ, **_parse_env_pairs(args.env)}
+        hosts = hosts_from_environment(args.hosts, env)
+        plan = plan_launch(target, hosts=hosts, gpus_per_node=args.gpus_per_node,
+                           master_port=args.master_port, env=env)
+    except ValueError as err:  # HostlistError included: bad --hosts, --env, or a value nodes cannot get
+        print(f"distaff launch: {err}", file=sys.stderr)
+        return 2
+    shown = (f"DS_ENV_FILE={shlex.quote(plan.env['DS_ENV_FILE'])} " if plan.files else "") + shlex.join(plan.command)
+    if args.dry_run:
+        for path, text in plan.files.items():
+            print(f"# {path}\n{text}")
+        print(shown)
+        return 0
+    for path, text in plan.files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    print(f"distaff launch: {shown}", file=sys.stderr, flush=True)
+    return subprocess.run(plan.command, env=plan.env).returncode

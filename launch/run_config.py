@@ -1,0 +1,48 @@
+"""What a launcher needs from a run config: where the run lives and what it is called.
+
+The config is loaded and validated by the trainer's own loader, so a bad key or value fails at
+submit time on the login node instead of minutes later on the compute nodes.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from distaff.train.config import ConfigError, load_config
+
+
+@dataclass(frozen=True)
+class LaunchTarget:
+    config: Path                 # absolute: every node reads the same file
+    out_dir: Path                # absolute run directory (checkpoints, metrics, launcher files)
+    name: str                    # run.name
+    overrides: tuple[str, ...]   # the user's overrides plus run.out_dir pinned to ``out_dir``
+
+    def trainer_args(self) -> list[str]:
+        """Arguments of ``python -m distaff.train.pretrain`` for this run."""
+        return ["--config", str(self.config), *self.overrides]
+
+
+def resolve_launch_target(config: str | Path, overrides: list[str]) -> LaunchTarget:
+    """Load and validate ``config`` + ``overrides``; pin the output dir to an absolute path.
+
+    A relative ``run.out_dir`` is resolved against the current directory now, so ranks started
+    elsewhere (another node's home, a Slurm job's cwd) still write to the same run directory.
+    """
+    config = Path(config).resolve()
+    cfg = load_config(config, overrides)
+    out_dir = Path(cfg.run.out_dir).resolve()
+    pinned = [item for item in overrides if not item.startswith("run.out_dir=")]
+    pinned.append(f"run.out_dir={out_dir}")
+    return LaunchTarget(config=config, out_dir=out_dir, name=cfg.run.name, overrides=tuple(pinned))
+
+
+def resolve_or_exit(config: str | Path, overrides: list[str], prog: str) -> LaunchTarget:
+    """:func:`resolve_launch_target` for a command line: a config error is one message, exit 2."""
+    try:
+        return resolve_launch_target(config, overrides)
+    except ConfigError as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        raise SystemExit(2) from None

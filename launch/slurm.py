@@ -1,0 +1,207 @@
+"""``distaff slurm submit``: write an sbatch script for N nodes x G ranks and submit it.
+
+The job survives preemption and time limits by itself:
+
+- ``#SBATCH --signal=USR1@<lead>`` makes Slurm send SIGUSR1 to every process of the job step
+  ``<lead>`` seconds before the time limit (``scancel --signal=USR1 JOBID`` does the same at once;
+  a signal that reaches the batch shell, e.g. ``--signal=B:USR1@...``, is forwarded to the step).
+  Each rank finishes its step, saves a checkpoint and exits 75 (``EXIT_PREEMPTED``).
+- One task per node (``srun --ntasks-per-node=1``) runs torchrun with a c10d rendezvous on the
+  first node; the per-node wrapper reports "stopped on a signal" as exit 75, because torchrun
+  itself turns any failed rank into exit 1.
+- On 75 the batch script requeues the job (``--requeue``, logs opened with
+  ``--open-mode=append``); the next attempt keeps the job id, hence the rendezvous port, the log
+  files and the W&B run id, and resumes from the latest checkpoint (``checkpoint.resume=auto``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from distaff.launch.launcher import TRAINER_MODULE
+from distaff.launch.run_config import LaunchTarget, resolve_or_exit
+
+EXIT_PREEMPTED = 75  # same value as distaff.train.pretrain.EXIT_PREEMPTED (not imported: it pulls in torch)
+DEFAULT_SIGNAL_LEAD_S = 300
+
+
+@dataclass(frozen=True)
+class SlurmJobSpec:
+    target: LaunchTarget
+    nodes: int
+    ranks_per_node: int
+    cpu: bool = False                    # CPU ranks: no GPU request, DS_ACCELERATOR=cpu
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None
+    job_name: str | None = None          # default: run.name
+    signal_lead_s: int = DEFAULT_SIGNAL_LEAD_S
+    sbatch_lines: tuple[str, ...] = ()   # extra "#SBATCH" options, e.g. "--qos=high"
+    workdir: Path = field(default_factory=Path.cwd)  # job cwd: relative config paths resolve as here
+    python: str = sys.executable
+
+    @property
+    def log_dir(self) -> Path:
+        return self.target.out_dir / "slurm"
+
+    @property
+    def script_path(self) -> Path:
+        return self.log_dir / "pretrain.sbatch"
+
+
+def _validate(spec: SlurmJobSpec) -> None:
+    if spec.nodes < 1:
+        raise ValueError(f"--nodes must be >= 1, got {spec.nodes}")
+    if spec.ranks_per_node < 1:
+        raise ValueError(f"--gpus-per-node must be >= 1, got {spec.ranks_per_node}")
+    if spec.signal_lead_s < 1:
+        raise ValueError(f"--signal-lead must be >= 1 second, got {spec.signal_lead_s}")
+    for line in spec.sbatch_lines:
+        if "\n" in line or not line.startswith("-"):
+            raise ValueError(f"--sbatch {line!r}: expected one sbatch option such as --qos=high")
+
+
+def _sbatch_header(spec: SlurmJobSpec) -> list[str]:
+    options = [
+        f"--job-name={spec.job_name or spec.target.name}",
+        f"--nodes={spec.nodes}",
+        "--ntasks-per-node=1",
+        f"--output={spec.log_dir}/%x-%j.out",
+        "--open-mode=append",
+        "--requeue",
+        f"--signal=USR1@{spec.signal_lead_s}",
+        f"--chdir={spec.workdir}",
+    ]
+    if not spec.cpu:
+        options.append(f"--gpus-per-node={spec.ranks_per_node}")
+    options += [f"--{name}={value}" for name, value in
+                (("partition", spec.partition), ("account", spec.account), ("time", spec.time)) if value]
+    options += spec.sbatch_lines
+    return [f"#SBATCH {option}" for option in options]
+
+
+def _torchrun_command(spec: SlurmJobSpec) -> str:
+    """This node's ranks (shell text): torchrun joins the c10d rendezvous on the job's first node."""
+    fixed = shlex.join([spec.python, "-m", "torch.distributed.run",
+                        f"--nproc-per-node={spec.ranks_per_node}", "--max-restarts=0", "--rdzv-backend=c10d"])
+    per_job = ('--nnodes="$SLURM_JOB_NUM_NODES" --rdzv-id="$SLURM_JOB_ID" '
+               '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-conf="is_host=$is_host"')
+    trainer = shlex.join(["--module", TRAINER_MODULE, *spec.target.trainer_args()])
+    return f'{fixed} {per_job} {trainer} "${{resume[@]}}"'
+
+
+def render_sbatch_script(spec: SlurmJobSpec) -> str:
+    """The complete sbatch script for ``spec``."""
+    _validate(spec)
+    header = "\n".join(_sbatch_header(spec))
+    cpu_env = "export DS_ACCELERATOR=cpu\n" if spec.cpu else ""
+    node_log = f"{spec.log_dir}/%x-%j-node%n.out"
+    return f"""#!/bin/bash
+# Written by `distaff slurm submit` for run {spec.target.name!r} ({spec.target.out_dir}).
+{header}
+
+# A requeued attempt keeps its job id: same logs, rendezvous port and W&B run.
+echo "distaff: job $SLURM_JOB_ID attempt restart_count=${{SLURM_RESTART_COUNT:-0}} on $SLURM_JOB_NODELIST at $(date -Is)"
+export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"
+export MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))
+export WANDB_RUN_ID="${{WANDB_RUN_ID:-${{SLURM_CLUSTER_NAME:-slurm}}-$SLURM_JOB_ID}}"
+{cpu_env}
+# Runs once per node (srun --ntasks-per-node=1).
+read -r -d '' node_script <<'NODE'
+stop_requested=0
+trap 'stop_requested=1' USR1 TERM
+is_host=$([ "$SLURM_NODEID" = 0 ] && echo true || echo false)
+resume=()
+[ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ] && resume=(checkpoint.resume=auto)
+# torchrun would die of SIGUSR1: it ignores it; the ranks install their own handler.
+(trap '' USR1; exec {_torchrun_command(spec)}) &
+pid=$!
+while kill -0 "$pid" 2>/dev/null; do wait "$pid"; done
+wait "$pid"; status=$?
+# torchrun reports any stopped rank as 1: a signal was the reason, so say "preempted".
+if [ "$status" -ne 0 ] && [ "$stop_requested" = 1 ]; then status={EXIT_PREEMPTED}; fi
+echo "distaff: node $SLURM_NODEID ranks exited with $status"
+exit "$status"
+NODE
+
+# A signal sent to the batch shell only (scancel --batch, --signal=B:...) goes on to the ranks.
+trap 'scancel --signal=USR1 "$SLURM_JOB_ID"' USR1
+srun --ntasks-per-node=1 --kill-on-bad-exit=0 --open-mode=append --output={shlex.quote(node_log)} \\
+    bash -c "$node_script" &
+srun_pid=$!
+while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid"; done
+wait "$srun_pid"; status=$?
+echo "distaff: job $SLURM_JOB_ID ranks exited with $status at $(date -Is)"
+if [ "$status" -eq {EXIT_PREEMPTED} ]; then
+    echo "distaff: checkpointed on a signal: requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$status"
+"""
+
+
+def sbatch_command(script: Path) -> list[str]:
+    return ["sbatch", "--parsable", str(script)]
+
+
+def submit(spec: SlurmJobSpec) -> str:
+    """Write the script into the run directory, submit it, return the job id."""
+    script = render_sbatch_script(spec)
+    if shutil.which("sbatch") is None:
+        raise RuntimeError("sbatch not found: run this on a Slurm login node (or use --dry-run)")
+    spec.log_dir.mkdir(parents=True, exist_ok=True)  # sbatch opens the log here before the script runs
+    spec.script_path.write_text(script)
+    proc = subprocess.run(sbatch_command(spec.script_path), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"sbatch {spec.script_path} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc.stdout.strip().split(";")[0]  # --parsable prints "JOBID[;CLUSTER]"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="distaff slurm", description="Run pretraining as a Slurm job.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    sub = commands.add_parser(
+        "submit", help="write the sbatch script into the run dir and submit it",
+        epilog="Remaining key=value arguments are config overrides. Extra sbatch options need '=': "
+               "--sbatch=--qos=high.")
+    sub.add_argument("--config", required=True, help="run config YAML")
+    sub.add_argument("--nodes", type=int, required=True)
+    sub.add_argument("--gpus-per-node", type=int, required=True, help="ranks per node (one per GPU)")
+    sub.add_argument("--cpu", action="store_true", help="CPU ranks: request no GPUs, set DS_ACCELERATOR=cpu")
+    sub.add_argument("--partition")
+    sub.add_argument("--account")
+    sub.add_argument("--time", help="time limit, e.g. 1-00:00:00")
+    sub.add_argument("--job-name", help="default: run.name")
+    sub.add_argument("--signal-lead", type=int, default=DEFAULT_SIGNAL_LEAD_S,
+                     help="seconds before the time limit at which the ranks checkpoint and requeue")
+    sub.add_argument("--sbatch", action="append", default=[], metavar="OPTION", help="extra #SBATCH option")
+    sub.add_argument("--dry-run", action="store_true", help="print the script and the command, submit nothing")
+    sub.add_argument("overrides", nargs="*", help="config overrides dotted.key=value")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    target = resolve_or_exit(args.config, args.overrides, "distaff slurm")
+    spec = SlurmJobSpec(
+        target=target, nodes=args.nodes, ranks_per_node=args.gpus_per_node, cpu=args.cpu,
+        partition=args.partition, account=args.account, time=args.time, job_name=args.job_name,
+        signal_lead_s=args.signal_lead, sbatch_lines=tuple(args.sbatch))
+    try:
+        if args.dry_run:
+            print(f"# {spec.script_path}\n{render_sbatch_script(spec)}")
+            print(f"# submit with:\n{shlex.join(sbatch_command(spec.script_path))}")
+            return 0
+        job_id = submit(spec)
+    except (ValueError, RuntimeError) as err:
+        print(f"distaff slurm: {err}", file=sys.stderr)
+        return 1
+    print(job_id)
+    print(f"distaff slurm: job {job_id}, logs in {spec.log_dir}", file=sys.stderr)
+    return 0
