@@ -17,6 +17,9 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Session fixtures shared by several test modules (tests/ is on sys.path via setup.cfg).
+pytest_plugins = ["data_fixtures", "slurm_cluster"]
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 

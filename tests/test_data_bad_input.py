@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from data_fixtures import SEQ_LEN, copy_data_dir, corpus_files, data_dir, tokenizer_dir  # noqa: F401
+from data_fixtures import SEQ_LEN, copy_data_dir
 
 from distaff.launch.cli import main as distaff_main
 from distaff.train.data.collator import MaskingConfig

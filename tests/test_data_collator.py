@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from data_fixtures import SEQ_LEN, corpus_files, data_dir, tokenizer_dir  # noqa: F401  (session fixtures)
+from data_fixtures import SEQ_LEN
 
 from distaff.train.data.collator import IGNORE_INDEX, MaskingConfig, MLMCollator
 from distaff.train.data.manifest import read_manifest

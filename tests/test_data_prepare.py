@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from data_fixtures import SEQ_LEN, corpus_files, data_dir, tokenizer_dir  # noqa: F401  (session fixtures)
+from data_fixtures import SEQ_LEN
 
 import distaff.train.data.prepare as prepare_module
 from distaff.launch.cli import main as distaff_main

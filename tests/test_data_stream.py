@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from data_fixtures import corpus_files, data_dir, tokenizer_dir  # noqa: F401  (session fixtures)
 
 from distaff.train.data.collator import IGNORE_INDEX, MaskingConfig
 from distaff.train.data.loader import build_eval_loader, build_train_loader

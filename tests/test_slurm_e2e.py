@@ -20,11 +20,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ helpers (importlib import mode)
-from slurm_cluster import SlurmCluster, free_port, slurm  # noqa: E402,F401 - `slurm` is the session fixture
+from slurm_cluster import SlurmCluster, free_port
 
-from distaff.launch import cli  # noqa: E402
-from distaff.launch.hostlist import expand_hostlist  # noqa: E402
+from distaff.launch import cli
+from distaff.launch.hostlist import expand_hostlist
 
 MAX_STEPS = 40
 CHECKPOINT_EVERY = 10
@@ -87,12 +86,11 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> Pat
 def run_config(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
     root = tmp_path_factory.mktemp("slurm-run")
     config = root / "run.yaml"
-    # Dropout off: this test is about the launch/requeue path; exact resume with dropout is the
-    # trainer's own test (tests/test_pretrain_resume.py).
+    # Dropout (the tiny preset's 0.1) and EMD on: the resumed losses depend on the restored RNG state.
     config.write_text(textwrap.dedent(f"""
         run: {{out_dir: {root}/default-out, name: slurm-e2e, seed: 7}}
         model: {{preset: tiny, hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 2, intermediate_size: 128,
-                 hidden_dropout_prob: 0.0, attention_probs_dropout_prob: 0.0}}
+                 emd: true}}
         data: {{dir: {data_dir}, batch_size: 8, num_workers: 0}}
         train: {{max_steps: {MAX_STEPS}, precision: fp32}}
         optim: {{lr: 1.0e-3, warmup_steps: 4}}

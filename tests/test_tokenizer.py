@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-from data_fixtures import corpus_files, tokenizer_dir  # noqa: F401  (session fixtures)
 
 from distaff.launch.cli import main as distaff_main
 from distaff.train.tokenizer import METADATA_FILE, load_tokenizer_info

@@ -16,7 +16,7 @@ so their hidden states are not meaningful; every real token's output equals HF's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -253,8 +253,10 @@ class MLMHead(nn.Module):
         return self.LayerNorm(_dense_gelu(self.dense, hidden, self.impl))
 
 
-@dataclass
-class MaskedLMOutput:
+class MaskedLMOutput(NamedTuple):
+    """A NamedTuple, not a dataclass: ZeRO-3 finds the tensors of tuples (and re-gathers
+    parameters for backward through them) but not those of a dataclass."""
+
     # [B, N, D]: the encoder output; with EMD, the last layer's input (what EMD decodes from)
     last_hidden_state: torch.Tensor
     logits: torch.Tensor | None = None          # [B, N, V]; only computed when no labels are given

@@ -11,7 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator
 
+import signal
+
 import numpy as np
+import torch
 from torch.utils.data import DataLoader
 
 from distaff.train.data.collator import MaskingConfig, MLMCollator
@@ -23,6 +26,13 @@ from distaff.train.tokenizer import TokenizerInfo
 STATE_FORMAT = "distaff-stream/1"
 EVAL_STREAM = 1 << 30  # separates the held-out masking seeds from every training epoch's
 WORKER_TIMEOUT_S = 600  # a worker stuck on a stalled URL raises instead of hanging the job
+
+
+def _ignore_preemption_signals(worker_id: int) -> None:
+    """Launchers signal every process of a rank, workers included; only the trainer acts on
+    SIGTERM/SIGUSR1 (it checkpoints first), so workers must survive them."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def _check_fits(split: str, samples: int, world_size: int, batch_size: int, data_dir: str) -> None:
@@ -71,8 +81,11 @@ class PretrainLoader:
             order = EpochOrder(self._shard_samples, self.seed, self.epoch, self.group_shards)
             stream = PlanStream(self.reader, order, self.plan, self.rank, self.batch_in_plan, self.collator,
                                 [self.seed, self.epoch, self.plan_index])
+            # A private generator: the DataLoader's base-seed draw must not advance the global torch
+            # RNG, or dropout after a resume would differ from the uninterrupted run.
             loader = DataLoader(stream, batch_size=None, num_workers=self.num_workers,
-                                timeout=WORKER_TIMEOUT_S if self.num_workers else 0)
+                                timeout=WORKER_TIMEOUT_S if self.num_workers else 0,
+                                generator=torch.Generator(), worker_init_fn=_ignore_preemption_signals)
             for batch in loader:
                 self.batch_in_plan += 1  # counted before the caller sees the batch: state_dict() is "after it"
                 yield batch

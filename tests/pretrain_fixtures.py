@@ -1,0 +1,198 @@
+"""Shared helpers for the pretraining tests: real data prepared once, multi-rank launches, W&B run files.
+
+Prepared data and finished runs are cached under pytest's session base temp folder, so test
+modules that need the same run share it (each module imports these helpers itself).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+TORCHRUN = str(Path(PYTHON).with_name("torchrun"))
+
+# A model small enough for 2 CPU ranks to take a step in well under a second.
+TEST_MODEL = {"preset": "tiny", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "intermediate_size": 128, "max_position_embeddings": 64, "position_buckets": 16}
+SEQ_LEN = 64
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(tmp: Path) -> dict[str, str]:
+    """Environment for rank processes: CPU DeepSpeed, one thread each, W&B offline into ``tmp``."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="offline", WANDB_SILENT="true",
+               WANDB_DIR=str(tmp), WANDB_CACHE_DIR=str(tmp / "wandb-cache"), WANDB_CONFIG_DIR=str(tmp / "wandb-config"),
+               WANDB_DATA_DIR=str(tmp / "wandb-data"), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONUNBUFFERED="1")
+    env.pop("TRITON_INTERPRET", None)  # the reference kernels are the CPU path; the interpreter is much slower
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "WANDB_RUN_ID"):
+        env.pop(key, None)
+    return env
+
+
+def prepare_data(base: Path, shared_data: Path) -> Path:
+    """Tokenizer + shards (train and held-out) from ~400 KB of real Shakespeare; cached per session."""
+    data_dir = base / "pretrain-data"
+    if (data_dir / "manifest.json").is_file():
+        return data_dir
+    base.mkdir(parents=True, exist_ok=True)
+    text = base / "shakespeare-sample.txt"
+    with gzip.open(shared_data / "corpus" / "shakespeare.txt.gz", "rt") as handle:
+        text.write_text(handle.read(400_000))
+    env = rank_env(base)
+    cli = [PYTHON, "-m", "distaff.launch.cli"]
+    subprocess.run(cli + ["tokenizer", "train", "--input", str(text), "--vocab-size", "1000", "--out",
+                          str(base / "tokenizer")], check=True, env=env, capture_output=True)
+    subprocess.run(cli + ["data", "prepare", "--input", str(text), "--tokenizer", str(base / "tokenizer"),
+                          "--seq-len", str(SEQ_LEN), "--out", str(data_dir), "--pack-documents",
+                          "--heldout-fraction", "0.05", "--shard-mb", "0.05", "--workers", "1", "--no-progress"],
+                   check=True, env=env, capture_output=True)
+    return data_dir
+
+
+def write_config(path: Path, data_dir: Path, out_dir: Path, **sections) -> Path:
+    """A small run config; ``sections`` (e.g. ``train={"max_steps": 5}``) update the defaults."""
+    values = {
+        "run": {"out_dir": str(out_dir), "name": out_dir.name, "seed": 7},
+        "model": dict(TEST_MODEL),
+        "data": {"dir": str(data_dir), "batch_size": 4},
+        "train": {"max_steps": 12, "precision": "fp32"},
+        "optim": {"lr": 3e-3, "warmup_steps": 2},
+        "zero": {"stage": 2},
+        "logging": {"every": 1, "progress_bar": False},
+        "wandb": {"mode": "offline", "project": "distaff-tests"},
+        "eval": {"every": 0, "batches": 4},
+        "checkpoint": {"every": 0, "keep": 2},
+        "distributed": {"timeout_s": 60},
+    }
+    for name, update in sections.items():
+        values[name] = {**values.get(name, {}), **update}
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def torchrun(config: Path, tmp: Path, *overrides: str, timeout: float = 240,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """2 CPU ranks under torchrun; returns the finished process (stdout and stderr captured)."""
+    cmd = [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "distaff.train.pretrain",
+           "--config", str(config), *overrides]
+    return subprocess.run(cmd, env={**rank_env(tmp), **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout, cwd=tmp)
+
+
+def spawn_ranks(config: Path, tmp: Path, *overrides: str, world_size: int = 2,
+                env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """One process per rank with the rank variables set, as ``srun`` starts them (no supervising agent)."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        rank_vars = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        log = open(tmp / f"rank{rank}.log", "w")
+        procs.append(subprocess.Popen([PYTHON, "-m", "distaff.train.pretrain", "--config", str(config), *overrides],
+                                      env={**rank_env(tmp), **(env or {}), **rank_vars}, stdout=log,
+                                      stderr=subprocess.STDOUT, cwd=tmp))
+    return procs
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+    return codes
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in metrics(run_dir) if "loss" in r}
+
+
+def wait_for_step(run_dir: Path, step: int, procs: list[subprocess.Popen], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(r >= step for r in train_losses(run_dir)):
+            return
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError(f"a rank exited early: {[p.poll() for p in procs]}")
+        time.sleep(0.05)
+    raise TimeoutError(f"step {step} not logged in {run_dir} within {timeout} s")
+
+
+def run_log(proc: subprocess.CompletedProcess) -> str:
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+
+
+# ---------------------------------------------------------------- W&B offline run files
+
+_BLOCK = 32768
+_HEADER = 7  # ":W&B", magic 0xBEE1 (u16), version (u8)
+
+
+def read_wandb_records(path: Path) -> list:
+    """The protobuf records of a ``.wandb`` file (LevelDB-log framing: 32 KiB blocks of chunks)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{path}: not a W&B run file")
+    pos, pending, records = _HEADER, b"", []
+    while pos + 7 <= len(data):
+        left_in_block = _BLOCK - pos % _BLOCK
+        if left_in_block < 7:           # block trailer padding
+            pos += left_in_block
+            continue
+        _checksum, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:   # zero padding up to the block end
+            pos += left_in_block
+            continue
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk   # FULL, FIRST | MIDDLE, LAST
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+    return records
+
+
+def wandb_runs(run_dir: Path) -> list[tuple[str, dict[int, dict]]]:
+    """(run id, {step: {metric: value}}) for each offline run under ``run_dir/wandb``, oldest first."""
+    runs = []
+    for folder in sorted((run_dir / "wandb").glob("offline-run-*")):
+        run_id, history = None, {}
+        for record in read_wandb_records(next(folder.glob("*.wandb"))):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                run_id = record.run.run_id
+            elif kind == "history":
+                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item}
+                history[int(items["_step"])] = items
+        runs.append((run_id, history))
+    return runs

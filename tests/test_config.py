@@ -1,0 +1,106 @@
+"""The run config: YAML + dotted overrides, typed and validated, errors naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from distaff.train.config import ConfigError, config_from_dict, config_to_dict, load_config, save_config
+
+REPO = Path(__file__).resolve().parents[1]
+RUN_CONFIGS = sorted((REPO / "configs" / "run").glob("*.yaml"))
+
+
+def test_shipped_run_configs_load():
+    assert {p.name for p in RUN_CONFIGS} >= {"tiny-cpu.yaml", "deberta-v3-base.yaml"}
+    for path in RUN_CONFIGS:
+        cfg = load_config(path)
+        assert cfg.data.dir and cfg.train.max_steps > 0
+    base = load_config(REPO / "configs" / "run" / "deberta-v3-base.yaml")
+    assert base.model_config().emd and base.train.precision == "bf16"
+
+
+def test_overrides_are_typed_and_applied(tmp_path):
+    cfg = load_config(REPO / "configs" / "run" / "tiny-cpu.yaml",
+                      ["optim.lr=3e-4", "zero.stage=3", "wandb.tags=[a, b]", "model.num_hidden_layers=2",
+                       "data.masking.whole_word=false", f"run.out_dir={tmp_path}"])
+    assert cfg.optim.lr == pytest.approx(3e-4) and isinstance(cfg.optim.lr, float)
+    assert cfg.zero.stage == 3 and cfg.wandb.tags == ["a", "b"]
+    assert cfg.model_config().num_hidden_layers == 2
+    assert cfg.data.masking.whole_word is False
+    assert cfg.out_dir == tmp_path
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["data.dir=/d", "model.hidden_size=64", "model.num_attention_heads=2", "optim.lr=2e-4"])
+    path = tmp_path / "config.yaml"
+    save_config(cfg, path, cfg.model_config())
+    saved = yaml.safe_load(path.read_text())
+    assert saved["model"]["hidden_size"] == 64 and saved["model"]["position_buckets"] == 32  # every field spelled out
+    again = load_config(path)
+    assert again.model_config() == cfg.model_config()
+    assert config_to_dict(again)["optim"] == config_to_dict(cfg)["optim"]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("optim.lrr=1", "optim.lrr"),                       # unknown key in a section
+    ("nosuchsection.x=1", "nosuchsection"),             # unknown section
+    ("model.hiden_size=64", "model.hiden_size"),        # not a ModelConfig field
+    ("train.max_steps=ten", "train.max_steps"),         # wrong type
+    ("train.max_steps=1.5", "train.max_steps"),
+    ("logging.every=true", "logging.every"),            # bool is not an int
+    ("train.precision=fp8", "train.precision"),         # not one of the choices
+    ("wandb.mode=sometimes", "wandb.mode"),
+    ("wandb.tags=notalist", "wandb.tags"),
+    ("zero.stage=4", "zero.stage"),
+    ("data.batch_size=0", "data.batch_size"),
+    ("optim.betas=[0.9]", "optim.betas"),
+    ("zero.offload_param=true", "zero.offload_param"),  # needs stage 3
+    ("model.hidden_size=130", "hidden_size"),           # not divisible by the heads: the model config says so
+    ("data.masking.mlm_probability=1.5", "data.masking.mlm_probability"),
+    ("model.preset=no-such-preset", "no-such-preset"),
+])
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, ["data.dir=/d", override])
+
+
+def test_bad_yaml_files_name_the_problem(tmp_path):
+    missing = tmp_path / "missing.yaml"
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(missing)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  max_steps: 10\n  grad_acum: 2\ndata:\n  dir: /d\n")
+    with pytest.raises(ConfigError, match=r"train\.grad_acum"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="data.dir"):
+        config_from_dict({})
+    with pytest.raises(ConfigError, match="expected dotted.key=value"):
+        load_config(None, ["data.dir"])
+
+
+def test_pretrain_cli_reports_bad_keys_before_starting(capsys):
+    from distaff.train.pretrain import EXIT_BAD_CONFIG, main
+
+    config = REPO / "configs" / "run" / "tiny-cpu.yaml"
+    assert main(["--config", str(config), "optim.lrr=1e-3"]) == EXIT_BAD_CONFIG
+    assert "optim.lrr" in capsys.readouterr().err
+    assert main(["--config", str(config), "train.precision=fp64"]) == EXIT_BAD_CONFIG
+    assert "train.precision" in capsys.readouterr().err
+
+
+def test_flop_count_includes_position_terms_and_emd():
+    from distaff.train.flops import mfu, peak_flops, train_flops_per_token
+
+    cfg = load_config(REPO / "configs" / "run" / "deberta-v3-base.yaml").model_config()
+    no_emd, plain = cfg.replace(emd=False), cfg.replace(emd=False, pos_att_type=[])
+    per_token = train_flops_per_token(no_emd, 512)
+    # c2p + p2c at N = 2k = 512: 2 terms x 2 D N per layer, x3 for fwd+bwd, plus the position projections
+    extra = 12 * 3 * (2 * 2 * 768 * 512 + 2 * 2 * 512 * 768 * 768 / 512)
+    assert per_token - train_flops_per_token(plain, 512) == pytest.approx(extra)
+    # EMD: two applications of the last layer instead of one
+    assert train_flops_per_token(cfg, 512) > per_token
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12 and peak_flops("cpu", "fp32") is None
+    assert mfu(1e5, per_token, 989e12) == pytest.approx(1e5 * per_token / 989e12)

@@ -1,0 +1,311 @@
+"""The pretraining run configuration: typed sections read from YAML plus dotted ``key=value`` overrides.
+
+Every key is checked against the dataclasses below: an unknown key or a value of the wrong type
+is a :class:`ConfigError` naming the dotted key. The ``model`` section is a preset name plus any
+:class:`~distaff.train.model_config.ModelConfig` field, validated by the model config itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from .model_config import ConfigError, ModelConfig, load_model_config
+
+__all__ = ["ConfigError", "RunConfig", "load_config", "parse_overrides", "save_config", "config_to_dict"]
+
+
+@dataclass
+class RunSection:
+    out_dir: str = "runs/distaff"
+    name: str = "distaff"
+    seed: int = 1234
+
+
+@dataclass
+class ModelSection:
+    preset: str = "tiny"
+    # ModelConfig fields to change from the preset (``model.<field>=value``)
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class MaskingSection:
+    mlm_probability: float = 0.15
+    mask_token_fraction: float = 0.8
+    random_token_fraction: float = 0.1
+    whole_word: bool = True
+    max_ngram: int = 3
+
+
+@dataclass
+class DataSection:
+    dir: str = ""                       # output of `distaff data prepare`
+    batch_size: int = 8                 # micro-batch per rank
+    num_workers: int = 0
+    eval_batch_size: int = 0            # 0: same as batch_size
+    masking: MaskingSection = field(default_factory=MaskingSection)
+
+
+@dataclass
+class TrainSection:
+    max_steps: int = 1000               # optimizer steps
+    grad_accum: int = 1
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    grad_clip: float = 1.0              # 0 disables clipping
+
+
+@dataclass
+class OptimSection:
+    lr: float = 1e-4
+    warmup_steps: int = 0
+    schedule: Literal["linear", "cosine"] = "linear"
+    min_lr_ratio: float = 0.0           # final lr as a fraction of lr
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
+    eps: float = 1e-6
+
+
+@dataclass
+class ZeroSection:
+    stage: int = 0
+    offload_optimizer: bool = False
+    offload_param: bool = False
+
+
+@dataclass
+class DeepSpeedSection:
+    # a DeepSpeed JSON file deep-merged over the generated config (experts only)
+    config: str = ""
+    # DeepSpeed's shared-memory allreduce for CPU ranks; off by default because its first use
+    # compiles a C++ op (~60-90 s) and gloo is enough for CPU runs
+    cpu_shm_comm: bool = False
+
+
+@dataclass
+class DistributedSection:
+    timeout_s: int = 300                # a collective waiting longer than this fails the job
+
+
+@dataclass
+class LoggingSection:
+    every: int = 10
+    progress_bar: bool = True           # tqdm bar on rank 0, when stderr is a terminal
+    plot: bool = True
+
+
+@dataclass
+class WandbSection:
+    mode: Literal["online", "offline", "disabled"] = "offline"
+    project: str = "distaff"
+    name: str = ""                      # "": run.name
+    group: str = ""
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class EvalSection:
+    every: int = 0                      # 0: only at the end
+    batches: int = 50                   # 0: the whole held-out split
+
+
+@dataclass
+class CheckpointSection:
+    every: int = 1000                   # 0: only at the end and on preemption
+    keep: int = 3
+    resume: str = "auto"                # auto | none | PATH to a checkpoint directory
+
+
+@dataclass
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    zero: ZeroSection = field(default_factory=ZeroSection)
+    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    wandb: WandbSection = field(default_factory=WandbSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.run.out_dir)
+
+    def model_config(self, **fixed: Any) -> ModelConfig:
+        """The model preset with the run's overrides; ``fixed`` (e.g. the tokenizer's vocab size) last."""
+        try:
+            return load_model_config(self.model.preset, **{**self.model.overrides, **fixed})
+        except ConfigError as err:
+            raise ConfigError(f"model: {err}") from None
+
+
+# ---------------------------------------------------------------- building from plain values
+
+def _check_value(key: str, value: Any, annotation: Any) -> Any:
+    """``value`` if it fits ``annotation`` (after the one coercion YAML needs: '1e-4' -> float)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: must be one of {list(args)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: must be a list, got {value!r} ({type(value).__name__})")
+        return [_check_value(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if annotation is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(value, annotation):
+        return value
+    raise ConfigError(f"{key}: must be of type {annotation.__name__}, got {value!r} ({type(value).__name__})")
+
+
+def _build(cls: type, values: Any, prefix: str) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown config key {prefix + unknown[0]!r} (known keys: {sorted(known)})")
+    kwargs = {}
+    for name, value in values.items():
+        annotation = hints[name]
+        if dataclasses.is_dataclass(annotation):
+            kwargs[name] = _build(annotation, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _check_value(prefix + name, value, annotation)
+    return cls(**kwargs)
+
+
+def _build_model_section(values: Any) -> ModelSection:
+    if not isinstance(values, dict):
+        raise ConfigError(f"model: expected a mapping, got {values!r}")
+    values = dict(values)
+    preset = _check_value("model.preset", values.pop("preset", ModelSection.preset), str)
+    known = {f.name for f in fields(ModelConfig)}
+    for name in values:
+        if name not in known:
+            raise ConfigError(f"unknown config key 'model.{name}' (not a ModelConfig field)")
+    return ModelSection(preset=preset, overrides=values)
+
+
+def _validate(cfg: RunConfig) -> None:
+    positive = {"data.batch_size": cfg.data.batch_size, "train.max_steps": cfg.train.max_steps,
+                "train.grad_accum": cfg.train.grad_accum, "logging.every": cfg.logging.every,
+                "checkpoint.keep": cfg.checkpoint.keep, "distributed.timeout_s": cfg.distributed.timeout_s,
+                "optim.lr": cfg.optim.lr}
+    non_negative = {"data.num_workers": cfg.data.num_workers, "data.eval_batch_size": cfg.data.eval_batch_size,
+                    "optim.warmup_steps": cfg.optim.warmup_steps, "optim.weight_decay": cfg.optim.weight_decay,
+                    "train.grad_clip": cfg.train.grad_clip, "eval.every": cfg.eval.every,
+                    "eval.batches": cfg.eval.batches, "checkpoint.every": cfg.checkpoint.every}
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key}: must be positive, got {value}")
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {value}")
+    if cfg.zero.stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero.stage: must be 0, 1, 2 or 3, got {cfg.zero.stage}")
+    if cfg.zero.offload_param and cfg.zero.stage != 3:
+        raise ConfigError("zero.offload_param: parameter offload needs zero.stage=3")
+    if cfg.zero.offload_optimizer and cfg.zero.stage == 0:
+        raise ConfigError("zero.offload_optimizer: optimizer offload needs zero.stage >= 1")
+    if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio: must be in [0, 1], got {cfg.optim.min_lr_ratio}")
+    if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
+        raise ConfigError(f"optim.betas: must be two values in [0, 1), got {cfg.optim.betas}")
+    if not 0.0 < cfg.data.masking.mlm_probability < 1.0:
+        raise ConfigError(f"data.masking.mlm_probability: must be in (0, 1), got {cfg.data.masking.mlm_probability}")
+    if not cfg.data.dir:
+        raise ConfigError("data.dir: required (a folder written by `distaff data prepare`)")
+    if not cfg.run.out_dir:
+        raise ConfigError("run.out_dir: required")
+
+
+def config_from_dict(values: dict[str, Any]) -> RunConfig:
+    """A validated :class:`RunConfig` from nested plain values (YAML after overrides)."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"config: expected a mapping of sections, got {type(values).__name__}")
+    values = dict(values)
+    model = _build_model_section(values.pop("model", {}) or {})
+    cfg = _build(RunConfig, values, "")
+    cfg.model = model
+    _validate(cfg)
+    cfg.model_config()  # model overrides are validated now, not at the first step
+    return cfg
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
+    """``["optim.lr=3e-4", ...]`` -> ``[(["optim", "lr"], 3e-4), ...]``; values are parsed as YAML."""
+    parsed = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r}: expected dotted.key=value")
+        try:
+            value = yaml.safe_load(text) if text else ""
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {key}: cannot parse value {text!r}: {err}") from None
+        parsed.append((key.split("."), value))
+    return parsed
+
+
+def _apply_override(values: dict[str, Any], path: list[str], value: Any) -> None:
+    node = values
+    for depth, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {'.'.join(path)}: {'.'.join(path[: depth + 1])} is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Read a YAML run config (or start from the defaults when ``path`` is None) and apply overrides."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            values = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections")
+    for keys, value in parse_overrides(list(overrides)):
+        _apply_override(values, keys, value)
+    return config_from_dict(values)
+
+
+def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """Plain nested values that :func:`config_from_dict` turns back into ``cfg``."""
+    values = dataclasses.asdict(cfg)
+    values["model"] = {"preset": cfg.model.preset, **cfg.model.overrides}
+    return values
+
+
+def save_config(cfg: RunConfig, path: str | Path, model_config: ModelConfig | None = None) -> None:
+    """Write the resolved config; with ``model_config``, every model field is spelled out."""
+    values = config_to_dict(cfg)
+    if model_config is not None:
+        values["model"] = {"preset": cfg.model.preset, **model_config.to_dict()}
+    Path(path).write_text(yaml.safe_dump(values, sort_keys=False))

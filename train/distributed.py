@@ -1,0 +1,84 @@
+"""Process-group setup from the launcher's environment, with bounded collective timeouts.
+
+Rank and world size come from ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (deepspeed launcher, torchrun)
+or, when those are absent, ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID`` (srun). Every
+collective runs under ``timeout_s``: if a rank dies, its peers fail (gloo notices the closed
+connection at once, NCCL within the timeout) instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_from_environ() -> DistEnv:
+    """Rank layout from torchrun/deepspeed variables, else Slurm's, else a single process."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)))
+    return DistEnv(0, 1, 0)
+
+
+def init_distributed(timeout_s: int) -> DistEnv:
+    """Initialise torch.distributed (NCCL on GPUs, gloo on CPUs) for the launcher's layout."""
+    layout = env_from_environ()
+    if layout.world_size > 1 and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
+        raise RuntimeError("MASTER_ADDR and MASTER_PORT must be set for a multi-process run "
+                           "(the deepspeed launcher and torchrun set them; export them in an sbatch script)")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    # DeepSpeed reads these names whichever launcher started us.
+    os.environ.update(RANK=str(layout.rank), WORLD_SIZE=str(layout.world_size), LOCAL_RANK=str(layout.local_rank))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(layout.local_rank)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend, rank=layout.rank, world_size=layout.world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    return layout
+
+
+def device_for(layout: DistEnv) -> torch.device:
+    return torch.device("cuda", layout.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def barrier() -> None:
+    dist.barrier()
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Element-wise sum over ranks of a few float64 scalars (one small collective)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,79 @@
+"""``distaff export-hf CHECKPOINT OUT``: a training checkpoint (any ZeRO stage) to a Hugging Face folder.
+
+CHECKPOINT is a checkpoint folder (``.../checkpoints/step-00001000``), a ``checkpoints`` folder or a
+run directory (the latest complete checkpoint is used). The folder written loads with
+``AutoModelForMaskedLM`` and ``AutoTokenizer``; the Enhanced Mask Decoder is not exported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from .checkpoint import META, CheckpointManager
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The checkpoint folder ``path`` names: itself, or the latest complete one under it."""
+    path = Path(path)
+    if (path / META).is_file():
+        return path
+    for root in (path, path / "checkpoints"):
+        if root.is_dir():
+            latest = CheckpointManager(root, keep=1, rank=0, world_size=1, barrier=lambda: None).latest()
+            if latest is not None:
+                return latest
+    raise FileNotFoundError(f"{path}: no complete checkpoint here (a folder with {META}, or a run/checkpoints "
+                            "folder holding one)")
+
+
+def fp32_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Full fp32 weights from a checkpoint of any ZeRO stage (stage 0 fp32/fp16: the module state)."""
+    if any(checkpoint.glob("*optim_states.pt")):
+        # ZeRO 1-3 and bf16 keep the fp32 master weights partitioned in the optimizer files
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
+    states = torch.load(checkpoint / MODEL_STATES, map_location="cpu", weights_only=True)
+    return {k: v.float() for k, v in states["module"].items()}
+
+
+def export(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | None = None) -> Path:
+    """Write the HF folder for ``checkpoint`` into ``out``; returns ``out``."""
+    from .hf import to_hf
+    from .model import DebertaForMaskedLM
+    from .model_config import ModelConfig
+
+    folder = find_checkpoint(checkpoint)
+    meta = json.loads((folder / META).read_text())
+    model = DebertaForMaskedLM(ModelConfig.from_dict(meta["model_config"], f"{folder / META} model_config"))
+    model.load_state_dict(fp32_state_dict(folder), strict=True)
+    tokenizer = tokenizer or (folder / "tokenizer" if (folder / "tokenizer").is_dir() else None)
+    if tokenizer is None:
+        raise FileNotFoundError(f"{folder}: no tokenizer copy in the checkpoint; pass --tokenizer DIR")
+    return to_hf(model, out, tokenizer=tokenizer)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="distaff export-hf", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="checkpoint folder, checkpoints folder or run directory")
+    parser.add_argument("out", help="output folder for the Hugging Face model")
+    parser.add_argument("--tokenizer", help="tokenizer folder (default: the checkpoint's copy)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        out = export(args.checkpoint, args.out, args.tokenizer)
+    except (FileNotFoundError, ValueError, RuntimeError, KeyError) as err:
+        print(f"distaff export-hf: {err}", file=sys.stderr)
+        return 1
+    print(f"distaff export-hf: wrote {out} (load with AutoModelForMaskedLM / AutoTokenizer)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""Rank-0 metrics: a stdout line, ``metrics.jsonl``, W&B, a progress bar, and a PNG plot at the end.
+
+W&B is best effort: any failure (no network, bad credentials, a crash inside wandb) is logged
+once and the sink switches itself off; training never stops because of it. The JSONL file and
+the plot carry the same numbers for people without W&B.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .config import WandbSection
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "metrics.png"
+
+
+def _warn(message: str) -> None:
+    print(f"distaff: warning: {message}", file=sys.stderr, flush=True)
+
+
+def system_info(world_size: int) -> dict[str, Any]:
+    import deepspeed
+    import torch
+
+    info = {"hostname": socket.gethostname(), "python": platform.python_version(), "torch": torch.__version__,
+            "deepspeed": deepspeed.__version__, "world_size": world_size, "cuda": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name()
+    else:
+        info["device"] = platform.processor() or platform.machine()
+    return info
+
+
+class WandbSink:
+    """A W&B run on rank 0 that resumes by id and never raises."""
+
+    def __init__(self, cfg: WandbSection, *, run_name: str, out_dir: Path, run_id: str, config: dict[str, Any]):
+        self.run = None
+        if cfg.mode == "disabled":
+            return
+        try:
+            import wandb
+
+            self.run = wandb.init(project=cfg.project, name=cfg.name or run_name, group=cfg.group or None,
+                                  tags=cfg.tags or None, mode=cfg.mode, dir=str(out_dir), id=run_id,
+                                  resume="allow", config=config,
+                                  settings=wandb.Settings(init_timeout=90, console="off", silent=True))
+        except Exception as err:  # noqa: BLE001 - W&B must never stop training
+            _warn(f"W&B disabled: wandb.init failed: {type(err).__name__}: {err}")
+            self.run = None
+
+    def log(self, record: dict[str, Any], step: int) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=step)
+        except Exception as err:  # noqa: BLE001
+            _warn(f"W&B disabled: wandb.log failed: {type(err).__name__}: {err}")
+            self.run = None
+
+    def summary(self, values: dict[str, Any]) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.summary.update({k: v for k, v in values.items() if v is not None})
+        except Exception as err:  # noqa: BLE001
+            _warn(f"W&B summary failed: {type(err).__name__}: {err}")
+
+    def finish(self, exit_code: int) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.finish(exit_code=exit_code)
+        except Exception as err:  # noqa: BLE001
+            _warn(f"W&B finish failed: {type(err).__name__}: {err}")
+        self.run = None
+
+
+def _format_duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def format_line(record: dict[str, Any], max_steps: int) -> str:
+    """One human-readable line for a train or eval record."""
+    if "eval_loss" in record:
+        return (f"eval step {record['step']} | loss {record['eval_loss']:.4f} | acc {record['eval_accuracy']:.4f} "
+                f"| ppl {record['eval_perplexity']:.2f} | {record['eval_tokens']} labelled tokens")
+    parts = [f"step {record['step']}/{max_steps}", f"loss {record['loss']:.4f}", f"acc {record['accuracy']:.4f}",
+             f"lr {record['lr']:.2e}"]
+    if record.get("grad_norm") is not None:
+        parts.append(f"gnorm {record['grad_norm']:.3f}")
+    if record.get("loss_scale") is not None:
+        parts.append(f"scale {record['loss_scale']:g}")
+    parts.append(f"tok/s {record['tokens_per_s']:.0f} ({record['tokens_per_s_per_device']:.0f}/dev)")
+    parts.append(f"samples/s {record['samples_per_s']:.1f}")
+    if record.get("mfu") is not None:
+        parts.append(f"mfu {100 * record['mfu']:.1f}%")
+    parts.append(f"mem {record['peak_mem_gb']:.2f} GB")
+    parts.append(f"eta {_format_duration(record['eta_s'])}")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Rank 0 writes; other ranks hold an inert logger so call sites need no rank checks."""
+
+    def __init__(self, out_dir: Path, *, enabled: bool, max_steps: int, start_step: int, progress_bar: bool,
+                 wandb: WandbSink | None):
+        self.enabled = enabled
+        self.max_steps = max_steps
+        self.path = out_dir / METRICS_FILE
+        self.wandb = wandb
+        self.bar = None
+        if not enabled:
+            return
+        self._truncate_after(start_step)
+        if progress_bar and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=max_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def _truncate_after(self, step: int) -> None:
+        """Drop records past the resumed step (written after the checkpoint by the interrupted run)."""
+        if not self.path.is_file():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        line = format_line(record, self.max_steps)
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(record, step=record["step"])
+
+    def advance(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class Throughput:
+    """Tokens/s, samples/s and ETA over the steps since the last report."""
+
+    def __init__(self, world_size: int, flops_per_token: float, peak_flops: float | None):
+        self.world_size = world_size
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.reset()
+
+    def reset(self) -> None:
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+        self.samples = 0
+        self.steps = 0
+
+    def add(self, tokens: int, samples: int) -> None:
+        """Global tokens and samples of one optimizer step."""
+        self.tokens += tokens
+        self.samples += samples
+        self.steps += 1
+
+    def report(self, steps_left: int) -> dict[str, Any]:
+        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        tokens_per_s = self.tokens / elapsed
+        per_device = tokens_per_s / self.world_size
+        mfu = per_device * self.flops_per_token / self.peak_flops if self.peak_flops else None
+        report = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": per_device,
+                  "samples_per_s": self.samples / elapsed, "samples_per_s_per_device": self.samples / elapsed / self.world_size,
+                  "step_time_s": elapsed / max(self.steps, 1), "mfu": mfu,
+                  "eta_s": steps_left * elapsed / max(self.steps, 1)}
+        self.reset()
+        return report
+
+
+def peak_memory_gb() -> float:
+    """Peak CUDA memory allocated on this device, or the process's peak resident set on CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def plot_metrics(jsonl_path: Path, png_path: Path) -> Path | None:
+    """Loss and MLM accuracy against steps (train and held-out) as a PNG; None if nothing was logged."""
+    if not jsonl_path.is_file():
+        return None
+    records = [json.loads(line) for line in jsonl_path.read_text().splitlines() if line.strip()]
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    if not train and not evals:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, title in ((ax_loss, "loss", "MLM loss"), (ax_acc, "accuracy", "MLM accuracy")):
+        if train:
+            ax.plot([r["step"] for r in train], [r[key] for r in train], label="train", linewidth=1)
+        if evals:
+            ax.plot([r["step"] for r in evals], [r[f"eval_{key}"] for r in evals], "o-", label="held-out")
+        ax.set_xlabel("step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 50 else float("inf")
