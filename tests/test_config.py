@@ -22,6 +22,11 @@ def test_shipped_run_configs_load():
     assert base.model_config().emd and base.train.precision == "bf16"
 
 
+def test_pretraining_turns_emd_on_unless_the_run_turns_it_off():
+    assert load_config(None, ["data.dir=/d"]).model_config().emd
+    assert not load_config(None, ["data.dir=/d", "model.emd=false"]).model_config().emd
+
+
 def test_overrides_are_typed_and_applied(tmp_path):
     cfg = load_config(REPO / "configs" / "run" / "tiny-cpu.yaml",
                       ["optim.lr=3e-4", "zero.stage=3", "wandb.tags=[a, b]", "model.num_hidden_layers=2",

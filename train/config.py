@@ -141,9 +141,12 @@ class RunConfig:
         return Path(self.run.out_dir)
 
     def model_config(self, **fixed: Any) -> ModelConfig:
-        """The model preset with the run's overrides; ``fixed`` (e.g. the tokenizer's vocab size) last."""
+        """The model preset with the run's overrides; ``fixed`` (e.g. the tokenizer's vocab size) last.
+
+        Pretraining turns the Enhanced Mask Decoder on unless the run says ``model.emd: false``.
+        """
         try:
-            return load_model_config(self.model.preset, **{**self.model.overrides, **fixed})
+            return load_model_config(self.model.preset, **{"emd": True, **self.model.overrides, **fixed})
         except ConfigError as err:
             raise ConfigError(f"model: {err}") from None
 
