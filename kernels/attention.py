@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import _dropout_seed, check_attention_inputs, default_softmax_scale
+from .reference import dropout_seed, check_attention_inputs, check_varlen_inputs, default_softmax_scale
 from .relative_position import attention_span, bucket_table
 
 _DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -479,7 +479,7 @@ def _make_problem(q: torch.Tensor, *, num_seqs: int, n_heads: int, n_ctx: int, s
     return _Problem(num_seqs=num_seqs, n_heads=n_heads, n_ctx=n_ctx, strides=strides, lse_shape=lse_shape,
                     lse_strides=lse_strides,
                     table=table, table_mid=max_distance, mask=mask, cu_seqlens=cu_seqlens, two_span=2 * span,
-                    scale=float(scale), dropout_p=float(dropout_p), seed=_dropout_seed(dropout_p), block=block)
+                    scale=float(scale), dropout_p=float(dropout_p), seed=dropout_seed(dropout_p), block=block)
 
 
 def disentangled_attention(
@@ -516,18 +516,6 @@ def disentangled_attention(
     return _DisentangledAttention.apply(q, k, v, *_prepare_tables(q, pos_key, pos_query), problem)
 
 
-def _check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, max_seqlen: int) -> None:
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor of >= 2 offsets, got {cu_seqlens.dtype} "
-                         f"{tuple(cu_seqlens.shape)}")
-    bounds = cu_seqlens.tolist()
-    if bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
-        raise ValueError(f"cu_seqlens must rise from 0 to total_tokens={total}, got {bounds}")
-    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    if longest > max_seqlen:
-        raise ValueError(f"a sequence in cu_seqlens has {longest} tokens, more than max_seqlen={max_seqlen}")
-
-
 def disentangled_attention_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -543,12 +531,8 @@ def disentangled_attention_varlen(
     softmax_scale: float | None = None,
 ) -> torch.Tensor:
     """Packed Triton form over ``[total_tokens, H, d]``; relative positions restart in every sequence."""
-    if q.dim() != 3:
-        raise ValueError(f"q must be [total_tokens, H, d], got shape {tuple(q.shape)}")
+    check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen)
     span = attention_span(position_buckets, max_relative_positions)
-    for name, t in (("k", k), ("v", v)):
-        if t.shape != q.shape:
-            raise ValueError(f"{name} must have the shape of q {tuple(q.shape)}, got {tuple(t.shape)}")
     # The padded contract's checker covers pos_key/pos_query and dropout_p on a one-token view.
     one = q[:1].transpose(0, 1)[None]
     check_attention_inputs(one, one, one, pos_key, pos_query, span, None, dropout_p)
@@ -557,7 +541,6 @@ def disentangled_attention_varlen(
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.shape[0] == 0:
         raise ValueError("q must hold at least one token, got total_tokens=0")
-    _check_cu_seqlens(cu_seqlens, q.shape[0], max_seqlen)
     if softmax_scale is None:
         softmax_scale = default_softmax_scale(q.shape[-1], pos_key, pos_query)
     total, heads, _ = q.shape

@@ -150,7 +150,7 @@ class _ReferenceAttention(torch.autograd.Function):
         return dq, dk, dv, d_pos_key, d_pos_query, None, None, None, None, None
 
 
-def _dropout_seed(dropout_p: float) -> int:
+def dropout_seed(dropout_p: float) -> int:
     # Drawn from torch's global generator, so torch.manual_seed makes dropout reproducible.
     return int(torch.randint(0, 1 << 62, (1,)).item()) if dropout_p > 0 else 0
 
@@ -184,8 +184,28 @@ def disentangled_attention(
     mask = None if attention_mask is None else attention_mask.ne(0)
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     cast = [None if t is None else t.to(compute) for t in (q, k, v, pos_key, pos_query)]
-    out = _ReferenceAttention.apply(*cast, index, mask, float(softmax_scale), float(dropout_p), _dropout_seed(dropout_p))
+    out = _ReferenceAttention.apply(*cast, index, mask, float(softmax_scale), float(dropout_p), dropout_seed(dropout_p))
     return out.to(q.dtype)
+
+
+def check_varlen_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                        max_seqlen: int) -> list[int]:
+    """Validate the packed form; returns the sequence offsets (one host sync)."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [total_tokens, H, d], got shape {tuple(q.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.shape != q.shape:
+            raise ValueError(f"{name} must have the shape of q {tuple(q.shape)}, got {tuple(t.shape)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor of >= 2 offsets, got {cu_seqlens.dtype} "
+                         f"{tuple(cu_seqlens.shape)}")
+    total, bounds = q.shape[0], cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to total_tokens={total}, got {bounds}")
+    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    if longest > max_seqlen:
+        raise ValueError(f"a sequence in cu_seqlens has {longest} tokens, more than max_seqlen={max_seqlen}")
+    return bounds
 
 
 def disentangled_attention_varlen(
@@ -206,13 +226,7 @@ def disentangled_attention_varlen(
     """Packed form: ``q, k, v`` are ``[total_tokens, H, d]``; sequence ``s`` spans tokens
     ``cu_seqlens[s]:cu_seqlens[s+1]`` and relative positions restart in every sequence."""
     del impl
-    if q.dim() != 3:
-        raise ValueError(f"q must be [total_tokens, H, d], got shape {tuple(q.shape)}")
-    bounds = cu_seqlens.tolist()
-    if bounds[0] != 0 or bounds[-1] != q.shape[0] or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
-        raise ValueError(f"cu_seqlens must rise from 0 to total_tokens={q.shape[0]}, got {bounds}")
-    if max(b - a for a, b in zip(bounds[:-1], bounds[1:])) > max_seqlen:
-        raise ValueError(f"a sequence in cu_seqlens is longer than max_seqlen={max_seqlen}")
+    bounds = check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen)
     outs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         seq = [t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]

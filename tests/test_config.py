@@ -64,7 +64,8 @@ def test_resolved_config_round_trips(tmp_path):
     ("optim.betas=[0.9]", "optim.betas"),
     ("zero.offload_param=true", "zero.offload_param"),  # needs stage 3
     ("model.hidden_size=130", "hidden_size"),           # not divisible by the heads: the model config says so
-    ("data.masking.mlm_probability=1.5", "data.masking.mlm_probability"),
+    ("data.masking.mlm_probability=1.5", "data.masking: mlm_probability"),
+    ("data.masking.random_token_fraction=0.5", "data.masking: mask_token_fraction"),
     ("model.preset=no-such-preset", "no-such-preset"),
 ])
 def test_bad_values_name_the_key(override, key):

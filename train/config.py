@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import yaml
 
+from .data.collator import MaskingConfig
 from .model_config import ConfigError, ModelConfig, load_model_config
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "parse_overrides", "save_config", "config_to_dict"]
@@ -35,21 +36,12 @@ class ModelSection:
 
 
 @dataclass
-class MaskingSection:
-    mlm_probability: float = 0.15
-    mask_token_fraction: float = 0.8
-    random_token_fraction: float = 0.1
-    whole_word: bool = True
-    max_ngram: int = 3
-
-
-@dataclass
 class DataSection:
     dir: str = ""                       # output of `distaff data prepare`
     batch_size: int = 8                 # micro-batch per rank
     num_workers: int = 0
     eval_batch_size: int = 0            # 0: same as batch_size
-    masking: MaskingSection = field(default_factory=MaskingSection)
+    masking: MaskingConfig = field(default_factory=MaskingConfig)
 
 
 @dataclass
@@ -195,7 +187,12 @@ def _build(cls: type, values: Any, prefix: str) -> Any:
             kwargs[name] = _build(annotation, value, f"{prefix}{name}.")
         else:
             kwargs[name] = _check_value(prefix + name, value, annotation)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as err:  # a component's own validation (e.g. MaskingConfig): name the section
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {err}") from None
 
 
 def _build_model_section(values: Any) -> ModelSection:
@@ -235,8 +232,6 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError(f"optim.min_lr_ratio: must be in [0, 1], got {cfg.optim.min_lr_ratio}")
     if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
         raise ConfigError(f"optim.betas: must be two values in [0, 1), got {cfg.optim.betas}")
-    if not 0.0 < cfg.data.masking.mlm_probability < 1.0:
-        raise ConfigError(f"data.masking.mlm_probability: must be in (0, 1), got {cfg.data.masking.mlm_probability}")
     if not cfg.data.dir:
         raise ConfigError("data.dir: required (a folder written by `distaff data prepare`)")
     if not cfg.run.out_dir:

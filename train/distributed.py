@@ -72,9 +72,10 @@ def barrier() -> None:
     dist.barrier()
 
 
-def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    """Element-wise sum over ranks of a few float64 scalars (one small collective)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+def all_reduce_sum(values: torch.Tensor | list[float], device: torch.device) -> list[float]:
+    """Element-wise sum over ranks of a few float64 scalars (one small collective; a tensor is
+    reduced in place)."""
+    t = torch.as_tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t.tolist()
 

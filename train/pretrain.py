@@ -61,14 +61,6 @@ class Progress:
 
 # ---------------------------------------------------------------- data and model
 
-def masking_config(cfg: RunConfig):
-    from .data.collator import MaskingConfig
-
-    m = cfg.data.masking
-    return MaskingConfig(mlm_probability=m.mlm_probability, mask_token_fraction=m.mask_token_fraction,
-                         random_token_fraction=m.random_token_fraction, whole_word=m.whole_word, max_ngram=m.max_ngram)
-
-
 def build_model_config(cfg: RunConfig, tokenizer) -> ModelConfig:
     """The preset with overrides; vocabulary size and padding id come from the tokenizer."""
     fixed = {"pad_token_id": tokenizer.pad_id}
@@ -86,21 +78,20 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
 
 # ---------------------------------------------------------------- one step, evaluation
 
-def train_step(engine, batches, grad_accum: int, device: torch.device) -> list[float]:
+def train_step(engine, batches, grad_accum: int, device: torch.device) -> torch.Tensor:
     """One optimizer step over ``grad_accum`` micro-batches; this rank's sums
-    ``[loss * labelled, labelled, correct, tokens, samples]``."""
-    sums = [0.0] * 5
+    ``[loss * labelled, labelled, correct, tokens, samples]`` as a float64 tensor on ``device``
+    (kept there so micro-batches queue without a host sync)."""
+    sums = torch.zeros(5, dtype=torch.float64, device=device)
     for _ in range(grad_accum):
         batch = _to_device(next(batches), device)
-        out = engine(batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+        ids = batch["input_ids"]
+        out = engine(ids, attention_mask=batch["attention_mask"], labels=batch["labels"])
         engine.backward(out.loss)
         engine.step()
-        labelled = float(out.num_labelled)
-        sums[0] += float(out.loss.detach()) * labelled
-        sums[1] += labelled
-        sums[2] += float(out.num_correct)
-        sums[3] += batch["input_ids"].numel()
-        sums[4] += batch["input_ids"].shape[0]
+        labelled = out.num_labelled.double()
+        sums[:3] += torch.stack([out.loss.detach().double() * labelled, labelled, out.num_correct.double()])
+        sums[3:] += torch.tensor([ids.numel(), ids.shape[0]], dtype=torch.float64, device=device)
     return sums
 
 
@@ -115,7 +106,7 @@ def evaluate(engine, cfg: RunConfig, layout: dist_utils.DistEnv, device: torch.d
 
     loader = build_eval_loader(cfg.data.dir, batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
                                rank=layout.rank, world_size=layout.world_size, seed=cfg.run.seed,
-                               masking=masking_config(cfg))
+                               masking=cfg.data.masking)
     sums = [0.0, 0.0, 0.0]
     engine.eval()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -181,7 +172,7 @@ def train(cfg: RunConfig, layout: dist_utils.DistEnv) -> int:
 
     loader = build_train_loader(cfg.data.dir, batch_size=cfg.data.batch_size, rank=layout.rank,
                                 world_size=layout.world_size, num_workers=cfg.data.num_workers, seed=cfg.run.seed,
-                                masking=masking_config(cfg))
+                                masking=cfg.data.masking)
     model_cfg = build_model_config(cfg, loader.tokenizer)
     _seed(cfg.run.seed)                      # identical initial weights on every rank
     engine = initialize(DebertaForMaskedLM(model_cfg), cfg, layout.world_size)
@@ -234,8 +225,9 @@ def train(cfg: RunConfig, layout: dist_utils.DistEnv) -> int:
         local = train_step(engine, batches, cfg.train.grad_accum, device)
         step += 1
         # one small collective per step: global sums plus "did any rank get a signal?"
+        flag = torch.tensor([float(preemption.signum != 0)], dtype=torch.float64, device=device)
         loss_sum, labelled, correct, tokens, samples, signalled = dist_utils.all_reduce_sum(
-            local + [float(preemption.signum != 0)], device)
+            torch.cat([local, flag]), device)
         progress.tokens += int(tokens)
         progress.samples += int(samples)
         progress.train_time_s += time.perf_counter() - t0
