@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import multiprocessing
 import re
 import tarfile
 from pathlib import Path
@@ -66,8 +67,11 @@ def test_truncated_tar(data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFix
     copy, shard = _damaged(data_dir, tmp_path)
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2 + 100])
     assert re.search(rf"{shard}: (ends after member \d+\.npy|unreadable tar after member)", _verify(copy, capsys))
-    with pytest.raises(DataError, match=rf"{shard.name}: (ends after member|unreadable tar after member)"):
+    with pytest.raises(DataError, match=rf"{shard.name}: (ends after member|unreadable tar after member)") as error:
         _read_epoch(copy, num_workers=2)  # an error in a DataLoader worker reaches the caller
+    # ... and the workers are stopped at once, although the traceback (kept alive by `error`) still
+    # references the loader: leaked workers would keep the process from exiting.
+    assert error.traceback and not multiprocessing.active_children()
 
 
 def test_empty_shard(data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -26,13 +26,16 @@ from distaff.train.tokenizer import TokenizerInfo
 STATE_FORMAT = "distaff-stream/1"
 EVAL_STREAM = 1 << 30  # separates the held-out masking seeds from every training epoch's
 WORKER_TIMEOUT_S = 600  # a worker stuck on a stalled URL raises instead of hanging the job
+WORKER_SIGTERM_GRACE_S = 20  # launchers (deepspeed, Slurm) kill 30 s after SIGTERM
 
 
-def _ignore_preemption_signals(worker_id: int) -> None:
-    """Launchers signal every process of a rank, workers included; only the trainer acts on
-    SIGTERM/SIGUSR1 (it checkpoints first), so workers must survive them."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def _survive_preemption_signals(worker_id: int) -> None:
+    """Launchers signal every process of a job, DataLoader workers included, but only the trainer
+    acts on SIGUSR1/SIGTERM: it finishes its step (which may need more batches) and checkpoints.
+    Workers ignore SIGUSR1 and outlive SIGTERM by a grace period, then exit; so a parent that
+    terminates its workers is never kept waiting for long."""
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: signal.alarm(WORKER_SIGTERM_GRACE_S))  # SIGALRM ends the worker
 
 
 def _check_fits(split: str, samples: int, world_size: int, batch_size: int, data_dir: str) -> None:
@@ -85,10 +88,16 @@ class PretrainLoader:
             # RNG, or dropout after a resume would differ from the uninterrupted run.
             loader = DataLoader(stream, batch_size=None, num_workers=self.num_workers,
                                 timeout=WORKER_TIMEOUT_S if self.num_workers else 0,
-                                generator=torch.Generator(), worker_init_fn=_ignore_preemption_signals)
-            for batch in loader:
-                self.batch_in_plan += 1  # counted before the caller sees the batch: state_dict() is "after it"
-                yield batch
+                                generator=torch.Generator(), worker_init_fn=_survive_preemption_signals)
+            batches = iter(loader)
+            try:
+                for batch in batches:
+                    self.batch_in_plan += 1  # counted before the caller sees the batch: state_dict() is "after it"
+                    yield batch
+            finally:
+                # Stop the workers now, not whenever the iterator is garbage collected: a traceback
+                # that keeps this frame alive (an error re-raised by the caller) would keep them running.
+                getattr(batches, "_shutdown_workers", lambda: None)()
 
     def state_dict(self) -> dict:
         return {
