@@ -143,3 +143,32 @@ def test_too_little_data_for_the_world_is_a_clear_error(data_dir: Path) -> None:
     with pytest.raises(ValueError, match="fewer than world_size x batch_size"):
         build_train_loader(data_dir, batch_size=4096, rank=0, world_size=8, num_workers=0, seed=0,
                            masking=MaskingConfig())
+
+
+@pytest.mark.timeout(60)
+def test_workers_survive_preemption_signals_for_a_grace_period(data_dir: Path, monkeypatch) -> None:
+    """Launchers signal a rank's DataLoader workers too; the trainer still needs batches to finish
+    its step and checkpoint. Workers ignore SIGUSR1 and outlive SIGTERM by the grace period."""
+    import multiprocessing
+    import os
+    import signal
+    import time
+
+    from distaff.train.data import loader as loader_module
+
+    monkeypatch.setattr(loader_module, "WORKER_SIGTERM_GRACE_S", 2)   # read by the forked workers
+    loader = build_train_loader(data_dir, batch_size=2, rank=0, world_size=1, num_workers=1, seed=0,
+                                masking=MaskingConfig())
+    batches = iter(loader)
+    next(batches)
+    (worker,) = multiprocessing.active_children()
+    os.kill(worker.pid, signal.SIGUSR1)
+    os.kill(worker.pid, signal.SIGTERM)
+    time.sleep(0.5)
+    assert worker.is_alive()
+    next(batches)                     # still serving within the grace period
+    with pytest.raises(RuntimeError, match="killed by signal: Alarm clock"):
+        time.sleep(10)                # the DataLoader reports its worker's end (SIGCHLD) ...
+    worker.join(timeout=10)           # ... which came from the grace period's alarm
+    assert worker.exitcode == -signal.SIGALRM
+    batches.close()

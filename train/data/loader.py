@@ -35,6 +35,7 @@ def _survive_preemption_signals(worker_id: int) -> None:
     Workers ignore SIGUSR1 and outlive SIGTERM by a grace period, then exit; so a parent that
     terminates its workers is never kept waiting for long."""
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)  # a handler inherited from the parent must not catch it
     signal.signal(signal.SIGTERM, lambda *_: signal.alarm(WORKER_SIGTERM_GRACE_S))  # SIGALRM ends the worker
 
 
