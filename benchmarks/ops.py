@@ -130,15 +130,26 @@ def _liger():
     return LigerLayerNormFunction, LigerGELUMulFunction, LigerFusedLinearCrossEntropyFunction
 
 
-def _compiled(fn: Callable, smoke: bool) -> Callable | None:
-    return None if smoke else torch.compile(fn)
+def _compiled_row(op: str, fn: Callable, leaves, device, repeats, smoke: bool, note: str = "") -> Row:
+    if smoke:
+        return _unavailable(op, "torch.compile", "skipped in --cpu-smoke")
+    return _measure(op, "torch.compile", torch.compile(fn), leaves, device, repeats, note)
+
+
+def _liger_row(op: str, liger, fn: Callable, leaves, device, repeats, smoke: bool, note: str) -> Row:
+    """``fn`` reads ``liger`` only when called, so it may be built when the package is missing."""
+    if liger is None:
+        return _unavailable(op, "Liger-Kernel", "not installed")
+    if smoke:
+        return _unavailable(op, "Liger-Kernel", "needs CUDA")
+    return _measure(op, "Liger-Kernel", fn, leaves, device, repeats, note)
 
 
 # --------------------------------------------------------------------------- ops
 
 
 def _bench_layer_norm(shapes: Shapes, device, repeats, smoke, liger) -> list[Row]:
-    from distaff.kernels.layer_norm import layer_norm as fused_layer_norm
+    from distaff.kernels.fused_layer_norm import layer_norm as fused_layer_norm
 
     def leaf(*shape):
         return torch.randn(*shape, device=device, dtype=shapes.dtype, requires_grad=True)
@@ -151,20 +162,14 @@ def _bench_layer_norm(shapes: Shapes, device, repeats, smoke, liger) -> list[Row
         return F.layer_norm(x + residual, (shapes.hidden,), weight, bias, EPS)
 
     op = f"residual + LayerNorm [{shapes.tokens}, {shapes.hidden}]"
-    rows = [_measure(op, "eager PyTorch", eager, leaves, device, repeats)]
-    compiled = _compiled(eager, smoke)
-    rows.append(_measure(op, "torch.compile", compiled, leaves, device, repeats) if compiled
-                else _unavailable(op, "torch.compile", "skipped in --cpu-smoke"))
-    if liger is None:
-        rows.append(_unavailable(op, "Liger-Kernel", "not installed"))
-    elif smoke:
-        rows.append(_unavailable(op, "Liger-Kernel", "needs CUDA"))
-    else:
-        rows.append(_measure(op, "Liger-Kernel", lambda: liger[0].apply(x + residual, weight, bias, EPS),
-                             leaves, device, repeats, "LigerLayerNorm; residual add unfused"))
-    rows.append(_measure(op, "distaff", lambda: fused_layer_norm(x, weight, bias, EPS, residual),
-                         leaves, device, repeats, "residual add fused"))
-    return rows
+    return [
+        _measure(op, "eager PyTorch", eager, leaves, device, repeats),
+        _compiled_row(op, eager, leaves, device, repeats, smoke),
+        _liger_row(op, liger, lambda: liger[0].apply(x + residual, weight, bias, EPS), leaves, device, repeats,
+                   smoke, "LigerLayerNorm; residual add unfused"),
+        _measure(op, "distaff", lambda: fused_layer_norm(x, weight, bias, EPS, residual), leaves, device, repeats,
+                 "residual add fused"),
+    ]
 
 
 def _bench_bias_gelu(shapes: Shapes, device, repeats, smoke, liger) -> list[Row]:
@@ -177,21 +182,15 @@ def _bench_bias_gelu(shapes: Shapes, device, repeats, smoke, liger) -> list[Row]
         return F.gelu(x + bias)
 
     op = f"bias + GELU [{shapes.tokens}, {shapes.intermediate}]"
-    rows = [_measure(op, "eager PyTorch", eager, [x, bias], device, repeats)]
-    compiled = _compiled(eager, smoke)
-    rows.append(_measure(op, "torch.compile", compiled, [x, bias], device, repeats) if compiled
-                else _unavailable(op, "torch.compile", "skipped in --cpu-smoke"))
-    if liger is None:
-        rows.append(_unavailable(op, "Liger-Kernel", "not installed"))
-    elif smoke:
-        rows.append(_unavailable(op, "Liger-Kernel", "needs CUDA"))
-    else:
-        # Liger has no erf GELU kernel; its GEGLU (tanh GELU(a) * b) reads two full tensors.
-        gate = torch.randn_like(x, requires_grad=True)
-        rows.append(_measure(op, "Liger-Kernel", lambda: liger[1].apply(x, gate), [x, gate], device, repeats,
-                             "GEGLU gelu_tanh(a)*b: not the same op"))
-    rows.append(_measure(op, "distaff", lambda: fused_bias_gelu(x, bias), [x, bias], device, repeats))
-    return rows
+    # Liger has no erf GELU kernel; its GEGLU (tanh GELU(a) * b) reads two full tensors.
+    gate = torch.randn_like(x, requires_grad=True)
+    return [
+        _measure(op, "eager PyTorch", eager, [x, bias], device, repeats),
+        _compiled_row(op, eager, [x, bias], device, repeats, smoke),
+        _liger_row(op, liger, lambda: liger[1].apply(x, gate), [x, gate], device, repeats, smoke,
+                   "GEGLU gelu_tanh(a)*b: not the same op"),
+        _measure(op, "distaff", lambda: fused_bias_gelu(x, bias), [x, bias], device, repeats),
+    ]
 
 
 def _bench_mlm_loss(shapes: Shapes, device, repeats, smoke, liger) -> list[Row]:
@@ -222,21 +221,14 @@ def _bench_mlm_loss(shapes: Shapes, device, repeats, smoke, liger) -> list[Row]:
         _measure(op, "eager PyTorch", lambda: reference.masked_lm_loss(hidden, weight, bias, labels).loss,
                  leaves, device, repeats, "labelled rows first (distaff reference)"),
     ]
-    compiled = _compiled(projection_ce, smoke)
-    rows.append(_measure(op, "torch.compile", lambda: compiled(*labelled_rows()), leaves, device, repeats,
-                         "labelled rows first") if compiled
-                else _unavailable(op, "torch.compile", "skipped in --cpu-smoke"))
-    if liger is None:
-        rows.append(_unavailable(op, "Liger-Kernel", "not installed"))
-    elif smoke:
-        rows.append(_unavailable(op, "Liger-Kernel", "needs CUDA"))
-    else:
-        def liger_loss():
-            rows_, targets = labelled_rows()
-            out = liger[2].apply(rows_, weight, targets, bias)
-            return out[0] if isinstance(out, tuple) else out
-        rows.append(_measure(op, "Liger-Kernel", liger_loss, leaves, device, repeats,
-                             "fused linear CE on labelled rows"))
+    rows.append(_compiled_row(op, lambda: projection_ce(*labelled_rows()), leaves, device, repeats, smoke,
+                              "labelled rows first"))
+
+    def liger_loss():
+        rows_, targets = labelled_rows()
+        out = liger[2].apply(rows_, weight, targets, bias)
+        return out[0] if isinstance(out, tuple) else out
+    rows.append(_liger_row(op, liger, liger_loss, leaves, device, repeats, smoke, "fused linear CE on labelled rows"))
     rows.append(_measure(op, "distaff", lambda: fused_masked_lm_loss(hidden, weight, bias, labels).loss,
                          leaves, device, repeats))
     return rows

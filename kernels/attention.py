@@ -100,6 +100,22 @@ def _visible(mask_ptr, i0, j0, offs_m, offs_n, seq_len, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
+def _tile_scores(q, k, krs, qrs, kr_ptr, qr_ptr, table_ptr, mask_ptr, i0, j0, offs_m, offs_n, offs_w, offs_d,
+                 seq_len, scale, TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                 HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr):
+    """Scores of tile ``(i0, j0)`` with the position slabs and bucket window it read (reused by the
+    backward's bucket merges). ``krs`` / ``qrs`` come in as placeholders for absent terms."""
+    t_lo, t_hi, loc = _bucket_window(table_ptr, i0, j0, offs_m, offs_n, BLOCK)
+    if HAS_C2P:
+        krs = _load_slab(kr_ptr, t_lo, offs_w, offs_d, TWO_SPAN, HEAD_DIM)
+    if HAS_P2C:
+        qrs = _load_slab(qr_ptr, t_lo, offs_w, offs_d, TWO_SPAN, HEAD_DIM)
+    visible = _visible(mask_ptr, i0, j0, offs_m, offs_n, seq_len, HAS_MASK)
+    s = _tile_logits(q, k, krs, qrs, loc, visible, scale, HAS_C2P, HAS_P2C, PRECISION)
+    return s, krs, qrs, t_lo, t_hi
+
+
+@triton.jit
 def _dropout_keep(seed, i0, j0, offs_m, offs_n, n_ctx):
     """Counter-based keep mask: one Philox draw per (sequence, head, i, j), never stored."""
     offsets = (i0 + offs_m)[:, None] * n_ctx + (j0 + offs_n)[None, :]
@@ -169,13 +185,9 @@ def _attn_fwd(Q, K, V, KR, QR, TABLE, MASK, CU, O, LSE,
         kv_offs = (j0 + offs_n)[:, None] * stride_n + offs_d[None, :]
         k = tl.load(K + base + kv_offs, mask=col_ok[:, None], other=0.0)
         v = tl.load(V + base + kv_offs, mask=col_ok[:, None], other=0.0)
-        t_lo, t_hi, loc = _bucket_window(TABLE, i0, j0, offs_m, offs_n, BLOCK)
-        if HAS_C2P:
-            krs = _load_slab(kr_ptr, t_lo, offs_w, offs_d, TWO_SPAN, HEAD_DIM)
-        if HAS_P2C:
-            qrs = _load_slab(qr_ptr, t_lo, offs_w, offs_d, TWO_SPAN, HEAD_DIM)
-        visible = _visible(mask_ptr, i0, j0, offs_m, offs_n, seq_len, HAS_MASK)
-        s = _tile_logits(q, k, krs, qrs, loc, visible, scale, HAS_C2P, HAS_P2C, PRECISION)
+        s, krs, qrs, _, _ = _tile_scores(q, k, krs, qrs, kr_ptr, qr_ptr, TABLE, mask_ptr, i0, j0, offs_m,
+                                         offs_n, offs_w, offs_d, seq_len, scale, TWO_SPAN, HEAD_DIM, BLOCK,
+                                         HAS_C2P, HAS_P2C, HAS_MASK, PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Rows with nothing visible yet keep m = -inf; subtract 0 so exp gives 0, not NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -258,13 +270,9 @@ def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, DO, LSE, DELTA, DK, DV, DQR
         do = tl.load(DO + base + q_offs, mask=row_ok[:, None], other=0.0)
         lse = tl.load(lse_ptr + i0 + offs_m, mask=row_ok, other=float("inf"))
         delta = tl.load(delta_ptr + i0 + offs_m, mask=row_ok, other=0.0)
-        t_lo, t_hi, loc = _bucket_window(TABLE, i0, j0, offs_m, offs_n, BLOCK)
-        if HAS_C2P:
-            krs = _load_slab(kr_ptr, t_lo, offs_w, offs_d, TWO_SPAN, HEAD_DIM)
-        if HAS_P2C:
-            qrs = _load_slab(qr_ptr, t_lo, offs_w, offs_d, TWO_SPAN, HEAD_DIM)
-        visible = _visible(mask_ptr, i0, j0, offs_m, offs_n, seq_len, HAS_MASK)
-        s = _tile_logits(q, k, krs, qrs, loc, visible, scale, HAS_C2P, HAS_P2C, PRECISION)
+        s, krs, qrs, t_lo, t_hi = _tile_scores(q, k, krs, qrs, kr_ptr, qr_ptr, TABLE, mask_ptr, i0, j0, offs_m,
+                                               offs_n, offs_w, offs_d, seq_len, scale, TWO_SPAN, HEAD_DIM, BLOCK,
+                                               HAS_C2P, HAS_P2C, HAS_MASK, PRECISION)
         p_dropped, ds = _probs_and_dscores(q, k, v, do, lse, delta, s, seed, bh, i0, j0, offs_m, offs_n,
                                            n_ctx, dropout_p, scale, DROPOUT, PRECISION)
         dv += tl.dot(tl.trans(p_dropped).to(do.dtype), do, input_precision=PRECISION)
@@ -322,13 +330,9 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, DO, LSE, DELTA, DQ, DKR_PART,
         kv_offs = (j0 + offs_n)[:, None] * stride_n + offs_d[None, :]
         k = tl.load(K + base + kv_offs, mask=col_ok[:, None], other=0.0)
         v = tl.load(V + base + kv_offs, mask=col_ok[:, None], other=0.0)
-        t_lo, t_hi, loc = _bucket_window(TABLE, i0, j0, offs_m, offs_n, BLOCK)
-        if HAS_C2P:
-            krs = _load_slab(kr_ptr, t_lo, offs_w, offs_d, TWO_SPAN, HEAD_DIM)
-        if HAS_P2C:
-            qrs = _load_slab(qr_ptr, t_lo, offs_w, offs_d, TWO_SPAN, HEAD_DIM)
-        visible = _visible(mask_ptr, i0, j0, offs_m, offs_n, seq_len, HAS_MASK)
-        s = _tile_logits(q, k, krs, qrs, loc, visible, scale, HAS_C2P, HAS_P2C, PRECISION)
+        s, krs, qrs, t_lo, t_hi = _tile_scores(q, k, krs, qrs, kr_ptr, qr_ptr, TABLE, mask_ptr, i0, j0, offs_m,
+                                               offs_n, offs_w, offs_d, seq_len, scale, TWO_SPAN, HEAD_DIM, BLOCK,
+                                               HAS_C2P, HAS_P2C, HAS_MASK, PRECISION)
         _, ds = _probs_and_dscores(q, k, v, do, lse, delta, s, seed, bh, i0, j0, offs_m, offs_n,
                                    n_ctx, dropout_p, scale, DROPOUT, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)

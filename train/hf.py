@@ -118,8 +118,8 @@ def _distaff_state(hf_state: dict[str, torch.Tensor], model: DebertaForMaskedLM,
     if unexpected:
         raise ValueError(f"{source}: weights not used by a model of this config: {sorted(unexpected)[:10]}"
                          f"{' ...' if len(unexpected) > 10 else ''} (does config.json match the weights?)")
-    fresh = {"emd."}  # EMD is ours: an HF checkpoint never has it, so it keeps its initialisation
-    missing = [k for k in expected if k not in state and not k.startswith(tuple(fresh))]
+    # EMD is ours: an HF checkpoint never has it, so it keeps its initialisation.
+    missing = [k for k in expected if k not in state and not k.startswith("emd.")]
     if missing:
         raise ValueError(f"{source}: missing weights {missing[:10]}{' ...' if len(missing) > 10 else ''}")
     for key, tensor in state.items():

@@ -135,7 +135,8 @@ class Attention(nn.Module):
         self.self = DisentangledSelfAttention(cfg)
         self.output = SelfOutput(cfg.hidden_size, cfg)
 
-    def forward(self, hidden, mask, rel, query_states):
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor, rel: torch.Tensor | None,
+                query_states: torch.Tensor) -> torch.Tensor:
         return self.output(self.self(hidden, mask, rel, query_states), query_states)
 
 
@@ -189,7 +190,8 @@ class Encoder(nn.Module):
         rel = self.rel_embeddings.weight
         return self.LayerNorm(rel) if self.LayerNorm is not None else rel
 
-    def run_layer(self, layer: Layer, hidden, mask, rel, query_states=None) -> torch.Tensor:
+    def run_layer(self, layer: Layer, hidden: torch.Tensor, mask: torch.Tensor, rel: torch.Tensor | None,
+                  query_states: torch.Tensor | None = None) -> torch.Tensor:
         if self.activation_checkpointing and self.training and torch.is_grad_enabled():
             return checkpoint(layer, hidden, mask, rel, query_states, use_reentrant=False)
         return layer(hidden, mask, rel, query_states)
