@@ -1,28 +1,31 @@
 """Fused DeBERTa disentangled attention in Triton: flash-style forward, deterministic backward.
 
-Scores of a ``[BLOCK, BLOCK]`` tile (rows ``i0..``, columns ``j0..``) are
+Scores of a ``[BLOCK_M, BLOCK_N]`` tile (query rows ``i0..``, key columns ``j0..``) are
 ``(Q K^T + c2p + p2c) * scale`` with ``c2p[a, b] = Q_a . Kr[idx(i0+a, j0+b)]`` and
 ``p2c[a, b] = K_b . Qr[idx(i0+a, j0+b)]``. The distances ``i - j`` of a tile form one contiguous
-window of ``2*BLOCK - 1`` values and the bucket table is monotone with steps of 0 or 1, so the
-tile reads one contiguous *slab* of at most ``2*BLOCK - 1`` rows of ``Kr`` / ``Qr`` starting at
-bucket ``t_lo``. The kernels compute ``Q @ slab(Kr)^T`` and ``K @ slab(Qr)^T`` with ``tl.dot``
-and gather each score's column in registers (``loc = idx - t_lo``); no ``[B, H, N, 2*span]``
-tensor and no ``N x N`` tensor is ever written.
+*window* of ``BLOCK_M + BLOCK_N - 1`` values (window column ``c = a - b + BLOCK_N - 1``), and the
+bucket table is monotone with steps of 0 or 1, so the tile reads one contiguous *slab* of ``SLAB``
+(the window width rounded up to a power of two) rows of ``Kr`` / ``Qr`` starting at bucket
+``t_lo``. The kernels compute ``Q @ slab(Kr)^T`` and ``K @ slab(Qr)^T`` with ``tl.dot`` and gather
+each score's column in registers (``loc = idx - t_lo``); no ``[B, H, N, 2*span]`` tensor and no
+``N x N`` tensor is ever written.
 
 Backward (no atomics, deterministic):
 
 * ``_attn_bwd_dkdv``: one program per key block loops over query blocks -> ``dK``, ``dV`` and,
-  per program, a partial ``dQr`` over all ``2*span`` buckets (read-modify-write of rows the
-  program owns).
+  per program, a partial ``dQr`` over all ``2*span`` buckets (read-modify-write of rows only this
+  program touches).
 * ``_attn_bwd_dq``: one program per query block loops over key blocks -> ``dQ`` and partial ``dKr``.
 * The partials are summed by ``torch.sum`` (fixed order) into ``dKr`` / ``dQr``.
 
-A tile's score gradient ``dS`` is moved to distance coordinates by a pure skew (a register
-gather), then to bucket coordinates by a one-hot ``tl.dot`` that merges distances sharing a
-bucket; tiles whose window maps one-to-one onto buckets (near the diagonal) skip the merge.
+A tile's score gradient ``dS`` is moved to window (distance) coordinates by a pure skew (a
+register gather), then to bucket coordinates by a one-hot ``tl.dot`` that merges distances sharing
+a bucket; tiles whose window maps one-to-one onto buckets (near the diagonal) skip the merge.
 
 Dropout keeps ``(i, j)`` iff ``tl.rand(seed + b*H + h, i * n_ctx + j) >= p``: regenerated in
-backward, no mask in memory. Design notes and costs: ``docs/kernels.md``.
+backward, no mask in memory. Tile sizes per kernel and head dim are chosen so that every
+configuration compiles for sm_80/sm_90/sm_100 without register spills (``compile_check``);
+design notes, costs and the per-target figures: ``docs/kernels.md``.
 """
 
 from __future__ import annotations
@@ -35,56 +38,80 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import dropout_seed, check_attention_inputs, check_varlen_inputs, default_softmax_scale
+from .contract import AttentionCall, attention_op, dropout_seed, varlen_attention_op
 from .relative_position import attention_span, bucket_table
 
-_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+# Largest value a 32-bit in-kernel offset may take (offsets within one sequence, the mask, the lse).
+INT32_MAX = 2**31 - 1
 
 
 # --------------------------------------------------------------------------- tile helpers
 
 
 @triton.jit
-def _sequence(cu_ptr, seq, n_ctx, VARLEN: tl.constexpr):
-    """First token and length of sequence ``seq`` (packed form) or ``(0, n_ctx)`` (padded form)."""
-    start = 0
+def _program_setup(CU, n_ctx, n_heads, stride_b, stride_h, stride_n, stride_lb, stride_lh,
+                   TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr):
+    """Where this program's (sequence, head) lives: shared by the three kernels.
+
+    Returns the ``seed`` offset ``bh``, the sequence, its length, the int64 offset of its first
+    token in q/k/v/o (``base``), the offset of the head's ``[2*span, d]`` position table and the
+    int64 offset of its first row statistic (lse / delta). Offsets inside one sequence stay 32-bit
+    (the host checks they fit).
+    """
+    bh = tl.program_id(1)
+    seq = bh // n_heads
+    head = bh % n_heads
+    start = tl.zeros([], tl.int64)
     seq_len = n_ctx
     if VARLEN:
-        start = tl.load(cu_ptr + seq)
-        seq_len = tl.load(cu_ptr + seq + 1) - start
-    return start, seq_len
+        start = tl.load(CU + seq).to(tl.int64)
+        seq_len = tl.load(CU + seq + 1) - tl.load(CU + seq)
+    base = seq.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h + start * stride_n
+    rel_off = head * TWO_SPAN * HEAD_DIM
+    stat_off = seq.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + start
+    return bh, seq, seq_len, base, rel_off, stat_off
 
 
 @triton.jit
-def _bucket_window(table_ptr, i0, j0, offs_m, offs_n, BLOCK: tl.constexpr):
+def _load_rows(ptr, row0, offs_r, offs_d, stride_n, seq_len):
+    """``[len(offs_r), d]`` rows ``row0 + offs_r`` of one sequence, zero past its end."""
+    rows = row0 + offs_r
+    ok = rows < seq_len
+    return tl.load(ptr + rows[:, None] * stride_n + offs_d[None, :], mask=ok[:, None], other=0.0)
+
+
+@triton.jit
+def _store_rows(ptr, row0, offs_r, offs_d, stride_n, seq_len, value):
+    """Store ``value`` as rows ``row0 + offs_r`` of one sequence (rows past its end are dropped)."""
+    rows = row0 + offs_r
+    tl.store(ptr + rows[:, None] * stride_n + offs_d[None, :], value.to(ptr.dtype.element_ty),
+             mask=(rows < seq_len)[:, None])
+
+
+@triton.jit
+def _bucket_window(table_ptr, i0, j0, offs_m, offs_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Bucket range ``[t_lo, t_hi]`` of the tile and each score's slab row ``loc = idx - t_lo``.
 
-    ``table_ptr`` points at distance 0; window column ``c`` is distance ``i0 - j0 - BLOCK + 1 + c``.
+    ``table_ptr`` points at distance 0; window column ``c`` is distance ``i0 - j0 - BLOCK_N + 1 + c``.
     """
-    r0 = i0 - j0 - (BLOCK - 1)
+    r0 = i0 - j0 - (BLOCK_N - 1)
     t_lo = tl.load(table_ptr + r0)
-    t_hi = tl.load(table_ptr + r0 + 2 * BLOCK - 2)
+    t_hi = tl.load(table_ptr + r0 + BLOCK_M + BLOCK_N - 2)
     loc = tl.load(table_ptr + (i0 - j0) + offs_m[:, None] - offs_n[None, :]) - t_lo
     return t_lo, t_hi, loc
 
 
 @triton.jit
-def _load_slab(rel_ptr, t_lo, offs_w, offs_d, TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Rows ``t_lo .. t_lo + 2*BLOCK - 1`` of one head's ``[2*span, d]`` position table."""
-    rows = t_lo + offs_w
-    return tl.load(rel_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=(rows < TWO_SPAN)[:, None], other=0.0)
-
-
-@triton.jit
-def _tile_logits(q, k, krs, qrs, loc, visible, scale,
-                 HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, PRECISION: tl.constexpr):
-    """Scaled scores of one tile, ``-inf`` where the pair is not visible."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    if HAS_C2P:  # Q @ slab(Kr)^T, then each score picks its bucket's column
-        s += tl.gather(tl.dot(q, tl.trans(krs), input_precision=PRECISION), loc, 1)
-    if HAS_P2C:  # K @ slab(Qr)^T, same for the transposed tile
-        s += tl.trans(tl.gather(tl.dot(k, tl.trans(qrs), input_precision=PRECISION), tl.trans(loc), 1))
-    return tl.where(visible, s * scale, float("-inf"))
+def _load_slab(rel_ptr, t_lo, offs_w, offs_d, HAS_TERM: tl.constexpr, DTYPE: tl.constexpr,
+               SLAB: tl.constexpr, TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Rows ``t_lo .. t_lo + SLAB - 1`` of one head's ``[2*span, d]`` position table (zeros when the
+    term is off, so absent terms need no placeholder tensor)."""
+    slab = tl.zeros([SLAB, HEAD_DIM], DTYPE)
+    if HAS_TERM:
+        rows = t_lo + offs_w
+        slab = tl.load(rel_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=(rows < TWO_SPAN)[:, None],
+                       other=0.0)
+    return slab
 
 
 @triton.jit
@@ -100,49 +127,98 @@ def _visible(mask_ptr, i0, j0, offs_m, offs_n, seq_len, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
-def _tile_scores(q, k, krs, qrs, kr_ptr, qr_ptr, table_ptr, mask_ptr, i0, j0, offs_m, offs_n, offs_w, offs_d,
-                 seq_len, scale, TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                 HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr):
-    """Scores of tile ``(i0, j0)`` with the position slabs and bucket window it read (reused by the
-    backward's bucket merges). ``krs`` / ``qrs`` come in as placeholders for absent terms."""
-    t_lo, t_hi, loc = _bucket_window(table_ptr, i0, j0, offs_m, offs_n, BLOCK)
-    if HAS_C2P:
-        krs = _load_slab(kr_ptr, t_lo, offs_w, offs_d, TWO_SPAN, HEAD_DIM)
-    if HAS_P2C:
-        qrs = _load_slab(qr_ptr, t_lo, offs_w, offs_d, TWO_SPAN, HEAD_DIM)
+def _scores_from_slabs(q, k, krs, qrs, loc, visible, scale,
+                 HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, PRECISION: tl.constexpr):
+    """Scaled scores of one tile, ``-inf`` where the pair is not visible."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if HAS_C2P:  # Q @ slab(Kr)^T, then each score picks its bucket's column
+        s += tl.gather(tl.dot(q, tl.trans(krs), input_precision=PRECISION), loc, 1)
+    if HAS_P2C:  # K @ slab(Qr)^T, same for the transposed tile
+        s += tl.trans(tl.gather(tl.dot(k, tl.trans(qrs), input_precision=PRECISION), tl.trans(loc), 1))
+    return tl.where(visible, s * scale, float("-inf"))
+
+
+@triton.jit
+def _score_tile(q, k, kr_ptr, qr_ptr, table_ptr, mask_ptr, i0, j0, seq_len, scale, offs_m, offs_n, offs_w, offs_d,
+                TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                SLAB: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """Scores of tile ``(i0, j0)``, with the position slabs and bucket range it read (the backward's
+    bucket merges reuse them). Slabs are per-tile values, never loop-carried."""
+    t_lo, t_hi, loc = _bucket_window(table_ptr, i0, j0, offs_m, offs_n, BLOCK_M, BLOCK_N)
+    krs = _load_slab(kr_ptr, t_lo, offs_w, offs_d, HAS_C2P, q.dtype, SLAB, TWO_SPAN, HEAD_DIM)
+    qrs = _load_slab(qr_ptr, t_lo, offs_w, offs_d, HAS_P2C, q.dtype, SLAB, TWO_SPAN, HEAD_DIM)
     visible = _visible(mask_ptr, i0, j0, offs_m, offs_n, seq_len, HAS_MASK)
-    s = _tile_logits(q, k, krs, qrs, loc, visible, scale, HAS_C2P, HAS_P2C, PRECISION)
+    s = _scores_from_slabs(q, k, krs, qrs, loc, visible, scale, HAS_C2P, HAS_P2C, PRECISION)
     return s, krs, qrs, t_lo, t_hi
 
 
 @triton.jit
+def _tile_offsets(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLAB: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Row, column, slab-row and head-dim offsets of a tile."""
+    return tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, SLAB), tl.arange(0, HEAD_DIM)
+
+
+@triton.jit
+def _row_stats(LSE, DELTA, stat_off, i0, offs_m, seq_len):
+    """Log-sum-exp (``+inf`` past the end: probabilities 0) and ``delta`` of rows ``i0 + offs_m``."""
+    row_ok = (i0 + offs_m) < seq_len
+    lse = tl.load(LSE + stat_off + i0 + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + stat_off + i0 + offs_m, mask=row_ok, other=0.0)
+    return lse, delta
+
+
+@triton.jit
 def _dropout_keep(seed, i0, j0, offs_m, offs_n, n_ctx):
-    """Counter-based keep mask: one Philox draw per (sequence, head, i, j), never stored."""
+    """Counter-based keep draw: one Philox value per (sequence, head, i, j), never stored."""
     offsets = (i0 + offs_m)[:, None] * n_ctx + (j0 + offs_n)[None, :]
     return tl.rand(seed, offsets)
 
 
 @triton.jit
-def _to_buckets(d_dist, table_ptr, i0, j0, t_lo, t_hi, offs_w, BLOCK: tl.constexpr,
+def _to_buckets(d_dist, table_ptr, i0, j0, t_lo, t_hi, offs_w, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """Sum the window columns (distances) of ``d_dist`` that share a bucket: column ``u`` = bucket ``t_lo + u``."""
-    d_bucket = d_dist
-    if t_hi - t_lo != 2 * BLOCK - 2:  # not one-to-one (log buckets or saturation): one-hot merge
-        bucket_of = tl.load(table_ptr + i0 - j0 - (BLOCK - 1) + offs_w) - t_lo
+    """Sum the window columns (distances) of ``d_dist`` that share a bucket: column ``u`` = bucket ``t_lo + u``.
+
+    Returned in ``DTYPE``, the operand type of the products that consume it.
+    """
+    if t_hi - t_lo != BLOCK_M + BLOCK_N - 2:  # not one-to-one (log buckets or saturation): one-hot merge
+        bucket_of = tl.load(table_ptr + i0 - j0 - (BLOCK_N - 1) + offs_w) - t_lo
         one_hot = (bucket_of[:, None] == offs_w[None, :]).to(DTYPE)
-        d_bucket = tl.dot(d_dist.to(DTYPE), one_hot, input_precision=PRECISION)
+        d_bucket = tl.dot(d_dist.to(DTYPE), one_hot, input_precision=PRECISION).to(DTYPE)
+    else:  # (casting before the branch trips a dominance error in triton 3.7's passes)
+        d_bucket = d_dist.to(DTYPE)
     return d_bucket
 
 
 @triton.jit
-def _accumulate_rows(part_ptr, t_lo, offs_w, offs_d, rows_grad,
-                     TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """``part[t_lo + u] += rows_grad[u]`` on rows this program owns (no other program writes them)."""
+def _accumulate_rows(part_ptr, t_lo, t_hi, offs_w, offs_d, rows_grad, HEAD_DIM: tl.constexpr):
+    """``part[t_lo + u] += rows_grad[u]`` for the tile's buckets ``t_lo..t_hi`` (one row for a saturated
+    tile), in this program's own partial buffer.
+
+    The next tile's window overlaps these rows and another thread of this program may read them:
+    the barrier (``bar.sync``) makes this store visible to every warp of the block before those loads.
+    """
     rows = t_lo + offs_w
     ptrs = part_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :]
-    ok = (rows < TWO_SPAN)[:, None]
+    ok = (rows <= t_hi)[:, None]
     tl.store(ptrs, tl.load(ptrs, mask=ok, other=0.0) + rows_grad, mask=ok)
-    tl.debug_barrier()  # the next tile's window may overlap these rows, read by other threads
+    tl.debug_barrier()
+
+
+@triton.jit
+def _probs_and_dscores(s, lse, delta, dp, seed, i0, j0, offs_m, offs_n, n_ctx, dropout_p, scale,
+                       DROPOUT: tl.constexpr):
+    """Recomputed (dropped) probabilities and the score gradient ``dS`` (scale included) from
+    the scores ``s`` and ``dP = dO V^T``."""
+    p = tl.exp(s - lse[:, None])
+    p_dropped = p
+    if DROPOUT:
+        keep = _dropout_keep(seed, i0, j0, offs_m, offs_n, n_ctx) >= dropout_p
+        p_dropped = tl.where(keep, p / (1.0 - dropout_p), 0.0)
+        dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
+    ds = p * (dp - delta[:, None]) * scale
+    return p_dropped, ds
 
 
 # --------------------------------------------------------------------------- kernels
@@ -152,42 +228,27 @@ def _accumulate_rows(part_ptr, t_lo, offs_w, offs_d, rows_grad,
 def _attn_fwd(Q, K, V, KR, QR, TABLE, MASK, CU, O, LSE,
               seed, scale, dropout_p, n_ctx, n_heads,
               stride_b, stride_h, stride_n, stride_lb, stride_lh,
-              TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-              HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr,
+              TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              SLAB: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr,
               VARLEN: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    seq = bh // n_heads
-    head = bh % n_heads
-    start, seq_len = _sequence(CU, seq, n_ctx, VARLEN)
-    i0 = pid_m * BLOCK
+    bh, seq, seq_len, base, rel_off, stat_off = _program_setup(
+        CU, n_ctx, n_heads, stride_b, stride_h, stride_n, stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, VARLEN)
+    i0 = tl.program_id(0) * BLOCK_M
     if i0 >= seq_len:
         return
-    offs_m = tl.arange(0, BLOCK)
-    offs_n = tl.arange(0, BLOCK)
-    offs_w = tl.arange(0, 2 * BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM)
-    base = seq.to(tl.int64) * stride_b + head * stride_h + start * stride_n
-    kr_ptr = KR + head * TWO_SPAN * HEAD_DIM
-    qr_ptr = QR + head * TWO_SPAN * HEAD_DIM
-    mask_ptr = MASK + seq * n_ctx
-    row_ok = (i0 + offs_m) < seq_len
-    q = tl.load(Q + base + (i0 + offs_m)[:, None] * stride_n + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    offs_m, offs_n, offs_w, offs_d = _tile_offsets(BLOCK_M, BLOCK_N, SLAB, HEAD_DIM)
+    q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)
 
-    m_i = tl.full([BLOCK], float("-inf"), tl.float32)
-    m_safe = tl.zeros([BLOCK], tl.float32)
-    l_i = tl.zeros([BLOCK], tl.float32)
-    acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    krs = q
-    qrs = q
-    for j0 in range(0, seq_len, BLOCK):
-        col_ok = (j0 + offs_n) < seq_len
-        kv_offs = (j0 + offs_n)[:, None] * stride_n + offs_d[None, :]
-        k = tl.load(K + base + kv_offs, mask=col_ok[:, None], other=0.0)
-        v = tl.load(V + base + kv_offs, mask=col_ok[:, None], other=0.0)
-        s, krs, qrs, _, _ = _tile_scores(q, k, krs, qrs, kr_ptr, qr_ptr, TABLE, mask_ptr, i0, j0, offs_m,
-                                         offs_n, offs_w, offs_d, seq_len, scale, TWO_SPAN, HEAD_DIM, BLOCK,
-                                         HAS_C2P, HAS_P2C, HAS_MASK, PRECISION)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    m_safe = tl.zeros([BLOCK_M], tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for j0 in range(0, seq_len, BLOCK_N):
+        k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
+        v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
+        s, krs, qrs, t_lo, t_hi = _score_tile(q, k, KR + rel_off, QR + rel_off, TABLE, MASK + seq * n_ctx, i0, j0, seq_len,
+                                              scale, offs_m, offs_n, offs_w, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M,
+                                              BLOCK_N, SLAB, HAS_C2P, HAS_P2C, HAS_MASK, PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Rows with nothing visible yet keep m = -inf; subtract 0 so exp gives 0, not NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -203,157 +264,168 @@ def _attn_fwd(Q, K, V, KR, QR, TABLE, MASK, CU, O, LSE,
     out = acc / tl.where(has_any, l_i, 1.0)[:, None]
     if DROPOUT:
         out = out / (1.0 - dropout_p)
-    tl.store(O + base + (i0 + offs_m)[:, None] * stride_n + offs_d[None, :], out.to(O.dtype.element_ty),
-             mask=row_ok[:, None])
+    _store_rows(O + base, i0, offs_m, offs_d, stride_n, seq_len, out)
     # Fully masked rows get lse = +inf so that backward's exp(s - lse) is 0 there.
     lse = tl.where(has_any, m_safe + tl.log(tl.where(has_any, l_i, 1.0)), float("inf"))
-    tl.store(LSE + seq * stride_lb + head * stride_lh + start + i0 + offs_m, lse, mask=row_ok)
+    tl.store(LSE + stat_off + i0 + offs_m, lse, mask=(i0 + offs_m) < seq_len)
 
 
 @triton.jit
-def _probs_and_dscores(q, k, v, do, lse, delta, s, seed, bh, i0, j0, offs_m, offs_n, n_ctx, dropout_p, scale,
-                       DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
-    """Recomputed (dropped) probabilities and the score gradient ``dS`` (scale included)."""
-    p = tl.exp(s - lse[:, None])
-    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-    p_dropped = p
-    if DROPOUT:
-        keep = _dropout_keep(seed + bh, i0, j0, offs_m, offs_n, n_ctx) >= dropout_p
-        p_dropped = tl.where(keep, p / (1.0 - dropout_p), 0.0)
-        dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
-    ds = p * (dp - delta[:, None]) * scale
-    return p_dropped, ds
-
-
-@triton.jit
-def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, DO, LSE, DELTA, DK, DV, DQR_PART,
-                   seed, scale, dropout_p, n_ctx, n_heads,
-                   stride_b, stride_h, stride_n, stride_lb, stride_lh,
-                   TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                   HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr,
-                   VARLEN: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
-    seq = bh // n_heads
-    head = bh % n_heads
-    start, seq_len = _sequence(CU, seq, n_ctx, VARLEN)
-    j0 = pid_n * BLOCK
-    if j0 >= seq_len:
-        return
-    offs_m = tl.arange(0, BLOCK)
-    offs_n = tl.arange(0, BLOCK)
-    offs_w = tl.arange(0, 2 * BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM)
-    base = seq.to(tl.int64) * stride_b + head * stride_h + start * stride_n
-    kr_ptr = KR + head * TWO_SPAN * HEAD_DIM
-    qr_ptr = QR + head * TWO_SPAN * HEAD_DIM
-    mask_ptr = MASK + seq * n_ctx
-    lse_ptr = LSE + seq * stride_lb + head * stride_lh + start
-    delta_ptr = DELTA + seq * stride_lb + head * stride_lh + start
-    part_ptr = DQR_PART + (bh * tl.num_programs(0) + pid_n).to(tl.int64) * TWO_SPAN * HEAD_DIM
-    col_ok = (j0 + offs_n) < seq_len
-    kv_offs = (j0 + offs_n)[:, None] * stride_n + offs_d[None, :]
-    k = tl.load(K + base + kv_offs, mask=col_ok[:, None], other=0.0)
-    v = tl.load(V + base + kv_offs, mask=col_ok[:, None], other=0.0)
-    dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    # Window column c of key b holds query row a = c + b - (BLOCK - 1) (same distance skew).
-    skew_rows = offs_w[None, :] + offs_n[:, None] - (BLOCK - 1)
-    skew_ok = (skew_rows >= 0) & (skew_rows < BLOCK)
+def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, DO, LSE, DELTA, DK, DV, part_ptr, j0,
+                seed, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stride_n,
+                TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                SLAB: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr,
+                DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    """dK, dV of key block ``j0`` (all query blocks), and its p2c gradient added to the partial dQr."""
+    offs_m, offs_n, offs_w, offs_d = _tile_offsets(BLOCK_M, BLOCK_N, SLAB, HEAD_DIM)
+    k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
+    v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    # Window column c of key b holds query row a = c + b - (BLOCK_N - 1) (the same distance skew).
+    skew_rows = offs_w[None, :] + offs_n[:, None] - (BLOCK_N - 1)
+    skew_ok = (skew_rows >= 0) & (skew_rows < BLOCK_M)
     skew_rows = tl.where(skew_ok, skew_rows, 0)
-    krs = k
-    qrs = k
-    for i0 in range(0, seq_len, BLOCK):
-        row_ok = (i0 + offs_m) < seq_len
-        q_offs = (i0 + offs_m)[:, None] * stride_n + offs_d[None, :]
-        q = tl.load(Q + base + q_offs, mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + base + q_offs, mask=row_ok[:, None], other=0.0)
-        lse = tl.load(lse_ptr + i0 + offs_m, mask=row_ok, other=float("inf"))
-        delta = tl.load(delta_ptr + i0 + offs_m, mask=row_ok, other=0.0)
-        s, krs, qrs, t_lo, t_hi = _tile_scores(q, k, krs, qrs, kr_ptr, qr_ptr, TABLE, mask_ptr, i0, j0, offs_m,
-                                               offs_n, offs_w, offs_d, seq_len, scale, TWO_SPAN, HEAD_DIM, BLOCK,
-                                               HAS_C2P, HAS_P2C, HAS_MASK, PRECISION)
-        p_dropped, ds = _probs_and_dscores(q, k, v, do, lse, delta, s, seed, bh, i0, j0, offs_m, offs_n,
-                                           n_ctx, dropout_p, scale, DROPOUT, PRECISION)
+    for i0 in range(0, seq_len, BLOCK_M):
+        q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)
+        do = _load_rows(DO + base, i0, offs_m, offs_d, stride_n, seq_len)
+        lse, delta = _row_stats(LSE, DELTA, stat_off, i0, offs_m, seq_len)
+        s, krs, qrs, t_lo, t_hi = _score_tile(q, k, KR + rel_off, QR + rel_off, TABLE, mask_ptr, i0, j0, seq_len,
+                                              scale, offs_m, offs_n, offs_w, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M,
+                                              BLOCK_N, SLAB, HAS_C2P, HAS_P2C, HAS_MASK, PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        p_dropped, ds = _probs_and_dscores(s, lse, delta, dp, seed, i0, j0, offs_m, offs_n, n_ctx,
+                                           dropout_p, scale, DROPOUT)
         dv += tl.dot(tl.trans(p_dropped).to(do.dtype), do, input_precision=PRECISION)
         dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
         if HAS_P2C:  # dK_b += sum_a dS[a,b] Qr[idx];  dQr[t] += sum_{idx=t} dS[a,b] K_b
             ds_dist = tl.where(skew_ok, tl.gather(tl.trans(ds), skew_rows, 1), 0.0)
-            ds_bucket = _to_buckets(ds_dist, TABLE, i0, j0, t_lo, t_hi, offs_w, BLOCK, k.dtype, PRECISION)
-            dk += tl.dot(ds_bucket.to(k.dtype), qrs, input_precision=PRECISION)
-            _accumulate_rows(part_ptr, t_lo, offs_w, offs_d,
-                             tl.dot(tl.trans(ds_bucket).to(k.dtype), k, input_precision=PRECISION),
-                             TWO_SPAN, HEAD_DIM)
-    tl.store(DK + base + kv_offs, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(DV + base + kv_offs, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+            ds_bucket = _to_buckets(ds_dist, TABLE, i0, j0, t_lo, t_hi, offs_w, BLOCK_M, BLOCK_N, k.dtype, PRECISION)
+            dk += tl.dot(ds_bucket, qrs, input_precision=PRECISION)
+            _accumulate_rows(part_ptr, t_lo, t_hi, offs_w, offs_d,
+                             tl.dot(tl.trans(ds_bucket), k, input_precision=PRECISION), HEAD_DIM)
+    _store_rows(DK + base, j0, offs_n, offs_d, stride_n, seq_len, dk)
+    _store_rows(DV + base, j0, offs_n, offs_d, stride_n, seq_len, dv)
+
+
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, DO, LSE, DELTA, DK, DV, DQR_PART,
+                   seed, scale, dropout_p, n_ctx, n_heads, blocks_per_program,
+                   stride_b, stride_h, stride_n, stride_lb, stride_lh,
+                   TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SLAB: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr,
+                   VARLEN: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    """One program per group of ``blocks_per_program`` key blocks of one (sequence, head); the group
+    shares one partial dQr, so partial memory is bounded by the number of programs."""
+    bh, seq, seq_len, base, rel_off, stat_off = _program_setup(
+        CU, n_ctx, n_heads, stride_b, stride_h, stride_n, stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, VARLEN)
+    pid = tl.program_id(0)
+    part_ptr = DQR_PART + (bh * tl.num_programs(0) + pid).to(tl.int64) * TWO_SPAN * HEAD_DIM
+    first = pid * blocks_per_program
+    for block in range(first, tl.minimum(first + blocks_per_program, tl.cdiv(seq_len, BLOCK_N))):
+        _dkdv_block(Q, K, V, KR, QR, TABLE, MASK + seq * n_ctx, DO, LSE, DELTA, DK, DV, part_ptr, block * BLOCK_N,
+                    seed + bh, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stride_n,
+                    TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, SLAB, HAS_C2P, HAS_P2C, HAS_MASK, DROPOUT, PRECISION)
+
+
+@triton.jit
+def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, DO, LSE, DELTA, DQ, part_ptr, i0,
+              seed, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stride_n,
+              TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              SLAB: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr,
+              DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    """dQ of query block ``i0`` (all key blocks), and its c2p gradient added to the partial dKr."""
+    offs_m, offs_n, offs_w, offs_d = _tile_offsets(BLOCK_M, BLOCK_N, SLAB, HEAD_DIM)
+    q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)
+    do = _load_rows(DO + base, i0, offs_m, offs_d, stride_n, seq_len)
+    lse, delta = _row_stats(LSE, DELTA, stat_off, i0, offs_m, seq_len)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Window column c of query a holds key column b = a + BLOCK_N - 1 - c.
+    skew_cols = offs_m[:, None] + (BLOCK_N - 1) - offs_w[None, :]
+    skew_ok = (skew_cols >= 0) & (skew_cols < BLOCK_N)
+    skew_cols = tl.where(skew_ok, skew_cols, 0)
+    for j0 in range(0, seq_len, BLOCK_N):
+        k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
+        v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
+        s, krs, qrs, t_lo, t_hi = _score_tile(q, k, KR + rel_off, QR + rel_off, TABLE, mask_ptr, i0, j0, seq_len,
+                                              scale, offs_m, offs_n, offs_w, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M,
+                                              BLOCK_N, SLAB, HAS_C2P, HAS_P2C, HAS_MASK, PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        _, ds = _probs_and_dscores(s, lse, delta, dp, seed, i0, j0, offs_m, offs_n, n_ctx, dropout_p, scale, DROPOUT)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        if HAS_C2P:  # dQ_a += sum_b dS[a,b] Kr[idx];  dKr[t] += sum_{idx=t} dS[a,b] Q_a
+            ds_dist = tl.where(skew_ok, tl.gather(ds, skew_cols, 1), 0.0)
+            ds_bucket = _to_buckets(ds_dist, TABLE, i0, j0, t_lo, t_hi, offs_w, BLOCK_M, BLOCK_N, q.dtype, PRECISION)
+            dq += tl.dot(ds_bucket, krs, input_precision=PRECISION)
+            _accumulate_rows(part_ptr, t_lo, t_hi, offs_w, offs_d,
+                             tl.dot(tl.trans(ds_bucket), q, input_precision=PRECISION), HEAD_DIM)
+    _store_rows(DQ + base, i0, offs_m, offs_d, stride_n, seq_len, dq)
 
 
 @triton.jit
 def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, DO, LSE, DELTA, DQ, DKR_PART,
-                 seed, scale, dropout_p, n_ctx, n_heads,
+                 seed, scale, dropout_p, n_ctx, n_heads, blocks_per_program,
                  stride_b, stride_h, stride_n, stride_lb, stride_lh,
-                 TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                 HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr,
+                 TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 SLAB: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr,
                  VARLEN: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    seq = bh // n_heads
-    head = bh % n_heads
-    start, seq_len = _sequence(CU, seq, n_ctx, VARLEN)
-    i0 = pid_m * BLOCK
-    if i0 >= seq_len:
-        return
-    offs_m = tl.arange(0, BLOCK)
-    offs_n = tl.arange(0, BLOCK)
-    offs_w = tl.arange(0, 2 * BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM)
-    base = seq.to(tl.int64) * stride_b + head * stride_h + start * stride_n
-    kr_ptr = KR + head * TWO_SPAN * HEAD_DIM
-    qr_ptr = QR + head * TWO_SPAN * HEAD_DIM
-    mask_ptr = MASK + seq * n_ctx
-    part_ptr = DKR_PART + (bh * tl.num_programs(0) + pid_m).to(tl.int64) * TWO_SPAN * HEAD_DIM
-    row_ok = (i0 + offs_m) < seq_len
-    q_offs = (i0 + offs_m)[:, None] * stride_n + offs_d[None, :]
-    q = tl.load(Q + base + q_offs, mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + base + q_offs, mask=row_ok[:, None], other=0.0)
-    lse = tl.load(LSE + seq * stride_lb + head * stride_lh + start + i0 + offs_m, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + seq * stride_lb + head * stride_lh + start + i0 + offs_m, mask=row_ok, other=0.0)
-    dq = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    # Window column c of query a holds key column b = a + BLOCK - 1 - c.
-    skew_cols = offs_m[:, None] + (BLOCK - 1) - offs_w[None, :]
-    skew_ok = (skew_cols >= 0) & (skew_cols < BLOCK)
-    skew_cols = tl.where(skew_ok, skew_cols, 0)
-    krs = q
-    qrs = q
-    for j0 in range(0, seq_len, BLOCK):
-        col_ok = (j0 + offs_n) < seq_len
-        kv_offs = (j0 + offs_n)[:, None] * stride_n + offs_d[None, :]
-        k = tl.load(K + base + kv_offs, mask=col_ok[:, None], other=0.0)
-        v = tl.load(V + base + kv_offs, mask=col_ok[:, None], other=0.0)
-        s, krs, qrs, t_lo, t_hi = _tile_scores(q, k, krs, qrs, kr_ptr, qr_ptr, TABLE, mask_ptr, i0, j0, offs_m,
-                                               offs_n, offs_w, offs_d, seq_len, scale, TWO_SPAN, HEAD_DIM, BLOCK,
-                                               HAS_C2P, HAS_P2C, HAS_MASK, PRECISION)
-        _, ds = _probs_and_dscores(q, k, v, do, lse, delta, s, seed, bh, i0, j0, offs_m, offs_n,
-                                   n_ctx, dropout_p, scale, DROPOUT, PRECISION)
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-        if HAS_C2P:  # dQ_a += sum_b dS[a,b] Kr[idx];  dKr[t] += sum_{idx=t} dS[a,b] Q_a
-            ds_dist = tl.where(skew_ok, tl.gather(ds, skew_cols, 1), 0.0)
-            ds_bucket = _to_buckets(ds_dist, TABLE, i0, j0, t_lo, t_hi, offs_w, BLOCK, q.dtype, PRECISION)
-            dq += tl.dot(ds_bucket.to(q.dtype), krs, input_precision=PRECISION)
-            _accumulate_rows(part_ptr, t_lo, offs_w, offs_d,
-                             tl.dot(tl.trans(ds_bucket).to(q.dtype), q, input_precision=PRECISION),
-                             TWO_SPAN, HEAD_DIM)
-    tl.store(DQ + base + q_offs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    """One program per group of ``blocks_per_program`` query blocks of one (sequence, head)."""
+    bh, seq, seq_len, base, rel_off, stat_off = _program_setup(
+        CU, n_ctx, n_heads, stride_b, stride_h, stride_n, stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, VARLEN)
+    pid = tl.program_id(0)
+    part_ptr = DKR_PART + (bh * tl.num_programs(0) + pid).to(tl.int64) * TWO_SPAN * HEAD_DIM
+    first = pid * blocks_per_program
+    for block in range(first, tl.minimum(first + blocks_per_program, tl.cdiv(seq_len, BLOCK_M))):
+        _dq_block(Q, K, V, KR, QR, TABLE, MASK + seq * n_ctx, DO, LSE, DELTA, DQ, part_ptr, block * BLOCK_M,
+                  seed + bh, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stride_n,
+                  TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, SLAB, HAS_C2P, HAS_P2C, HAS_MASK, DROPOUT, PRECISION)
+
+
+# --------------------------------------------------------------------------- tiling
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One kernel's launch shape: query rows x key columns per tile, warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def slab(self) -> int:
+        """Rows of the position-table slab a tile reads: its window width, rounded to a power of two."""
+        return triton.next_power_of_2(self.block_m + self.block_n - 1)
+
+
+# (kernel, head dim) -> tiles on a GPU. Each entry is the largest tile found that compiles for sm_80,
+# sm_90 and sm_100 with no register spills (`python -m distaff.kernels.compile_check`); the
+# alternatives tried and what they spilled are in docs/kernels.md. The backward holds the most
+# state per tile (slabs, skewed and bucketed dS, a partial-gradient window), hence 16 x 16.
+GPU_TILES = {
+    **{("fwd", d): Tiles(32, 32, 4, 1) for d in (16, 32, 64)}, ("fwd", 128): Tiles(16, 16, 4, 1),
+    **{(kernel, d): Tiles(16, 16, 8, 1) for kernel in ("dkdv", "dq") for d in (16, 32, 64, 128)},
+}
+# float32 inputs (TF32 products, fp32 operands take twice the registers): 16 x 16 everywhere.
+GPU_TILES_FP32 = {key: Tiles(16, 16, tiles.num_warps, 1) for key, tiles in GPU_TILES.items()}
+# The interpreter runs programs one after another: few, larger tiles are fastest.
+INTERPRETER_TILES = Tiles(32, 32, 4, 1)
+KERNELS = ("fwd", "dkdv", "dq")
+# Most per-program partial position gradients a backward kernel keeps (each [2*span, d] float32):
+# 1024 x 128 KiB = 128 MiB at 2*span = 512, d = 64, enough programs to fill a GPU several times.
+MAX_PARTIALS = 1024
+
+
+def tiles_for(kernel: str, head_dim: int, dtype: torch.dtype) -> Tiles:
+    """The launch shape of ``kernel`` ("fwd", "dkdv" or "dq") for inputs of ``head_dim`` and ``dtype``."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return INTERPRETER_TILES
+    table = GPU_TILES_FP32 if dtype == torch.float32 else GPU_TILES
+    return table[(kernel, head_dim)]
 
 
 # --------------------------------------------------------------------------- host side
-
-
-def _block_size(head_dim: int) -> int:
-    """Square tile edge. The interpreter is fastest with few, larger tiles; GPUs with 64 (32 at d=128)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return 32
-    return 32 if head_dim > 64 else 64
 
 
 @functools.lru_cache(maxsize=64)
@@ -361,7 +433,7 @@ def _distance_table(max_distance: int, position_buckets: int, max_relative_posit
                     device: torch.device) -> torch.Tensor:
     """The reference bucket table, checked to rise by at most one per unit of distance.
 
-    That property bounds a tile's buckets by its ``2*BLOCK - 1`` distances (the slab width).
+    That property bounds a tile's buckets by its window of distances (the slab width).
     """
     table = bucket_table(max_distance, position_buckets, max_relative_positions, device)
     step = int((table[1:] - table[:-1]).max().item()) if table.numel() > 1 else 0
@@ -381,83 +453,96 @@ class _Problem:
     n_heads: int
     n_ctx: int              # padded length, or max_seqlen of the packed form
     strides: tuple          # (batch, head, token) strides of q/k/v/o (head dim contiguous)
-    lse_shape: tuple        # per-row statistics: [B, H, N] (padded) or [H, total_tokens] (packed)
-    lse_strides: tuple      # (sequence, head) strides into them; the token stride is 1
-    table: torch.Tensor     # int32 bucket of every distance; element `table_mid` is distance 0
-    table_mid: int
+    stat_shape: tuple       # per-row statistics (lse, delta): [B, H, N] (padded) or [H, total_tokens] (packed)
+    stat_strides: tuple     # (sequence, head) strides into them; the token stride is 1
+    table: torch.Tensor     # int32 bucket index of every distance from -max_distance to +max_distance
+    max_distance: int
     mask: torch.Tensor | None
     cu_seqlens: torch.Tensor | None
     two_span: int
     scale: float
     dropout_p: float
     seed: int
-    block: int
 
-    def launch_args(self):
-        return (self.seed, self.scale, self.dropout_p, self.n_ctx, self.n_heads, *self.strides, *self.lse_strides)
-
-    def rows_to_lse_layout(self, rows: torch.Tensor) -> torch.Tensor:
+    def rows_to_stat_layout(self, rows: torch.Tensor) -> torch.Tensor:
         """A per-row statistic of q's layout (``[B, H, N]`` or ``[total, H]``) in the lse layout."""
         return rows if self.cu_seqlens is None else rows.t().contiguous()
 
-    def flags(self, has_c2p: bool, has_p2c: bool, head_dim: int, dtype: torch.dtype) -> dict:
-        return dict(TWO_SPAN=self.two_span, HEAD_DIM=head_dim, BLOCK=self.block, HAS_C2P=has_c2p,
-                    HAS_P2C=has_p2c, HAS_MASK=self.mask is not None, VARLEN=self.cu_seqlens is not None,
-                    DROPOUT=self.dropout_p > 0, PRECISION="ieee" if dtype == torch.float32 else "tf32",
-                    num_warps=4)
+    def launch(self, kernel, tiles: Tiles, programs: int, q: torch.Tensor, has_c2p: bool, has_p2c: bool,
+               **args) -> None:
+        """Launch one of the three kernels on ``programs`` x (sequence, head) programs."""
+        kernel[(programs, self.num_seqs * self.n_heads)](
+            TABLE=self.table[self.max_distance:],  # element 0 is distance 0
+            MASK=q if self.mask is None else self.mask,  # q stands in for absent optional tensors
+            CU=q if self.cu_seqlens is None else self.cu_seqlens,
+            seed=self.seed, scale=self.scale, dropout_p=self.dropout_p, n_ctx=self.n_ctx, n_heads=self.n_heads,
+            stride_b=self.strides[0], stride_h=self.strides[1], stride_n=self.strides[2],
+            stride_lb=self.stat_strides[0], stride_lh=self.stat_strides[1],
+            TWO_SPAN=self.two_span, HEAD_DIM=q.shape[-1], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+            SLAB=tiles.slab, HAS_C2P=has_c2p, HAS_P2C=has_p2c, HAS_MASK=self.mask is not None,
+            VARLEN=self.cu_seqlens is not None, DROPOUT=self.dropout_p > 0,
+            PRECISION="tf32",  # fp32 inputs use TF32 tensor cores (docs/kernels.md); half inputs ignore it
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages, **args)
 
-    def grid(self):
-        return (triton.cdiv(self.n_ctx, self.block), self.num_seqs * self.n_heads)
 
-    def pointers(self, q):
-        """Table at distance 0, mask and cu_seqlens (``q`` stands in for absent optional tensors)."""
-        table = self.table[self.table_mid:]
-        return (table, q if self.mask is None else self.mask, q if self.cu_seqlens is None else self.cu_seqlens)
+def attention_forward(q, k, v, pos_key, pos_query, problem: _Problem):
+    """Output and row log-sum-exp of the fused forward."""
+    out = torch.empty_like(q)
+    lse = torch.empty(problem.stat_shape, dtype=torch.float32, device=q.device)
+    tiles = tiles_for("fwd", q.shape[-1], q.dtype)
+    problem.launch(_attn_fwd, tiles, triton.cdiv(problem.n_ctx, tiles.block_m), q, pos_key is not None,
+                   pos_query is not None,
+                   Q=q, K=k, V=v, KR=q if pos_key is None else pos_key, QR=q if pos_query is None else pos_query,
+                   O=out, LSE=lse)
+    return out, lse
+
+
+def attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, problem: _Problem):
+    """``dq, dk, dv, d_pos_key, d_pos_query`` (None for absent position terms)."""
+    grad_out = grad_out.contiguous()
+    # rowsum(dO * O) = rowsum(P * dP), laid out like the lse.
+    delta = problem.rows_to_stat_layout((grad_out.float() * out.float()).sum(-1))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    has_c2p, has_p2c = pos_key is not None, pos_query is not None
+    common = dict(Q=q, K=k, V=v, KR=q if pos_key is None else pos_key, QR=q if pos_query is None else pos_query,
+                  DO=grad_out, LSE=lse, DELTA=delta)
+
+    def launch(kernel, tiles: Tiles, rows: int, has_term: bool, part_name: str, **outputs) -> torch.Tensor:
+        """Launch a backward kernel whose programs each own ``rows``-row blocks; returns its partials."""
+        blocks = triton.cdiv(problem.n_ctx, rows)
+        # Programs walk several blocks of one (sequence, head) so that there are at most
+        # max(MAX_PARTIALS, sequences x heads) partials, whatever the sequence length.
+        per_program = max(1, triton.cdiv(problem.num_seqs * problem.n_heads * blocks, MAX_PARTIALS))
+        programs = triton.cdiv(blocks, per_program)
+        shape = (problem.num_seqs, problem.n_heads, programs, problem.two_span, q.shape[-1])
+        partial = torch.zeros(shape if has_term else (1,), dtype=torch.float32, device=q.device)
+        problem.launch(kernel, tiles, programs, q, has_c2p, has_p2c, blocks_per_program=per_program,
+                       **{part_name: partial}, **outputs, **common)
+        return partial
+
+    dkdv_tiles, dq_tiles = tiles_for("dkdv", q.shape[-1], q.dtype), tiles_for("dq", q.shape[-1], q.dtype)
+    dqr_part = launch(_attn_bwd_dkdv, dkdv_tiles, dkdv_tiles.block_n, has_p2c, "DQR_PART", DK=dk, DV=dv)
+    dkr_part = launch(_attn_bwd_dq, dq_tiles, dq_tiles.block_m, has_c2p, "DKR_PART", DQ=dq)
+    d_pos_key = dkr_part.sum((0, 2)).to(pos_key.dtype) if has_c2p else None
+    d_pos_query = dqr_part.sum((0, 2)).to(pos_query.dtype) if has_p2c else None
+    return dq, dk, dv, d_pos_key, d_pos_query
 
 
 class _DisentangledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, pos_key, pos_query, problem: _Problem):
-        out = torch.empty_like(q)
-        lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
-        kr = q if pos_key is None else pos_key
-        qr = q if pos_query is None else pos_query
-        _attn_fwd[problem.grid()](q, k, v, kr, qr, *problem.pointers(q), out, lse,
-                                  *problem.launch_args(),
-                                  **problem.flags(pos_key is not None, pos_query is not None, q.shape[-1], q.dtype))
+        out, lse = attention_forward(q, k, v, pos_key, pos_query, problem)
         ctx.save_for_backward(q, k, v, pos_key, pos_query, out, lse)
         ctx.problem = problem
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, pos_key, pos_query, out, lse = ctx.saved_tensors
-        problem: _Problem = ctx.problem
-        grad_out = grad_out.contiguous()
-        # rowsum(dO * O) = rowsum(P * dP): laid out like the lse.
-        delta = problem.rows_to_lse_layout((grad_out.float() * out.float()).sum(-1))
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        has_c2p, has_p2c = pos_key is not None, pos_query is not None
-        head_dim = q.shape[-1]
-        grid = problem.grid()
-        # Per-program partial gradients of the position tables (summed below in a fixed order).
-        part_shape = (problem.num_seqs, problem.n_heads, grid[0], problem.two_span, head_dim)
-        dkr_part = torch.zeros(part_shape if has_c2p else (1,), dtype=torch.float32, device=q.device)
-        dqr_part = torch.zeros(part_shape if has_p2c else (1,), dtype=torch.float32, device=q.device)
-        kr = q if pos_key is None else pos_key
-        qr = q if pos_query is None else pos_query
-        args = problem.launch_args()
-        flags = problem.flags(has_c2p, has_p2c, head_dim, q.dtype)
-        pointers = problem.pointers(q)
-        _attn_bwd_dkdv[grid](q, k, v, kr, qr, *pointers, grad_out, lse, delta, dk, dv, dqr_part, *args, **flags)
-        _attn_bwd_dq[grid](q, k, v, kr, qr, *pointers, grad_out, lse, delta, dq, dkr_part, *args, **flags)
-        d_pos_key = dkr_part.sum((0, 2)).to(pos_key.dtype) if has_c2p else None
-        d_pos_query = dqr_part.sum((0, 2)).to(pos_query.dtype) if has_p2c else None
-        return dq, dk, dv, d_pos_key, d_pos_query, None
+        return (*attention_backward(grad_out, *ctx.saved_tensors, ctx.problem), None)
 
 
 def _check_kernel_inputs(q: torch.Tensor, tensors: dict) -> None:
-    if q.dtype not in _DTYPES:
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q must be float16, bfloat16 or float32 for the Triton kernel, got {q.dtype}")
     head_dim = q.shape[-1]
     if head_dim not in (16, 32, 64, 128):
@@ -465,94 +550,74 @@ def _check_kernel_inputs(q: torch.Tensor, tensors: dict) -> None:
     for name, t in tensors.items():
         if t is not None and t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-
-
-def _prepare_tables(q, pos_key, pos_query):
-    """Position tables in q's dtype, contiguous; the cast is part of the autograd graph."""
-    return [None if t is None else t.to(q.dtype).contiguous() for t in (pos_key, pos_query)]
-
-
-def _make_problem(q: torch.Tensor, *, num_seqs: int, n_heads: int, n_ctx: int, strides: tuple, lse_shape: tuple,
-                  lse_strides: tuple, mask, cu_seqlens, position_buckets: int, max_relative_positions: int,
-                  dropout_p: float, scale: float) -> _Problem:
-    block = _block_size(q.shape[-1])
-    span = attention_span(position_buckets, max_relative_positions)
-    # Distances reach +-(padded length + one tile) at the edge tiles' windows.
-    max_distance = triton.cdiv(max(n_ctx, 1), block) * block + 2 * block
-    table = _distance_table(max_distance, position_buckets, max_relative_positions, q.device)
-    return _Problem(num_seqs=num_seqs, n_heads=n_heads, n_ctx=n_ctx, strides=strides, lse_shape=lse_shape,
-                    lse_strides=lse_strides,
-                    table=table, table_mid=max_distance, mask=mask, cu_seqlens=cu_seqlens, two_span=2 * span,
-                    scale=float(scale), dropout_p=float(dropout_p), seed=dropout_seed(dropout_p), block=block)
-
-
-def disentangled_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pos_key: torch.Tensor | None = None,
-    pos_query: torch.Tensor | None = None,
-    *,
-    position_buckets: int,
-    max_relative_positions: int,
-    attention_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-) -> torch.Tensor:
-    """Triton DeBERTa attention over ``[B, H, N, d]``; semantics of :func:`reference.disentangled_attention`."""
-    span = attention_span(position_buckets, max_relative_positions)
-    check_attention_inputs(q, k, v, pos_key, pos_query, span, attention_mask, dropout_p)
-    _check_kernel_inputs(q, {"k": k, "v": v, "pos_key": pos_key, "pos_query": pos_query,
-                             "attention_mask": attention_mask})
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if softmax_scale is None:
-        softmax_scale = default_softmax_scale(q.shape[-1], pos_key, pos_query)
-    batch, heads, n, _ = q.shape
-    if batch * n == 0:
+        if name in ("k", "v") and t.dtype != q.dtype:
+            raise TypeError(f"q, k, v must share a dtype, got q {q.dtype} and {name} {t.dtype}")
+    if q.numel() == 0:
         raise ValueError(f"q must hold at least one token, got shape {tuple(q.shape)}")
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    mask = None if attention_mask is None else attention_mask.ne(0).to(torch.int8).contiguous()
-    problem = _make_problem(q, num_seqs=batch, n_heads=heads, n_ctx=n, strides=(q.stride(0), q.stride(1), q.stride(2)),
-                            lse_shape=(batch, heads, n), lse_strides=(heads * n, n), mask=mask, cu_seqlens=None,
-                            position_buckets=position_buckets, max_relative_positions=max_relative_positions,
-                            dropout_p=dropout_p, scale=softmax_scale)
-    return _DisentangledAttention.apply(q, k, v, *_prepare_tables(q, pos_key, pos_query), problem)
 
 
-def disentangled_attention_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pos_key: torch.Tensor | None = None,
-    pos_query: torch.Tensor | None = None,
-    *,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    position_buckets: int,
-    max_relative_positions: int,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-) -> torch.Tensor:
+def check_offsets_fit_int32(num_seqs: int, n_heads: int, n_ctx: int, token_stride: int, table_elements: int,
+                            dropout: bool) -> None:
+    """Reject shapes whose 32-bit in-kernel offsets could overflow.
+
+    Offsets across sequences and heads are int64 in the kernels (``_program_setup``); what stays
+    32-bit is a token's offset inside one sequence (at most ``(n_ctx + 256) * token_stride`` with
+    the last tile's overhang), the mask offset (``num_seqs * n_ctx``), a head's offset into the
+    position tables (``n_heads * 2*span * d``) and, with dropout, the Philox counter ``i * n_ctx + j``.
+    """
+    checks = [("(max_seqlen + 256) x token stride", (n_ctx + 256) * token_stride),
+              ("sequences x max_seqlen (mask offsets)", num_seqs * n_ctx),
+              ("heads x 2*span x d (position-table offsets)", n_heads * table_elements)]
+    if dropout:
+        checks.append(("max_seqlen**2 (dropout counters)", n_ctx * n_ctx))
+    for what, value in checks:
+        if value > INT32_MAX:
+            raise ValueError(f"{what} = {value} exceeds the kernels' 32-bit offset range (2**31 - 1); "
+                             "split the batch")
+
+
+def _make_problem(call: AttentionCall, *, num_seqs: int, n_ctx: int, strides: tuple, stat_shape: tuple,
+                  stat_strides: tuple, mask, cu_seqlens) -> _Problem:
+    q = call.q
+    heads = q.shape[1]  # [B, H, N, d] and [total, H, d] alike
+    two_span = 2 * attention_span(call.position_buckets, call.max_relative_positions)
+    check_offsets_fit_int32(num_seqs, heads, n_ctx, strides[2], two_span * q.shape[-1], call.dropout_p > 0)
+    # Tiles read the table from distance -(n_ctx + BLOCK_N) up to n_ctx + SLAB - BLOCK_N.
+    tiles = [tiles_for(kernel, q.shape[-1], q.dtype) for kernel in KERNELS]
+    max_distance = n_ctx + max(t.slab + t.block_n for t in tiles)
+    table = _distance_table(max_distance, call.position_buckets, call.max_relative_positions, q.device)
+    return _Problem(num_seqs=num_seqs, n_heads=heads, n_ctx=n_ctx,
+                    strides=strides, stat_shape=stat_shape, stat_strides=stat_strides, table=table,
+                    max_distance=max_distance, mask=mask, cu_seqlens=cu_seqlens, two_span=two_span,
+                    scale=call.softmax_scale, dropout_p=call.dropout_p, seed=dropout_seed(call.dropout_p))
+
+
+def _tables_in(call: AttentionCall) -> list:
+    """Position tables in q's dtype, contiguous; the cast is part of the autograd graph."""
+    return [None if t is None else t.to(call.q.dtype).contiguous() for t in (call.pos_key, call.pos_query)]
+
+
+@attention_op
+def disentangled_attention(call: AttentionCall) -> torch.Tensor:
+    """Triton DeBERTa attention over ``[B, H, N, d]``; semantics of :func:`reference.disentangled_attention`."""
+    _check_kernel_inputs(call.q, {"k": call.k, "v": call.v, "pos_key": call.pos_key, "pos_query": call.pos_query,
+                                  "attention_mask": call.attention_mask})
+    batch, heads, n, _ = call.q.shape
+    q, k, v = call.q.contiguous(), call.k.contiguous(), call.v.contiguous()
+    mask = None if call.attention_mask is None else call.attention_mask.ne(0).to(torch.int8).contiguous()
+    problem = _make_problem(call, num_seqs=batch, n_ctx=n, strides=(q.stride(0), q.stride(1), q.stride(2)),
+                            stat_shape=(batch, heads, n), stat_strides=(heads * n, n), mask=mask, cu_seqlens=None)
+    return _DisentangledAttention.apply(q, k, v, *_tables_in(call), problem)
+
+
+@varlen_attention_op
+def disentangled_attention_varlen(call: AttentionCall) -> torch.Tensor:
     """Packed Triton form over ``[total_tokens, H, d]``; relative positions restart in every sequence."""
-    check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen)
-    span = attention_span(position_buckets, max_relative_positions)
-    # The padded contract's checker covers pos_key/pos_query and dropout_p on a one-token view.
-    one = q[:1].transpose(0, 1)[None]
-    check_attention_inputs(one, one, one, pos_key, pos_query, span, None, dropout_p)
-    _check_kernel_inputs(q, {"k": k, "v": v, "pos_key": pos_key, "pos_query": pos_query, "cu_seqlens": cu_seqlens})
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.shape[0] == 0:
-        raise ValueError("q must hold at least one token, got total_tokens=0")
-    if softmax_scale is None:
-        softmax_scale = default_softmax_scale(q.shape[-1], pos_key, pos_query)
-    total, heads, _ = q.shape
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    problem = _make_problem(q, num_seqs=cu_seqlens.numel() - 1, n_heads=heads, n_ctx=int(max_seqlen),
-                            strides=(0, q.stride(1), q.stride(0)), lse_shape=(heads, total), lse_strides=(0, total),
-                            mask=None,
-                            cu_seqlens=cu_seqlens.to(torch.int32).contiguous(),
-                            position_buckets=position_buckets, max_relative_positions=max_relative_positions,
-                            dropout_p=dropout_p, scale=softmax_scale)
-    return _DisentangledAttention.apply(q, k, v, *_prepare_tables(q, pos_key, pos_query), problem)
+    _check_kernel_inputs(call.q, {"k": call.k, "v": call.v, "pos_key": call.pos_key, "pos_query": call.pos_query,
+                                  "cu_seqlens": call.cu_seqlens})
+    total, heads, _ = call.q.shape
+    q, k, v = call.q.contiguous(), call.k.contiguous(), call.v.contiguous()
+    problem = _make_problem(call, num_seqs=len(call.bounds) - 1, n_ctx=call.max_seqlen,
+                            strides=(0, q.stride(1), q.stride(0)), stat_shape=(heads, total), stat_strides=(0, total),
+                            mask=None, cu_seqlens=call.cu_seqlens.to(torch.int32).contiguous())
+    return _DisentangledAttention.apply(q, k, v, *_tables_in(call), problem)

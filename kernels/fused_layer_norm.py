@@ -98,46 +98,62 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
         raise ValueError(f"layer_norm got an empty input of shape {tuple(x.shape)}")
 
 
+def layer_norm_forward(x2d: torch.Tensor, res2d: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
+                       eps: float, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Normalised rows and the float32 per-row mean and 1/std that backward needs."""
+    n_rows, n_cols = x2d.shape
+    out = torch.empty(n_rows, n_cols, dtype=out_dtype, device=x2d.device)
+    mean = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
+    rstd = torch.empty_like(mean)
+    block, warps = _row_block(n_cols)
+    _layer_norm_forward[(n_rows,)](x_ptr=x2d, res_ptr=res2d, w_ptr=weight, b_ptr=bias, out_ptr=out, mean_ptr=mean,
+                                   rstd_ptr=rstd, n_cols=n_cols, eps=eps, HAS_RESIDUAL=res2d is not None,
+                                   BLOCK_N=block, num_warps=warps)
+    return out, mean, rstd
+
+
+def layer_norm_backward(dy: torch.Tensor, x2d: torch.Tensor, res2d: torch.Tensor | None, weight: torch.Tensor,
+                        mean: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dx`` (also the residual's gradient) and the float32 weight and bias gradients."""
+    n_rows, n_cols = x2d.shape
+    dx = torch.empty(n_rows, n_cols, dtype=dy.dtype, device=dy.device)
+    programs = reduction_programs(n_rows, dy.device)
+    rows_per_program = triton.cdiv(n_rows, programs)
+    programs = triton.cdiv(n_rows, rows_per_program)
+    dw_part = torch.empty(programs, n_cols, dtype=torch.float32, device=dy.device)
+    db_part = torch.empty_like(dw_part)
+    block, warps = _row_block(n_cols)
+    _layer_norm_backward[(programs,)](dy_ptr=dy, x_ptr=x2d, res_ptr=res2d, w_ptr=weight, mean_ptr=mean,
+                                      rstd_ptr=rstd, dx_ptr=dx, dw_part_ptr=dw_part, db_part_ptr=db_part,
+                                      n_rows=n_rows, n_cols=n_cols, rows_per_program=rows_per_program,
+                                      HAS_RESIDUAL=res2d is not None, BLOCK_N=block, num_warps=warps)
+    return dx, dw_part.sum(0), db_part.sum(0)
+
+
 class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, residual):
-        shape, n_cols = x.shape, x.shape[-1]
+        n_cols = x.shape[-1]
         out_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
         x2d = x.reshape(-1, n_cols).contiguous()
         res2d = None if residual is None else residual.reshape(-1, n_cols).contiguous()
-        n_rows = x2d.shape[0]
-        out = torch.empty(n_rows, n_cols, dtype=out_dtype, device=x.device)
-        mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        rstd = torch.empty_like(mean)
-        block, warps = _row_block(n_cols)
-        _layer_norm_forward[(n_rows,)](x2d, res2d, weight, bias, out, mean, rstd, n_cols, eps,
-                                       HAS_RESIDUAL=res2d is not None, BLOCK_N=block, num_warps=warps)
+        out, mean, rstd = layer_norm_forward(x2d, res2d, weight, bias, eps, out_dtype)
         ctx.save_for_backward(x2d, res2d, weight, mean, rstd)
-        ctx.shape, ctx.bias_dtype = shape, bias.dtype
+        ctx.shape, ctx.bias_dtype = x.shape, bias.dtype
         ctx.residual_dtype = None if residual is None else residual.dtype
-        return out.reshape(shape)
+        return out.reshape(x.shape)
 
     @staticmethod
     def backward(ctx, grad_out):
         x2d, res2d, weight, mean, rstd = ctx.saved_tensors
-        n_rows, n_cols = x2d.shape
-        dy = grad_out.reshape(n_rows, n_cols).contiguous()
-        dx = torch.empty(n_rows, n_cols, dtype=grad_out.dtype, device=dy.device)
-        programs = reduction_programs(n_rows, dy.device)
-        rows_per_program = triton.cdiv(n_rows, programs)
-        programs = triton.cdiv(n_rows, rows_per_program)
-        dw_part = torch.empty(programs, n_cols, dtype=torch.float32, device=dy.device)
-        db_part = torch.empty_like(dw_part)
-        block, warps = _row_block(n_cols)
-        _layer_norm_backward[(programs,)](dy, x2d, res2d, weight, mean, rstd, dx, dw_part, db_part,
-                                          n_rows, n_cols, rows_per_program,
-                                          HAS_RESIDUAL=res2d is not None, BLOCK_N=block, num_warps=warps)
+        dy = grad_out.reshape(x2d.shape).contiguous()
+        dx, dw, db = layer_norm_backward(dy, x2d, res2d, weight, mean, rstd)
         dx = dx.reshape(ctx.shape)
         # d(x + residual)/dx = d(x + residual)/dresidual: both get dx, in their own dtype.
         d_x = dx.to(x2d.dtype) if ctx.needs_input_grad[0] else None
         d_res = dx.to(ctx.residual_dtype) if ctx.needs_input_grad[4] else None
-        d_w = dw_part.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        d_b = db_part.sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
+        d_w = dw.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        d_b = db.to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
         return d_x, d_w, d_b, None, d_res
 
 

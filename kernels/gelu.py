@@ -65,36 +65,47 @@ def _bias_gelu_backward(dy_ptr, x_ptr, bias_ptr, dx_ptr, dbias_part_ptr, n_rows,
     tl.store(dbias_part_ptr + program * n_cols + cols, dbias, mask=cols < n_cols)
 
 
+def bias_gelu_forward(x2d: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``gelu(x + bias)`` of a ``[rows, hidden]`` tensor, in the promoted dtype of ``x`` and ``bias``."""
+    n_rows, n_cols = x2d.shape
+    out = torch.empty(n_rows, n_cols, dtype=torch.promote_types(x2d.dtype, bias.dtype), device=x2d.device)
+    grid = (triton.cdiv(n_rows, BLOCK_M), triton.cdiv(n_cols, BLOCK_N))
+    _bias_gelu_forward[grid](x_ptr=x2d, bias_ptr=bias, out_ptr=out, n_rows=n_rows, n_cols=n_cols,
+                             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    return out
+
+
+def bias_gelu_backward(dy: torch.Tensor, x2d: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dx`` (in ``dy``'s dtype) and the float32 bias gradient."""
+    n_rows, n_cols = x2d.shape
+    dx = torch.empty(n_rows, n_cols, dtype=dy.dtype, device=dy.device)
+    row_tiles, col_blocks = triton.cdiv(n_rows, BLOCK_M), triton.cdiv(n_cols, BLOCK_N)
+    # Spread the reduction programs over the column blocks; each owns a range of row tiles.
+    row_programs = max(1, reduction_programs(row_tiles * col_blocks, dy.device) // col_blocks)
+    tiles_per_program = triton.cdiv(row_tiles, row_programs)
+    programs = triton.cdiv(row_tiles, tiles_per_program)
+    dbias_part = torch.empty(programs, n_cols, dtype=torch.float32, device=dy.device)
+    _bias_gelu_backward[(programs, col_blocks)](dy_ptr=dy, x_ptr=x2d, bias_ptr=bias, dx_ptr=dx,
+                                                dbias_part_ptr=dbias_part, n_rows=n_rows, n_cols=n_cols,
+                                                tiles_per_program=tiles_per_program, BLOCK_M=BLOCK_M,
+                                                BLOCK_N=BLOCK_N)
+    return dx, dbias_part.sum(0)
+
+
 class _BiasGelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias):
-        n_cols = x.shape[-1]
-        x2d = x.reshape(-1, n_cols).contiguous()
-        n_rows = x2d.shape[0]
-        out = torch.empty(n_rows, n_cols, dtype=torch.promote_types(x.dtype, bias.dtype), device=x.device)
-        grid = (triton.cdiv(n_rows, BLOCK_M), triton.cdiv(n_cols, BLOCK_N))
-        _bias_gelu_forward[grid](x2d, bias, out, n_rows, n_cols, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+        x2d = x.reshape(-1, x.shape[-1]).contiguous()
         ctx.save_for_backward(x2d, bias)
         ctx.shape = x.shape
-        return out.reshape(x.shape)
+        return bias_gelu_forward(x2d, bias).reshape(x.shape)
 
     @staticmethod
     def backward(ctx, grad_out):
         x2d, bias = ctx.saved_tensors
-        n_rows, n_cols = x2d.shape
-        dy = grad_out.reshape(n_rows, n_cols).contiguous()
-        dx = torch.empty(n_rows, n_cols, dtype=grad_out.dtype, device=dy.device)
-        row_tiles, col_blocks = triton.cdiv(n_rows, BLOCK_M), triton.cdiv(n_cols, BLOCK_N)
-        # Spread the reduction programs over the column blocks; each owns a range of row tiles.
-        row_programs = max(1, reduction_programs(row_tiles * col_blocks, dy.device) // col_blocks)
-        tiles_per_program = triton.cdiv(row_tiles, row_programs)
-        programs = triton.cdiv(row_tiles, tiles_per_program)
-        dbias_part = torch.empty(programs, n_cols, dtype=torch.float32, device=dy.device)
-        _bias_gelu_backward[(programs, col_blocks)](dy, x2d, bias, dx, dbias_part, n_rows, n_cols, tiles_per_program,
-                                                    BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+        dx, d_bias = bias_gelu_backward(grad_out.reshape(x2d.shape).contiguous(), x2d, bias)
         d_x = dx.reshape(ctx.shape).to(x2d.dtype) if ctx.needs_input_grad[0] else None
-        d_bias = dbias_part.sum(0).to(bias.dtype) if ctx.needs_input_grad[1] else None
-        return d_x, d_bias
+        return d_x, d_bias.to(bias.dtype) if ctx.needs_input_grad[1] else None
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

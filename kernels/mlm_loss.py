@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import MaskedLMLoss
+from .contract import IGNORE_INDEX, MaskedLMLoss, check_masked_lm_inputs
 
 LOGITS_CHUNK_ELEMENTS = 1 << 26  # default row_chunk: about 64 Mi logits (128 MiB in bf16) per chunk
 MAX_VOCAB_BLOCK = 4096
@@ -76,18 +76,6 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return hidden.dtype
 
 
-def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  labels: torch.Tensor) -> None:
-    if hidden.shape[:-1] != labels.shape:
-        raise ValueError(f"labels shape {tuple(labels.shape)} does not match hidden {tuple(hidden.shape[:-1])}")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must be [vocab, {hidden.shape[-1]}], got {tuple(weight.shape)}")
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"bias must be [vocab={weight.shape[0]}], got {tuple(bias.shape)}")
-    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
-        raise ValueError(f"labels must be an integer tensor, got {labels.dtype}")
-
-
 def _labelled_rows(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int, n_vocab: int):
     """Flat indices of the labelled positions, their hidden rows and their targets."""
     flat_labels = labels.reshape(-1)
@@ -100,41 +88,56 @@ def _labelled_rows(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int
     return positions, rows, targets
 
 
+def _chunk_gradients(logits_grad, chunk, weight, grads, start: int, end: int) -> None:
+    """Add one chunk's logit gradient into the hidden-row, weight and bias gradients (cuBLAS)."""
+    grad_rows, grad_weight, grad_bias = grads
+    if grad_rows is not None:
+        torch.mm(logits_grad, weight, out=grad_rows[start:end])
+    if grad_weight is not None and logits_grad.dtype == torch.float32:
+        grad_weight.addmm_(logits_grad.t(), chunk)
+    elif grad_weight is not None:  # half-precision product, summed over chunks in float32
+        grad_weight += logits_grad.t() @ chunk
+    if grad_bias is not None:
+        grad_bias += logits_grad.sum(0, dtype=torch.float32)
+
+
+def masked_lm_loss_forward(rows: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
+                           bias: torch.Tensor | None, needs_grad: tuple[bool, bool, bool], row_chunk: int,
+                           vocab_block: int):
+    """Per-row loss and argmax hit of the labelled ``rows``, and the gradients ``needs_grad`` asks
+    for (hidden rows, weight, bias; scaled by ``1 / rows``), walking ``row_chunk`` rows at a time."""
+    n_labelled, n_vocab, device = targets.numel(), weight.shape[0], rows.device
+    need_rows, need_weight, need_bias = needs_grad
+    row_loss = torch.empty(n_labelled, dtype=torch.float32, device=device)
+    correct = torch.empty(n_labelled, dtype=torch.int32, device=device)
+    grads = (torch.empty_like(rows) if need_rows else None,
+             torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_weight else None,
+             torch.zeros(n_vocab, dtype=torch.float32, device=device) if need_bias else None)
+    grad_scale = 1.0 / max(n_labelled, 1)
+    for start in range(0, n_labelled, row_chunk):
+        end = min(start + row_chunk, n_labelled)
+        chunk = rows[start:end]
+        logits = chunk @ weight.t() if bias is None else torch.addmm(bias, chunk, weight.t())
+        _cross_entropy_rows[(end - start,)](logits_ptr=logits, targets_ptr=targets[start:end],
+                                            row_loss_ptr=row_loss[start:end], correct_ptr=correct[start:end],
+                                            n_vocab=n_vocab, grad_scale=grad_scale, COMPUTE_GRAD=any(needs_grad),
+                                            BLOCK_V=vocab_block, num_warps=8 if vocab_block >= 2048 else 4)
+        if any(needs_grad):  # `logits` now holds d loss / d logits
+            _chunk_gradients(logits, chunk, weight, grads, start, end)
+    return row_loss, correct, grads
+
+
 class _MaskedLMLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, ignore_index, row_chunk, vocab_block):
-        n_vocab, device = weight.shape[0], hidden.device
-        positions, rows, targets = _labelled_rows(hidden, labels, ignore_index, n_vocab)
-        n_labelled = targets.numel()
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        compute_grad = need_hidden or need_weight or need_bias  # zero gradients if nothing is labelled
-        row_loss = torch.empty(n_labelled, dtype=torch.float32, device=device)
-        correct = torch.empty(n_labelled, dtype=torch.int32, device=device)
-        grad_rows = torch.empty_like(rows) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_weight else None
-        grad_bias = torch.zeros(n_vocab, dtype=torch.float32, device=device) if need_bias else None
-        grad_scale = 1.0 / max(n_labelled, 1)
-        warps = 8 if vocab_block >= 2048 else 4
-        for start in range(0, n_labelled, row_chunk):
-            end = min(start + row_chunk, n_labelled)
-            chunk = rows[start:end]
-            logits = chunk @ weight.t() if bias is None else torch.addmm(bias, chunk, weight.t())
-            _cross_entropy_rows[(end - start,)](logits, targets[start:end], row_loss[start:end], correct[start:end],
-                                                n_vocab, grad_scale, COMPUTE_GRAD=compute_grad,
-                                                BLOCK_V=vocab_block, num_warps=warps)
-            if compute_grad:  # `logits` now holds d loss / d logits
-                if grad_rows is not None:
-                    torch.mm(logits, weight, out=grad_rows[start:end])
-                if grad_weight is not None and logits.dtype == torch.float32:
-                    grad_weight.addmm_(logits.t(), chunk)
-                elif grad_weight is not None:  # half-precision product, summed over chunks in float32
-                    grad_weight += logits.t() @ chunk
-                if grad_bias is not None:
-                    grad_bias += logits.sum(0, dtype=torch.float32)
-        ctx.save_for_backward(positions, grad_rows, grad_weight, grad_bias)
+        positions, rows, targets = _labelled_rows(hidden, labels, ignore_index, weight.shape[0])
+        # Gradients are computed even when nothing is labelled: they are then zero.
+        row_loss, correct, grads = masked_lm_loss_forward(rows, targets, weight, bias, ctx.needs_input_grad[:3],
+                                                          row_chunk, vocab_block)
+        ctx.save_for_backward(positions, *grads)
         ctx.hidden_shape, ctx.dtypes = hidden.shape, (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        loss = row_loss.sum() * grad_scale
-        num_labelled = torch.tensor(n_labelled, dtype=torch.int64, device=device)
+        loss = row_loss.sum() / max(targets.numel(), 1)
+        num_labelled = torch.tensor(targets.numel(), dtype=torch.int64, device=hidden.device)
         num_correct = correct.sum(dtype=torch.int64)
         ctx.mark_non_differentiable(num_labelled, num_correct)
         return loss, num_labelled, num_correct
@@ -155,7 +158,7 @@ class _MaskedLMLoss(torch.autograd.Function):
 
 
 def masked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                   ignore_index: int = -100, *, row_chunk: int | None = None,
+                   ignore_index: int = IGNORE_INDEX, *, row_chunk: int | None = None,
                    vocab_block: int | None = None) -> MaskedLMLoss:
     """Mean cross-entropy of ``hidden @ weight.T + bias`` over the positions whose label is not
     ``ignore_index``, with the labelled and correctly predicted (first argmax) counts.
@@ -165,7 +168,7 @@ def masked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     ``LOGITS_CHUNK_ELEMENTS / V``, a multiple of 64); ``vocab_block`` is the softmax kernel's slice
     of the vocabulary (a power of two, default ``min(next_pow2(V), MAX_VOCAB_BLOCK)``).
     """
-    _check_inputs(hidden, weight, bias, labels)
+    check_masked_lm_inputs(hidden, weight, bias, labels)
     n_vocab = weight.shape[0]
     if row_chunk is None:
         row_chunk = max(1, LOGITS_CHUNK_ELEMENTS // n_vocab)

@@ -10,44 +10,19 @@ function is documented in ``docs/attention.md``.
 
 from __future__ import annotations
 
-import math
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from .relative_position import attention_span, relative_position_index
+from .contract import (IGNORE_INDEX, AttentionCall, MaskedLMLoss, attention_op, check_masked_lm_inputs,
+                       dropout_seed, varlen_attention_op)
+from .relative_position import relative_position_index
 
 # Upper bound on the elements of one [B, H, rows, N] score block (64 Mi fp32 = 256 MiB).
 _BLOCK_ELEMENTS = 1 << 26
 
 
 # --------------------------------------------------------------------------- attention
-
-
-def default_softmax_scale(head_dim: int, pos_key: torch.Tensor | None, pos_query: torch.Tensor | None) -> float:
-    """``1 / sqrt(d * (1 + number of position terms))``, DeBERTa's scaling."""
-    factor = 1 + (pos_key is not None) + (pos_query is not None)
-    return 1.0 / math.sqrt(head_dim * factor)
-
-
-def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           pos_key: torch.Tensor | None, pos_query: torch.Tensor | None,
-                           span: int, attention_mask: torch.Tensor | None, dropout_p: float) -> None:
-    """Validate shapes of the padded contract; errors name the offending argument."""
-    if q.dim() != 4:
-        raise ValueError(f"q must be [B, H, N, d], got shape {tuple(q.shape)}")
-    for name, t in (("k", k), ("v", v)):
-        if t.shape != q.shape:
-            raise ValueError(f"{name} must have the shape of q {tuple(q.shape)}, got {tuple(t.shape)}")
-    _, heads, _, head_dim = q.shape
-    for name, t in (("pos_key", pos_key), ("pos_query", pos_query)):
-        if t is not None and tuple(t.shape) != (heads, 2 * span, head_dim):
-            raise ValueError(f"{name} must be [H, 2*span, d] = {(heads, 2 * span, head_dim)}, got {tuple(t.shape)}")
-    if attention_mask is not None and tuple(attention_mask.shape) != (q.shape[0], q.shape[2]):
-        raise ValueError(f"attention_mask must be [B, N] = {(q.shape[0], q.shape[2])}, got {tuple(attention_mask.shape)}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
 
 
 def _rows_per_block(batch: int, heads: int, n: int) -> int:
@@ -150,89 +125,35 @@ class _ReferenceAttention(torch.autograd.Function):
         return dq, dk, dv, d_pos_key, d_pos_query, None, None, None, None, None
 
 
-def dropout_seed(dropout_p: float) -> int:
-    # Drawn from torch's global generator, so torch.manual_seed makes dropout reproducible.
-    return int(torch.randint(0, 1 << 62, (1,)).item()) if dropout_p > 0 else 0
-
-
-def disentangled_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pos_key: torch.Tensor | None = None,
-    pos_query: torch.Tensor | None = None,
-    *,
-    position_buckets: int,
-    max_relative_positions: int,
-    attention_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-    impl: str = "reference",
-) -> torch.Tensor:
+@attention_op
+def disentangled_attention(call: AttentionCall) -> torch.Tensor:
     """DeBERTa disentangled attention, ``softmax(QK^T + c2p + p2c) V`` with padding and dropout.
 
     ``q, k, v``: ``[B, H, N, d]``; ``pos_key`` (Kr) and ``pos_query`` (Qr): ``[H, 2*span, d]`` or
     None to drop the c2p / p2c term; ``attention_mask``: ``[B, N]``, nonzero = token. Rows of
     padded queries output zeros. Half-precision inputs are computed in float32.
     """
-    del impl  # the reference is its own implementation
-    span = attention_span(position_buckets, max_relative_positions)
-    check_attention_inputs(q, k, v, pos_key, pos_query, span, attention_mask, dropout_p)
-    if softmax_scale is None:
-        softmax_scale = default_softmax_scale(q.shape[-1], pos_key, pos_query)
-    index = relative_position_index(q.shape[2], k.shape[2], position_buckets, max_relative_positions, q.device)
-    mask = None if attention_mask is None else attention_mask.ne(0)
+    q = call.q
+    index = relative_position_index(q.shape[2], q.shape[2], call.position_buckets, call.max_relative_positions,
+                                    q.device)
+    mask = None if call.attention_mask is None else call.attention_mask.ne(0)
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    cast = [None if t is None else t.to(compute) for t in (q, k, v, pos_key, pos_query)]
-    out = _ReferenceAttention.apply(*cast, index, mask, float(softmax_scale), float(dropout_p), dropout_seed(dropout_p))
+    cast = [None if t is None else t.to(compute) for t in (q, call.k, call.v, call.pos_key, call.pos_query)]
+    out = _ReferenceAttention.apply(*cast, index, mask, call.softmax_scale, call.dropout_p,
+                                    dropout_seed(call.dropout_p))
     return out.to(q.dtype)
 
 
-def check_varlen_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                        max_seqlen: int) -> list[int]:
-    """Validate the packed form; returns the sequence offsets (one host sync)."""
-    if q.dim() != 3:
-        raise ValueError(f"q must be [total_tokens, H, d], got shape {tuple(q.shape)}")
-    for name, t in (("k", k), ("v", v)):
-        if t.shape != q.shape:
-            raise ValueError(f"{name} must have the shape of q {tuple(q.shape)}, got {tuple(t.shape)}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor of >= 2 offsets, got {cu_seqlens.dtype} "
-                         f"{tuple(cu_seqlens.shape)}")
-    total, bounds = q.shape[0], cu_seqlens.tolist()
-    if bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
-        raise ValueError(f"cu_seqlens must rise from 0 to total_tokens={total}, got {bounds}")
-    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    if longest > max_seqlen:
-        raise ValueError(f"a sequence in cu_seqlens has {longest} tokens, more than max_seqlen={max_seqlen}")
-    return bounds
-
-
-def disentangled_attention_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pos_key: torch.Tensor | None = None,
-    pos_query: torch.Tensor | None = None,
-    *,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    position_buckets: int,
-    max_relative_positions: int,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-    impl: str = "reference",
-) -> torch.Tensor:
+@varlen_attention_op
+def disentangled_attention_varlen(call: AttentionCall) -> torch.Tensor:
     """Packed form: ``q, k, v`` are ``[total_tokens, H, d]``; sequence ``s`` spans tokens
     ``cu_seqlens[s]:cu_seqlens[s+1]`` and relative positions restart in every sequence."""
-    del impl
-    bounds = check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen)
     outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        seq = [t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
-        out = disentangled_attention(*seq, pos_key, pos_query, position_buckets=position_buckets,
-                                     max_relative_positions=max_relative_positions,
-                                     dropout_p=dropout_p, softmax_scale=softmax_scale)
+    for start, end in zip(call.bounds[:-1], call.bounds[1:]):
+        seq = [t[start:end].transpose(0, 1).unsqueeze(0) for t in (call.q, call.k, call.v)]
+        out = disentangled_attention(*seq, call.pos_key, call.pos_query, position_buckets=call.position_buckets,
+                                     max_relative_positions=call.max_relative_positions,
+                                     dropout_p=call.dropout_p, softmax_scale=call.softmax_scale)
         outs.append(out.squeeze(0).transpose(0, 1))
     return torch.cat(outs, 0)
 
@@ -241,42 +162,26 @@ def disentangled_attention_varlen(
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
-               residual: torch.Tensor | None = None, impl: str = "reference") -> torch.Tensor:
+               residual: torch.Tensor | None = None) -> torch.Tensor:
     """``LayerNorm(x + residual)`` over the last dimension (post-LN residual block)."""
-    del impl
     if residual is not None:
         x = x + residual
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
-def bias_gelu(x: torch.Tensor, bias: torch.Tensor, impl: str = "reference") -> torch.Tensor:
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``gelu(x + bias)`` with the exact (erf) GELU of the DeBERTa feed-forward."""
-    del impl
     return F.gelu(x + bias)
 
 
-class MaskedLMLoss(NamedTuple):
-    """Mean cross-entropy over labelled tokens, with the counts a trainer logs."""
-
-    loss: torch.Tensor          # scalar; 0 (with zero gradients) when nothing is labelled
-    num_labelled: torch.Tensor  # int64 scalar
-    num_correct: torch.Tensor   # int64 scalar: labelled tokens whose argmax is the label
-
-    @property
-    def accuracy(self) -> torch.Tensor:
-        return self.num_correct.float() / self.num_labelled.clamp_min(1).float()
-
-
 def masked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   labels: torch.Tensor, ignore_index: int = -100, impl: str = "reference") -> MaskedLMLoss:
+                   labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> MaskedLMLoss:
     """MLM loss of ``hidden @ weight.T + bias`` on the positions whose label is not ignored.
 
     ``hidden``: ``[..., E]``; ``weight``: ``[V, E]`` (tied word embeddings); ``labels``: ``[...]``.
     Only labelled rows are projected onto the vocabulary.
     """
-    del impl
-    if hidden.shape[:-1] != labels.shape:
-        raise ValueError(f"labels shape {tuple(labels.shape)} does not match hidden {tuple(hidden.shape[:-1])}")
+    check_masked_lm_inputs(hidden, weight, bias, labels)
     labelled = labels.reshape(-1) != ignore_index
     rows = hidden.reshape(-1, hidden.shape[-1])[labelled]
     targets = labels.reshape(-1)[labelled]

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from distaff.launch.launcher import TRAINER_MODULE
 from distaff.launch.run_config import LaunchTarget, resolve_or_exit
+from distaff.train.exit_codes import EXIT_PREEMPTED
 
-EXIT_PREEMPTED = 75  # same value as distaff.train.pretrain.EXIT_PREEMPTED (not imported: it pulls in torch)
 DEFAULT_SIGNAL_LEAD_S = 300
 
 

@@ -10,7 +10,7 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 OUT="${DISTAFF_DEMO_DIR:-runs/demo}"
-SAMPLE=train/sample/austen-emma-pride.txt.gz
+SAMPLE=data/austen-emma-pride.txt.gz
 SECONDS=0
 
 bash scripts/setup-env.sh

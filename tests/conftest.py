@@ -17,16 +17,32 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import torch  # noqa: E402  (after the environment above)
+from helpers import selected_device  # noqa: E402
+
 # Session fixtures shared by several test modules (tests/ is on sys.path via setup.cfg).
 pytest_plugins = ["data_fixtures", "slurm_cluster"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+SAMPLE_DATA = REPO_ROOT / "data"
+KINDS = ("unit", "integration")
 
 
 @pytest.fixture(scope="session")
-def shared_data() -> Path:
-    """The real corpora and labelled set that sit beside the checkout (``../shared/data``)."""
-    if not (SHARED_DATA / "corpus").is_dir():
-        raise FileNotFoundError(f"real test data not found at {SHARED_DATA}; tests need ../shared/data beside the repo")
-    return SHARED_DATA
+def sample_data() -> Path:
+    """The real text bundled with the repository (``data/``, provenance in its README)."""
+    return SAMPLE_DATA
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """The device kernel tests put their tensors on: CPU, or CUDA with ``DISTAFF_TEST_GPU=1``."""
+    return selected_device()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # `pytest -m unit` is the fast loop only if no test escapes the split.
+    unmarked = [item.nodeid for item in items if sum(item.get_closest_marker(k) is not None for k in KINDS) != 1]
+    if unmarked:
+        raise pytest.UsageError("each test needs exactly one of the markers unit/integration:\n  "
+                                + "\n  ".join(unmarked))

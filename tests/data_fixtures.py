@@ -1,4 +1,4 @@
-"""Shared, cached test inputs for the data tests: slices of the real corpora, a tokenizer, a data dir.
+"""Shared, cached test inputs for the data tests: slices of the bundled real text, a tokenizer, a data dir.
 
 Built once per test session (cached on the session's base temp dir) and treated as read-only;
 tests that damage data work on copies.
@@ -16,18 +16,24 @@ from distaff.train.data.prepare import PrepareConfig, prepare
 from distaff.train.tokenizer import train_tokenizer
 
 SEQ_LEN = 128
-# Slices of different sizes (and one tiny file) give deliberately uneven shards.
-SLICES = {"austen": 600_000, "python-docs": 400_000, "shakespeare": 250_000, "linux-docs": 3_000}
+# corpus name -> (bundled file in data/, characters taken). Slices of different sizes (and one tiny
+# file) give deliberately uneven shards.
+SLICES = {"austen": ("austen-emma-pride.txt.gz", 600_000), "python-docs": ("python-docs.txt.gz", 400_000),
+          "shakespeare": ("shakespeare.txt.gz", 250_000), "linux-docs": ("linux-docs.txt.gz", 3_000)}
 _built: dict[str, Path] = {}
 
 
-def corpus_slice(shared_data: Path, name: str, nbytes: int, out_dir: Path) -> Path:
-    """The first ``nbytes`` characters of a corpus, cut at a paragraph boundary, as a .txt file."""
-    with gzip.open(shared_data / "corpus" / f"{name}.txt.gz", "rt", encoding="utf-8") as f:
-        text = f.read(nbytes)
-    text = text[:text.rfind("\n\n")] + "\n"
-    out = out_dir / f"{name}.txt"
-    out.write_text(text, encoding="utf-8")
+def read_sample(path: Path, nchars: int | None = None, start: int = 0) -> str:
+    """Characters ``start`` to ``start + nchars`` (or to the end) of a bundled ``.gz`` text file."""
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        text = f.read(None if nchars is None else start + nchars)
+    return text[start:]
+
+
+def corpus_slice(sample: Path, nchars: int, out: Path) -> Path:
+    """The first ``nchars`` characters of a bundled sample, cut at a paragraph boundary, as a .txt file."""
+    text = read_sample(sample, nchars)
+    out.write_text(text[:text.rfind("\n\n")] + "\n", encoding="utf-8")
     return out
 
 
@@ -38,11 +44,11 @@ def _once(key: str, build) -> Path:
 
 
 @pytest.fixture(scope="session")
-def corpus_files(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+def corpus_files(sample_data: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     def build() -> Path:
         root = tmp_path_factory.mktemp("corpus")
-        for name, nbytes in SLICES.items():
-            corpus_slice(shared_data, name, nbytes, root)
+        for name, (sample, nchars) in SLICES.items():
+            corpus_slice(sample_data / sample, nchars, root / f"{name}.txt")
         return root
 
     root = _once("corpus", build)

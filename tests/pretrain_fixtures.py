@@ -9,7 +9,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import socket
 import struct
 import subprocess
 import sys
@@ -17,6 +16,8 @@ import time
 from pathlib import Path
 
 import yaml
+
+from distaff.train.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -26,12 +27,6 @@ TORCHRUN = str(Path(PYTHON).with_name("torchrun"))
 TEST_MODEL = {"preset": "tiny", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
               "intermediate_size": 128, "max_position_embeddings": 64, "position_buckets": 16}
 SEQ_LEN = 64
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_env(tmp: Path) -> dict[str, str]:
@@ -47,14 +42,14 @@ def rank_env(tmp: Path) -> dict[str, str]:
     return env
 
 
-def prepare_data(base: Path, shared_data: Path) -> Path:
-    """Tokenizer + shards (train and held-out) from ~400 KB of real Shakespeare; cached per session."""
+def prepare_data(base: Path, sample_data: Path) -> Path:
+    """Tokenizer + shards (train and held-out) from 400 KB of real Shakespeare (bundled); cached per session."""
     data_dir = base / "pretrain-data"
     if (data_dir / "manifest.json").is_file():
         return data_dir
     base.mkdir(parents=True, exist_ok=True)
     text = base / "shakespeare-sample.txt"
-    with gzip.open(shared_data / "corpus" / "shakespeare.txt.gz", "rt") as handle:
+    with gzip.open(sample_data / "shakespeare.txt.gz", "rt") as handle:
         text.write_text(handle.read(400_000))
     env = rank_env(base)
     cli = [PYTHON, "-m", "distaff.launch.cli"]
@@ -97,16 +92,17 @@ def torchrun(config: Path, tmp: Path, *overrides: str, timeout: float = 240,
                           timeout=timeout, cwd=tmp)
 
 
-def spawn_ranks(config: Path, tmp: Path, *overrides: str, world_size: int = 2,
-                env: dict[str, str] | None = None) -> list[subprocess.Popen]:
-    """One process per rank with the rank variables set, as ``srun`` starts them (no supervising agent)."""
+def spawn_ranks(config: Path, tmp: Path, *overrides: str, world_size: int = 2, env: dict[str, str] | None = None,
+                program: tuple[str, ...] = ("-m", "distaff.train.pretrain")) -> list[subprocess.Popen]:
+    """One process per rank with the rank variables set, as ``srun`` starts them (no supervising agent);
+    ``program`` is what python runs (the trainer, or a test's wrapper around it)."""
     port = free_port()
     procs = []
     for rank in range(world_size):
         rank_vars = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         log = open(tmp / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen([PYTHON, "-m", "distaff.train.pretrain", "--config", str(config), *overrides],
+        procs.append(subprocess.Popen([PYTHON, *program, "--config", str(config), *overrides],
                                       env={**rank_env(tmp), **(env or {}), **rank_vars}, stdout=log,
                                       stderr=subprocess.STDOUT, cwd=tmp))
     return procs

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from distaff.train.distributed import free_port
+
 NODE_NAMES = ("n1", "n2")
 DAEMON_BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "unshare")
 # Job states after which a job never runs again (REQUEUED and PREEMPTED are not among them).
@@ -37,12 +39,6 @@ def slurm_unavailable_reason() -> str | None:
     if missing:
         return f"Slurm/munge binaries not installed: {', '.join(missing)} (run scripts/install-slurm.sh as root)"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _node_hardware() -> str:

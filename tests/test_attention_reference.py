@@ -11,6 +11,8 @@ from attention_oracle import naive_attention
 from distaff.kernels import bucket_table, disentangled_attention, disentangled_attention_varlen, reference
 from distaff.kernels.relative_position import relative_position_index
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("buckets,max_rel", [(256, 512), (8, 32), (32, 128), (256, 8192), (-1, 24), (-1, 512)])
 def test_relative_index_matches_transformers_for_every_distance(buckets, max_rel):

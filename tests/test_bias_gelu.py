@@ -2,28 +2,26 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from helpers import TRITON_DTYPES, assert_close
 
 import distaff.kernels
 from distaff.kernels import reference
 from distaff.kernels.gelu import BLOCK_M, bias_gelu
 
-DEVICE = torch.device("cuda" if os.environ.get("DISTAFF_TEST_GPU") == "1" else "cpu")
+pytestmark = pytest.mark.unit
+
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float16: dict(rtol=2e-3, atol=2e-3),
              torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
-def _check(shape, dtype, bias_dtype=None):
-    if torch.bfloat16 in (dtype, bias_dtype) and DEVICE.type != "cuda":
-        pytest.skip("bf16 is not emulated correctly by TRITON_INTERPRET; runs with DISTAFF_TEST_GPU=1")
+def _check(shape, device, dtype, bias_dtype=None):
     torch.manual_seed(shape[-1] * 31 + shape[0])
-    x = (torch.randn(shape, device=DEVICE) * 3).to(dtype).requires_grad_()
-    bias = torch.randn(shape[-1], device=DEVICE).to(bias_dtype or dtype).requires_grad_()
+    x = (torch.randn(shape, device=device) * 3).to(dtype).requires_grad_()
+    bias = torch.randn(shape[-1], device=device).to(bias_dtype or dtype).requires_grad_()
     out = distaff.kernels.bias_gelu(x, bias, impl="triton")
-    grad_out = torch.randn(shape, device=DEVICE).to(out.dtype)
+    grad_out = torch.randn(shape, device=device).to(out.dtype)
     out.backward(grad_out)
 
     x64, bias64 = (t.detach().double().requires_grad_() for t in (x, bias))
@@ -31,38 +29,38 @@ def _check(shape, dtype, bias_dtype=None):
     expected.backward(grad_out.double())
     assert out.dtype == torch.promote_types(x.dtype, bias.dtype) and out.shape == x.shape
     tol = TOLERANCE[dtype]
-    torch.testing.assert_close(out.double(), expected, **tol)
+    assert_close(out, expected, **tol)
     assert x.grad.dtype == x.dtype and bias.grad.dtype == bias.dtype
-    torch.testing.assert_close(x.grad.double(), x64.grad, **tol)
+    assert_close(x.grad, x64.grad, **tol, what="grad of x")
     # The bias gradient sums every row: compare relative to the size of that sum.
-    torch.testing.assert_close(bias.grad.double(), bias64.grad, rtol=tol["rtol"], atol=tol["atol"] * shape[0] ** 0.5)
+    assert_close(bias.grad, bias64.grad, rtol=tol["rtol"], atol=tol["atol"] * shape[0] ** 0.5, what="grad of bias")
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", TRITON_DTYPES, ids=str)
 @pytest.mark.parametrize("hidden", [384, 768, 1024, 200])
-def test_bias_gelu_matches_reference(dtype, hidden):
+def test_bias_gelu_matches_reference(dtype, hidden, device):
     # 37 rows: three row tiles of 16, the last partial, split over two backward programs (2 + 1 tiles).
     assert 37 % BLOCK_M != 0 and 37 > 2 * BLOCK_M
-    _check((37, hidden), dtype)
+    _check((37, hidden), device, dtype)
 
 
 @pytest.mark.timeout(120)
-def test_bias_gelu_feed_forward_shape_and_mixed_dtypes():
-    _check((2, 3, 3072), torch.float32)          # DeBERTa-base intermediate size, batched
-    _check((5, 200), torch.float16, torch.float32)  # fp32 bias promotes like x + bias
+def test_bias_gelu_feed_forward_shape_and_mixed_dtypes(device):
+    _check((2, 3, 3072), device, torch.float32)          # DeBERTa-base intermediate size, batched
+    _check((5, 200), device, torch.float16, torch.float32)  # fp32 bias promotes like x + bias
 
 
-def test_bias_gelu_is_exact_erf_not_tanh():
+def test_bias_gelu_is_exact_erf_not_tanh(device):
     # At u = -3 the tanh approximation is off by ~4e-4; the erf form matches the closed form.
-    x = torch.tensor([[-3.0, 0.0, 1.0]], device=DEVICE)
-    out = bias_gelu(x, torch.zeros(3, device=DEVICE))
+    x = torch.tensor([[-3.0, 0.0, 1.0]], device=device)
+    out = bias_gelu(x, torch.zeros(3, device=device))
     u = x.double()
     exact = 0.5 * u * (1 + torch.erf(u / 2 ** 0.5))
-    torch.testing.assert_close(out.double(), exact, rtol=1e-6, atol=1e-7)
+    assert_close(out, exact, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("bias", [torch.zeros(199), None])
-def test_bias_of_the_wrong_shape_is_named(bias):
+def test_bias_of_the_wrong_shape_is_named(bias, device):
     with pytest.raises(ValueError, match="bias must be"):
-        bias_gelu(torch.ones(3, 200), bias)
+        bias_gelu(torch.ones(3, 200, device=device), None if bias is None else bias.to(device))

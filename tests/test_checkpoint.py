@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from distaff.train.checkpoint import (META, CheckpointManager, atomic_write_text, capture_rng_state,
-                                      restore_rng_state, tag_for_step)
+from distaff.train.checkpoint import META, Checkpointer, RNGState, prune, remove_partial, resolve_resume, tag_for_step
+from distaff.train.files import atomic_write_text
+
+pytestmark = pytest.mark.unit
 
 
 def _draws() -> tuple:
@@ -23,10 +25,10 @@ def _draws() -> tuple:
 def test_rng_state_round_trips_through_json():
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     np.random.randn()  # leave a cached gaussian in numpy's state
-    state = json.loads(json.dumps(capture_rng_state()))
+    state = json.loads(json.dumps(RNGState().state_dict()))
     expected = _draws()
     _draws()
-    restore_rng_state(state)
+    RNGState().load_state_dict(state)
     assert _draws() == expected
 
 
@@ -47,22 +49,72 @@ def _fake_complete(root, step):
 
 
 def test_latest_follows_the_marker_and_falls_back_to_the_newest_complete(tmp_path):
-    manager = CheckpointManager(tmp_path, keep=2, rank=0, world_size=1, barrier=lambda: None)
-    assert manager.resolve("auto") is None
+    assert resolve_resume("auto", tmp_path / "not-yet") is None
+    assert resolve_resume("auto", tmp_path) is None
     s2, s4 = _fake_complete(tmp_path, 2), _fake_complete(tmp_path, 4)
     (tmp_path / ".partial-step-00000006" / "distaff").mkdir(parents=True)   # an interrupted save
     atomic_write_text(tmp_path / "latest", "step-00000002\n")
-    assert manager.resolve("auto") == s2
+    assert resolve_resume("auto", tmp_path) == s2
     (tmp_path / "latest").write_text("step-00000009\n")                     # marker names a missing folder
-    assert manager.resolve("auto") == s4
+    assert resolve_resume("auto", tmp_path) == s4
     (tmp_path / "latest").unlink()
-    assert manager.resolve("auto") == s4
-    assert manager.resolve("none") is None
-    assert manager.resolve(str(s2)) == s2
+    assert resolve_resume("auto", tmp_path) == s4
+    assert resolve_resume("none", tmp_path) is None
+    assert resolve_resume(str(s2), tmp_path) == s2
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
-        manager.resolve(str(tmp_path / ".partial-step-00000006"))
-    manager.remove_partial()
+        resolve_resume(str(tmp_path / ".partial-step-00000006"), tmp_path)
+    remove_partial(tmp_path)
     assert not list(tmp_path.glob(".partial-*"))
     _fake_complete(tmp_path, 8)
-    manager._prune()
+    prune(tmp_path, keep=2)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000004", "step-00000008"]
+
+
+class _FakeEngine:
+    """Stands in for DeepSpeed, whose own files are not what these tests are about."""
+
+    def __init__(self) -> None:
+        self.saves = 0
+
+    def save_checkpoint(self, save_dir: str, tag: str, save_latest: bool) -> None:
+        self.saves += 1
+
+    def load_checkpoint(self, load_dir: str, tag: str, **options) -> tuple[str, dict]:
+        return load_dir, {}
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.value = 0
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+def _checkpointer(root, engine, per_rank, shared) -> Checkpointer:
+    return Checkpointer(root, engine, per_rank={"position": per_rank}, shared={"totals": shared}, meta={"run": "t"},
+                        every=3, keep=2, rank=0, world_size=1, barrier=lambda: None)
+
+
+def test_checkpointer_saves_on_schedule_signal_and_last_step_once_and_restores(tmp_path):
+    engine, position, totals = _FakeEngine(), _Counter(), _Counter()
+    checkpointer = _checkpointer(tmp_path, engine, position, totals)
+    for step in range(1, 8):
+        position.value, totals.value = step, 10 * step
+        checkpointer.maybe_save(step, signalled=step == 5)
+    checkpointer.maybe_save(7, last=True)
+    checkpointer.maybe_save(7, last=True)
+    assert engine.saves == 4                                               # steps 3, 5, 6 and 7
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000006", "step-00000007"]
+    meta = json.loads((tmp_path / "step-00000007" / META).read_text())
+    assert (meta["step"], meta["run"], meta["totals"]) == (7, "t", {"value": 70})
+
+    restored_position, restored_totals = _Counter(), _Counter()
+    resumed = _checkpointer(tmp_path, _FakeEngine(), restored_position, restored_totals)
+    assert resumed.restore("auto") == tmp_path / "step-00000007"
+    assert (restored_position.value, restored_totals.value) == (7, 70)
+    resumed.maybe_save(7, last=True)                                       # already saved: nothing to do
+    assert resumed.engine.saves == 0

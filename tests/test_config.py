@@ -9,6 +9,8 @@ import yaml
 
 from distaff.train.config import ConfigError, config_from_dict, config_to_dict, load_config, save_config
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 RUN_CONFIGS = sorted((REPO / "configs" / "run").glob("*.yaml"))
 

@@ -21,7 +21,7 @@ from distaff.train.data.manifest import read_manifest
 from distaff.train.data.prepare import PrepareConfig, prepare
 from distaff.train.data.sources import DataError, ReadOptions
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 def _prepare(inputs: list[Path], tokenizer_dir: Path, out: Path, **read) -> None:

@@ -25,6 +25,7 @@ def samples(data_dir: Path) -> list[np.ndarray]:
     return out
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("masking", [MaskingConfig(), MaskingConfig(whole_word=False, max_ngram=1)],
                          ids=["wwm-3gram", "token"])
 def test_masking_rates_and_specials(tokenizer_dir: Path, samples: list[np.ndarray], masking: MaskingConfig) -> None:
@@ -48,6 +49,7 @@ def test_masking_rates_and_specials(tokenizer_dir: Path, samples: list[np.ndarra
     assert not torch.isin(picked[picked != info.mask_id], torch.tensor(info.special_ids)).any()
 
 
+@pytest.mark.integration
 def test_whole_words_and_ngram_spans(tokenizer_dir: Path, samples: list[np.ndarray]) -> None:
     info = load_tokenizer_info(tokenizer_dir)
     collator = MLMCollator(info, MaskingConfig(), SEQ_LEN)
@@ -73,6 +75,7 @@ def test_whole_words_and_ngram_spans(tokenizer_dir: Path, samples: list[np.ndarr
     assert counts[1] > counts[2] > counts[3] > 0
 
 
+@pytest.mark.integration
 def test_packed_form_matches_padded(tokenizer_dir: Path, samples: list[np.ndarray]) -> None:
     info = load_tokenizer_info(tokenizer_dir)
     collator = MLMCollator(info, MaskingConfig(), SEQ_LEN)
@@ -89,6 +92,7 @@ def test_packed_form_matches_padded(tokenizer_dir: Path, samples: list[np.ndarra
     assert torch.equal(packed["position_ids"][: len(batch[0])], torch.arange(len(batch[0])))
 
 
+@pytest.mark.integration
 def test_masking_is_a_function_of_the_rng(tokenizer_dir: Path, samples: list[np.ndarray]) -> None:
     collator = MLMCollator(load_tokenizer_info(tokenizer_dir), MaskingConfig(), SEQ_LEN)
     a, b = (collator(samples[:64], np.random.default_rng(9)) for _ in range(2))
@@ -96,6 +100,7 @@ def test_masking_is_a_function_of_the_rng(tokenizer_dir: Path, samples: list[np.
     assert torch.equal(a["labels"], b["labels"]) and not torch.equal(a["labels"], c["labels"])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("bad", [dict(mlm_probability=0.0), dict(mask_token_fraction=0.95), dict(max_ngram=0)])
 def test_bad_masking_config(bad: dict) -> None:
     with pytest.raises(ValueError):

@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from data_fixtures import SEQ_LEN
+from data_fixtures import SEQ_LEN, read_sample
 
 import distaff.train.data.prepare as prepare_module
 from distaff.launch.cli import main as distaff_main
@@ -19,6 +19,8 @@ from distaff.train.data.prepare import PrepareConfig, prepare
 from distaff.train.data.shards import iter_shard
 from distaff.train.data.sources import ReadOptions, iter_documents
 from distaff.train.tokenizer import load_tokenizer_info
+
+pytestmark = pytest.mark.integration
 
 
 def _read_split(out: Path, split: str) -> list[np.ndarray]:
@@ -77,9 +79,9 @@ def test_manifest_describes_the_shards(data_dir: Path, tokenizer_dir: Path) -> N
     assert (data_dir / "tokenizer" / "spm.model").is_file() and (data_dir / "tokenizer" / "tokenizer.json").is_file()
 
 
-def test_long_document_is_split_not_dropped(tmp_path: Path, shared_data: Path, tokenizer_dir: Path) -> None:
-    with gzip.open(shared_data / "corpus" / "austen.txt.gz", "rt") as f:
-        book = " ".join(f.read(60_000).split())  # one paragraph, far longer than SEQ_LEN tokens
+def test_long_document_is_split_not_dropped(tmp_path: Path, sample_data: Path, tokenizer_dir: Path) -> None:
+    # One paragraph, far longer than SEQ_LEN tokens.
+    book = " ".join(read_sample(sample_data / "austen-emma-pride.txt.gz", 60_000).split())
     src = tmp_path / "book.txt"
     src.write_text(book)
     info = load_tokenizer_info(tokenizer_dir)

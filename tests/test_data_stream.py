@@ -16,6 +16,8 @@ from distaff.train.data.loader import build_eval_loader, build_train_loader
 from distaff.train.data.manifest import read_manifest
 from distaff.train.data.shards import iter_shard
 
+pytestmark = pytest.mark.integration
+
 BATCH = 16
 
 

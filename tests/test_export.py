@@ -14,16 +14,18 @@ from distaff.train.export import fp32_state_dict, main as export_main
 from distaff.train.model import DebertaForMaskedLM
 from distaff.train.model_config import ModelConfig
 
+pytestmark = pytest.mark.integration
+
 TEXT = ["Shall I compare thee to a summer's day? Thou art more lovely and more temperate.",
         "Now is the winter of our discontent made glorious summer by this sun of York."]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stage", [0, 3])
-def test_export_loads_in_transformers_with_identical_logits(stage, shared_data, tmp_path_factory, tmp_path):
+def test_export_loads_in_transformers_with_identical_logits(stage, sample_data, tmp_path_factory, tmp_path):
     from transformers import AutoModelForMaskedLM, AutoTokenizer
 
-    run = zero_run(tmp_path_factory.getbasetemp(), shared_data, stage)
+    run = zero_run(tmp_path_factory.getbasetemp(), sample_data, stage)
     out = tmp_path / "hf"
     assert export_main([str(run), str(out)]) == 0              # a run dir resolves to its latest checkpoint
 

@@ -8,6 +8,8 @@ import pytest
 
 from distaff.launch.hostlist import HostlistError, expand_hostlist
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("spec, hosts", [
     ("gpu[01-03,07]", ["gpu01", "gpu02", "gpu03", "gpu07"]),

@@ -16,6 +16,8 @@ from distaff.launch.launcher import format_deepspeed_env, hosts_from_environment
 from distaff.launch.run_config import resolve_launch_target
 from distaff.launch.slurm import EXIT_PREEMPTED, SlurmJobSpec, render_sbatch_script
 
+pytestmark = pytest.mark.unit
+
 NODE_ENV = {
     "NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "ib0,eth0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     "WANDB_MODE": "offline", "WANDB_PROJECT": "distaff", "WANDB_API_KEY": "secret-key",
@@ -154,6 +156,12 @@ def test_requeue_exit_code_is_the_trainers() -> None:
     from distaff.train.pretrain import EXIT_PREEMPTED as TRAINER_EXIT_PREEMPTED
 
     assert EXIT_PREEMPTED == TRAINER_EXIT_PREEMPTED == 75
+
+
+def test_cli_and_exit_codes_import_without_torch() -> None:
+    """The ``distaff`` entry point imports a subcommand's module only when it runs."""
+    check = "import sys, distaff.launch.cli, distaff.train.exit_codes; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", check], check=True)
 
 
 def test_sbatch_script_for_cpu_nodes(target) -> None:

@@ -12,6 +12,8 @@ from distaff.train.hf import from_hf, to_hf
 from distaff.train.model import DebertaForMaskedLM
 from distaff.train.model_config import ConfigError, ModelConfig, load_model_config, preset_names
 
+pytestmark = pytest.mark.unit
+
 V3 = {"deberta-v3-xsmall": (12, 384, 6, 1536), "deberta-v3-small": (6, 768, 12, 3072),
       "deberta-v3-base": (12, 768, 12, 3072), "deberta-v3-large": (24, 1024, 16, 4096)}
 

@@ -13,6 +13,8 @@ from distaff.train.hf import from_hf, hf_state_dict, model_config_from_hf, to_hf
 from distaff.train.model import DebertaForMaskedLM
 from distaff.train.model_config import ModelConfig
 
+pytestmark = pytest.mark.unit
+
 BASE = dict(vocab_size=211, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
             max_position_embeddings=64, relative_attention=True, position_buckets=8, max_relative_positions=24,
             pos_att_type="p2c|c2p", norm_rel_ebd="layer_norm", share_att_key=True, position_biased_input=False,

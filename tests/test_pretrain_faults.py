@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from crash_during_save import CRASH_EXIT_CODE
 from pretrain_fixtures import prepare_data, spawn_ranks, train_losses, wait_all, wait_for_step, write_config
 
-from distaff.train.checkpoint import CRASH_DURING_SAVE_ENV, CRASH_EXIT_CODE
 from distaff.train.export import fp32_state_dict
+
+pytestmark = pytest.mark.integration
 
 
 def _log(tmp: Path) -> str:
@@ -20,12 +22,13 @@ def _log(tmp: Path) -> str:
 
 
 @pytest.mark.timeout(300)
-def test_crash_during_save_keeps_the_previous_checkpoint(shared_data, tmp_path_factory, tmp_path):
-    data = prepare_data(tmp_path_factory.getbasetemp(), shared_data)
+def test_crash_during_save_keeps_the_previous_checkpoint(sample_data, tmp_path_factory, tmp_path):
+    data = prepare_data(tmp_path_factory.getbasetemp(), sample_data)
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "run.yaml", data, run_dir, train={"max_steps": 9},
                           checkpoint={"every": 3, "keep": 3})
-    procs = spawn_ranks(config, tmp_path, env={CRASH_DURING_SAVE_ENV: "6"})
+    crash_at_step_6 = (str(Path(__file__).with_name("crash_during_save.py")), "6")
+    procs = spawn_ranks(config, tmp_path, program=crash_at_step_6)
     assert wait_all(procs, timeout=180) == [CRASH_EXIT_CODE, CRASH_EXIT_CODE], _log(tmp_path)
 
     ckpts = run_dir / "checkpoints"
@@ -45,8 +48,8 @@ def test_crash_during_save_keeps_the_previous_checkpoint(shared_data, tmp_path_f
 
 
 @pytest.mark.timeout(200)
-def test_killed_rank_makes_the_job_fail_within_the_timeout(shared_data, tmp_path_factory, tmp_path):
-    data = prepare_data(tmp_path_factory.getbasetemp(), shared_data)
+def test_killed_rank_makes_the_job_fail_within_the_timeout(sample_data, tmp_path_factory, tmp_path):
+    data = prepare_data(tmp_path_factory.getbasetemp(), sample_data)
     timeout_s = 30
     config = write_config(tmp_path / "run.yaml", data, tmp_path / "run", train={"max_steps": 100000},
                           distributed={"timeout_s": timeout_s})

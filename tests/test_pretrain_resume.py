@@ -14,6 +14,8 @@ from pretrain_fixtures import (metrics, prepare_data, spawn_ranks, train_losses,
 
 from distaff.train.pretrain import EXIT_PREEMPTED
 
+pytestmark = pytest.mark.integration
+
 STEPS = 40
 SECTIONS = dict(train={"max_steps": STEPS}, model={"emd": True},   # dropout and EMD on: RNG state matters
                 checkpoint={"every": 0, "keep": 2}, eval={"every": 0, "batches": 2})
@@ -24,9 +26,9 @@ def _log(tmp: Path) -> str:
 
 
 @pytest.mark.timeout(400)
-def test_sigusr1_checkpoints_exits_75_and_resume_is_exact(shared_data, tmp_path_factory):
+def test_sigusr1_checkpoints_exits_75_and_resume_is_exact(sample_data, tmp_path_factory):
     base = tmp_path_factory.getbasetemp()
-    data = prepare_data(base, shared_data)
+    data = prepare_data(base, sample_data)
 
     full_dir = tmp_path_factory.mktemp("uninterrupted")
     full = spawn_ranks(write_config(full_dir / "run.yaml", data, full_dir / "run", **SECTIONS), full_dir)
@@ -46,7 +48,7 @@ def test_sigusr1_checkpoints_exits_75_and_resume_is_exact(shared_data, tmp_path_
     assert 3 <= stopped_at < STEPS
     latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     meta = json.loads((latest / "distaff" / "meta.json").read_text())
-    assert meta["step"] == stopped_at and meta["wandb_run_id"] == "resume-test-1"
+    assert meta["step"] == stopped_at and meta["train_state"]["wandb_run_id"] == "resume-test-1"
     assert sorted(p.name for p in (latest / "distaff").glob("rank-*.json")) == ["rank-00000.json", "rank-00001.json"]
 
     # Resumed (WANDB_RUN_ID now differs: the checkpoint's id wins).

@@ -10,13 +10,15 @@ import yaml
 
 from pretrain_fixtures import metrics, prepare_data, run_log, torchrun, train_losses, write_config
 
+pytestmark = pytest.mark.integration
 
-def zero_run(base: Path, shared_data: Path, stage: int) -> Path:
+
+def zero_run(base: Path, sample_data: Path, stage: int) -> Path:
     """A finished 2-rank run at ZeRO ``stage`` (cached per session: test_export uses the ZeRO-3 one)."""
     out = base / f"zero{stage}-run"
     if (out / "summary.json").is_file():
         return out
-    data = prepare_data(base, shared_data)
+    data = prepare_data(base, sample_data)
     config = write_config(base / f"zero{stage}.yaml", data, out, zero={"stage": stage}, train={"max_steps": 16},
                           checkpoint={"every": 8, "keep": 1}, eval={"every": 8, "batches": 4})
     proc = torchrun(config, base)
@@ -26,8 +28,8 @@ def zero_run(base: Path, shared_data: Path, stage: int) -> Path:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stage", [0, 2, 3])
-def test_zero_run_learns_and_writes_its_outputs(stage, shared_data, tmp_path_factory):
-    out = zero_run(tmp_path_factory.getbasetemp(), shared_data, stage)
+def test_zero_run_learns_and_writes_its_outputs(stage, sample_data, tmp_path_factory):
+    out = zero_run(tmp_path_factory.getbasetemp(), sample_data, stage)
     losses = train_losses(out)
     assert sorted(losses) == list(range(1, 17))
     first, last = sum(losses[s] for s in (1, 2, 3)) / 3, sum(losses[s] for s in (14, 15, 16)) / 3

@@ -20,10 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cluster import SlurmCluster, free_port
+from slurm_cluster import SlurmCluster
 
 from distaff.launch import cli
 from distaff.launch.hostlist import expand_hostlist
+from distaff.train.distributed import free_port
+
+pytestmark = pytest.mark.integration
 
 MAX_STEPS = 40
 CHECKPOINT_EVERY = 10
@@ -69,11 +72,11 @@ def test_launch_writes_the_hostfile_of_the_allocation(slurm: SlurmCluster, run_c
 # ---------------------------------------------------------------- preemption and requeue
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> Path:
+def data_dir(tmp_path_factory: pytest.TempPathFactory, sample_data: Path) -> Path:
     """Shards of a slice of real text, made with our own CLIs."""
     root = tmp_path_factory.mktemp("slurm-data")
     text = root / "austen-slice.txt"
-    with gzip.open(shared_data / "corpus" / "austen.txt.gz", "rt") as source:
+    with gzip.open(sample_data / "austen-emma-pride.txt.gz", "rt") as source:
         text.write_text(source.read(300_000))
     assert cli.main(["tokenizer", "train", "--input", str(text), "--vocab-size", "500", "--out", str(root / "tok")]) == 0
     assert cli.main(["data", "prepare", "--input", str(text), "--tokenizer", str(root / "tok"), "--seq-len", "64",

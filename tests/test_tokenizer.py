@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 
 import pytest
+from data_fixtures import read_sample
 
 from distaff.launch.cli import main as distaff_main
 from distaff.train.tokenizer import METADATA_FILE, load_tokenizer_info
 
 
-def _paragraphs(shared_data: Path, name: str, start: int, count: int) -> list[str]:
-    """Real paragraphs from beyond the slice the tokenizer was trained on."""
-    with gzip.open(shared_data / "corpus" / f"{name}.txt.gz", "rt", encoding="utf-8") as f:
-        text = f.read(start + 400_000)[start:]
-    return [p for p in text.split("\n\n") if p.strip()][:count]
+# Text beyond the slices the tokenizer was trained on: (bundled file, first character).
+HELD_OUT = {"austen": ("austen-emma-pride.txt.gz", 700_000), "python-docs": ("python-docs-heldout.txt.gz", 0)}
 
 
+def _paragraphs(sample: Path, start: int, count: int) -> list[str]:
+    return [p for p in read_sample(sample, 400_000, start).split("\n\n") if p.strip()][:count]
+
+
+@pytest.mark.integration
 def test_special_ids_and_fingerprint(tokenizer_dir: Path) -> None:
     info = load_tokenizer_info(tokenizer_dir)
     assert (info.pad_id, info.cls_id, info.sep_id, info.unk_id, info.mask_id) == (0, 1, 2, 3, 4)
@@ -27,8 +29,9 @@ def test_special_ids_and_fingerprint(tokenizer_dir: Path) -> None:
     assert [processor.id_to_piece(i) for i in range(5)] == ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("corpus", ["austen", "python-docs"])
-def test_auto_tokenizer_matches_spm(tokenizer_dir: Path, shared_data: Path, corpus: str) -> None:
+def test_auto_tokenizer_matches_spm(tokenizer_dir: Path, sample_data: Path, corpus: str) -> None:
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -37,7 +40,8 @@ def test_auto_tokenizer_matches_spm(tokenizer_dir: Path, shared_data: Path, corp
         (info.pad_id, info.cls_id, info.sep_id, info.unk_id, info.mask_id)
     assert len(hf) == info.vocab_size
     processor = info.processor()
-    paragraphs = _paragraphs(shared_data, corpus, 700_000, 400)
+    sample, start = HELD_OUT[corpus]
+    paragraphs = _paragraphs(sample_data / sample, start, 400)
     assert len(paragraphs) == 400
     ours = [[info.cls_id, *ids, info.sep_id] for ids in processor.encode(paragraphs)]
     theirs = hf(paragraphs)["input_ids"]
@@ -50,6 +54,7 @@ def test_auto_tokenizer_matches_spm(tokenizer_dir: Path, shared_data: Path, corp
     assert hf.decode(known, skip_special_tokens=True) == processor.decode(known[1:-1])
 
 
+@pytest.mark.integration
 def test_cli_trains_a_loadable_folder(corpus_files: list[Path], tmp_path: Path) -> None:
     out = tmp_path / "tok"
     code = distaff_main(["tokenizer", "train", "--input", str(corpus_files[3]), str(corpus_files[2]),
@@ -60,6 +65,7 @@ def test_cli_trains_a_loadable_folder(corpus_files: list[Path], tmp_path: Path) 
     assert load_tokenizer_info(out).fingerprint == meta["fingerprint"]
 
 
+@pytest.mark.unit
 def test_missing_input_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     missing = tmp_path / "nowhere.txt.gz"
     code = distaff_main(["tokenizer", "train", "--input", str(missing), "--vocab-size", "500",
@@ -68,6 +74,7 @@ def test_missing_input_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixt
     assert str(missing) in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_tampered_model_is_rejected(tokenizer_dir: Path, tmp_path: Path) -> None:
     import shutil
 

@@ -1,10 +1,10 @@
-"""Atomic, resumable checkpoints: DeepSpeed state + per-rank data stream and RNG states + run metadata.
+"""Atomic, resumable checkpoints of a run's stateful components, and when to take them.
 
 Layout under ``<run.out_dir>/checkpoints``::
 
     step-00000100/            a complete checkpoint (DeepSpeed files, then ours)
-        distaff/rank-00000.json   per rank: step, data stream position, RNG states
-        distaff/meta.json         written last: step, world size, configs, W&B run id, counters
+        distaff/rank-00000.json   per rank: step and the per-rank components (data stream, RNG)
+        distaff/meta.json         written last: step, world size, configs and the shared components
         tokenizer/                copy of the tokenizer, so a checkpoint exports on its own
     latest                    text file naming the newest complete checkpoint
     .partial-step-00000200/   a save in progress (or interrupted by a crash)
@@ -23,48 +23,67 @@ import json
 import os
 import random
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
+
+from .files import atomic_write_text, fsync_dir
 
 LATEST = "latest"
 PARTIAL_PREFIX = ".partial-"
 STALE_PREFIX = ".stale-"
 META = Path("distaff") / "meta.json"
-FORMAT_VERSION = 1
-# Test-only fault injection: when set to a step number, every rank dies in the middle of that
-# step's save (after DeepSpeed wrote its files, before publishing), as a crash would.
-CRASH_DURING_SAVE_ENV = "DISTAFF_TEST_CRASH_DURING_SAVE"
-CRASH_EXIT_CODE = 86
+FORMAT_VERSION = 2
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def tag_for_step(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so readers see the old or the new content, never a torn file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+def _rank_file(folder: Path, rank: int) -> Path:
+    return folder / "distaff" / f"rank-{rank:05d}.json"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+# ---------------------------------------------------------------- finding checkpoints
+
+def is_complete(folder: Path) -> bool:
+    return (folder / META).is_file()
 
 
-# ---------------------------------------------------------------- RNG states as JSON
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint under ``root`` named by ``latest``, else the highest complete ``step-*``, else None."""
+    root = Path(root)
+    marker = root / LATEST
+    if marker.is_file():
+        candidate = root / marker.read_text().strip()
+        if candidate.name.startswith("step-") and is_complete(candidate):
+            return candidate
+    complete = [p for p in root.glob("step-*") if is_complete(p)]
+    return max(complete, key=lambda p: p.name) if complete else None
+
+
+def resolve_resume(resume: str, root: Path) -> Path | None:
+    """``checkpoint.resume``: ``auto`` the latest checkpoint under ``root`` (or None), ``none`` None,
+    else the checkpoint folder it names."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return latest_checkpoint(root)
+    path = Path(resume)
+    if not is_complete(path):
+        raise FileNotFoundError(f"checkpoint.resume={resume!r}: not a complete checkpoint (no {META} in it)")
+    return path
+
+
+# ---------------------------------------------------------------- the global RNGs as a component
 
 def _tensor_to_b64(t: torch.Tensor) -> str:
     return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
@@ -74,139 +93,146 @@ def _b64_to_byte_tensor(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
-def capture_rng_state() -> dict[str, Any]:
-    """Python, NumPy and torch (CPU and CUDA) generator states, JSON-serialisable."""
-    version, internal, gauss = random.getstate()
-    algo, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "python": [version, list(internal), gauss],
-        "numpy": [algo, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-        "torch": _tensor_to_b64(torch.get_rng_state()),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = _tensor_to_b64(torch.cuda.get_rng_state())
-    return state
+class RNGState:
+    """Python, NumPy and torch (CPU and CUDA) generator states, as JSON-serialisable values."""
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = random.getstate()
+        algo, keys, pos, has_gauss, cached = np.random.get_state()
+        state = {
+            "python": [version, list(internal), gauss],
+            "numpy": [algo, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+            "torch": _tensor_to_b64(torch.get_rng_state()),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = _tensor_to_b64(torch.cuda.get_rng_state())
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        algo, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((algo, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+        torch.set_rng_state(_b64_to_byte_tensor(state["torch"]))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(_b64_to_byte_tensor(state["cuda"]))
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    algo, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((algo, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(_b64_to_byte_tensor(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(_b64_to_byte_tensor(state["cuda"]))
+# ---------------------------------------------------------------- the checkpointer
+
+def remove_partial(root: Path) -> None:
+    """Delete leftovers of interrupted saves and replacements."""
+    for leftover in [*root.glob(PARTIAL_PREFIX + "*"), *root.glob(STALE_PREFIX + "*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
-# ---------------------------------------------------------------- the manager
-
-@dataclass
-class LoadedCheckpoint:
-    path: Path
-    meta: dict[str, Any]          # rank 0's run metadata
-    rank_state: dict[str, Any]    # this rank's data stream position and RNG states
+def prune(root: Path, keep: int) -> None:
+    """Delete all but the ``keep`` newest complete checkpoints."""
+    complete = sorted((p for p in root.glob("step-*") if is_complete(p)), key=lambda p: p.name)
+    for old in complete[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
-class CheckpointManager:
-    """Saves, publishes, finds and loads checkpoints under ``root`` (one per run)."""
+def publish(partial: Path, final: Path) -> None:
+    """Rename a finished ``partial`` folder to ``final`` (replacing an older save of the same step)
+    and point ``latest`` at it."""
+    if final.exists():  # re-saving a step (e.g. after resuming from an older checkpoint)
+        stale = final.with_name(STALE_PREFIX + final.name)
+        os.replace(final, stale)
+        os.replace(partial, final)
+        shutil.rmtree(stale, ignore_errors=True)
+    else:
+        os.replace(partial, final)
+    fsync_dir(final.parent)
+    atomic_write_text(final.parent / LATEST, final.name + "\n")
 
-    def __init__(self, root: str | Path, *, keep: int, rank: int, world_size: int, barrier: Callable[[], None]):
-        self.root = Path(root)
-        self.keep = keep
-        self.rank = rank
-        self.world_size = world_size
-        self.barrier = barrier
 
-    # ---- finding
-    def complete(self, path: Path) -> bool:
-        return (path / META).is_file()
+class Checkpointer:
+    """Saves and restores the DeepSpeed engine plus named components, and decides when to save.
 
-    def latest(self) -> Path | None:
-        """The checkpoint named by ``latest``, or the highest complete ``step-*`` if the marker is unusable."""
-        marker = self.root / LATEST
-        if marker.is_file():
-            candidate = self.root / marker.read_text().strip()
-            if candidate.name.startswith("step-") and self.complete(candidate):
-                return candidate
-        complete = [p for p in self.root.glob("step-*") if self.complete(p)]
-        return max(complete, key=lambda p: p.name) if complete else None
+    ``per_rank`` components (data stream position, RNG) are stored once per rank; ``shared`` ones
+    (the loop's counters) are the same on every rank and stored once, in ``meta.json``, with
+    ``meta`` (configs). Every method is collective: all ranks call it at the same step.
+    """
 
-    def resolve(self, resume: str) -> Path | None:
-        """``auto``: the latest complete checkpoint or None; ``none``: None; else a checkpoint folder."""
-        if resume == "none":
-            return None
-        if resume == "auto":
-            return self.latest() if self.root.is_dir() else None
-        path = Path(resume)
-        if not self.complete(path):
-            raise FileNotFoundError(f"checkpoint.resume={resume!r}: not a complete checkpoint (no {META} in it)")
-        return path
+    def __init__(self, root: Path, engine, *, per_rank: dict[str, Stateful], shared: dict[str, Stateful],
+                 meta: dict[str, Any], every: int, keep: int, rank: int, world_size: int,
+                 barrier: Callable[[], None], tokenizer_dir: Path | None = None):
+        self.root, self.engine = root, engine
+        self.per_rank, self.shared, self.meta = per_rank, shared, meta
+        self.every, self.keep = every, keep
+        self.rank, self.world_size, self.barrier = rank, world_size, barrier
+        self.tokenizer_dir = tokenizer_dir
+        self.saved_step: int | None = None
+
+    # ---- when
+    def maybe_save(self, step: int, *, signalled: bool = False, last: bool = False) -> None:
+        """Save on a signal, at the last step, and every ``every`` steps; never twice for one step."""
+        due = signalled or last or (self.every > 0 and step % self.every == 0)
+        if due and step != self.saved_step:
+            self.save(step)
 
     # ---- saving
-    def remove_partial(self) -> None:
-        """Rank 0 deletes leftovers of interrupted saves (call before the first save)."""
-        if self.rank == 0 and self.root.is_dir():
-            for leftover in [*self.root.glob(PARTIAL_PREFIX + "*"), *self.root.glob(STALE_PREFIX + "*")]:
-                shutil.rmtree(leftover, ignore_errors=True)
-        self.barrier()
-
-    def save(self, engine, step: int, rank_state: dict[str, Any], meta: dict[str, Any],
-             tokenizer_dir: str | Path | None = None) -> Path:
-        """Collective: every rank calls it at the same step. Returns the published folder."""
-        tag = tag_for_step(step)
-        partial_tag = PARTIAL_PREFIX + tag
-        partial = self.root / partial_tag
+    def save(self, step: int) -> Path:
+        """Write every component into ``.partial-<tag>``, then publish it as ``<tag>``."""
+        partial = self.root / (PARTIAL_PREFIX + tag_for_step(step))
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)
         self.barrier()
-        engine.save_checkpoint(str(self.root), tag=partial_tag, save_latest=False)
-        own = partial / "distaff" / f"rank-{self.rank:05d}.json"
-        own.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(own, json.dumps({"step": step, **rank_state}))
-        if os.environ.get(CRASH_DURING_SAVE_ENV) == str(step):
-            os._exit(CRASH_EXIT_CODE)
+        self._write_rank_files(partial, step)
         self.barrier()
-        final = self.root / tag
+        final = self.root / tag_for_step(step)
         if self.rank == 0:
-            if tokenizer_dir is not None:
-                shutil.copytree(tokenizer_dir, partial / "tokenizer")
-            atomic_write_text(partial / META, json.dumps({"format": FORMAT_VERSION, "step": step,
-                                                          "world_size": self.world_size, **meta}, indent=1))
-            self._publish(partial, final)
-            self._prune()
+            self._write_meta(partial, step)
+            publish(partial, final)
+            prune(self.root, self.keep)
         self.barrier()
+        self.saved_step = step
         return final
 
-    def _publish(self, partial: Path, final: Path) -> None:
-        if final.exists():  # re-saving a step (e.g. after resuming from an older checkpoint)
-            stale = final.with_name(STALE_PREFIX + final.name)
-            os.replace(final, stale)
-            os.replace(partial, final)
-            shutil.rmtree(stale, ignore_errors=True)
-        else:
-            os.replace(partial, final)
-        _fsync_dir(self.root)
-        atomic_write_text(self.root / LATEST, final.name + "\n")
+    def _write_rank_files(self, partial: Path, step: int) -> None:
+        """This rank's share: its DeepSpeed files and its per-rank components."""
+        self.engine.save_checkpoint(str(partial.parent), tag=partial.name, save_latest=False)
+        own = _rank_file(partial, self.rank)
+        own.parent.mkdir(parents=True, exist_ok=True)
+        states = {name: component.state_dict() for name, component in self.per_rank.items()}
+        atomic_write_text(own, json.dumps({"step": step, **states}))
 
-    def _prune(self) -> None:
-        complete = sorted((p for p in self.root.glob("step-*") if self.complete(p)), key=lambda p: p.name)
-        for old in complete[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    def _write_meta(self, partial: Path, step: int) -> None:
+        if self.tokenizer_dir is not None:
+            shutil.copytree(self.tokenizer_dir, partial / "tokenizer")
+        states = {name: component.state_dict() for name, component in self.shared.items()}
+        meta = {"format": FORMAT_VERSION, "step": step, "world_size": self.world_size, **self.meta, **states}
+        atomic_write_text(partial / META, json.dumps(meta, indent=1))
 
-    # ---- loading
-    def load(self, engine, path: Path) -> LoadedCheckpoint:
-        """Collective: restores the DeepSpeed engine from ``path``; returns our metadata and this rank's state."""
-        meta = json.loads((path / META).read_text())
+    # ---- restoring
+    def restore(self, resume: str) -> Path | None:
+        """Resolve ``checkpoint.resume``, clear interrupted saves and load the checkpoint, if any."""
+        folder = resolve_resume(resume, self.root)
+        if self.rank == 0 and self.root.is_dir():
+            remove_partial(self.root)
+        self.barrier()
+        if folder is not None:
+            self.load(folder)
+        return folder
+
+    def load(self, folder: Path) -> None:
+        """Restore the engine and every component from ``folder``."""
+        meta = json.loads((folder / META).read_text())
         if meta["world_size"] != self.world_size:
-            raise RuntimeError(f"{path} was written by {meta['world_size']} ranks; resuming exactly needs the same "
+            raise RuntimeError(f"{folder} was written by {meta['world_size']} ranks; resuming exactly needs the same "
                                f"world size (data stream positions are per rank), this job has {self.world_size}")
-        own = path / "distaff" / f"rank-{self.rank:05d}.json"
+        own = _rank_file(folder, self.rank)
         if not own.is_file():
             raise FileNotFoundError(f"{own}: this rank's state is missing from the checkpoint")
         rank_state = json.loads(own.read_text())
-        loaded, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
-                                           load_lr_scheduler_states=False)
+        loaded, _ = self.engine.load_checkpoint(str(folder.parent), tag=folder.name, load_optimizer_states=True,
+                                                load_lr_scheduler_states=False)
         if loaded is None:
-            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path}")
-        return LoadedCheckpoint(path=path, meta=meta, rank_state=rank_state)
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {folder}")
+        for name, component in self.per_rank.items():
+            component.load_state_dict(rank_state[name])
+        for name, component in self.shared.items():
+            component.load_state_dict(meta[name])
+        self.saved_step = meta["step"]

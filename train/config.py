@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 
 from .data.collator import MaskingConfig
-from .model_config import ConfigError, ModelConfig, load_model_config
+from .model_config import ConfigError, ModelConfig, load_model_config, reject_unknown_keys
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "parse_overrides", "save_config", "config_to_dict"]
 
@@ -176,10 +176,8 @@ def _build(cls: type, values: Any, prefix: str) -> Any:
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {values!r}")
     hints = typing.get_type_hints(cls)
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"unknown config key {prefix + unknown[0]!r} (known keys: {sorted(known)})")
+    known = sorted(f.name for f in fields(cls))
+    reject_unknown_keys(values, known, "unknown config key(s)", prefix, f" (known keys: {known})")
     kwargs = {}
     for name, value in values.items():
         annotation = hints[name]
@@ -200,10 +198,8 @@ def _build_model_section(values: Any) -> ModelSection:
         raise ConfigError(f"model: expected a mapping, got {values!r}")
     values = dict(values)
     preset = _check_value("model.preset", values.pop("preset", ModelSection.preset), str)
-    known = {f.name for f in fields(ModelConfig)}
-    for name in values:
-        if name not in known:
-            raise ConfigError(f"unknown config key 'model.{name}' (not a ModelConfig field)")
+    reject_unknown_keys(values, (f.name for f in fields(ModelConfig)), "unknown config key(s)", "model.",
+                        " (not ModelConfig fields)")
     return ModelSection(preset=preset, overrides=values)
 
 

@@ -28,7 +28,8 @@ class DistEnv:
         return self.rank == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -51,7 +52,7 @@ def init_distributed(timeout_s: int) -> DistEnv:
         raise RuntimeError("MASTER_ADDR and MASTER_PORT must be set for a multi-process run "
                            "(the deepspeed launcher and torchrun set them; export them in an sbatch script)")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     # DeepSpeed reads these names whichever launcher started us.
     os.environ.update(RANK=str(layout.rank), WORLD_SIZE=str(layout.world_size), LOCAL_RANK=str(layout.local_rank))
     if torch.cuda.is_available():

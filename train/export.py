@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import META, CheckpointManager
+from .checkpoint import META, is_complete, latest_checkpoint
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 
@@ -22,13 +22,12 @@ MODEL_STATES = "mp_rank_00_model_states.pt"
 def find_checkpoint(path: str | Path) -> Path:
     """The checkpoint folder ``path`` names: itself, or the latest complete one under it."""
     path = Path(path)
-    if (path / META).is_file():
+    if is_complete(path):
         return path
     for root in (path, path / "checkpoints"):
-        if root.is_dir():
-            latest = CheckpointManager(root, keep=1, rank=0, world_size=1, barrier=lambda: None).latest()
-            if latest is not None:
-                return latest
+        latest = latest_checkpoint(root)
+        if latest is not None:
+            return latest
     raise FileNotFoundError(f"{path}: no complete checkpoint here (a folder with {META}, or a run/checkpoints "
                             "folder holding one)")
 

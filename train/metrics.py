@@ -16,7 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .config import WandbSection
+from .flops import mfu
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
@@ -28,7 +31,6 @@ def _warn(message: str) -> None:
 
 def system_info(world_size: int) -> dict[str, Any]:
     import deepspeed
-    import torch
 
     info = {"hostname": socket.gethostname(), "python": platform.python_version(), "torch": torch.__version__,
             "deepspeed": deepspeed.__version__, "world_size": world_size, "cuda": torch.cuda.is_available()}
@@ -186,10 +188,9 @@ class Throughput:
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
         tokens_per_s = self.tokens / elapsed
         per_device = tokens_per_s / self.world_size
-        mfu = per_device * self.flops_per_token / self.peak_flops if self.peak_flops else None
         report = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": per_device,
                   "samples_per_s": self.samples / elapsed, "samples_per_s_per_device": self.samples / elapsed / self.world_size,
-                  "step_time_s": elapsed / max(self.steps, 1), "mfu": mfu,
+                  "step_time_s": elapsed / max(self.steps, 1), "mfu": mfu(per_device, self.flops_per_token, self.peak_flops),
                   "eta_s": steps_left * elapsed / max(self.steps, 1)}
         self.reset()
         return report
@@ -197,8 +198,6 @@ class Throughput:
 
 def peak_memory_gb() -> float:
     """Peak CUDA memory allocated on this device, or the process's peak resident set on CPU."""
-    import torch
-
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
     import resource

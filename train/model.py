@@ -196,11 +196,20 @@ class Encoder(nn.Module):
             return checkpoint(layer, hidden, mask, rel, query_states, use_reentrant=False)
         return layer(hidden, mask, rel, query_states)
 
-    def forward(self, hidden: torch.Tensor, mask: torch.Tensor, rel: torch.Tensor | None,
-                num_layers: int | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
+        rel = self.rel_table()
         for layer in self.layer[:num_layers]:
             hidden = self.run_layer(layer, hidden, mask, rel)
         return hidden
+
+    def requery_last_layer(self, hidden: torch.Tensor, mask: torch.Tensor, query: torch.Tensor,
+                           times: int) -> torch.Tensor:
+        """The last layer ``times`` times over keys and values from ``hidden``, each output becoming
+        the next ``query`` (the Enhanced Mask Decoder's computation)."""
+        rel, last = self.rel_table(), self.layer[-1]
+        for _ in range(times):
+            query = self.run_layer(last, hidden, mask, rel, query)
+        return query
 
 
 class DebertaModel(nn.Module):
@@ -216,7 +225,7 @@ class DebertaModel(nn.Module):
         """Hidden states after the first ``num_layers`` layers (all by default)."""
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         hidden = self.embeddings(input_ids, token_type_ids, mask)
-        return self.encoder(hidden, mask, self.encoder.rel_table(), num_layers)
+        return self.encoder(hidden, mask, num_layers)
 
 
 class EnhancedMaskDecoder(nn.Module):
@@ -234,11 +243,8 @@ class EnhancedMaskDecoder(nn.Module):
         self.applications = cfg.emd_layers
 
     def forward(self, encoder: Encoder, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        rel, last = encoder.rel_table(), encoder.layer[-1]
         query = hidden + self.position_embeddings.weight[: hidden.shape[1]]
-        for _ in range(self.applications):
-            query = encoder.run_layer(last, hidden, mask, rel, query)
-        return query
+        return encoder.requery_last_layer(hidden, mask, query, self.applications)
 
 
 class MLMHead(nn.Module):
@@ -294,8 +300,8 @@ class DebertaForMaskedLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> MaskedLMOutput:
-        """With ``labels`` (-100 = ignore): the loss, computed on labelled positions only, without
-        building the logits. Without: ``[B, N, V]`` logits."""
+        """With ``labels`` (``IGNORE_INDEX`` = no target): the loss, computed on labelled positions
+        only, without building the logits. Without: ``[B, N, V]`` logits."""
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         skip_last = 1 if self.emd is not None else 0
         hidden = self.deberta(input_ids, mask, token_type_ids, num_layers=self.config.num_hidden_layers - skip_last)
@@ -303,9 +309,12 @@ class DebertaForMaskedLM(nn.Module):
         if labels is None:
             logits = F.linear(self.lm_head.transform(decoded), self.word_embeddings.weight, self.lm_head.bias)
             return MaskedLMOutput(hidden, logits=logits)
-        labelled = labels != -100
-        # Only labelled positions (~15%) go through the head transform and the vocabulary projection.
-        result = kernels.masked_lm_loss(self.lm_head.transform(decoded[labelled]), self.word_embeddings.weight,
-                                        self.lm_head.bias, labels[labelled], impl=self.config.kernel_impl)
+        # Only labelled positions (~15%) go through the head transform and the vocabulary projection;
+        # they are found once (one host sync), and the loss gets only those rows and their labels.
+        labelled = (labels.reshape(-1) != kernels.IGNORE_INDEX).nonzero().squeeze(1)
+        rows = decoded.reshape(-1, decoded.shape[-1]).index_select(0, labelled)
+        result = kernels.masked_lm_loss(self.lm_head.transform(rows), self.word_embeddings.weight, self.lm_head.bias,
+                                        labels.reshape(-1).index_select(0, labelled), kernels.IGNORE_INDEX,
+                                        impl=self.config.kernel_impl)
         return MaskedLMOutput(hidden, loss=result.loss, num_labelled=result.num_labelled,
                               num_correct=result.num_correct)

@@ -12,15 +12,24 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import yaml
 
-IMPLS = ("auto", "triton", "reference")
+from distaff.kernels import IMPLS, attention_span
+
 POSITION_TERMS = ("c2p", "p2c")
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
+
+
+def reject_unknown_keys(values: Iterable[str], known: Iterable[str], what: str, prefix: str = "",
+                        hint: str = "") -> None:
+    """A :class:`ConfigError` ``"<what> [<prefix>key, ...]<hint>"`` if ``values`` holds keys not in ``known``."""
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"{what} {[prefix + key for key in unknown]}{hint}")
 
 
 @dataclass
@@ -102,7 +111,7 @@ class ModelConfig:
     @property
     def att_span(self) -> int:
         """Half the rows of the relative-position table (``position_buckets`` or the max distance)."""
-        return self.position_buckets if self.position_buckets > 0 else self.resolved_max_relative_positions
+        return attention_span(self.position_buckets, self.resolved_max_relative_positions)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -112,10 +121,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], source: str = "model config") -> "ModelConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"{source}: unknown field(s) {unknown}")
+        reject_unknown_keys(values, (f.name for f in fields(cls)), f"{source}: unknown field(s)")
         return cls(**values)
 
 

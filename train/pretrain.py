@@ -2,15 +2,19 @@
 
 Run under the ``deepspeed`` launcher, ``torchrun`` or ``srun``; rank and world size come from the
 environment. Data flows one way: config -> data stream -> model -> engine -> checkpoints/metrics.
-On SIGTERM or SIGUSR1 every rank finishes the current step, a checkpoint is saved and the process
-exits with :data:`EXIT_PREEMPTED` (75); ``checkpoint.resume=auto`` continues from there.
+:class:`Trainer` builds the stateful components (data loader, RNGs, counters, engine), runs the
+loop and closes the run. On SIGTERM or SIGUSR1 every rank finishes the current step, a checkpoint
+is saved and the process exits with :data:`EXIT_PREEMPTED` (75); ``checkpoint.resume=auto``
+continues from there.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import random
 import secrets
 import signal
 import string
@@ -19,23 +23,29 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 from . import distributed as dist_utils
-from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
+from .checkpoint import Checkpointer, RNGState, latest_checkpoint
 from .config import ConfigError, RunConfig, config_to_dict, load_config, save_config
+from .data.loader import EvalLoader, PretrainLoader, open_data_dir
+from .data.manifest import Manifest
 from .engine import initialize, loss_scale, set_lr
+from .exit_codes import EXIT_BAD_CONFIG, EXIT_FAILURE, EXIT_PREEMPTED
 from .flops import peak_flops, train_flops_per_token
-from .metrics import PLOT_FILE, MetricsLogger, Throughput, WandbSink, peak_memory_gb, perplexity, plot_metrics, system_info
+from .metrics import PLOT_FILE, MetricsLogger, Throughput, WandbSink, peak_memory_gb, plot_metrics, system_info
+from .model import DebertaForMaskedLM
 from .model_config import ModelConfig
 from .schedule import lr_at
+from .tokenizer import TokenizerInfo
+from .steps import Evaluator, train_step
 
-EXIT_PREEMPTED = 75     # EX_TEMPFAIL: checkpointed on a signal; run again to resume
-EXIT_FAILURE = 1
-EXIT_BAD_CONFIG = 2
 SUMMARY_FILE = "summary.json"
+
+__all__ = ["EXIT_BAD_CONFIG", "EXIT_FAILURE", "EXIT_PREEMPTED", "TrainState", "Trainer", "main", "train"]
 
 
 class PreemptionFlag:
@@ -51,15 +61,22 @@ class PreemptionFlag:
 
 
 @dataclass
-class Progress:
-    """Counters that survive restarts (stored in the checkpoint metadata)."""
+class TrainState:
+    """The W&B run id, where the loop is and its counters: what a resumed run continues from."""
+    wandb_run_id: str | None = None
+    step: int = 0
     tokens: int = 0
     samples: int = 0
     train_time_s: float = 0.0
     last_eval: dict[str, float] = field(default_factory=dict)
 
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
-# ---------------------------------------------------------------- data and model
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, state[f.name])
+
 
 def build_model_config(cfg: RunConfig, tokenizer) -> ModelConfig:
     """The preset with overrides; vocabulary size and padding id come from the tokenizer."""
@@ -72,215 +89,189 @@ def build_model_config(cfg: RunConfig, tokenizer) -> ModelConfig:
     return cfg.model_config(**fixed)
 
 
-def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
-
-# ---------------------------------------------------------------- one step, evaluation
-
-def train_step(engine, batches, grad_accum: int, device: torch.device) -> torch.Tensor:
-    """One optimizer step over ``grad_accum`` micro-batches; this rank's sums
-    ``[loss * labelled, labelled, correct, tokens, samples]`` as a float64 tensor on ``device``
-    (kept there so micro-batches queue without a host sync)."""
-    sums = torch.zeros(5, dtype=torch.float64, device=device)
-    for _ in range(grad_accum):
-        batch = _to_device(next(batches), device)
-        ids = batch["input_ids"]
-        out = engine(ids, attention_mask=batch["attention_mask"], labels=batch["labels"])
-        engine.backward(out.loss)
-        engine.step()
-        labelled = out.num_labelled.double()
-        sums[:3] += torch.stack([out.loss.detach().double() * labelled, labelled, out.num_correct.double()])
-        sums[3:] += torch.tensor([ids.numel(), ids.shape[0]], dtype=torch.float64, device=device)
-    return sums
-
-
-@torch.no_grad()
-def evaluate(engine, cfg: RunConfig, layout: dist_utils.DistEnv, device: torch.device) -> dict[str, float]:
-    """Loss, accuracy and perplexity on the held-out split, token-weighted over all ranks.
-
-    Every rank runs the same number of batches (ZeRO-3 forwards are collective), and the global
-    RNG is forked so evaluating never changes the training run's random stream.
-    """
-    from .data.loader import build_eval_loader
-
-    loader = build_eval_loader(cfg.data.dir, batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
-                               rank=layout.rank, world_size=layout.world_size, seed=cfg.run.seed,
-                               masking=cfg.data.masking)
-    sums = [0.0, 0.0, 0.0]
-    engine.eval()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        batches, done = iter(loader), 0
-        while cfg.eval.batches == 0 or done < cfg.eval.batches:
-            batch = next(batches, None)
-            have = dist_utils.all_reduce_sum([0.0 if batch is None else 1.0], device)[0]
-            if have < layout.world_size:
-                break
-            batch = _to_device(batch, device)
-            out = engine(batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
-            labelled = float(out.num_labelled)
-            sums[0] += float(out.loss) * labelled
-            sums[1] += labelled
-            sums[2] += float(out.num_correct)
-            done += 1
-    engine.train()
-    loss_sum, labelled, correct = dist_utils.all_reduce_sum(sums, device)
-    if labelled == 0:
-        raise RuntimeError(f"evaluation saw no labelled tokens: is the held-out split of {cfg.data.dir} empty?")
-    loss = loss_sum / labelled
-    return {"eval_loss": loss, "eval_accuracy": correct / labelled, "eval_perplexity": perplexity(loss),
-            "eval_tokens": int(labelled)}
-
-
-def unigram_baseline_accuracy(data_dir: str) -> float | None:
-    """MLM accuracy of always predicting the held-out split's most frequent non-special token."""
-    from .data.manifest import read_manifest
-
-    split = read_manifest(data_dir).splits.get("heldout")
-    if split is None or not split.top_tokens or not split.non_special_tokens:
-        return None
-    return split.top_tokens[0][1] / split.non_special_tokens
-
-
-# ---------------------------------------------------------------- the run
 
 def _new_wandb_id() -> str:
     alphabet = string.ascii_lowercase + string.digits
     return "".join(secrets.choice(alphabet) for _ in range(8))
 
 
-def _seed(seed: int) -> None:
-    import random
+class Trainer:
+    """One rank of a run: ``Trainer(cfg, layout).run()`` builds, loops, closes; returns the exit code."""
 
-    import numpy as np
+    def __init__(self, cfg: RunConfig, layout: dist_utils.DistEnv):
+        self.cfg, self.layout = cfg, layout
+        self.device = dist_utils.device_for(layout)
+        if layout.is_main:
+            cfg.out_dir.mkdir(parents=True, exist_ok=True)
+        dist_utils.barrier()
+        self.preemption = PreemptionFlag()
+        self.manifest, tokenizer = open_data_dir(cfg.data.dir)
+        self.loader, self.evaluator = self._build_data(tokenizer)
+        self.model_cfg = build_model_config(cfg, tokenizer)
+        self.engine = self._build_engine()
+        self.state = TrainState()
+        self.checkpointer = self._build_checkpointer(tokenizer.path)
+        resumed_from = self.checkpointer.restore(cfg.checkpoint.resume)
+        self._check_same_step()
+        self.state.wandb_run_id = self.state.wandb_run_id or os.environ.get("WANDB_RUN_ID") or _new_wandb_id()
+        self.metrics = self._build_metrics(resumed_from)
+        self.throughput = self._build_throughput()
 
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    # ---------------------------------------------------------------- building
 
+    def _build_data(self, tokenizer: TokenizerInfo) -> tuple[PretrainLoader, Evaluator]:
+        cfg, layout = self.cfg, self.layout
+        shared = dict(rank=layout.rank, world_size=layout.world_size, seed=cfg.run.seed, masking=cfg.data.masking)
+        loader = PretrainLoader(cfg.data.dir, self.manifest, tokenizer, batch_size=cfg.data.batch_size,
+                                num_workers=cfg.data.num_workers, **shared)
+        eval_loader = EvalLoader(cfg.data.dir, self.manifest, tokenizer,
+                                 batch_size=cfg.data.eval_batch_size or cfg.data.batch_size, **shared)
+        return loader, Evaluator(eval_loader, cfg.eval.batches, layout.world_size, self.device)
 
-def train(cfg: RunConfig, layout: dist_utils.DistEnv) -> int:
-    device = dist_utils.device_for(layout)
-    out_dir = cfg.out_dir
-    if layout.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    dist_utils.barrier()
-    preemption = PreemptionFlag()
+    def _build_engine(self):
+        _seed(self.cfg.run.seed)                      # identical initial weights on every rank
+        engine = initialize(DebertaForMaskedLM(self.model_cfg), self.cfg, self.layout.world_size)
+        _seed(self.cfg.run.seed + 7919 * (self.layout.rank + 1))   # different dropout and masking per rank
+        return engine
 
-    from .data.loader import build_train_loader
-    from .model import DebertaForMaskedLM
+    def _build_checkpointer(self, tokenizer_dir: Path) -> Checkpointer:
+        """Saves the engine plus each rank's data stream and RNGs, and the loop's state once (rank 0)."""
+        cfg, layout = self.cfg, self.layout
+        return Checkpointer(cfg.out_dir / "checkpoints", self.engine,
+                            per_rank={"data": self.loader, "rng": RNGState()}, shared={"train_state": self.state},
+                            meta={"config": config_to_dict(cfg), "model_config": self.model_cfg.to_dict()},
+                            every=cfg.checkpoint.every, keep=cfg.checkpoint.keep, rank=layout.rank,
+                            world_size=layout.world_size, barrier=dist_utils.barrier, tokenizer_dir=tokenizer_dir)
 
-    loader = build_train_loader(cfg.data.dir, batch_size=cfg.data.batch_size, rank=layout.rank,
-                                world_size=layout.world_size, num_workers=cfg.data.num_workers, seed=cfg.run.seed,
-                                masking=cfg.data.masking)
-    model_cfg = build_model_config(cfg, loader.tokenizer)
-    _seed(cfg.run.seed)                      # identical initial weights on every rank
-    engine = initialize(DebertaForMaskedLM(model_cfg), cfg, layout.world_size)
-    _seed(cfg.run.seed + 7919 * (layout.rank + 1))   # different dropout and masking per rank
+    def _check_same_step(self) -> None:
+        step = self.state.step
+        steps = dist_utils.all_reduce_sum([float(step)], self.device)[0]
+        if steps != step * self.layout.world_size:
+            raise RuntimeError(f"ranks resumed from different steps (this rank: {step}); "
+                               f"is {self.checkpointer.root} shared?")
 
-    checkpoints = CheckpointManager(out_dir / "checkpoints", keep=cfg.checkpoint.keep, rank=layout.rank,
-                                    world_size=layout.world_size, barrier=dist_utils.barrier)
-    resume_from = checkpoints.resolve(cfg.checkpoint.resume)
-    checkpoints.remove_partial()
-    step, progress, wandb_id = 0, Progress(), None
-    if resume_from is not None:
-        loaded = checkpoints.load(engine, resume_from)
-        loader.load_state_dict(loaded.rank_state["data"])
-        restore_rng_state(loaded.rank_state["rng"])
-        step, wandb_id = loaded.meta["step"], loaded.meta["wandb_run_id"]
-        progress = Progress(**loaded.meta["progress"])
-    steps = dist_utils.all_reduce_sum([float(step)], device)[0]
-    if steps != step * layout.world_size:
-        raise RuntimeError(f"ranks resumed from different steps (this rank: {step}); is {checkpoints.root} shared?")
-    wandb_id = wandb_id or os.environ.get("WANDB_RUN_ID") or _new_wandb_id()
+    def _build_metrics(self, resumed_from: Path | None) -> MetricsLogger:
+        cfg, sink = self.cfg, None
+        if self.layout.is_main:
+            save_config(cfg, cfg.out_dir / "config.yaml", self.model_cfg)
+            parameters = sum(getattr(p, "ds_numel", p.numel()) for p in self.engine.module.parameters())
+            print(f"distaff: {'resuming from ' + str(resumed_from) if resumed_from else 'starting a new run'}; "
+                  f"{self.layout.world_size} rank(s), ZeRO-{cfg.zero.stage}, {cfg.train.precision}, "
+                  f"{parameters / 1e6:.2f}M parameters", flush=True)
+            sink = WandbSink(cfg.wandb, run_name=cfg.run.name, out_dir=cfg.out_dir, run_id=self.state.wandb_run_id,
+                             config={**config_to_dict(cfg), "model_resolved": self.model_cfg.to_dict(),
+                                     "system": system_info(self.layout.world_size)})
+        return MetricsLogger(cfg.out_dir, enabled=self.layout.is_main, max_steps=cfg.train.max_steps,
+                             start_step=self.state.step, progress_bar=cfg.logging.progress_bar, wandb=sink)
 
-    sink = None
-    if layout.is_main:
-        save_config(cfg, out_dir / "config.yaml", model_cfg)
-        print(f"distaff: {'resuming from ' + str(resume_from) if resume_from else 'starting a new run'}; "
-              f"{layout.world_size} rank(s), ZeRO-{cfg.zero.stage}, {cfg.train.precision}, "
-              f"{sum(getattr(p, 'ds_numel', p.numel()) for p in engine.module.parameters()) / 1e6:.2f}M parameters", flush=True)
-        sink = WandbSink(cfg.wandb, run_name=cfg.run.name, out_dir=out_dir, run_id=wandb_id,
-                         config={**config_to_dict(cfg), "model_resolved": model_cfg.to_dict(),
-                                 "system": system_info(layout.world_size)})
-    metrics = MetricsLogger(out_dir, enabled=layout.is_main, max_steps=cfg.train.max_steps, start_step=step,
-                            progress_bar=cfg.logging.progress_bar, wandb=sink)
-    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    throughput = Throughput(layout.world_size, train_flops_per_token(model_cfg, loader.seq_len,
-                                                                     cfg.data.masking.mlm_probability),
-                            peak_flops(device_name, cfg.train.precision) if device.type == "cuda" else None)
+    def _build_throughput(self) -> Throughput:
+        on_gpu = self.device.type == "cuda"
+        peak = peak_flops(torch.cuda.get_device_name(), self.cfg.train.precision) if on_gpu else None
+        flops = train_flops_per_token(self.model_cfg, self.loader.seq_len, self.cfg.data.masking.mlm_probability)
+        return Throughput(self.layout.world_size, flops, peak)
 
-    def save(at_step: int) -> None:
-        meta = {"config": config_to_dict(cfg), "model_config": model_cfg.to_dict(), "wandb_run_id": wandb_id,
-                "progress": progress.__dict__}
-        checkpoints.save(engine, at_step, {"data": loader.state_dict(), "rng": capture_rng_state()}, meta,
-                         tokenizer_dir=loader.tokenizer.path)
+    # ---------------------------------------------------------------- the loop
 
-    exit_code, saved_at, batches = 0, step, iter(loader)
-    while step < cfg.train.max_steps:
-        t0 = time.perf_counter()
-        set_lr(engine, lr_at(step, lr=cfg.optim.lr, warmup_steps=cfg.optim.warmup_steps,
-                             max_steps=cfg.train.max_steps, schedule=cfg.optim.schedule,
-                             min_lr_ratio=cfg.optim.min_lr_ratio))
-        local = train_step(engine, batches, cfg.train.grad_accum, device)
-        step += 1
+    def run(self) -> int:
+        exit_code = self._loop()
+        self.metrics.close()
+        if exit_code == 0:
+            self._evaluate()
+            self.checkpointer.maybe_save(self.state.step, last=True)
+        self._close(exit_code)
+        return exit_code
+
+    def _loop(self) -> int:
+        cfg, batches = self.cfg, iter(self.loader)
+        while self.state.step < cfg.train.max_steps:
+            signalled = self._step(batches)
+            step = self.state.step
+            if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.max_steps:
+                self._evaluate()
+            self.checkpointer.maybe_save(step, signalled=signalled)
+            if signalled:
+                if self.layout.is_main:
+                    print(f"distaff: signal received; checkpoint saved at step {step}; exiting with "
+                          f"{EXIT_PREEMPTED} (run again to resume)", flush=True)
+                return EXIT_PREEMPTED
+        return 0
+
+    def _step(self, batches: Iterator[dict]) -> bool:
+        """One optimizer step and its bookkeeping; returns whether any rank got a signal."""
+        state, started = self.state, time.perf_counter()
+        set_lr(self.engine, self._lr(state.step))
+        local = train_step(self.engine, batches, self.cfg.train.grad_accum, self.device)
+        state.step += 1
         # one small collective per step: global sums plus "did any rank get a signal?"
-        flag = torch.tensor([float(preemption.signum != 0)], dtype=torch.float64, device=device)
+        flag = torch.tensor([float(self.preemption.signum != 0)], dtype=torch.float64, device=self.device)
         loss_sum, labelled, correct, tokens, samples, signalled = dist_utils.all_reduce_sum(
-            torch.cat([local, flag]), device)
-        progress.tokens += int(tokens)
-        progress.samples += int(samples)
-        progress.train_time_s += time.perf_counter() - t0
-        throughput.add(int(tokens), int(samples))
-        if step % cfg.logging.every == 0 or step == cfg.train.max_steps:
-            grad_norm = engine.get_global_grad_norm()
-            metrics.log({"step": step, "loss": loss_sum / max(labelled, 1.0), "accuracy": correct / max(labelled, 1.0),
-                         "lr": engine.optimizer.param_groups[0]["lr"],
-                         "grad_norm": None if grad_norm is None else float(grad_norm),
-                         "loss_scale": loss_scale(engine), "tokens_seen": progress.tokens,
-                         "peak_mem_gb": peak_memory_gb(), **throughput.report(cfg.train.max_steps - step)})
-        metrics.advance(step)
-        if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.max_steps:
-            progress.last_eval = evaluate(engine, cfg, layout, device)
-            metrics.log({"step": step, **progress.last_eval})
-        if signalled or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-            save(step)
-            saved_at = step
-        if signalled:
-            exit_code = EXIT_PREEMPTED
-            if layout.is_main:
-                print(f"distaff: signal received; checkpoint saved at step {step}; exiting with {EXIT_PREEMPTED} "
-                      "(run again to resume)", flush=True)
-            break
-    metrics.close()
+            torch.cat([local, flag]), self.device)
+        state.tokens += int(tokens)
+        state.samples += int(samples)
+        state.train_time_s += time.perf_counter() - started
+        self.throughput.add(int(tokens), int(samples))
+        if state.step % self.cfg.logging.every == 0 or state.step == self.cfg.train.max_steps:
+            self._log_train(loss_sum / max(labelled, 1.0), correct / max(labelled, 1.0))
+        self.metrics.advance(state.step)
+        return bool(signalled)
 
-    if exit_code == 0:
-        progress.last_eval = evaluate(engine, cfg, layout, device)
-        metrics.log({"step": step, **progress.last_eval})
-        if saved_at != step:
-            save(step)
-    if layout.is_main:
-        summary = write_summary(cfg, step, progress, checkpoints.latest(), layout.world_size)
-        if sink is not None:
-            sink.summary(summary)
-            sink.finish(exit_code)
-    return exit_code
+    def _lr(self, step: int) -> float:
+        optim = self.cfg.optim
+        return lr_at(step, lr=optim.lr, warmup_steps=optim.warmup_steps, max_steps=self.cfg.train.max_steps,
+                     schedule=optim.schedule, min_lr_ratio=optim.min_lr_ratio)
+
+    def _log_train(self, loss: float, accuracy: float) -> None:
+        grad_norm = self.engine.get_global_grad_norm()
+        self.metrics.log({"step": self.state.step, "loss": loss, "accuracy": accuracy,
+                          "lr": self.engine.optimizer.param_groups[0]["lr"],
+                          "grad_norm": None if grad_norm is None else float(grad_norm),
+                          "loss_scale": loss_scale(self.engine), "tokens_seen": self.state.tokens,
+                          "peak_mem_gb": peak_memory_gb(),
+                          **self.throughput.report(self.cfg.train.max_steps - self.state.step)})
+
+    def _evaluate(self) -> None:
+        self.state.last_eval = self.evaluator(self.engine)
+        self.metrics.log({"step": self.state.step, **self.state.last_eval})
+
+    # ---------------------------------------------------------------- closing
+
+    def _close(self, exit_code: int) -> None:
+        if not self.layout.is_main:
+            return
+        summary = write_summary(self.cfg, self.state, self.manifest, latest_checkpoint(self.checkpointer.root),
+                                self.layout.world_size)
+        if self.metrics.wandb is not None:
+            self.metrics.wandb.summary(summary)
+            self.metrics.wandb.finish(exit_code)
 
 
-def write_summary(cfg: RunConfig, step: int, progress: Progress, checkpoint: Path | None,
+def unigram_baseline_accuracy(manifest: Manifest) -> float | None:
+    """MLM accuracy of always predicting the held-out split's most frequent non-special token."""
+    split = manifest.splits.get("heldout")
+    if split is None or not split.top_tokens or not split.non_special_tokens:
+        return None
+    return split.top_tokens[0][1] / split.non_special_tokens
+
+
+def write_summary(cfg: RunConfig, state: TrainState, manifest: Manifest, checkpoint: Path | None,
                   world_size: int) -> dict[str, Any]:
     """``summary.json`` and a short printed report; the plot is drawn here too."""
     out_dir = cfg.out_dir
     plot = plot_metrics(out_dir / "metrics.jsonl", out_dir / PLOT_FILE) if cfg.logging.plot else None
-    summary = {"steps": step, "tokens": progress.tokens, "samples": progress.samples, "world_size": world_size,
-               "train_time_s": round(progress.train_time_s, 2),
-               "tokens_per_s": progress.tokens / progress.train_time_s if progress.train_time_s else None,
-               **progress.last_eval,
-               "unigram_baseline_accuracy": unigram_baseline_accuracy(cfg.data.dir),
+    summary = {"steps": state.step, "tokens": state.tokens, "samples": state.samples, "world_size": world_size,
+               "train_time_s": round(state.train_time_s, 2),
+               "tokens_per_s": state.tokens / state.train_time_s if state.train_time_s else None,
+               **state.last_eval,
+               "unigram_baseline_accuracy": unigram_baseline_accuracy(manifest),
                "run_dir": str(out_dir), "checkpoint": str(checkpoint) if checkpoint else None,
                "metrics": str(out_dir / "metrics.jsonl"), "plot": str(plot) if plot else None}
     (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
-    lines = [f"steps {step}, {progress.tokens:,} tokens on {world_size} rank(s) in {progress.train_time_s:.0f} s"
+    lines = [f"steps {state.step}, {state.tokens:,} tokens on {world_size} rank(s) in {state.train_time_s:.0f} s"
              + (f" ({summary['tokens_per_s']:,.0f} tokens/s)" if summary["tokens_per_s"] else "")]
     if "eval_loss" in summary:
         baseline = summary["unigram_baseline_accuracy"]
@@ -290,6 +281,11 @@ def write_summary(cfg: RunConfig, step: int, progress: Progress, checkpoint: Pat
     lines.append(f"run directory {out_dir}; latest checkpoint {checkpoint}")
     print("distaff: summary\n  " + "\n  ".join(lines), flush=True)
     return summary
+
+
+def train(cfg: RunConfig, layout: dist_utils.DistEnv) -> int:
+    """Run (or resume) training on this rank; the exit code."""
+    return Trainer(cfg, layout).run()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -25,6 +25,8 @@ from typing import Iterator, Sequence
 
 import sentencepiece as spm
 
+from distaff.train.data.sources import ReadOptions, iter_documents
+
 log = logging.getLogger(__name__)
 
 METADATA_FILE = "distaff_tokenizer.json"
@@ -84,8 +86,6 @@ def word_start_table(processor: spm.SentencePieceProcessor) -> list[bool]:
 def _training_lines(inputs: Sequence[str | Path], max_bytes: int | None) -> Iterator[str]:
     # Documents are read with the data pipeline's readers (same formats, same errors); SentencePiece
     # trains on lines, so each document is split into its non-empty lines.
-    from distaff.train.data.sources import ReadOptions, iter_documents
-
     seen = 0
     for doc in iter_documents(inputs, ReadOptions()):
         for line in doc.text.split("\n"):

@@ -6,8 +6,9 @@ import argparse
 import logging
 import sys
 
+from distaff.train.data.errors import DataError
 from distaff.train.data.prepare import PrepareConfig, prepare
-from distaff.train.data.sources import DataError, ReadOptions
+from distaff.train.data.sources import ReadOptions
 from distaff.train.data.verify import verify
 
 

@@ -24,9 +24,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from distaff.kernels import IGNORE_INDEX
+from distaff.train.data.errors import DataError, length_problem
 from distaff.train.tokenizer import TokenizerInfo, word_start_table
-
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -69,8 +69,9 @@ class MLMCollator:
     def pad(self, samples: Sequence[np.ndarray]) -> np.ndarray:
         ids = np.full((len(samples), self.seq_len), self.pad_id, dtype=np.int64)
         for row, sample in enumerate(samples):
-            if len(sample) > self.seq_len:
-                raise ValueError(f"sample of {len(sample)} tokens is longer than seq_len {self.seq_len}")
+            problem = length_problem(len(sample), self.seq_len)
+            if problem:
+                raise DataError(f"sample of {problem}")
             ids[row, :len(sample)] = sample
         return ids
 
@@ -99,7 +100,7 @@ class MLMCollator:
 
     # -- masking ------------------------------------------------------------------------------------------
     def mask(self, ids: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """(masked input ids, labels) for a padded ``[B, N]`` int64 array; labels are -100 where not chosen."""
+        """(masked input ids, labels) for a padded ``[B, N]`` int64 array; labels are ``IGNORE_INDEX`` where not chosen."""
         chosen = self.choose(ids, rng)
         labels = np.where(chosen, ids, IGNORE_INDEX)
         input_ids = ids.copy()

@@ -8,18 +8,17 @@ worker count or batch size it continues the epoch with the samples nobody has co
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Iterator
-
-import signal
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
 from distaff.train.data.collator import MaskingConfig, MLMCollator
+from distaff.train.data.errors import DataError
 from distaff.train.data.manifest import Manifest, load_data_tokenizer, read_manifest
-from distaff.train.data.sources import DataError
 from distaff.train.data.stream import EpochOrder, GroupReader, Plan, PlanStream
 from distaff.train.tokenizer import TokenizerInfo
 
@@ -147,14 +146,15 @@ class EvalLoader:
         split = manifest.splits["heldout"]
         if split.samples == 0:
             raise DataError(f"{data_dir}: the held-out split is empty (prepare with --heldout-fraction > 0)")
-        self.tokenizer, self.seq_len, self.rank, self.seed = tokenizer, manifest.seq_len, rank, seed
+        self.data_dir, self.tokenizer, self.seq_len = str(data_dir), tokenizer, manifest.seq_len
+        self.rank, self.seed = rank, seed
         self.collator = MLMCollator(tokenizer, masking, manifest.seq_len)
         shard_samples = [s.samples for s in split.shards]
         self.order = EpochOrder(shard_samples, seed, 0, group_shards=1, shuffle=False)
         total, needed = split.samples, world_size * batch_size
         pending = [(0, total)] * (needed // total + 1) if total < needed else [(0, total)]
         self.plan = Plan(tuple(pending), world_size, 1, batch_size)
-        self._reader_args = (str(data_dir), split.shards, np.dtype(manifest.dtype), manifest.seq_len)
+        self._reader_args = (self.data_dir, split.shards, np.dtype(manifest.dtype), manifest.seq_len)
 
     def __len__(self) -> int:
         return self.plan.batches
@@ -165,20 +165,21 @@ class EvalLoader:
         return iter(stream)
 
 
-def _open(data_dir: str | Path) -> tuple[Manifest, TokenizerInfo]:
+def open_data_dir(data_dir: str | Path) -> tuple[Manifest, TokenizerInfo]:
+    """The data dir's manifest and its tokenizer (checked against the manifest)."""
     manifest = read_manifest(data_dir)
     return manifest, load_data_tokenizer(data_dir, manifest)
 
 
 def build_train_loader(data_dir: str | Path, *, batch_size: int, rank: int, world_size: int, num_workers: int,
                        seed: int, masking: MaskingConfig) -> PretrainLoader:
-    manifest, tokenizer = _open(data_dir)
+    manifest, tokenizer = open_data_dir(data_dir)
     return PretrainLoader(data_dir, manifest, tokenizer, batch_size=batch_size, rank=rank, world_size=world_size,
                           num_workers=num_workers, seed=seed, masking=masking)
 
 
 def build_eval_loader(data_dir: str | Path, *, batch_size: int, rank: int, world_size: int, seed: int,
                       masking: MaskingConfig) -> EvalLoader:
-    manifest, tokenizer = _open(data_dir)
+    manifest, tokenizer = open_data_dir(data_dir)
     return EvalLoader(data_dir, manifest, tokenizer, batch_size=batch_size, rank=rank, world_size=world_size,
                       seed=seed, masking=masking)

@@ -21,7 +21,8 @@ from typing import BinaryIO
 
 import webdataset as wds
 
-from distaff.train.data.sources import DataError
+from distaff.train.data.errors import DataError
+from distaff.train.files import atomic_write_text
 from distaff.train.tokenizer import METADATA_FILE, MODEL_FILE, TokenizerInfo, file_sha256, load_tokenizer_info
 
 MANIFEST_FILE = "manifest.json"
@@ -120,10 +121,7 @@ def read_manifest(data_dir: str | Path) -> Manifest:
 
 
 def write_manifest(data_dir: str | Path, manifest: Manifest) -> None:
-    path = Path(data_dir) / MANIFEST_FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest.to_json(), indent=1) + "\n")
-    tmp.replace(path)
+    atomic_write_text(Path(data_dir) / MANIFEST_FILE, json.dumps(manifest.to_json(), indent=1) + "\n")
 
 
 def copy_tokenizer(tokenizer: TokenizerInfo, data_dir: Path) -> None:

@@ -23,8 +23,10 @@ import numpy as np
 from tqdm import tqdm
 
 from distaff.train.data import manifest as mf
+from distaff.train.data.errors import DataError
 from distaff.train.data.shards import token_dtype, write_shard
-from distaff.train.data.sources import DataError, ReadOptions, ReadStats, check_inputs, iter_file_documents
+from distaff.train.data.sources import ReadOptions, ReadStats, check_inputs, iter_file_documents
+from distaff.train.files import atomic_write_text
 from distaff.train.tokenizer import TokenizerInfo, load_tokenizer_info
 
 log = logging.getLogger(__name__)
@@ -167,9 +169,7 @@ class _State:
 
     def record(self, result: dict) -> None:
         self.blocks[result["index"]] = result
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"settings": self.settings, "blocks": self.blocks}))
-        tmp.replace(self.path)
+        atomic_write_text(self.path, json.dumps({"settings": self.settings, "blocks": self.blocks}))
 
 
 def _split_info(out_dir: Path, blocks: dict[int, dict], split: str, tokenizer: TokenizerInfo) -> mf.SplitInfo:

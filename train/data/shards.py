@@ -1,6 +1,6 @@
 """Webdataset tar shards of token arrays: one ``<key>.npy`` member per sample.
 
-Writing is atomic (temporary file, then rename) so an interrupted prepare never leaves a shard that
+Writing is atomic (temporary file, fsync, then rename) so an interrupted prepare never leaves a shard that
 looks finished. Reading streams the tar (``r|``), so a shard can come from any URL webdataset opens,
 and every problem is a :class:`DataError` naming the shard and member.
 """
@@ -14,7 +14,8 @@ from typing import BinaryIO, Iterator, Sequence
 
 import numpy as np
 
-from distaff.train.data.sources import DataError
+from distaff.train.data.errors import DataError
+from distaff.train.files import atomic_open
 
 SAMPLE_SUFFIX = ".npy"
 
@@ -32,14 +33,13 @@ def _npy_bytes(array: np.ndarray) -> bytes:
 def write_shard(path: Path, samples: Sequence[np.ndarray]) -> None:
     """Write ``samples`` as members ``00000000.npy, 00000001.npy, ...`` of a tar at ``path`` (atomically)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
+    with atomic_open(path, "wb") as handle, tarfile.open(fileobj=handle, mode="w",
+                                                          format=tarfile.USTAR_FORMAT) as tar:
         for index, sample in enumerate(samples):
             data = _npy_bytes(sample)
             info = tarfile.TarInfo(f"{index:08d}{SAMPLE_SUFFIX}")
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    tmp.replace(path)
 
 
 def _parse_npy(data: bytes, where: str, dtype: np.dtype) -> np.ndarray:

@@ -16,15 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterable, Iterator, Sequence
 
+from distaff.train.data.errors import DataError
+
 log = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = (".txt", ".txt.gz")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz")
 PARQUET_SUFFIXES = (".parquet",)
-
-
-class DataError(ValueError):
-    """Bad input data; the message names the file (and line or member)."""
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
+from distaff.train.data.errors import DataError, length_problem
 from distaff.train.data.manifest import ShardInfo, data_url, open_data_file
 from distaff.train.data.shards import read_shard
 
@@ -138,9 +139,9 @@ class GroupReader:
             with open_data_file(self.data_dir, info.path) as stream:
                 loaded[shard] = read_shard(stream, where, self.dtype, info.samples)
             for member, sample in enumerate(loaded[shard]):
-                if len(sample) > self.seq_len:
-                    raise ValueError(f"{where}: member {member:08d}.npy has {len(sample)} tokens, "
-                                     f"more than the manifest's seq_len {self.seq_len}")
+                problem = length_problem(len(sample), self.seq_len)
+                if problem:
+                    raise DataError(f"{where}: member {member:08d}.npy: {problem}")
         shard_of, member_of = order.group_members(group)
         self._samples = [loaded[s][m] for s, m in zip(shard_of.tolist(), member_of.tolist())]
         self._group = (order.seed, order.epoch, group)

@@ -11,20 +11,18 @@ from pathlib import Path
 
 import numpy as np
 
+from distaff.train.data.errors import DataError, length_problem
 from distaff.train.data.manifest import Manifest, data_url, load_data_tokenizer, open_data_file, read_manifest
 from distaff.train.data.shards import count_problem, iter_shard
-from distaff.train.data.sources import DataError
 
 
 def _sample_problems(array: np.ndarray, manifest: Manifest) -> list[str]:
-    problems = []
-    if len(array) > manifest.seq_len:
-        problems.append(f"{len(array)} tokens, more than seq_len {manifest.seq_len}")
+    problems = [length_problem(len(array), manifest.seq_len)]
     if len(array) < 3 or array[0] != manifest.special_ids["cls"] or array[-1] != manifest.special_ids["sep"]:
         problems.append("not framed as [CLS] ... [SEP]")
     if len(array) and int(array.max()) >= manifest.vocab_size:
         problems.append(f"token id {int(array.max())} outside the vocabulary of {manifest.vocab_size}")
-    return problems
+    return [problem for problem in problems if problem]
 
 
 def verify_shard(data_dir: str | Path, manifest: Manifest, relpath: str, samples: int, tokens: int) -> list[str]:

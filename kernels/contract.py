@@ -1,0 +1,156 @@
+"""The kernels' shared contract: implementation names, constants, input validation, result types.
+
+Both implementations of every op (``reference`` and the Triton modules) validate their inputs and
+return their results through this module, so a rule is written once.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+
+from .relative_position import attention_span
+
+IMPLS = ("auto", "triton", "reference")
+IGNORE_INDEX = -100  # label of positions without an MLM target (PyTorch's cross-entropy default)
+
+
+def default_softmax_scale(head_dim: int, pos_key: torch.Tensor | None, pos_query: torch.Tensor | None) -> float:
+    """``1 / sqrt(d * (1 + number of position terms))``, DeBERTa's scaling."""
+    factor = 1 + (pos_key is not None) + (pos_query is not None)
+    return 1.0 / math.sqrt(head_dim * factor)
+
+
+def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           pos_key: torch.Tensor | None, pos_query: torch.Tensor | None,
+                           span: int, attention_mask: torch.Tensor | None, dropout_p: float) -> None:
+    """Validate shapes of the padded contract; errors name the offending argument."""
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, H, N, d], got shape {tuple(q.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.shape != q.shape:
+            raise ValueError(f"{name} must have the shape of q {tuple(q.shape)}, got {tuple(t.shape)}")
+    _, heads, _, head_dim = q.shape
+    for name, t in (("pos_key", pos_key), ("pos_query", pos_query)):
+        if t is not None and tuple(t.shape) != (heads, 2 * span, head_dim):
+            raise ValueError(f"{name} must be [H, 2*span, d] = {(heads, 2 * span, head_dim)}, got {tuple(t.shape)}")
+    if attention_mask is not None and tuple(attention_mask.shape) != (q.shape[0], q.shape[2]):
+        raise ValueError(f"attention_mask must be [B, N] = {(q.shape[0], q.shape[2])}, got {tuple(attention_mask.shape)}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+
+
+def check_varlen_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                        max_seqlen: int) -> list[int]:
+    """Validate the packed form; returns the sequence offsets (one host sync)."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [total_tokens, H, d], got shape {tuple(q.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.shape != q.shape:
+            raise ValueError(f"{name} must have the shape of q {tuple(q.shape)}, got {tuple(t.shape)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor of >= 2 offsets, got {cu_seqlens.dtype} "
+                         f"{tuple(cu_seqlens.shape)}")
+    total, bounds = q.shape[0], cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to total_tokens={total}, got {bounds}")
+    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    if longest > max_seqlen:
+        raise ValueError(f"a sequence in cu_seqlens has {longest} tokens, more than max_seqlen={max_seqlen}")
+    return bounds
+
+
+def dropout_seed(dropout_p: float) -> int:
+    # Drawn from torch's global generator, so torch.manual_seed makes dropout reproducible.
+    return int(torch.randint(0, 1 << 62, (1,)).item()) if dropout_p > 0 else 0
+
+
+class MaskedLMLoss(NamedTuple):
+    """Mean cross-entropy over labelled tokens, with the counts a trainer logs."""
+
+    loss: torch.Tensor          # scalar; 0 (with zero gradients) when nothing is labelled
+    num_labelled: torch.Tensor  # int64 scalar
+    num_correct: torch.Tensor   # int64 scalar: labelled tokens whose argmax is the label
+
+    @property
+    def accuracy(self) -> torch.Tensor:
+        return self.num_correct.float() / self.num_labelled.clamp_min(1).float()
+
+
+def check_masked_lm_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           labels: torch.Tensor) -> None:
+    """Shapes and label dtype of a masked-LM loss call; errors name the offending argument."""
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"labels shape {tuple(labels.shape)} does not match hidden {tuple(hidden.shape[:-1])}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [vocab, {hidden.shape[-1]}], got {tuple(weight.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must be [vocab={weight.shape[0]}], got {tuple(bias.shape)}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be an integer tensor, got {labels.dtype}")
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """A validated attention call: the tensors, the position settings and the resolved scale.
+
+    Padded form: ``q, k, v`` are ``[B, H, N, d]`` and ``attention_mask`` ``[B, N]`` (or None).
+    Packed form: ``q, k, v`` are ``[total_tokens, H, d]``, ``bounds`` the host copy of ``cu_seqlens``.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    pos_key: torch.Tensor | None
+    pos_query: torch.Tensor | None
+    position_buckets: int
+    max_relative_positions: int
+    dropout_p: float
+    softmax_scale: float
+    attention_mask: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
+    bounds: tuple = ()
+
+
+def attention_op(implementation: Callable[[AttentionCall], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The padded attention signature, written once: validates, resolves the scale and calls
+    ``implementation`` with the :class:`AttentionCall`."""
+
+    @functools.wraps(implementation)
+    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_key: torch.Tensor | None = None,
+           pos_query: torch.Tensor | None = None, *, position_buckets: int, max_relative_positions: int,
+           attention_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+           softmax_scale: float | None = None) -> torch.Tensor:
+        span = attention_span(position_buckets, max_relative_positions)
+        check_attention_inputs(q, k, v, pos_key, pos_query, span, attention_mask, dropout_p)
+        scale = default_softmax_scale(q.shape[-1], pos_key, pos_query) if softmax_scale is None else softmax_scale
+        return implementation(AttentionCall(q, k, v, pos_key, pos_query, position_buckets, max_relative_positions,
+                                            float(dropout_p), float(scale), attention_mask=attention_mask))
+
+    return op
+
+
+def varlen_attention_op(implementation: Callable[[AttentionCall], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The packed attention signature, written once (see :func:`attention_op`)."""
+
+    @functools.wraps(implementation)
+    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_key: torch.Tensor | None = None,
+           pos_query: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor, max_seqlen: int,
+           position_buckets: int, max_relative_positions: int, dropout_p: float = 0.0,
+           softmax_scale: float | None = None) -> torch.Tensor:
+        bounds = check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen)
+        span = attention_span(position_buckets, max_relative_positions)
+        # The padded contract's checker covers pos_key/pos_query and dropout_p on a one-token view.
+        one = q[:1].transpose(0, 1)[None]
+        check_attention_inputs(one, one, one, pos_key, pos_query, span, None, dropout_p)
+        scale = default_softmax_scale(q.shape[-1], pos_key, pos_query) if softmax_scale is None else softmax_scale
+        return implementation(AttentionCall(q, k, v, pos_key, pos_query, position_buckets, max_relative_positions,
+                                            float(dropout_p), float(scale), cu_seqlens=cu_seqlens,
+                                            max_seqlen=int(max_seqlen), bounds=tuple(bounds)))
+
+    return op

@@ -1,0 +1,27 @@
+"""Helpers shared by the kernel tests: the device they run on, the bf16 rule, float64 comparisons."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+def selected_device() -> torch.device:
+    """CUDA when the suite runs with ``DISTAFF_TEST_GPU=1``; otherwise CPU (Triton's interpreter)."""
+    return torch.device("cuda" if os.environ.get("DISTAFF_TEST_GPU") == "1" else "cpu")
+
+
+# Marks a Triton case in bf16: the interpreter computes bf16 wrongly, so such cases run only on a GPU.
+BF16_NEEDS_GPU = pytest.mark.skipif(
+    selected_device().type != "cuda",
+    reason="bf16 is not emulated correctly by TRITON_INTERPRET; runs with DISTAFF_TEST_GPU=1")
+# The dtypes every Triton op is checked in.
+TRITON_DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=BF16_NEEDS_GPU)]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float, what: str = "") -> None:
+    """``actual`` (any dtype) against a float64 reference, elementwise; ``what`` names the tensor on failure."""
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol,
+                               msg=(lambda m: f"{what}: {m}") if what else None)

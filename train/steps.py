@@ -1,0 +1,76 @@
+"""One optimizer step over micro-batches, and one evaluation pass over the held-out split."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from . import distributed as dist_utils
+from .data.loader import EvalLoader
+from .metrics import perplexity
+from .model import MaskedLMOutput
+
+
+def forward_batch(engine, batch: dict[str, torch.Tensor], device: torch.device) -> MaskedLMOutput:
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    return engine(batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+
+
+def train_step(engine, batches: Iterator[dict], grad_accum: int, device: torch.device) -> torch.Tensor:
+    """One optimizer step over ``grad_accum`` micro-batches; this rank's sums
+    ``[loss * labelled, labelled, correct, tokens, samples]`` as a float64 tensor on ``device``
+    (kept there so micro-batches queue without a host sync)."""
+    sums = torch.zeros(5, dtype=torch.float64, device=device)
+    for _ in range(grad_accum):
+        batch = next(batches)
+        ids = batch["input_ids"]
+        out = forward_batch(engine, batch, device)
+        engine.backward(out.loss)
+        engine.step()
+        labelled = out.num_labelled.double()
+        sums[:3] += torch.stack([out.loss.detach().double() * labelled, labelled, out.num_correct.double()])
+        sums[3:] += torch.tensor([ids.numel(), ids.shape[0]], dtype=torch.float64, device=device)
+    return sums
+
+
+class Evaluator:
+    """Loss, accuracy and perplexity on the held-out split, token-weighted over all ranks.
+
+    Every rank runs the same number of batches (ZeRO-3 forwards are collective), and the global
+    RNG is forked so evaluating never changes the training run's random stream.
+    """
+
+    def __init__(self, loader: EvalLoader, max_batches: int, world_size: int, device: torch.device):
+        self.loader, self.max_batches = loader, max_batches
+        self.world_size, self.device = world_size, device
+
+    @torch.no_grad()
+    def __call__(self, engine) -> dict[str, float]:
+        engine.eval()
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            sums = self._local_sums(engine)
+        engine.train()
+        loss_sum, labelled, correct = dist_utils.all_reduce_sum(sums, self.device)
+        if labelled == 0:
+            raise RuntimeError(f"evaluation saw no labelled tokens: is the held-out split of "
+                               f"{self.loader.data_dir} empty?")
+        loss = loss_sum / labelled
+        return {"eval_loss": loss, "eval_accuracy": correct / labelled, "eval_perplexity": perplexity(loss),
+                "eval_tokens": int(labelled)}
+
+    def _local_sums(self, engine) -> list[float]:
+        """This rank's ``[loss * labelled, labelled, correct]``, over batches every rank has."""
+        sums, done, batches = [0.0, 0.0, 0.0], 0, iter(self.loader)
+        while self.max_batches == 0 or done < self.max_batches:
+            batch = next(batches, None)
+            have = dist_utils.all_reduce_sum([0.0 if batch is None else 1.0], self.device)[0]
+            if have < self.world_size:
+                break
+            out = forward_batch(engine, batch, self.device)
+            labelled = float(out.num_labelled)
+            sums[0] += float(out.loss) * labelled
+            sums[1] += labelled
+            sums[2] += float(out.num_correct)
+            done += 1
+        return sums
