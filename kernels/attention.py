@@ -12,11 +12,12 @@ each score's column in registers (``loc = idx - t_lo``); no ``[B, H, N, 2*span]`
 
 Backward (no atomics, deterministic):
 
-* ``_attn_bwd_dkdv``: one program per key block loops over query blocks -> ``dK``, ``dV`` and,
-  per program, a partial ``dQr`` over all ``2*span`` buckets (read-modify-write of rows only this
-  program touches).
-* ``_attn_bwd_dq``: one program per query block loops over key blocks -> ``dQ`` and partial ``dKr``.
-* The partials are summed by ``torch.sum`` (fixed order) into ``dKr`` / ``dQr``.
+* ``_attn_bwd_dkdv``: a program walks a group of key blocks of one (sequence, head); each block
+  loops over query blocks -> ``dK``, ``dV``, and the group adds into one partial ``dQr`` over all
+  ``2*span`` buckets (read-modify-write of rows only this program touches).
+* ``_attn_bwd_dq``: the same over query blocks -> ``dQ`` and a partial ``dKr``.
+* Groups are sized so there are at most ``MAX_PARTIALS`` partials (or one per sequence and head);
+  ``torch.sum`` adds them in a fixed order into ``dKr`` / ``dQr``.
 
 A tile's score gradient ``dS`` is moved to window (distance) coordinates by a pure skew (a
 register gather), then to bucket coordinates by a one-hot ``tl.dot`` that merges distances sharing
@@ -41,7 +42,7 @@ import triton.language as tl
 from .contract import AttentionCall, attention_op, dropout_seed, varlen_attention_op
 from .relative_position import attention_span, bucket_table
 
-# Largest value a 32-bit in-kernel offset may take (offsets within one sequence, the mask, the lse).
+# Largest value a 32-bit in-kernel offset may take (see check_offsets_fit_int32).
 INT32_MAX = 2**31 - 1
 
 

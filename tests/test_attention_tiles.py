@@ -43,7 +43,7 @@ def test_gpu_and_rectangular_tiles_match_the_oracle(tiles, monkeypatch) -> None:
     """The GPU tile shapes (and rectangular ones, whose slab is wider than the window) through the
     interpreter: identity, log and saturated buckets in one sequence."""
     monkeypatch.setattr(attention, "INTERPRETER_TILES", tiles)
-    inputs = _inputs(75, 32, 16)
+    inputs = _inputs(48, 32, 16)
     kw = dict(position_buckets=16, max_relative_positions=40)
     got = _out_and_grads(attention.disentangled_attention, inputs, torch.float32, **kw)
     want = _out_and_grads(naive_attention, inputs, torch.float64, **kw)
@@ -54,7 +54,7 @@ def test_gpu_and_rectangular_tiles_match_the_oracle(tiles, monkeypatch) -> None:
 def test_programs_walking_several_blocks_match_the_oracle(monkeypatch) -> None:
     """With one partial allowed, every backward program walks all blocks of its (sequence, head)."""
     monkeypatch.setattr(attention, "MAX_PARTIALS", 1)
-    inputs = _inputs(75, 32, 16, seed=2)
+    inputs = _inputs(48, 32, 16, seed=2)
     kw = dict(position_buckets=16, max_relative_positions=40)
     got = _out_and_grads(attention.disentangled_attention, inputs, torch.float32, **kw)
     want = _out_and_grads(naive_attention, inputs, torch.float64, **kw)
@@ -87,7 +87,7 @@ def test_float32_inputs_within_the_documented_tf32_tolerance(monkeypatch) -> Non
         return exact_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", tf32_dot)
-    inputs = _inputs(70, 64, 32, seed=3)
+    inputs = _inputs(48, 64, 32, seed=3)
     kw = dict(position_buckets=32, max_relative_positions=64)
     got = _out_and_grads(attention.disentangled_attention, inputs, torch.float32, **kw)
     want = _out_and_grads(naive_attention, inputs, torch.float64, **kw)
