@@ -2,6 +2,7 @@
 
     python benchmarks/attention.py                 # full matrix, needs a CUDA GPU
     python benchmarks/attention.py --cpu-smoke     # tiny shapes under TRITON_INTERPRET=1 (checks the script)
+    python benchmarks/attention.py --memory        # the backward's temporary memory at real shapes (CPU)
 
 Rows (16,384 tokens per batch, H=12, d=64, bf16, N in {128, 512, 2048, 8192}, dropout 0 and 0.1):
 distaff (Triton); HF eager (a faithful re-implementation of transformers' DisentangledSelfAttention
@@ -21,12 +22,14 @@ import inspect
 import math
 import os
 import sys
+import weakref
 
 if "--cpu-smoke" in sys.argv:  # the interpreter must be on before triton kernels are defined
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from distaff.kernels import disentangled_attention, relative_position_index  # noqa: E402
 
@@ -243,6 +246,79 @@ def bench_case(name, make_forward, n, batch, dropout_p, device, dtype, warmup, i
             f"{tflops[0]:.1f} / {tflops[1]:.1f} / {tflops[2]:.1f} | {peak:.0f} | |")
 
 
+# --------------------------------------------------------------------------- backward memory (no GPU)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of tensors created inside the mode and still alive, and their peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.seen:
+                self._track(t)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        ptr, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+        self.seen.add(ptr)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(t, self._free, ptr, size)
+
+    def _free(self, ptr: int, size: int) -> None:
+        self.live -= size
+        self.seen.discard(ptr)
+
+
+def backward_extra_mib(batch: int, n: int) -> float:
+    """Peak bytes the fused backward's host code allocates beyond dq, dk, dv and the position
+    gradients, at real shapes, with every kernel launch recorded instead of run (no GPU needed)."""
+    from triton.runtime.jit import JITFunction
+
+    from distaff.kernels import attention
+
+    q, k, v, out, grad_out = (torch.randn(batch, HEADS, n, HEAD_DIM, dtype=torch.bfloat16) for _ in range(5))
+    kr, qr = (torch.randn(HEADS, 2 * BUCKETS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2))
+    call = attention.AttentionCall(q, k, v, kr, qr, BUCKETS, MAX_REL, 0.0, 0.125)
+    problem = attention._make_problem(call, num_seqs=batch, n_ctx=n, strides=q.stride()[:3],
+                                      stat_shape=(batch, HEADS, n), stat_strides=(HEADS * n, n), mask=None,
+                                      cu_seqlens=None)
+    lse = torch.zeros(batch, HEADS, n)
+    run, JITFunction.run = JITFunction.run, lambda self, *a, grid, warmup, **kw: None
+    try:
+        with _LiveBytes() as tracker:
+            grads = attention.attention_backward(grad_out, q, k, v, kr, qr, out, lse, problem)
+    finally:
+        JITFunction.run = run
+    kept = sum(g.numel() * g.element_size() for g in grads)
+    return (tracker.peak - kept) / 2**20
+
+
+def previous_design_extra_mib(batch: int, n: int) -> float:
+    """The earlier design's figure: float32 copies of dO and O and their product for delta, and one
+    partial per 64-row block and (sequence, head) for each position term."""
+    copies = 3 * batch * HEADS * n * HEAD_DIM * 4
+    partials = 2 * batch * HEADS * math.ceil(n / 64) * 2 * BUCKETS * HEAD_DIM * 4
+    return (copies + partials) / 2**20
+
+
+def print_memory_table() -> None:
+    print("# Attention backward: temporary memory beyond its gradients (host code at real shapes, launches "
+          f"recorded, not run; H={HEADS}, d={HEAD_DIM}, bf16, c2p+p2c)\n")
+    print("| B | N | dq+dk+dv MiB | previous design MiB (computed) | now MiB (measured) |")
+    print("|---|---|---|---|---|")
+    for batch, n in ((32, 512), (2, 8192)):
+        grads = 3 * batch * HEADS * n * HEAD_DIM * 2 / 2**20
+        print(f"| {batch} | {n} | {grads:.0f} | {previous_design_extra_mib(batch, n):.0f} | "
+              f"{backward_extra_mib(batch, n):.0f} |", flush=True)
+
+
 def environment(device) -> str:
     import triton
     lines = [f"- torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}"]
@@ -259,6 +335,7 @@ def environment(device) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
+    parser.add_argument("--memory", action="store_true", help="the backward's temporary memory at real shapes, on CPU")
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     parser.add_argument("--dropout", type=float, nargs="+", default=[0.0, 0.1])
     parser.add_argument("--warmup", type=int, default=5)
@@ -266,6 +343,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     global TOKENS, HEADS, BUCKETS, MAX_REL
+    if args.memory:
+        print_memory_table()
+        return 0
     if args.cpu_smoke:
         device, dtype = torch.device("cpu"), torch.float32
         TOKENS, HEADS, BUCKETS, MAX_REL = 64, 2, 8, 32

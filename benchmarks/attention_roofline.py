@@ -49,10 +49,10 @@ def kernel_costs(kernel: str, tiles: attention.Tiles, n: int, batch: int) -> tup
     rows = bn if kernel == "dkdv" else bm  # the side a program's blocks have
     # dP, two content gradients, the one-hot merge, the slab gradient and the partial's product.
     flops = count * (scores + 3 * 2 * bm * bn * d + 2 * rows * slab * slab + 2 * 2 * rows * slab * d)
-    blocks = -(-n // rows)
-    per_program = max(1, -(-batch * HEADS * blocks // attention.MAX_PARTIALS))
+    partial = TWO_SPAN * d * 4
+    programs = attention.programs_per_head(batch * -(-n // rows), True, 3 * tensor, partial, HEADS)
     # Partials: zero-filled, read-modify-written at least once, summed: three passes over HBM.
-    partials = batch * HEADS * -(-blocks // per_program) * TWO_SPAN * d * 4
+    partials = HEADS * programs * partial
     reads_writes = (6 if kernel == "dkdv" else 5) * tensor
     rmw = batch * HEADS * float(window_buckets(tiles, n).sum()) * d * 4 * 2
     return flops, reads_writes + 3 * partials, rmw

@@ -12,12 +12,13 @@ each score's column in registers (``loc = idx - t_lo``); no ``[B, H, N, 2*span]`
 
 Backward (no atomics, deterministic):
 
-* ``_attn_bwd_dkdv``: a program walks a group of key blocks of one (sequence, head); each block
-  loops over query blocks -> ``dK``, ``dV``, and the group adds into one partial ``dQr`` over all
-  ``2*span`` buckets (read-modify-write of rows only this program touches).
+* ``_attn_bwd_delta``: ``rowsum(dO * O)`` in float32.
+* ``_attn_bwd_dkdv``: a program walks a run of (sequence, key block) items of one head; each block
+  loops over query blocks -> ``dK``, ``dV``, and the run adds into one partial ``dQr`` of that head
+  over all ``2*span`` buckets (read-modify-write of rows only this program touches).
 * ``_attn_bwd_dq``: the same over query blocks -> ``dQ`` and a partial ``dKr``.
-* Groups are sized so there are at most ``MAX_PARTIALS`` partials (or one per sequence and head);
-  ``torch.sum`` adds them in a fixed order into ``dKr`` / ``dQr``.
+* Runs are sized so the partials fit a budget (the bytes of ``dq + dk + dv``); ``torch.sum`` adds
+  them in a fixed order into ``dKr`` / ``dQr``.
 
 A tile's score gradient ``dS`` is moved to window (distance) coordinates by a pure skew (a
 register gather), then to bucket coordinates by a one-hot ``tl.dot`` that merges distances sharing
@@ -50,18 +51,12 @@ INT32_MAX = 2**31 - 1
 
 
 @triton.jit
-def _program_setup(CU, n_ctx, n_heads, stride_b, stride_h, stride_n, stride_lb, stride_lh,
-                   TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr):
-    """Where this program's (sequence, head) lives: shared by the three kernels.
-
-    Returns the ``seed`` offset ``bh``, the sequence, its length, the int64 offset of its first
+def _locate(CU, seq, head, n_ctx, stride_b, stride_h, stride_n, stride_lb, stride_lh,
+            TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr):
+    """Where (sequence ``seq``, head ``head``) lives: its length, the int64 offset of its first
     token in q/k/v/o (``base``), the offset of the head's ``[2*span, d]`` position table and the
     int64 offset of its first row statistic (lse / delta). Offsets inside one sequence stay 32-bit
-    (the host checks they fit).
-    """
-    bh = tl.program_id(1)
-    seq = bh // n_heads
-    head = bh % n_heads
+    (the host checks they fit)."""
     start = tl.zeros([], tl.int64)
     seq_len = n_ctx
     if VARLEN:
@@ -70,7 +65,7 @@ def _program_setup(CU, n_ctx, n_heads, stride_b, stride_h, stride_n, stride_lb, 
     base = seq.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h + start * stride_n
     rel_off = head * TWO_SPAN * HEAD_DIM
     stat_off = seq.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + start
-    return bh, seq, seq_len, base, rel_off, stat_off
+    return seq_len, base, rel_off, stat_off
 
 
 @triton.jit
@@ -232,8 +227,10 @@ def _attn_fwd(Q, K, V, KR, QR, TABLE, MASK, CU, O, LSE,
               TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               SLAB: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr,
               VARLEN: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
-    bh, seq, seq_len, base, rel_off, stat_off = _program_setup(
-        CU, n_ctx, n_heads, stride_b, stride_h, stride_n, stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, VARLEN)
+    bh = tl.program_id(1)
+    seq = bh // n_heads
+    seq_len, base, rel_off, stat_off = _locate(CU, seq, bh % n_heads, n_ctx, stride_b, stride_h, stride_n,
+                                               stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, VARLEN)
     i0 = tl.program_id(0) * BLOCK_M
     if i0 >= seq_len:
         return
@@ -311,22 +308,27 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, DO, LSE, DELTA, DK, DV, part_p
 
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, DO, LSE, DELTA, DK, DV, DQR_PART,
-                   seed, scale, dropout_p, n_ctx, n_heads, blocks_per_program,
+                   seed, scale, dropout_p, n_ctx, n_heads, num_seqs, items_per_program,
                    stride_b, stride_h, stride_n, stride_lb, stride_lh,
                    TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    SLAB: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr,
                    VARLEN: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
-    """One program per group of ``blocks_per_program`` key blocks of one (sequence, head); the group
-    shares one partial dQr, so partial memory is bounded by the number of programs."""
-    bh, seq, seq_len, base, rel_off, stat_off = _program_setup(
-        CU, n_ctx, n_heads, stride_b, stride_h, stride_n, stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, VARLEN)
-    pid = tl.program_id(0)
-    part_ptr = DQR_PART + (bh * tl.num_programs(0) + pid).to(tl.int64) * TWO_SPAN * HEAD_DIM
-    first = pid * blocks_per_program
-    for block in range(first, tl.minimum(first + blocks_per_program, tl.cdiv(seq_len, BLOCK_N))):
-        _dkdv_block(Q, K, V, KR, QR, TABLE, MASK + seq * n_ctx, DO, LSE, DELTA, DK, DV, part_ptr, block * BLOCK_N,
-                    seed + bh, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stride_n,
-                    TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, SLAB, HAS_C2P, HAS_P2C, HAS_MASK, DROPOUT, PRECISION)
+    """Program (p, head) walks ``items_per_program`` (sequence, key block) items of one head, in
+    sequence-major order, adding their p2c gradients into one partial dQr of that head."""
+    pid, head = tl.program_id(0), tl.program_id(1)
+    part_ptr = DQR_PART + (head * tl.num_programs(0) + pid).to(tl.int64) * TWO_SPAN * HEAD_DIM
+    blocks = tl.cdiv(n_ctx, BLOCK_N)
+    first = pid * items_per_program
+    for item in range(first, tl.minimum(first + items_per_program, num_seqs * blocks)):
+        seq = item // blocks
+        seq_len, base, rel_off, stat_off = _locate(CU, seq, head, n_ctx, stride_b, stride_h, stride_n,
+                                                   stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, VARLEN)
+        j0 = (item % blocks) * BLOCK_N
+        if j0 < seq_len:
+            _dkdv_block(Q, K, V, KR, QR, TABLE, MASK + seq * n_ctx, DO, LSE, DELTA, DK, DV, part_ptr, j0,
+                        seed + seq * n_heads + head, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off,
+                        stride_n, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, SLAB, HAS_C2P, HAS_P2C, HAS_MASK, DROPOUT,
+                        PRECISION)
 
 
 @triton.jit
@@ -365,21 +367,40 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, DO, LSE, DELTA, DQ, part_ptr, i0
 
 @triton.jit
 def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, DO, LSE, DELTA, DQ, DKR_PART,
-                 seed, scale, dropout_p, n_ctx, n_heads, blocks_per_program,
+                 seed, scale, dropout_p, n_ctx, n_heads, num_seqs, items_per_program,
                  stride_b, stride_h, stride_n, stride_lb, stride_lh,
                  TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  SLAB: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr,
                  VARLEN: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
-    """One program per group of ``blocks_per_program`` query blocks of one (sequence, head)."""
-    bh, seq, seq_len, base, rel_off, stat_off = _program_setup(
-        CU, n_ctx, n_heads, stride_b, stride_h, stride_n, stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, VARLEN)
-    pid = tl.program_id(0)
-    part_ptr = DKR_PART + (bh * tl.num_programs(0) + pid).to(tl.int64) * TWO_SPAN * HEAD_DIM
-    first = pid * blocks_per_program
-    for block in range(first, tl.minimum(first + blocks_per_program, tl.cdiv(seq_len, BLOCK_M))):
-        _dq_block(Q, K, V, KR, QR, TABLE, MASK + seq * n_ctx, DO, LSE, DELTA, DQ, part_ptr, block * BLOCK_M,
-                  seed + bh, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stride_n,
-                  TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, SLAB, HAS_C2P, HAS_P2C, HAS_MASK, DROPOUT, PRECISION)
+    """Program (p, head) walks (sequence, query block) items of one head into one partial dKr."""
+    pid, head = tl.program_id(0), tl.program_id(1)
+    part_ptr = DKR_PART + (head * tl.num_programs(0) + pid).to(tl.int64) * TWO_SPAN * HEAD_DIM
+    blocks = tl.cdiv(n_ctx, BLOCK_M)
+    first = pid * items_per_program
+    for item in range(first, tl.minimum(first + items_per_program, num_seqs * blocks)):
+        seq = item // blocks
+        seq_len, base, rel_off, stat_off = _locate(CU, seq, head, n_ctx, stride_b, stride_h, stride_n,
+                                                   stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, VARLEN)
+        i0 = (item % blocks) * BLOCK_M
+        if i0 < seq_len:
+            _dq_block(Q, K, V, KR, QR, TABLE, MASK + seq * n_ctx, DO, LSE, DELTA, DQ, part_ptr, i0,
+                      seed + seq * n_heads + head, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off,
+                      stride_n, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, SLAB, HAS_C2P, HAS_P2C, HAS_MASK, DROPOUT,
+                      PRECISION)
+
+
+@triton.jit
+def _attn_bwd_delta(O, DO, CU, DELTA, n_ctx, n_heads, stride_b, stride_h, stride_n, stride_lb, stride_lh,
+                    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, VARLEN: tl.constexpr):
+    """``delta = rowsum(dO * O)`` in float32, straight into the lse layout (no float32 copies)."""
+    bh = tl.program_id(1)
+    seq_len, base, _, stat_off = _locate(CU, bh // n_heads, bh % n_heads, n_ctx, stride_b, stride_h, stride_n,
+                                         stride_lb, stride_lh, 1, HEAD_DIM, VARLEN)
+    i0 = tl.program_id(0) * BLOCK
+    offs_r, offs_d = tl.arange(0, BLOCK), tl.arange(0, HEAD_DIM)
+    o = _load_rows(O + base, i0, offs_r, offs_d, stride_n, seq_len).to(tl.float32)
+    do = _load_rows(DO + base, i0, offs_r, offs_d, stride_n, seq_len).to(tl.float32)
+    tl.store(DELTA + stat_off + i0 + offs_r, tl.sum(o * do, 1), mask=(i0 + offs_r) < seq_len)
 
 
 # --------------------------------------------------------------------------- tiling
@@ -413,9 +434,10 @@ GPU_TILES_FP32 = {key: Tiles(16, 16, tiles.num_warps, 1) for key, tiles in GPU_T
 # The interpreter runs programs one after another: few, larger tiles are fastest.
 INTERPRETER_TILES = Tiles(32, 32, 4, 1)
 KERNELS = ("fwd", "dkdv", "dq")
-# Most per-program partial position gradients a backward kernel keeps (each [2*span, d] float32):
-# 1024 x 128 KiB = 128 MiB at 2*span = 512, d = 64, enough programs to fill a GPU several times.
-MAX_PARTIALS = 1024
+# The backward's partial position gradients (one float32 [2*span, d] per program) and delta may
+# take at most this fraction of the bytes of dq + dk + dv; it sets the programs per head.
+PARTIAL_BUDGET = 1.0
+DELTA_ELEMENTS = 2048  # elements of dO and O per program of the delta kernel (rows = this / d)
 
 
 def tiles_for(kernel: str, head_dim: int, dtype: torch.dtype) -> Tiles:
@@ -465,14 +487,10 @@ class _Problem:
     dropout_p: float
     seed: int
 
-    def rows_to_stat_layout(self, rows: torch.Tensor) -> torch.Tensor:
-        """A per-row statistic of q's layout (``[B, H, N]`` or ``[total, H]``) in the lse layout."""
-        return rows if self.cu_seqlens is None else rows.t().contiguous()
-
-    def launch(self, kernel, tiles: Tiles, programs: int, q: torch.Tensor, has_c2p: bool, has_p2c: bool,
+    def launch(self, kernel, tiles: Tiles, grid: tuple, q: torch.Tensor, has_c2p: bool, has_p2c: bool,
                **args) -> None:
-        """Launch one of the three kernels on ``programs`` x (sequence, head) programs."""
-        kernel[(programs, self.num_seqs * self.n_heads)](
+        """Launch one of the three attention kernels on ``grid``."""
+        kernel[grid](
             TABLE=self.table[self.max_distance:],  # element 0 is distance 0
             MASK=q if self.mask is None else self.mask,  # q stands in for absent optional tensors
             CU=q if self.cu_seqlens is None else self.cu_seqlens,
@@ -485,48 +503,74 @@ class _Problem:
             PRECISION="tf32",  # fp32 inputs use TF32 tensor cores (docs/kernels.md); half inputs ignore it
             num_warps=tiles.num_warps, num_stages=tiles.num_stages, **args)
 
+    def row_delta(self, out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+        """``rowsum(dO * O)`` (= ``rowsum(P * dP)``) in float32, laid out like the lse."""
+        delta = torch.empty(self.stat_shape, dtype=torch.float32, device=out.device)
+        rows = DELTA_ELEMENTS // out.shape[-1]
+        _attn_bwd_delta[(triton.cdiv(self.n_ctx, rows), self.num_seqs * self.n_heads)](
+            O=out, DO=grad_out, CU=out if self.cu_seqlens is None else self.cu_seqlens, DELTA=delta,
+            n_ctx=self.n_ctx, n_heads=self.n_heads, stride_b=self.strides[0], stride_h=self.strides[1],
+            stride_n=self.strides[2], stride_lb=self.stat_strides[0], stride_lh=self.stat_strides[1],
+            HEAD_DIM=out.shape[-1], BLOCK=rows, VARLEN=self.cu_seqlens is not None, num_warps=4)
+        return delta
+
 
 def attention_forward(q, k, v, pos_key, pos_query, problem: _Problem):
     """Output and row log-sum-exp of the fused forward."""
     out = torch.empty_like(q)
     lse = torch.empty(problem.stat_shape, dtype=torch.float32, device=q.device)
     tiles = tiles_for("fwd", q.shape[-1], q.dtype)
-    problem.launch(_attn_fwd, tiles, triton.cdiv(problem.n_ctx, tiles.block_m), q, pos_key is not None,
-                   pos_query is not None,
+    problem.launch(_attn_fwd, tiles, (triton.cdiv(problem.n_ctx, tiles.block_m), problem.num_seqs * problem.n_heads),
+                   q, pos_key is not None, pos_query is not None,
                    Q=q, K=k, V=v, KR=q if pos_key is None else pos_key, QR=q if pos_query is None else pos_query,
                    O=out, LSE=lse)
     return out, lse
 
 
+def programs_per_head(items: int, has_partial: bool, budget_bytes: int, partial_bytes: int, n_heads: int) -> int:
+    """How many programs share a head's ``items`` (sequence, block) pairs in a backward kernel.
+
+    Each program holds one float32 ``[2*span, d]`` partial (``partial_bytes``), so the partials of
+    all heads fit ``budget_bytes``; without a position term there is no partial and every item gets
+    its own program.
+    """
+    if not has_partial:
+        return items
+    return max(1, min(items, budget_bytes // (n_heads * partial_bytes)))
+
+
 def attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, problem: _Problem):
-    """``dq, dk, dv, d_pos_key, d_pos_query`` (None for absent position terms)."""
+    """``dq, dk, dv, d_pos_key, d_pos_query`` (None for absent position terms).
+
+    Extra memory beyond the gradients: ``delta`` and one kernel's partials at a time, together at
+    most ``PARTIAL_BUDGET`` x the bytes of ``dq + dk + dv``.
+    """
     grad_out = grad_out.contiguous()
-    # rowsum(dO * O) = rowsum(P * dP), laid out like the lse.
-    delta = problem.rows_to_stat_layout((grad_out.float() * out.float()).sum(-1))
+    delta = problem.row_delta(out, grad_out)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     has_c2p, has_p2c = pos_key is not None, pos_query is not None
+    partial_bytes = problem.two_span * q.shape[-1] * 4
+    # What else is alive beside the partials: delta, and a head's summed partials before their cast.
+    others = delta.numel() * delta.element_size() + 2 * problem.n_heads * partial_bytes
+    budget = int(PARTIAL_BUDGET * 3 * q.numel() * q.element_size()) - others
     common = dict(Q=q, K=k, V=v, KR=q if pos_key is None else pos_key, QR=q if pos_query is None else pos_query,
                   DO=grad_out, LSE=lse, DELTA=delta)
 
-    def launch(kernel, tiles: Tiles, rows: int, has_term: bool, part_name: str, **outputs) -> torch.Tensor:
-        """Launch a backward kernel whose programs each own ``rows``-row blocks; returns its partials."""
-        blocks = triton.cdiv(problem.n_ctx, rows)
-        # Programs walk several blocks of one (sequence, head) so that there are at most
-        # max(MAX_PARTIALS, sequences x heads) partials, whatever the sequence length.
-        per_program = max(1, triton.cdiv(problem.num_seqs * problem.n_heads * blocks, MAX_PARTIALS))
-        programs = triton.cdiv(blocks, per_program)
-        shape = (problem.num_seqs, problem.n_heads, programs, problem.two_span, q.shape[-1])
-        partial = torch.zeros(shape if has_term else (1,), dtype=torch.float32, device=q.device)
-        problem.launch(kernel, tiles, programs, q, has_c2p, has_p2c, blocks_per_program=per_program,
-                       **{part_name: partial}, **outputs, **common)
-        return partial
+    def run(kernel, tiles: Tiles, rows: int, has_term: bool, part_name: str, **outputs) -> torch.Tensor | None:
+        """Launch a backward kernel over (sequence, ``rows``-row block) items; its summed partials."""
+        items = problem.num_seqs * triton.cdiv(problem.n_ctx, rows)
+        programs = programs_per_head(items, has_term, budget, partial_bytes, problem.n_heads)
+        shape = (problem.n_heads, programs, problem.two_span, q.shape[-1]) if has_term else (1,)
+        partial = torch.zeros(shape, dtype=torch.float32, device=q.device)
+        problem.launch(kernel, tiles, (programs, problem.n_heads), q, has_c2p, has_p2c, num_seqs=problem.num_seqs,
+                       items_per_program=triton.cdiv(items, programs), **{part_name: partial}, **outputs, **common)
+        return partial.sum(1) if has_term else None  # fixed order: deterministic
 
     dkdv_tiles, dq_tiles = tiles_for("dkdv", q.shape[-1], q.dtype), tiles_for("dq", q.shape[-1], q.dtype)
-    dqr_part = launch(_attn_bwd_dkdv, dkdv_tiles, dkdv_tiles.block_n, has_p2c, "DQR_PART", DK=dk, DV=dv)
-    dkr_part = launch(_attn_bwd_dq, dq_tiles, dq_tiles.block_m, has_c2p, "DKR_PART", DQ=dq)
-    d_pos_key = dkr_part.sum((0, 2)).to(pos_key.dtype) if has_c2p else None
-    d_pos_query = dqr_part.sum((0, 2)).to(pos_query.dtype) if has_p2c else None
-    return dq, dk, dv, d_pos_key, d_pos_query
+    d_pos_query = run(_attn_bwd_dkdv, dkdv_tiles, dkdv_tiles.block_n, has_p2c, "DQR_PART", DK=dk, DV=dv)
+    d_pos_key = run(_attn_bwd_dq, dq_tiles, dq_tiles.block_m, has_c2p, "DKR_PART", DQ=dq)
+    return (dq, dk, dv, None if d_pos_key is None else d_pos_key.to(pos_key.dtype),
+            None if d_pos_query is None else d_pos_query.to(pos_query.dtype))
 
 
 class _DisentangledAttention(torch.autograd.Function):
@@ -561,7 +605,7 @@ def check_offsets_fit_int32(num_seqs: int, n_heads: int, n_ctx: int, token_strid
                             dropout: bool) -> None:
     """Reject shapes whose 32-bit in-kernel offsets could overflow.
 
-    Offsets across sequences and heads are int64 in the kernels (``_program_setup``); what stays
+    Offsets across sequences and heads are int64 in the kernels (``_locate``); what stays
     32-bit is a token's offset inside one sequence (at most ``(n_ctx + 256) * token_stride`` with
     the last tile's overhang), the mask offset (``num_seqs * n_ctx``), a head's offset into the
     position tables (``n_heads * 2*span * d``) and, with dropout, the Philox counter ``i * n_ctx + j``.

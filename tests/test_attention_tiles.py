@@ -51,10 +51,14 @@ def test_gpu_and_rectangular_tiles_match_the_oracle(tiles, monkeypatch) -> None:
         assert _rel_l2(a, e) < 1e-5, name
 
 
-def test_programs_walking_several_blocks_match_the_oracle(monkeypatch) -> None:
-    """With one partial allowed, every backward program walks all blocks of its (sequence, head)."""
-    monkeypatch.setattr(attention, "MAX_PARTIALS", 1)
-    inputs = _inputs(48, 32, 16, seed=2)
+@pytest.mark.parametrize("budget", [0.0, 1e9], ids=["one-program-per-head", "one-program-per-block"])
+def test_backward_programs_however_the_partials_are_shared(budget, monkeypatch) -> None:
+    """A backward program walks (sequence, block) items of one head into one partial: all of them
+    (no budget), or one each (unlimited budget); both give the oracle's gradients."""
+    monkeypatch.setattr(attention, "PARTIAL_BUDGET", budget)
+    gen = torch.Generator().manual_seed(2)
+    inputs = [torch.randn(3, 2, 48, 32, generator=gen) for _ in range(3)] + [
+        torch.randn(2, 32, 32, generator=gen) for _ in range(2)]
     kw = dict(position_buckets=16, max_relative_positions=40)
     got = _out_and_grads(attention.disentangled_attention, inputs, torch.float32, **kw)
     want = _out_and_grads(naive_attention, inputs, torch.float64, **kw)
@@ -95,6 +99,17 @@ def test_float32_inputs_within_the_documented_tf32_tolerance(monkeypatch) -> Non
     errors = {name: _rel_l2(a, e) for name, a, e in zip(("out", "dq", "dk", "dv", "dkr", "dqr"), got, want)}
     assert max(errors.values()) < 2e-3, errors
     assert max(errors.values()) > 1e-6, "TF32 rounding left no trace: the emulation did not run"
+
+
+def test_backward_partials_fit_the_budget_at_deberta_v3_base_shapes() -> None:
+    """At B=32, N=512, H=12, d=64 (bf16) the partials of one backward kernel stay within the bytes
+    of dq + dk + dv, and there are enough programs to fill a GPU."""
+    grads = 3 * 32 * 12 * 512 * 64 * 2
+    partial = 512 * 64 * 4
+    programs = attention.programs_per_head(32 * 512 // 16, True, grads, partial, 12)
+    assert programs * 12 * partial <= grads
+    assert programs * 12 >= 4 * 132  # four programs per SM of an H100
+    assert attention.programs_per_head(7, False, 0, partial, 12) == 7  # no partial: one program per item
 
 
 def test_offsets_that_overflow_32_bits_are_refused_before_launch() -> None:

@@ -31,3 +31,18 @@ def test_ops_benchmark_cpu_smoke_runs_end_to_end():
     assert smoke.returncode == 0, smoke.stderr
     distaff_rows = [line for line in smoke.stdout.splitlines() if "| distaff |" in line]
     assert len(distaff_rows) == 3 and all(float(row.split("|")[4]) > 0 for row in distaff_rows), smoke.stdout
+
+
+@pytest.mark.timeout(180)
+def test_attention_backward_memory_stays_within_its_gradients():
+    """The lean backward's temporaries (measured from its host code at deberta-v3-base shapes and
+    at 16k tokens with N = 8192) are at most the bytes of dq + dk + dv."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # launches are recorded, not run
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "attention.py"), "--memory"], capture_output=True,
+                         text=True, timeout=170, env=env)
+    assert run.returncode == 0, run.stderr
+    rows = [line.split("|")[1:-1] for line in run.stdout.splitlines() if line.startswith("| 32 |")
+            or line.startswith("| 2 |")]
+    assert len(rows) == 2, run.stdout
+    for batch, n, grads, previous, now in rows:
+        assert 0 < float(now) <= float(grads) < float(previous), (batch, n, grads, previous, now)
