@@ -244,9 +244,9 @@ def _attn_fwd(Q, K, V, KR, QR, TABLE, MASK, CU, O, LSE,
     for j0 in range(0, seq_len, BLOCK_N):
         k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
         v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
-        s, krs, qrs, t_lo, t_hi = _score_tile(q, k, KR + rel_off, QR + rel_off, TABLE, MASK + seq * n_ctx, i0, j0, seq_len,
-                                              scale, offs_m, offs_n, offs_w, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M,
-                                              BLOCK_N, SLAB, HAS_C2P, HAS_P2C, HAS_MASK, PRECISION)
+        s, krs, qrs, t_lo, t_hi = _score_tile(q, k, KR + rel_off, QR + rel_off, TABLE, MASK + seq * n_ctx, i0, j0,
+                                              seq_len, scale, offs_m, offs_n, offs_w, offs_d, TWO_SPAN, HEAD_DIM,
+                                              BLOCK_M, BLOCK_N, SLAB, HAS_C2P, HAS_P2C, HAS_MASK, PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Rows with nothing visible yet keep m = -inf; subtract 0 so exp gives 0, not NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

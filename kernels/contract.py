@@ -154,3 +154,11 @@ def varlen_attention_op(implementation: Callable[[AttentionCall], torch.Tensor])
                                             max_seqlen=int(max_seqlen), bounds=tuple(bounds)))
 
     return op
+
+
+def check_targets(targets: torch.Tensor, n_vocab: int, ignore_index: int | None) -> None:
+    """Every selected label is a vocabulary row (one host sync; a bad label would index out of bounds)."""
+    bad = (targets < 0) | (targets >= n_vocab)
+    if targets.numel() and bool(bad.any()):
+        raise ValueError(f"label {targets[bad][0].item()} is outside the vocabulary [0, {n_vocab}) and is not "
+                         f"ignore_index={ignore_index}")

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .contract import IGNORE_INDEX, MaskedLMLoss, check_masked_lm_inputs
+from .contract import IGNORE_INDEX, MaskedLMLoss, check_masked_lm_inputs, check_targets
 
 LOGITS_CHUNK_ELEMENTS = 1 << 26  # default row_chunk: about 64 Mi logits (128 MiB in bf16) per chunk
 MAX_VOCAB_BLOCK = 4096
@@ -76,16 +76,14 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return hidden.dtype
 
 
-def _labelled_rows(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int, n_vocab: int):
-    """Flat indices of the labelled positions, their hidden rows and their targets."""
+def _labelled_rows(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int | None, n_vocab: int):
+    """Flat indices of the labelled positions (None: all of them), their hidden rows and targets."""
     flat_labels = labels.reshape(-1)
-    positions = (flat_labels != ignore_index).nonzero().squeeze(1)
-    targets = flat_labels.index_select(0, positions).long()
-    if targets.numel() and bool(((targets < 0) | (targets >= n_vocab)).any()):
-        bad = targets[(targets < 0) | (targets >= n_vocab)][0].item()
-        raise ValueError(f"label {bad} is outside the vocabulary [0, {n_vocab}) and is not ignore_index={ignore_index}")
-    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
-    return positions, rows, targets
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    positions = None if ignore_index is None else (flat_labels != ignore_index).nonzero().squeeze(1)
+    targets = flat_labels.long() if positions is None else flat_labels.index_select(0, positions).long()
+    check_targets(targets, n_vocab, ignore_index)
+    return positions, rows if positions is None else rows.index_select(0, positions), targets
 
 
 def _chunk_gradients(logits_grad, chunk, weight, grads, start: int, end: int) -> None:
@@ -147,7 +145,9 @@ class _MaskedLMLoss(torch.autograd.Function):
         positions, grad_rows, grad_weight, grad_bias = ctx.saved_tensors
         hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes
         d_hidden = d_weight = d_bias = None
-        if grad_rows is not None:
+        if grad_rows is not None and positions is None:  # every row was labelled
+            d_hidden = (grad_rows * grad_loss).to(hidden_dtype).reshape(ctx.hidden_shape)
+        elif grad_rows is not None:
             d_hidden = grad_loss.new_zeros(ctx.hidden_shape, dtype=hidden_dtype)
             d_hidden.view(-1, ctx.hidden_shape[-1]).index_copy_(0, positions, (grad_rows * grad_loss).to(hidden_dtype))
         if grad_weight is not None:
@@ -158,13 +158,14 @@ class _MaskedLMLoss(torch.autograd.Function):
 
 
 def masked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                   ignore_index: int = IGNORE_INDEX, *, row_chunk: int | None = None,
+                   ignore_index: int | None = IGNORE_INDEX, *, row_chunk: int | None = None,
                    vocab_block: int | None = None) -> MaskedLMLoss:
     """Mean cross-entropy of ``hidden @ weight.T + bias`` over the positions whose label is not
     ``ignore_index``, with the labelled and correctly predicted (first argmax) counts.
 
     ``hidden``: ``[..., E]``; ``weight``: ``[V, E]``; ``bias``: ``[V]`` or None; ``labels``:
-    ``[...]``. ``row_chunk`` labelled rows are projected at a time (default: about
+    ``[...]``; ``ignore_index=None`` when every row is labelled (rows selected by the caller: no
+    second selection). ``row_chunk`` labelled rows are projected at a time (default: about
     ``LOGITS_CHUNK_ELEMENTS / V``, a multiple of 64); ``vocab_block`` is the softmax kernel's slice
     of the vocabulary (a power of two, default ``min(next_pow2(V), MAX_VOCAB_BLOCK)``).
     """
@@ -182,6 +183,6 @@ def masked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     bias = None if bias is None else bias.to(dtype)
     # Autocast is off inside: the inputs are already in the compute dtype.
     with torch.autocast(hidden.device.type, enabled=False):
-        loss, num_labelled, num_correct = _MaskedLMLoss.apply(hidden, weight, bias, labels, int(ignore_index),
+        loss, num_labelled, num_correct = _MaskedLMLoss.apply(hidden, weight, bias, labels, ignore_index,
                                                                int(row_chunk), int(vocab_block))
     return MaskedLMLoss(loss, num_labelled, num_correct)

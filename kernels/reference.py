@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .contract import (IGNORE_INDEX, AttentionCall, MaskedLMLoss, attention_op, check_masked_lm_inputs,
-                       dropout_seed, varlen_attention_op)
+                       check_targets, dropout_seed, varlen_attention_op)
 from .relative_position import relative_position_index
 
 # Upper bound on the elements of one [B, H, rows, N] score block (64 Mi fp32 = 256 MiB).
@@ -175,16 +175,19 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 
 def masked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> MaskedLMLoss:
+                   labels: torch.Tensor, ignore_index: int | None = IGNORE_INDEX) -> MaskedLMLoss:
     """MLM loss of ``hidden @ weight.T + bias`` on the positions whose label is not ignored.
 
-    ``hidden``: ``[..., E]``; ``weight``: ``[V, E]`` (tied word embeddings); ``labels``: ``[...]``.
-    Only labelled rows are projected onto the vocabulary.
+    ``hidden``: ``[..., E]``; ``weight``: ``[V, E]`` (tied word embeddings); ``labels``: ``[...]``;
+    ``ignore_index=None`` when every position is labelled. Only labelled rows are projected onto
+    the vocabulary.
     """
     check_masked_lm_inputs(hidden, weight, bias, labels)
-    labelled = labels.reshape(-1) != ignore_index
+    flat = labels.reshape(-1)
+    labelled = torch.ones_like(flat, dtype=torch.bool) if ignore_index is None else flat != ignore_index
     rows = hidden.reshape(-1, hidden.shape[-1])[labelled]
     targets = labels.reshape(-1)[labelled]
+    check_targets(targets, weight.shape[0], ignore_index)
     logits = F.linear(rows, weight, bias)
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()

@@ -197,3 +197,28 @@ def test_mixed_dtypes_outside_autocast_are_named(device):
         masked_lm_loss(torch.randn(1, 3, 8, device=device), torch.randn(50, 8, dtype=torch.float16, device=device),
                        None, torch.tensor([[1, 2, 3]], device=device))
 
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_rows_already_selected_need_no_second_selection(impl: str, device) -> None:
+    """``ignore_index=None``: every row carries a target (the model selected them), with the same
+    loss and gradients as selecting them here."""
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(3, 10, 32, generator=gen).to(device)
+    weight = torch.randn(50, 32, generator=gen).to(device)
+    labels = torch.randint(0, 50, (3, 10), generator=gen).to(device)
+    labels[0, :4] = -100
+    chosen = labels.reshape(-1) != -100
+    results = []
+    selected = (hidden.reshape(-1, 32)[chosen], labels.reshape(-1)[chosen], None)
+    for rows, targets, ignore in ((hidden, labels, -100), selected):
+        rows, w = rows.detach().requires_grad_(), weight.detach().clone().requires_grad_()
+        out = distaff.kernels.masked_lm_loss(rows, w, None, targets, ignore_index=ignore, impl=impl)
+        out.loss.backward()
+        results.append((out.loss, out.num_labelled, w.grad))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    assert int(results[0][1]) == int(results[1][1]) == int(chosen.sum())
+    torch.testing.assert_close(results[0][2], results[1][2])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        distaff.kernels.masked_lm_loss(hidden, weight, None, torch.full((3, 10), -100, device=device),
+                                       ignore_index=None, impl=impl)

@@ -314,7 +314,7 @@ class DebertaForMaskedLM(nn.Module):
         labelled = (labels.reshape(-1) != kernels.IGNORE_INDEX).nonzero().squeeze(1)
         rows = decoded.reshape(-1, decoded.shape[-1]).index_select(0, labelled)
         result = kernels.masked_lm_loss(self.lm_head.transform(rows), self.word_embeddings.weight, self.lm_head.bias,
-                                        labels.reshape(-1).index_select(0, labelled), kernels.IGNORE_INDEX,
+                                        labels.reshape(-1).index_select(0, labelled), ignore_index=None,
                                         impl=self.config.kernel_impl)
         return MaskedLMOutput(hidden, loss=result.loss, num_labelled=result.num_labelled,
                               num_correct=result.num_correct)
