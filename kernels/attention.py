@@ -431,6 +431,9 @@ GPU_TILES = {
 }
 # float32 inputs (TF32 products, fp32 operands take twice the registers): 16 x 16 everywhere.
 GPU_TILES_FP32 = {key: Tiles(16, 16, tiles.num_warps, 1) for key, tiles in GPU_TILES.items()}
+# A backward kernel without its own position gradient (dq without c2p, dk/dv without p2c) holds far
+# less; at d = 128 ptxas then settles at 128 registers with 8 warps and spills, so it gets 4.
+LIGHT_TILES = {("dq", 128): Tiles(16, 16, 4, 1), ("dkdv", 128): Tiles(16, 16, 4, 1)}
 # The interpreter runs programs one after another: few, larger tiles are fastest.
 INTERPRETER_TILES = Tiles(32, 32, 4, 1)
 KERNELS = ("fwd", "dkdv", "dq")
@@ -440,15 +443,15 @@ PARTIAL_BUDGET = 1.0
 DELTA_ELEMENTS = 2048  # elements of dO and O per program of the delta kernel (rows = this / d)
 
 
-def tiles_for(kernel: str, head_dim: int, dtype: torch.dtype) -> Tiles:
-    """The launch shape of ``kernel`` ("fwd", "dkdv" or "dq") for inputs of ``head_dim`` and ``dtype``."""
+def tiles_for(kernel: str, head_dim: int, dtype: torch.dtype, own_term: bool = True) -> Tiles:
+    """The launch shape of ``kernel`` ("fwd", "dkdv" or "dq") for inputs of ``head_dim`` and ``dtype``;
+    ``own_term``: whether a backward kernel computes its position gradient (c2p for dq, p2c for dk/dv)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return INTERPRETER_TILES
+    if not own_term and dtype != torch.float32 and (kernel, head_dim) in LIGHT_TILES:
+        return LIGHT_TILES[(kernel, head_dim)]
     table = GPU_TILES_FP32 if dtype == torch.float32 else GPU_TILES
     return table[(kernel, head_dim)]
-
-
-# --------------------------------------------------------------------------- host side
 
 
 @functools.lru_cache(maxsize=64)
@@ -566,7 +569,8 @@ def attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, problem:
                        items_per_program=triton.cdiv(items, programs), **{part_name: partial}, **outputs, **common)
         return partial.sum(1) if has_term else None  # fixed order: deterministic
 
-    dkdv_tiles, dq_tiles = tiles_for("dkdv", q.shape[-1], q.dtype), tiles_for("dq", q.shape[-1], q.dtype)
+    dkdv_tiles = tiles_for("dkdv", q.shape[-1], q.dtype, own_term=has_p2c)
+    dq_tiles = tiles_for("dq", q.shape[-1], q.dtype, own_term=has_c2p)
     d_pos_query = run(_attn_bwd_dkdv, dkdv_tiles, dkdv_tiles.block_n, has_p2c, "DQR_PART", DK=dk, DV=dv)
     d_pos_key = run(_attn_bwd_dq, dq_tiles, dq_tiles.block_m, has_c2p, "DKR_PART", DQ=dq)
     return (dq, dk, dv, None if d_pos_key is None else d_pos_key.to(pos_key.dtype),

@@ -31,15 +31,22 @@ NODE_ENV_NAMES = (
     "XDG_CACHE_HOME", "TOKENIZERS_PARALLELISM",
 )
 NODE_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "WANDB_", "HF_", "TRANSFORMERS_")
-# Never written to a file in the run directory: nodes read credentials from ~/.netrc instead.
-SECRET_NAMES = ("WANDB_API_KEY", "HF_TOKEN")
+# Never written to a file in the run directory: any name with one of these words is a credential
+# (WANDB_API_KEY, HF_TOKEN, HUGGING_FACE_HUB_TOKEN, a *_SECRET or *_PASSWORD of a user's own); nodes
+# read credentials from their own environment or ~/.netrc instead.
+SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
+
+
+def is_secret(name: str) -> bool:
+    return any(word in name.upper() for word in SECRET_WORDS)
 
 
 def node_environment(env: Mapping[str, str]) -> dict[str, str]:
-    """The variables of ``env`` that every node needs (see NODE_ENV_NAMES / NODE_ENV_PREFIXES), sorted."""
+    """The variables of ``env`` that every node needs (see NODE_ENV_NAMES / NODE_ENV_PREFIXES), sorted,
+    credentials left out."""
     return {
         name: env[name] for name in sorted(env)
-        if (name in NODE_ENV_NAMES or name.startswith(NODE_ENV_PREFIXES)) and name not in SECRET_NAMES
+        if (name in NODE_ENV_NAMES or name.startswith(NODE_ENV_PREFIXES)) and not is_secret(name)
     }
 
 

@@ -118,3 +118,27 @@ def test_checkpointer_saves_on_schedule_signal_and_last_step_once_and_restores(t
     assert (restored_position.value, restored_totals.value) == (7, 70)
     resumed.maybe_save(7, last=True)                                       # already saved: nothing to do
     assert resumed.engine.saves == 0
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "flip"])
+def test_resume_auto_skips_a_damaged_newest_checkpoint_and_prune_keeps_the_good_one(tmp_path, damage):
+    engine, position, totals = _FakeEngine(), _Counter(), _Counter()
+    checkpointer = _checkpointer(tmp_path, engine, position, totals)
+    for step in (3, 6):
+        position.value = step
+        checkpointer.save(step)
+    rank_file = tmp_path / "step-00000006" / "distaff" / "rank-00000.json"
+    text = rank_file.read_text()
+    if damage == "delete":
+        rank_file.unlink()
+    else:
+        rank_file.write_text(text[:-3] if damage == "truncate" else text.replace("6", "7"))
+    messages: list[str] = []
+    assert resolve_resume("auto", tmp_path, messages.append) == tmp_path / "step-00000003"
+    assert messages == [f"distaff: skipping checkpoint {tmp_path / 'step-00000006'}: distaff/rank-00000.json "
+                        + {"delete": "is missing", "truncate": f"is {len(text) - 3} bytes, {len(text)} when saved "
+                           "(truncated?)", "flip": "has changed since it was saved (sha256 differs)"}[damage]]
+    with pytest.raises(FileNotFoundError, match="damaged checkpoint: distaff/rank-00000.json"):
+        resolve_resume(str(tmp_path / "step-00000006"), tmp_path)
+    prune(tmp_path, keep=1)                     # the newest is damaged: the older good one must stay
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000003", "step-00000006"]

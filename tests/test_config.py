@@ -112,3 +112,12 @@ def test_flop_count_includes_position_terms_and_emd():
     assert train_flops_per_token(cfg, 512) > per_token
     assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12 and peak_flops("cpu", "fp32") is None
     assert mfu(1e5, per_token, 989e12) == pytest.approx(1e5 * per_token / 989e12)
+
+
+@pytest.mark.parametrize("override", ["optim.lr=.inf", "train.grad_clip=.nan", "optim.betas=[0.9, .nan]",
+                                      "data.masking.mlm_probability=-.inf", "optim.eps=nan"])
+def test_non_finite_float_values_are_rejected_naming_the_key(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match="must be a finite number") as err:
+        load_config(None, ["data.dir=/d", override])
+    assert str(err.value).startswith(key.replace("optim.betas", "optim.betas[1]"))

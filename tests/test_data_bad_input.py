@@ -7,6 +7,7 @@ import io
 import json
 import multiprocessing
 import re
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -17,7 +18,8 @@ from data_fixtures import SEQ_LEN, copy_data_dir
 from distaff.launch.cli import main as distaff_main
 from distaff.train.data.collator import MaskingConfig
 from distaff.train.data.loader import build_train_loader
-from distaff.train.data.manifest import read_manifest
+from distaff.train.data.manifest import check_relpath, data_url, read_manifest
+from distaff.train.data.verify import verify
 from distaff.train.data.prepare import PrepareConfig, prepare
 from distaff.train.data.sources import DataError, ReadOptions
 
@@ -162,5 +164,59 @@ def test_missing_input_file(tokenizer_dir: Path, tmp_path: Path, capsys: pytest.
     missing = tmp_path / "absent.jsonl.gz"
     code = distaff_main(["data", "prepare", "--input", str(missing), "--tokenizer", str(tokenizer_dir),
                          "--seq-len", "64", "--out", str(tmp_path / "out"), "--no-progress"])
-    assert code == 1
+    assert code == 2
     assert f"{missing}: input file not found" in capsys.readouterr().err
+
+
+def test_manifest_path_cannot_inject_shell(data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # A pipe: data dir runs its URLs with shell=True: a manifest path must never reach the shell as code.
+    copy = copy_data_dir(data_dir, tmp_path / "data")
+    marker = tmp_path / "injected"
+    manifest = json.loads((copy / "manifest.json").read_text())
+    bad = f"heldout/shard-000000.tar; touch {marker}; #"
+    manifest["splits"]["heldout"]["shards"][0]["path"] = bad
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert distaff_main(["data", "verify", f"pipe:cat {copy}/{{path}}"]) == 1
+    out = capsys.readouterr().out
+    assert "manifest.json" in out and f"unsafe shard path {bad!r}" in out
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("bad", ["/etc/passwd", "../outside.tar", "train/../../x.tar", "train/$(id).tar", ""])
+def test_manifest_paths_must_stay_inside(bad: str) -> None:
+    with pytest.raises(DataError, match="unsafe shard path"):
+        check_relpath(bad, "manifest.json")
+
+
+def test_pipe_urls_quote_paths(data_dir: Path) -> None:
+    assert data_url("pipe:cat /d/{path}", "a b;touch x") == "pipe:cat /d/'a b;touch x'"
+    assert data_url("pipe:cat /d", "train/s.tar") == "pipe:cat /d/train/s.tar"
+    assert verify(f"pipe:cat {data_dir}/{{path}}") == []  # quoting keeps ordinary pipe: data dirs working
+
+
+def test_in_vocabulary_byte_flip_is_caught(data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    copy, shard = _damaged(data_dir, tmp_path)
+    raw = bytearray(shard.read_bytes())
+    # first member's data starts after its 512-byte tar header and the 128-byte .npy header; token 5's low
+    # byte flipped by one stays inside the vocabulary, keeps the framing and the token count
+    raw[512 + 128 + 2 * 5] ^= 1
+    shard.write_bytes(bytes(raw))
+    out = _verify(copy, capsys)
+    assert f"{shard}: sha256" in out and "does not match the manifest's" in out
+
+
+def _prepare_cli(inputs: list[Path], tokenizer_dir: Path, out: Path, seq_len: int = 64) -> int:
+    return distaff_main(["data", "prepare", "--input", *map(str, inputs), "--tokenizer", str(tokenizer_dir),
+                         "--seq-len", str(seq_len), "--out", str(out), "--workers", "0", "--no-progress"])
+
+
+def test_bad_prepare_arguments_are_clear_errors(corpus_files: list[Path], tokenizer_dir: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture) -> None:
+    assert _prepare_cli([tmp_path], tokenizer_dir, tmp_path / "a") == 2         # a directory, not a file
+    assert f"{tmp_path}: is a directory; pass the input files in it" in capsys.readouterr().err
+    assert _prepare_cli(corpus_files[3:], tokenizer_dir, tmp_path / "b", seq_len=2) == 2
+    assert "--seq-len 2: sequences need room for [CLS], a token and [SEP]" in capsys.readouterr().err
+    mismatched = shutil.copytree(tokenizer_dir, tmp_path / "tok")
+    (mismatched / "spm.model").write_bytes((mismatched / "spm.model").read_bytes() + b"\0")
+    assert _prepare_cli(corpus_files[3:], mismatched, tmp_path / "c") == 2
+    assert f"{mismatched / 'spm.model'}: sha256" in capsys.readouterr().err

@@ -89,6 +89,13 @@ def test_secrets_never_reach_the_run_dir() -> None:
     assert chosen["WANDB_MODE"] == "offline"
 
 
+@pytest.mark.parametrize("name", ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_TOKEN", "WANDB_API_KEY",
+                                  "WANDB_ACCESS_TOKEN", "HF_MIRROR_PASSWORD", "NCCL_SECRET", "TRANSFORMERS_AUTH"])
+def test_every_credential_like_name_stays_out_of_deepspeed_env(name: str) -> None:
+    assert name not in node_environment({**NODE_ENV, name: "credential"})
+    assert node_environment({**NODE_ENV, "HF_HOME": "/x"})["HF_HOME"] == "/x"  # families still travel
+
+
 def test_single_node_needs_no_hostfile(target) -> None:
     plan = plan_launch(target, hosts=[], gpus_per_node=2, master_port=29500, env=NODE_ENV)
     assert plan.files == {} and "DS_ENV_FILE" not in plan.env

@@ -70,7 +70,7 @@ def test_missing_input_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixt
     missing = tmp_path / "nowhere.txt.gz"
     code = distaff_main(["tokenizer", "train", "--input", str(missing), "--vocab-size", "500",
                          "--out", str(tmp_path / "tok")])
-    assert code == 1
+    assert code == 2
     assert str(missing) in capsys.readouterr().err
 
 
@@ -82,3 +82,25 @@ def test_tampered_model_is_rejected(tokenizer_dir: Path, tmp_path: Path) -> None
     (copy / "spm.model").write_bytes((copy / "spm.model").read_bytes() + b"\0")
     with pytest.raises(ValueError, match="spm.model"):
         load_tokenizer_info(copy)
+
+
+@pytest.mark.unit
+def test_directory_empty_and_bad_inputs_are_named(corpus_files: list[Path], tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    def train(*inputs: Path, skip_bad: bool = False) -> int:
+        return distaff_main(["tokenizer", "train", "--input", *map(str, inputs), "--vocab-size", "200",
+                             "--out", str(tmp_path / "tok"), *(["--skip-bad"] if skip_bad else [])])
+
+    assert train(tmp_path) == 2
+    assert f"{tmp_path}: is a directory" in capsys.readouterr().err
+    empty, bad = tmp_path / "empty.txt", tmp_path / "bad.txt"
+    empty.write_text("\n\n")
+    bad.write_bytes(b"bad \xff\xfe text\n")
+    assert train(empty) == 2
+    assert f"no text to train on in {empty} (every line empty or skipped" in capsys.readouterr().err
+    assert train(bad) == 2
+    assert f"{bad}:1: invalid UTF-8" in capsys.readouterr().err
+    assert train(bad, skip_bad=True) == 2
+    err = capsys.readouterr().err
+    assert f"no text to train on in {bad}" in err and "'invalid_utf8': 1" in err
+    assert train(bad, corpus_files[3], skip_bad=True) == 0

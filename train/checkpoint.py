@@ -4,6 +4,7 @@ Layout under ``<run.out_dir>/checkpoints``::
 
     step-00000100/            a complete checkpoint (DeepSpeed files, then ours)
         distaff/rank-00000.json   per rank: step and the per-rank components (data stream, RNG)
+        distaff/files.json        every file's size and sha256 (checkpoint_files.py), checked before resuming
         distaff/meta.json         written last: step, world size, configs and the shared components
         tokenizer/                copy of the tokenizer, so a checkpoint exports on its own
     latest                    text file naming the newest complete checkpoint
@@ -12,8 +13,8 @@ Layout under ``<run.out_dir>/checkpoints``::
 A save writes everything into ``.partial-<tag>``, and only when every rank has finished does
 rank 0 write ``meta.json``, rename the folder to ``<tag>`` and atomically replace ``latest``. A
 crash at any point before the rename leaves the previous checkpoint complete and named by
-``latest``. Our state is JSON; nothing here is unpickled. (DeepSpeed's own files are loaded by
-DeepSpeed, which unpickles them: only resume from checkpoints you wrote.)
+``latest``. Our state is JSON; DeepSpeed's own files are loaded with ``weights_only=True``
+(``safe_load.py``), so nothing here runs code from a checkpoint.
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
+from .checkpoint_files import FIRST_FORMAT_WITH_FILES, META, checkpoint_problem, write_file_list
 from .files import atomic_write_text, fsync_dir
+from .safe_load import weights_only_loads
 
 LATEST = "latest"
 PARTIAL_PREFIX = ".partial-"
 STALE_PREFIX = ".stale-"
-META = Path("distaff") / "meta.json"
-FORMAT_VERSION = 2
+FORMAT_VERSION = FIRST_FORMAT_WITH_FILES
 
 
 class Stateful(Protocol):
@@ -70,16 +72,34 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return max(complete, key=lambda p: p.name) if complete else None
 
 
-def resolve_resume(resume: str, root: Path) -> Path | None:
-    """``checkpoint.resume``: ``auto`` the latest checkpoint under ``root`` (or None), ``none`` None,
-    else the checkpoint folder it names."""
+def newest_sound_checkpoint(root: Path, report: Callable[[str], None]) -> Path | None:
+    """The latest checkpoint if its files match their record, else the newest complete one that does;
+    each checkpoint passed over is reported with the reason."""
+    latest = latest_checkpoint(root)
+    if latest is None:
+        return None
+    others = sorted((p for p in root.glob("step-*") if is_complete(p) and p != latest), key=lambda p: p.name)
+    for folder in [latest, *reversed(others)]:
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            return folder
+        report(f"distaff: skipping checkpoint {folder}: {problem}")
+    return None
+
+
+def resolve_resume(resume: str, root: Path, report: Callable[[str], None] = print) -> Path | None:
+    """``checkpoint.resume``: ``auto`` the newest sound checkpoint under ``root`` (or None), ``none`` None,
+    else the checkpoint folder it names (which must be sound)."""
     if resume == "none":
         return None
     if resume == "auto":
-        return latest_checkpoint(root)
+        return newest_sound_checkpoint(root, report)
     path = Path(resume)
     if not is_complete(path):
         raise FileNotFoundError(f"checkpoint.resume={resume!r}: not a complete checkpoint (no {META} in it)")
+    problem = checkpoint_problem(path)
+    if problem:
+        raise FileNotFoundError(f"checkpoint.resume={resume!r}: damaged checkpoint: {problem}")
     return path
 
 
@@ -127,8 +147,11 @@ def remove_partial(root: Path) -> None:
 
 
 def prune(root: Path, keep: int) -> None:
-    """Delete all but the ``keep`` newest complete checkpoints."""
+    """Delete all but the ``keep`` newest complete checkpoints, only once the newest is verified
+    (a damaged newest checkpoint must not cost the older good ones)."""
     complete = sorted((p for p in root.glob("step-*") if is_complete(p)), key=lambda p: p.name)
+    if not complete or checkpoint_problem(complete[-1]) is not None:
+        return
     for old in complete[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -202,6 +225,7 @@ class Checkpointer:
     def _write_meta(self, partial: Path, step: int) -> None:
         if self.tokenizer_dir is not None:
             shutil.copytree(self.tokenizer_dir, partial / "tokenizer")
+        write_file_list(partial)
         states = {name: component.state_dict() for name, component in self.shared.items()}
         meta = {"format": FORMAT_VERSION, "step": step, "world_size": self.world_size, **self.meta, **states}
         atomic_write_text(partial / META, json.dumps(meta, indent=1))
@@ -209,7 +233,7 @@ class Checkpointer:
     # ---- restoring
     def restore(self, resume: str) -> Path | None:
         """Resolve ``checkpoint.resume``, clear interrupted saves and load the checkpoint, if any."""
-        folder = resolve_resume(resume, self.root)
+        folder = resolve_resume(resume, self.root, print if self.rank == 0 else lambda message: None)
         if self.rank == 0 and self.root.is_dir():
             remove_partial(self.root)
         self.barrier()
@@ -227,8 +251,9 @@ class Checkpointer:
         if not own.is_file():
             raise FileNotFoundError(f"{own}: this rank's state is missing from the checkpoint")
         rank_state = json.loads(own.read_text())
-        loaded, _ = self.engine.load_checkpoint(str(folder.parent), tag=folder.name, load_optimizer_states=True,
-                                                load_lr_scheduler_states=False)
+        with weights_only_loads():  # DeepSpeed's checkpoint engine would unpickle with weights_only=False
+            loaded, _ = self.engine.load_checkpoint(str(folder.parent), tag=folder.name, load_optimizer_states=True,
+                                                    load_lr_scheduler_states=False)
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {folder}")
         for name, component in self.per_rank.items():

@@ -8,6 +8,7 @@ is a :class:`ConfigError` naming the dotted key. The ``model`` section is a pres
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -50,6 +51,7 @@ class TrainSection:
     grad_accum: int = 1
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     grad_clip: float = 1.0              # 0 disables clipping
+    max_nonfinite_steps: int = 10       # stop after this many skipped (non-finite loss) steps in a row
 
 
 @dataclass
@@ -82,6 +84,8 @@ class DeepSpeedSection:
 @dataclass
 class DistributedSection:
     timeout_s: int = 300                # a collective waiting longer than this fails the job
+    # a rank with no step progress for this long dumps its stacks and exits (0: timeout_s)
+    watchdog_s: int = 0
 
 
 @dataclass
@@ -159,11 +163,15 @@ def _check_value(key: str, value: Any, annotation: Any) -> Any:
     if annotation is float:
         if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            value = float(value)
+            # .inf / .nan pass every range check below and poison the run silently
+            if not math.isfinite(value):
+                raise ConfigError(f"{key}: must be a finite number, got {value}")
+            return value
     elif annotation is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -205,13 +213,15 @@ def _build_model_section(values: Any) -> ModelSection:
 
 def _validate(cfg: RunConfig) -> None:
     positive = {"data.batch_size": cfg.data.batch_size, "train.max_steps": cfg.train.max_steps,
-                "train.grad_accum": cfg.train.grad_accum, "logging.every": cfg.logging.every,
+                "train.grad_accum": cfg.train.grad_accum, "train.max_nonfinite_steps": cfg.train.max_nonfinite_steps,
+                "logging.every": cfg.logging.every,
                 "checkpoint.keep": cfg.checkpoint.keep, "distributed.timeout_s": cfg.distributed.timeout_s,
                 "optim.lr": cfg.optim.lr}
     non_negative = {"data.num_workers": cfg.data.num_workers, "data.eval_batch_size": cfg.data.eval_batch_size,
                     "optim.warmup_steps": cfg.optim.warmup_steps, "optim.weight_decay": cfg.optim.weight_decay,
                     "train.grad_clip": cfg.train.grad_clip, "eval.every": cfg.eval.every,
-                    "eval.batches": cfg.eval.batches, "checkpoint.every": cfg.checkpoint.every}
+                    "eval.batches": cfg.eval.batches, "checkpoint.every": cfg.checkpoint.every,
+                    "distributed.watchdog_s": cfg.distributed.watchdog_s}
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key}: must be positive, got {value}")

@@ -8,8 +8,11 @@ connection at once, NCCL within the timeout) instead of waiting forever.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -43,6 +46,23 @@ def env_from_environ() -> DistEnv:
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)))
     return DistEnv(0, 1, 0)
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_launcher() -> None:
+    """Get SIGTERM (checkpoint, exit 75) when the launcher that started this rank dies.
+
+    torchrun and the deepspeed launcher start ranks in their own sessions, so a SIGKILLed launcher
+    would leave them training, unsupervised, into a run directory a restarted job then shares.
+    Only for launched ranks (rank variables set): a run started from a shell keeps running on its own.
+    """
+    if not sys.platform.startswith("linux") or not ("RANK" in os.environ or "SLURM_PROCID" in os.environ):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() == 1:           # the launcher died before the call above
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def init_distributed(timeout_s: int) -> DistEnv:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import META, is_complete, latest_checkpoint
+from .safe_load import safe_load, weights_only_loads
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 
@@ -38,17 +39,26 @@ def fp32_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
         # ZeRO 1-3 and bf16 keep the fp32 master weights partitioned in the optimizer files
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
-    states = torch.load(checkpoint / MODEL_STATES, map_location="cpu", weights_only=True)
+        with weights_only_loads():  # zero_to_fp32 itself would unpickle with weights_only=False
+            return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
+    states = safe_load(checkpoint / MODEL_STATES)
     return {k: v.float() for k, v in states["module"].items()}
 
 
-def export(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | None = None) -> Path:
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    """Refuse to write into a folder that already holds files (the user's config.json, say) unless told to."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise FileExistsError(f"{out}: exists and is not an empty folder; pass --overwrite to replace its files")
+
+
+def export(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | None = None,
+           overwrite: bool = False) -> Path:
     """Write the HF folder for ``checkpoint`` into ``out``; returns ``out``."""
     from .hf import to_hf
     from .model import DebertaForMaskedLM
     from .model_config import ModelConfig
 
+    check_out_dir(Path(out), overwrite)
     folder = find_checkpoint(checkpoint)
     meta = json.loads((folder / META).read_text())
     model = DebertaForMaskedLM(ModelConfig.from_dict(meta["model_config"], f"{folder / META} model_config"))
@@ -64,10 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", help="checkpoint folder, checkpoints folder or run directory")
     parser.add_argument("out", help="output folder for the Hugging Face model")
     parser.add_argument("--tokenizer", help="tokenizer folder (default: the checkpoint's copy)")
+    parser.add_argument("--overwrite", action="store_true", help="write into OUT even if it already holds files")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        out = export(args.checkpoint, args.out, args.tokenizer)
-    except (FileNotFoundError, ValueError, RuntimeError, KeyError) as err:
+        out = export(args.checkpoint, args.out, args.tokenizer, args.overwrite)
+    except (FileNotFoundError, FileExistsError, ValueError, RuntimeError, KeyError) as err:
         print(f"distaff export-hf: {err}", file=sys.stderr)
         return 1
     print(f"distaff export-hf: wrote {out} (load with AutoModelForMaskedLM / AutoTokenizer)")

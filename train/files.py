@@ -1,7 +1,9 @@
-"""Atomic file writes: readers see the old content or the new, never a torn file, even after a crash."""
+"""Atomic file writes (readers see the old content or the new, never a torn file, even after a crash)
+and file checksums."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,6 +36,21 @@ def atomic_open(path: str | Path, mode: str = "w") -> Iterator[IO]:
     fsync_dir(path.parent)
 
 
+def chmod_default(path: str | Path) -> None:
+    """Give ``path`` the mode a new file normally gets (0666 less the umask); some writers leave 0600."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     with atomic_open(path, "w") as handle:
         handle.write(text)
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

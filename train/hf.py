@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from distaff.train.files import chmod_default
 from distaff.train.model import DebertaForMaskedLM
 from distaff.train.model_config import ConfigError, ModelConfig
 
@@ -155,6 +156,7 @@ def to_hf(model: DebertaForMaskedLM, path: str | Path, tokenizer: str | Path | N
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     save_file(hf_state_dict(model), out / "model.safetensors", metadata={"format": "pt"})
+    chmod_default(out / "model.safetensors")  # safetensors writes it 0600
     (out / "config.json").write_text(json.dumps(hf_config_dict(model.config), indent=2) + "\n")
     if tokenizer is not None:
         source = Path(tokenizer)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import random
 import secrets
@@ -41,7 +42,9 @@ from .model import DebertaForMaskedLM
 from .model_config import ModelConfig
 from .schedule import lr_at
 from .tokenizer import TokenizerInfo
-from .steps import Evaluator, train_step
+from .runlock import DirLock
+from .steps import Evaluator, optimizer_step, train_step
+from .watchdog import Watchdog
 
 SUMMARY_FILE = "summary.json"
 
@@ -68,6 +71,7 @@ class TrainState:
     tokens: int = 0
     samples: int = 0
     train_time_s: float = 0.0
+    nonfinite_steps: int = 0            # steps skipped for a non-finite loss
     last_eval: dict[str, float] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
@@ -75,7 +79,8 @@ class TrainState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for f in dataclasses.fields(self):
-            setattr(self, f.name, state[f.name])
+            if f.name in state:         # checkpoints from before a counter existed lack it
+                setattr(self, f.name, state[f.name])
 
 
 def build_model_config(cfg: RunConfig, tokenizer) -> ModelConfig:
@@ -87,6 +92,17 @@ def build_model_config(cfg: RunConfig, tokenizer) -> ModelConfig:
     elif chosen < tokenizer.vocab_size:
         raise ConfigError(f"model.vocab_size: {chosen} is smaller than the tokenizer's vocabulary ({tokenizer.vocab_size})")
     return cfg.model_config(**fixed)
+
+
+def check_data_fits_model(model_cfg: ModelConfig, seq_len: int) -> None:
+    """Absolute position embeddings (``position_biased_input``, the Enhanced Mask Decoder) have
+    ``max_position_embeddings`` rows: longer sequences would fail at the first step with a shape error."""
+    users = [name for name, on in (("model.position_biased_input", model_cfg.position_biased_input),
+                                   ("model.emd", model_cfg.emd)) if on]
+    if users and seq_len > model_cfg.max_position_embeddings:
+        raise ConfigError(f"model.max_position_embeddings: {model_cfg.max_position_embeddings} is shorter than "
+                          f"the data's sequences (data.dir: seq_len {seq_len}), and {' and '.join(users)} "
+                          f"use absolute positions; raise it or prepare the data with a smaller --seq-len")
 
 
 def _seed(seed: int) -> None:
@@ -106,13 +122,12 @@ class Trainer:
     def __init__(self, cfg: RunConfig, layout: dist_utils.DistEnv):
         self.cfg, self.layout = cfg, layout
         self.device = dist_utils.device_for(layout)
-        if layout.is_main:
-            cfg.out_dir.mkdir(parents=True, exist_ok=True)
-        dist_utils.barrier()
+        self.out_dir_lock = self._lock_out_dir()
         self.preemption = PreemptionFlag()
         self.manifest, tokenizer = open_data_dir(cfg.data.dir)
         self.loader, self.evaluator = self._build_data(tokenizer)
         self.model_cfg = build_model_config(cfg, tokenizer)
+        check_data_fits_model(self.model_cfg, self.loader.seq_len)
         self.engine = self._build_engine()
         self.state = TrainState()
         self.checkpointer = self._build_checkpointer(tokenizer.path)
@@ -121,8 +136,22 @@ class Trainer:
         self.state.wandb_run_id = self.state.wandb_run_id or os.environ.get("WANDB_RUN_ID") or _new_wandb_id()
         self.metrics = self._build_metrics(resumed_from)
         self.throughput = self._build_throughput()
+        self.nonfinite_in_a_row = 0
+        self.watchdog: Watchdog | None = None
 
     # ---------------------------------------------------------------- building
+
+    def _lock_out_dir(self) -> DirLock | None:
+        """Rank 0 holds ``run.out_dir``'s lock for the run's life; every rank learns of a refusal."""
+        lock, refusal = None, ""
+        if self.layout.is_main:
+            try:
+                lock = DirLock(self.cfg.out_dir, "run.out_dir")
+            except ConfigError as err:
+                refusal = str(err)
+        if dist_utils.all_reduce_sum([float(bool(refusal))], self.device)[0]:
+            raise ConfigError(refusal or f"run.out_dir: {self.cfg.out_dir} is in use by another run (see rank 0)")
+        return lock
 
     def _build_data(self, tokenizer: TokenizerInfo) -> tuple[PretrainLoader, Evaluator]:
         cfg, layout = self.cfg, self.layout
@@ -178,11 +207,16 @@ class Trainer:
     # ---------------------------------------------------------------- the loop
 
     def run(self) -> int:
+        cfg = self.cfg
+        self.watchdog = Watchdog(cfg.distributed.watchdog_s or cfg.distributed.timeout_s, cfg.out_dir,
+                                 self.layout.rank)
         exit_code = self._loop()
+        self.watchdog.stop()
         self.metrics.close()
         if exit_code == 0:
-            self._evaluate()
+            # the final checkpoint before anything else that can fail (evaluation, summary, W&B)
             self.checkpointer.maybe_save(self.state.step, last=True)
+            self._evaluate()
         self._close(exit_code)
         return exit_code
 
@@ -191,9 +225,10 @@ class Trainer:
         while self.state.step < cfg.train.max_steps:
             signalled = self._step(batches)
             step = self.state.step
-            if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.max_steps:
-                self._evaluate()
-            self.checkpointer.maybe_save(step, signalled=signalled)
+            with self.watchdog.paused():  # bounded by the collective timeout, may take longer than a step
+                if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.max_steps:
+                    self._evaluate()
+                self.checkpointer.maybe_save(step, signalled=signalled)
             if signalled:
                 if self.layout.is_main:
                     print(f"distaff: signal received; checkpoint saved at step {step}; exiting with "
@@ -206,11 +241,15 @@ class Trainer:
         state, started = self.state, time.perf_counter()
         set_lr(self.engine, self._lr(state.step))
         local = train_step(self.engine, batches, self.cfg.train.grad_accum, self.device)
-        state.step += 1
-        # one small collective per step: global sums plus "did any rank get a signal?"
+        # one small collective per step: global sums plus "did any rank get a signal?"; a non-finite
+        # global loss sum makes every rank skip the same optimizer step
         flag = torch.tensor([float(self.preemption.signum != 0)], dtype=torch.float64, device=self.device)
         loss_sum, labelled, correct, tokens, samples, signalled = dist_utils.all_reduce_sum(
             torch.cat([local, flag]), self.device)
+        skipped = not math.isfinite(loss_sum)
+        optimizer_step(self.engine, skip=skipped)
+        state.step += 1
+        self._count_nonfinite(skipped)
         state.tokens += int(tokens)
         state.samples += int(samples)
         state.train_time_s += time.perf_counter() - started
@@ -218,7 +257,29 @@ class Trainer:
         if state.step % self.cfg.logging.every == 0 or state.step == self.cfg.train.max_steps:
             self._log_train(loss_sum / max(labelled, 1.0), correct / max(labelled, 1.0))
         self.metrics.advance(state.step)
+        self.watchdog.feed()
+        self._stop_if_nonfinite()
         return bool(signalled)
+
+    def _count_nonfinite(self, skipped: bool) -> None:
+        if not skipped:
+            self.nonfinite_in_a_row = 0
+            return
+        self.state.nonfinite_steps += 1
+        self.nonfinite_in_a_row += 1
+        if self.layout.is_main:
+            print(f"distaff: step {self.state.step}: non-finite loss; optimizer step skipped "
+                  f"({self.nonfinite_in_a_row} in a row, limit train.max_nonfinite_steps="
+                  f"{self.cfg.train.max_nonfinite_steps})", flush=True)
+
+    def _stop_if_nonfinite(self) -> None:
+        """``train.max_nonfinite_steps`` skipped steps in a row stop the run before this step is saved."""
+        in_a_row = self.nonfinite_in_a_row
+        if in_a_row >= self.cfg.train.max_nonfinite_steps:
+            raise FloatingPointError(
+                f"the loss was not finite for {in_a_row} steps in a row (up to step {self.state.step}); stopping "
+                f"without saving (those steps left the weights unchanged; latest checkpoint: "
+                f"{latest_checkpoint(self.checkpointer.root)}); lower optim.lr or check the data")
 
     def _lr(self, step: int) -> float:
         optim = self.cfg.optim
@@ -231,6 +292,7 @@ class Trainer:
                           "lr": self.engine.optimizer.param_groups[0]["lr"],
                           "grad_norm": None if grad_norm is None else float(grad_norm),
                           "loss_scale": loss_scale(self.engine), "tokens_seen": self.state.tokens,
+                          "nonfinite_steps": self.state.nonfinite_steps,
                           "peak_mem_gb": peak_memory_gb(),
                           **self.throughput.report(self.cfg.train.max_steps - self.state.step)})
 
@@ -304,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"distaff pretrain: config error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    dist_utils.die_with_launcher()
     layout = dist_utils.env_from_environ()
     try:
         layout = dist_utils.init_distributed(cfg.distributed.timeout_s)

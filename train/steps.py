@@ -18,20 +18,44 @@ def forward_batch(engine, batch: dict[str, torch.Tensor], device: torch.device) 
 
 
 def train_step(engine, batches: Iterator[dict], grad_accum: int, device: torch.device) -> torch.Tensor:
-    """One optimizer step over ``grad_accum`` micro-batches; this rank's sums
+    """Forward and backward over ``grad_accum`` micro-batches, stopping short of the optimizer step
+    (:func:`optimizer_step`, once the ranks have agreed the loss was finite); this rank's sums
     ``[loss * labelled, labelled, correct, tokens, samples]`` as a float64 tensor on ``device``
     (kept there so micro-batches queue without a host sync)."""
     sums = torch.zeros(5, dtype=torch.float64, device=device)
-    for _ in range(grad_accum):
+    for micro in range(grad_accum):
         batch = next(batches)
         ids = batch["input_ids"]
         out = forward_batch(engine, batch, device)
         engine.backward(out.loss)
-        engine.step()
+        if micro < grad_accum - 1:
+            engine.step()   # below the accumulation boundary DeepSpeed only counts the micro-step
         labelled = out.num_labelled.double()
         sums[:3] += torch.stack([out.loss.detach().double() * labelled, labelled, out.num_correct.double()])
         sums[3:] += torch.tensor([ids.numel(), ids.shape[0]], dtype=torch.float64, device=device)
     return sums
+
+
+def _base_optimizer(optimizer):
+    """The torch optimizer under DeepSpeed's wrappers (ZeRO, bf16/fp16), which updates the weights."""
+    while getattr(optimizer, "optimizer", None) is not None and optimizer.optimizer is not optimizer:
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def optimizer_step(engine, skip: bool) -> None:
+    """The accumulation boundary's ``engine.step()``. With ``skip`` (a non-finite loss on some rank),
+    DeepSpeed still runs its collectives and clears the gradients on every rank alike, but the base
+    optimizer's update is a no-op: weights and Adam moments stay as they were."""
+    if not skip:
+        engine.step()
+        return
+    base = _base_optimizer(engine.optimizer)
+    base.step = lambda *args, **kwargs: None
+    try:
+        engine.step()
+    finally:
+        del base.step
 
 
 class Evaluator:

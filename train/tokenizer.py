@@ -14,7 +14,6 @@ appends it after the last piece).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import io
 import json
 import logging
@@ -25,7 +24,10 @@ from typing import Iterator, Sequence
 
 import sentencepiece as spm
 
-from distaff.train.data.sources import ReadOptions, iter_documents
+from distaff.train.data.errors import DataError
+from distaff.train.data.sources import ReadOptions, ReadStats, check_inputs, iter_documents
+from distaff.train.exit_codes import EXIT_BAD_CONFIG, EXIT_FAILURE
+from distaff.train.files import file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +56,6 @@ class TokenizerInfo:
         return spm.SentencePieceProcessor(model_file=str(self.path / MODEL_FILE))
 
 
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def load_tokenizer_info(path: str | Path) -> TokenizerInfo:
     """Read a tokenizer folder's metadata and check it describes the ``spm.model`` beside it."""
     path = Path(path)
@@ -83,11 +77,12 @@ def word_start_table(processor: spm.SentencePieceProcessor) -> list[bool]:
             for i in range(processor.get_piece_size())]
 
 
-def _training_lines(inputs: Sequence[str | Path], max_bytes: int | None) -> Iterator[str]:
+def _training_lines(inputs: Sequence[str | Path], max_bytes: int | None, options: ReadOptions,
+                    stats: ReadStats) -> Iterator[str]:
     # Documents are read with the data pipeline's readers (same formats, same errors); SentencePiece
     # trains on lines, so each document is split into its non-empty lines.
     seen = 0
-    for doc in iter_documents(inputs, ReadOptions()):
+    for doc in iter_documents(inputs, options, stats):
         for line in doc.text.split("\n"):
             if line.strip():
                 yield line
@@ -96,25 +91,36 @@ def _training_lines(inputs: Sequence[str | Path], max_bytes: int | None) -> Iter
                     return
 
 
-def train_tokenizer(inputs: Sequence[str | Path], vocab_size: int, out_dir: str | Path, *,
-                    character_coverage: float = 0.9995, max_input_bytes: int | None = None,
-                    num_threads: int = 2, max_sentence_length: int = 16384, seed_sentences: int = 2_000_000,
-                    model_max_length: int = 512) -> TokenizerInfo:
-    """Train a unigram SentencePiece model on ``inputs`` and write a complete tokenizer folder."""
-    missing = [str(p) for p in inputs if "://" not in str(p) and not Path(p).is_file()]
-    if missing:
-        raise FileNotFoundError(f"tokenizer input not found: {', '.join(missing)}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model = io.BytesIO()
+def _train_spm(lines: Iterator[str], model: io.BytesIO, vocab_size: int, character_coverage: float,
+               num_threads: int, max_sentence_length: int, seed_sentences: int) -> None:
     spm.SentencePieceTrainer.train(
-        sentence_iterator=_training_lines(inputs, max_input_bytes), model_writer=model,
+        sentence_iterator=lines, model_writer=model,
         vocab_size=vocab_size, model_type="unigram", character_coverage=character_coverage,
         pad_id=0, pad_piece=SPECIAL_TOKENS["pad"], bos_id=1, bos_piece=SPECIAL_TOKENS["cls"],
         eos_id=2, eos_piece=SPECIAL_TOKENS["sep"], unk_id=3, unk_piece=SPECIAL_TOKENS["unk"],
         control_symbols=[SPECIAL_TOKENS["mask"]], num_threads=num_threads,
         max_sentence_length=max_sentence_length, input_sentence_size=seed_sentences,
         shuffle_input_sentence=True, minloglevel=2)
+
+
+def train_tokenizer(inputs: Sequence[str | Path], vocab_size: int, out_dir: str | Path, *,
+                    character_coverage: float = 0.9995, max_input_bytes: int | None = None,
+                    num_threads: int = 2, max_sentence_length: int = 16384, seed_sentences: int = 2_000_000,
+                    model_max_length: int = 512, read: ReadOptions | None = None) -> TokenizerInfo:
+    """Train a unigram SentencePiece model on ``inputs`` and write a complete tokenizer folder."""
+    check_inputs(inputs)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model, stats = io.BytesIO(), ReadStats()
+    try:
+        _train_spm(_training_lines(inputs, max_input_bytes, read or ReadOptions(), stats), model, vocab_size, character_coverage,
+                   num_threads, max_sentence_length, seed_sentences)
+    except RuntimeError as err:
+        if "sentences_.empty()" not in str(err):
+            raise
+        # SentencePiece only says "[!sentences_.empty()]": name the inputs and what was skipped
+        raise DataError(f"no text to train on in {', '.join(map(str, inputs))} (every line empty or skipped; "
+                        f"skipped: {dict(stats.skipped) or 'none'})") from None
     (out_dir / MODEL_FILE).write_bytes(model.getvalue())
     _write_hf_files(out_dir, model_max_length)
     processor = spm.SentencePieceProcessor(model_file=str(out_dir / MODEL_FILE))
@@ -156,14 +162,19 @@ def main(argv: list[str]) -> int:
     train.add_argument("--character-coverage", type=float, default=0.9995)
     train.add_argument("--max-input-mb", type=float, default=None, help="train on the first MB of text only")
     train.add_argument("--threads", type=int, default=2)
+    train.add_argument("--skip-bad", action="store_true", help="skip, count and log bad documents instead of failing")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     max_bytes = None if args.max_input_mb is None else int(args.max_input_mb * 1e6)
     try:
         info = train_tokenizer(args.input, args.vocab_size, args.out, character_coverage=args.character_coverage,
-                               max_input_bytes=max_bytes, num_threads=args.threads)
-    except (OSError, ValueError, RuntimeError) as err:
+                               max_input_bytes=max_bytes, num_threads=args.threads,
+                               read=ReadOptions(skip_bad=args.skip_bad))
+    except ValueError as err:  # DataError included: bad input
         print(f"distaff tokenizer: {err}", file=sys.stderr)
-        return 1
+        return EXIT_BAD_CONFIG
+    except (OSError, RuntimeError) as err:
+        print(f"distaff tokenizer: {err}", file=sys.stderr)
+        return EXIT_FAILURE
     print(f"wrote {info.path}: vocab {info.vocab_size}, sha256 {info.fingerprint[:12]}")
     return 0

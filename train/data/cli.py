@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from distaff.train.data.errors import DataError
 from distaff.train.data.prepare import PrepareConfig, prepare
 from distaff.train.data.sources import ReadOptions
 from distaff.train.data.verify import verify
+from distaff.train.exit_codes import EXIT_BAD_CONFIG, EXIT_FAILURE
+from distaff.train.runlock import DirLock
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,7 +47,8 @@ def _prepare(args: argparse.Namespace) -> int:
         heldout_every=round(1 / args.heldout_fraction) if args.heldout_fraction > 0 else 0,
         progress=False if args.no_progress else None,
         **({} if args.workers is None else {"workers": args.workers}))
-    manifest = prepare(config)
+    with DirLock(Path(args.out), "--out"):     # one prepare per folder; a second is refused, naming the first
+        manifest = prepare(config)
     for name, split in manifest.splits.items():
         print(f"{name}: {len(split.shards)} shards, {split.samples} samples, {split.tokens} tokens")
     for reason, count in sorted(manifest.skipped.items()):
@@ -63,6 +67,9 @@ def main(argv: list[str]) -> int:
         return 1 if problems else 0
     try:
         return _prepare(args)
-    except (DataError, OSError) as err:
+    except ValueError as err:  # DataError, and a tokenizer folder that fails its own checks: bad input
         print(f"distaff data prepare: {err}", file=sys.stderr)
-        return 1
+        return EXIT_BAD_CONFIG
+    except OSError as err:
+        print(f"distaff data prepare: {err}", file=sys.stderr)
+        return EXIT_FAILURE

@@ -14,6 +14,8 @@ with ``{path}`` (``pipe:aws s3 cp s3://bucket/dir/{path} -``) into which relativ
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,14 +24,16 @@ from typing import BinaryIO
 import webdataset as wds
 
 from distaff.train.data.errors import DataError
-from distaff.train.files import atomic_write_text
-from distaff.train.tokenizer import METADATA_FILE, MODEL_FILE, TokenizerInfo, file_sha256, load_tokenizer_info
+from distaff.train.files import atomic_write_text, file_sha256
+from distaff.train.tokenizer import METADATA_FILE, MODEL_FILE, TokenizerInfo, load_tokenizer_info
 
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 FORMAT = "distaff-shards/1"
 SPLITS = ("train", "heldout")
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# Manifest paths end up in shell commands (``pipe:`` URLs): only plain relative names are allowed.
+_SAFE_PATH = re.compile(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*")
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,21 @@ class ShardInfo:
     path: str  # relative to the data dir
     samples: int
     tokens: int
+    sha256: str = ""  # of the shard file; empty in manifests written before checksums were recorded
+
+
+def check_relpath(path: object, where: str) -> str:
+    """``path`` if it is a plain relative path inside the data dir, else a DataError naming it."""
+    if not isinstance(path, str) or not _SAFE_PATH.fullmatch(path) or ".." in path.split("/"):
+        raise DataError(f"{where}: unsafe shard path {path!r} (must be relative, inside the data dir, "
+                        "of the characters A-Z a-z 0-9 . _ - /)")
+    return path
+
+
+def _shard_info(entry: dict, where: str) -> ShardInfo:
+    info = ShardInfo(**entry)
+    check_relpath(info.path, where)
+    return info
 
 
 @dataclass
@@ -78,7 +97,7 @@ class Manifest:
         if data.get("format") != FORMAT:
             raise DataError(f"{where}: format {data.get('format')!r} is not {FORMAT!r}")
         try:
-            splits = {name: SplitInfo(shards=[ShardInfo(**s) for s in split["shards"]],
+            splits = {name: SplitInfo(shards=[_shard_info(s, where) for s in split["shards"]],
                                       top_tokens=[(int(i), int(c)) for i, c in split["top_tokens"]],
                                       non_special_tokens=int(split["non_special_tokens"]))
                       for name, split in data["splits"].items()}
@@ -97,6 +116,8 @@ def is_remote(data_dir: str | Path) -> bool:
 
 def data_url(data_dir: str | Path, relpath: str) -> str:
     text = str(data_dir)
+    if text.startswith("pipe:"):
+        relpath = shlex.quote(relpath)  # webdataset runs pipe: URLs with shell=True
     if "{path}" in text:
         return text.replace("{path}", relpath)
     return f"{text.rstrip('/')}/{relpath}"

@@ -26,7 +26,7 @@ from distaff.train.data import manifest as mf
 from distaff.train.data.errors import DataError
 from distaff.train.data.shards import token_dtype, write_shard
 from distaff.train.data.sources import ReadOptions, ReadStats, check_inputs, iter_file_documents
-from distaff.train.files import atomic_write_text
+from distaff.train.files import atomic_write_text, file_sha256
 from distaff.train.tokenizer import TokenizerInfo, load_tokenizer_info
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,8 @@ def _process_block(block: Block, config: PrepareConfig, tokenizer: TokenizerInfo
         write_shard(Path(config.out_dir) / relpath, sequences)
         counts = np.bincount(np.concatenate(sequences), minlength=tokenizer.vocab_size)
         np.save(Path(config.out_dir) / COUNTS_DIR / f"{split}-{block.index:06d}.npy", counts)
-        result["splits"][split] = {"path": relpath, "samples": len(sequences), "tokens": int(counts.sum())}
+        result["splits"][split] = {"path": relpath, "samples": len(sequences), "tokens": int(counts.sum()),
+                                   "sha256": file_sha256(Path(config.out_dir) / relpath)}
     return result
 
 
@@ -188,6 +189,8 @@ def _split_info(out_dir: Path, blocks: dict[int, dict], split: str, tokenizer: T
 def prepare(config: PrepareConfig) -> mf.Manifest:
     """Run (or resume) a prepare and write the manifest; returns it."""
     check_inputs(config.inputs)
+    if config.seq_len < 3:
+        raise DataError(f"--seq-len {config.seq_len}: sequences need room for [CLS], a token and [SEP] (3 or more)")
     tokenizer = load_tokenizer_info(config.tokenizer_dir)
     out_dir = Path(config.out_dir)
     (out_dir / COUNTS_DIR).mkdir(parents=True, exist_ok=True)

@@ -54,6 +54,8 @@ def check_inputs(paths: Sequence[str | Path]) -> list[Path]:
     """Fail before any work if an input is missing or of an unknown format."""
     resolved = [Path(p) for p in paths]
     for path in resolved:
+        if path.is_dir():
+            raise DataError(f"{path}: is a directory; pass the input files in it")
         if not path.is_file():
             raise DataError(f"{path}: input file not found")
         if not path.name.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES):

@@ -1,0 +1,67 @@
+"""An exclusive lock on an output directory, naming its holder.
+
+Two live runs writing one directory corrupt each other's checkpoints and metrics. The lock is an
+``fcntl.flock`` on ``<dir>/.distaff.lock``, held by one process for its life; the file holds a JSON
+description of the holder (host, pid, Slurm job id, start time) for the refusal message. The kernel
+drops a flock when its holder dies however it dies, so a stale lock never blocks a requeued job:
+the next holder just takes it over and rewrites the description.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Self
+
+from .model_config import ConfigError
+
+__all__ = ["LOCK_FILE", "DirLock", "DirectoryBusy"]
+
+LOCK_FILE = ".distaff.lock"
+
+
+class DirectoryBusy(ConfigError):
+    """Another live process holds the directory's lock."""
+
+
+def _holder() -> dict[str, object]:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+
+
+def _describe(text: str) -> str:
+    try:
+        h = json.loads(text)
+        job = f", Slurm job {h['slurm_job_id']}" if h.get("slurm_job_id") else ""
+        return f"pid {h['pid']} on {h['host']}{job}, started {h['started']}"
+    except (ValueError, KeyError, TypeError):
+        return "a process that has not described itself yet"
+
+
+class DirLock:
+    """``DirLock(folder, what)`` holds ``folder``'s lock while the object lives (a run's
+    life), or for a ``with`` block."""
+
+    def __init__(self, folder: Path, what: str):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / LOCK_FILE
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _describe(os.pread(self._fd, 4096, 0).decode(errors="replace"))
+            os.close(self._fd)
+            raise DirectoryBusy(f"{what}: {folder} is in use by {holder} (lock file {self.path}); "
+                                f"wait for it to finish or choose another directory") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, (json.dumps(_holder()) + "\n").encode(), 0)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._fd)
