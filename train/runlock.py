@@ -15,7 +15,6 @@ import json
 import os
 import socket
 from pathlib import Path
-from typing import Self
 
 from .model_config import ConfigError
 
@@ -30,7 +29,7 @@ class DirectoryBusy(ConfigError):
 
 def _holder() -> dict[str, object]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def _describe(text: str) -> str:
@@ -60,7 +59,7 @@ class DirLock:
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, (json.dumps(_holder()) + "\n").encode(), 0)
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> DirLock:
         return self
 
     def __exit__(self, *exc: object) -> None:
