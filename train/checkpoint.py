@@ -146,11 +146,12 @@ def remove_partial(root: Path) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def prune(root: Path, keep: int) -> None:
+def prune(root: Path, keep: int, published: Path | None = None) -> None:
     """Delete all but the ``keep`` newest complete checkpoints, only once the newest is verified
-    (a damaged newest checkpoint must not cost the older good ones)."""
+    (a damaged newest checkpoint must not cost the older good ones). ``published``, the checkpoint
+    this process has just written and recorded, is known good: it is not hashed a second time."""
     complete = sorted((p for p in root.glob("step-*") if is_complete(p)), key=lambda p: p.name)
-    if not complete or checkpoint_problem(complete[-1]) is not None:
+    if not complete or (complete[-1] != published and checkpoint_problem(complete[-1]) is not None):
         return
     for old in complete[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
@@ -209,7 +210,7 @@ class Checkpointer:
         if self.rank == 0:
             self._write_meta(partial, step)
             publish(partial, final)
-            prune(self.root, self.keep)
+            prune(self.root, self.keep, published=final)
         self.barrier()
         self.saved_step = step
         return final

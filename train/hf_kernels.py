@@ -45,12 +45,17 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _padding_mask(attention_mask: torch.Tensor) -> torch.Tensor | None:
     """The ``[B, N]`` token mask behind Hugging Face's ``[B, 1, N, N]`` pair mask, or None when the
-    pair mask is not the product of one (then the kernel cannot express it)."""
+    pair mask is not the product of one (then the kernel cannot express it).
+
+    The encoder hands the same mask tensor to every layer, so the answer (an ``N x N`` comparison
+    and a host sync) is computed once per forward and kept on the tensor."""
     if attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
         return None
-    pairs = attention_mask[:, 0].bool()
-    tokens = pairs.diagonal(dim1=-2, dim2=-1)
-    return tokens if torch.equal(pairs, tokens[:, :, None] & tokens[:, None, :]) else None
+    if not hasattr(attention_mask, "_distaff_tokens"):
+        pairs = attention_mask[:, 0].bool()
+        tokens = pairs.diagonal(dim1=-2, dim2=-1)
+        attention_mask._distaff_tokens = tokens if torch.equal(pairs, tokens[:, :, None] & tokens[:, None, :]) else None
+    return attention_mask._distaff_tokens
 
 
 def _position_tables(self, rel_embeddings: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
