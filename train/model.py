@@ -12,6 +12,11 @@ reference elsewhere (``attention_impl`` / ``kernel_impl`` in the config).
 
 Padded positions: their embeddings are zeroed (as in HF) and, as queries, they attend to nothing,
 so their hidden states are not meaningful; every real token's output equals HF's.
+
+Packed sequences (``cu_seqlens``): ``input_ids`` is 1-D over the tokens of several sequences laid end
+to end, with no padding; attention runs per sequence (``disentangled_attention_varlen``), and relative
+and absolute positions restart in every sequence (``position_ids``). Every token's output equals the
+padded model's for the same sequence.
 """
 
 from __future__ import annotations
@@ -27,6 +32,19 @@ from distaff import kernels
 from distaff.train.model_config import ModelConfig
 
 
+class Packed(NamedTuple):
+    """Where each sequence lies in a packed (1-D) batch; stands in for the padding mask.
+
+    A NamedTuple so ZeRO-3 and activation checkpointing see its tensors."""
+
+    cu_seqlens: torch.Tensor    # int32 [S + 1]: sequence s is tokens cu_seqlens[s]:cu_seqlens[s+1]
+    max_seqlen: int             # the longest sequence
+    position_ids: torch.Tensor  # long [T]: each token's position inside its sequence
+
+
+Layout = torch.Tensor | Packed  # a [B, N] padding mask, or the packed sequences' offsets
+
+
 class LayerNorm(nn.Module):
     """LayerNorm with an optional fused residual add (``LN(x + residual)``)."""
 
@@ -38,6 +56,14 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return kernels.layer_norm(x, self.weight, self.bias, self.eps, residual, impl=self.impl)
+
+
+def absolute_positions(table: nn.Embedding, tokens: torch.Tensor, mask: Layout) -> torch.Tensor:
+    """Each token's absolute position embedding: ``[N, D]`` (broadcast over the batch) when padded,
+    ``[T, D]`` restarting in every sequence when packed."""
+    if isinstance(mask, Packed):
+        return table(mask.position_ids)
+    return table.weight[: tokens.shape[1]]
 
 
 class Embeddings(nn.Module):
@@ -53,17 +79,18 @@ class Embeddings(nn.Module):
         self.LayerNorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, cfg.kernel_impl)
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None,
-                mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None, mask: Layout) -> torch.Tensor:
         x = self.word_embeddings(input_ids)
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings.weight[: input_ids.shape[1]]
+            x = x + absolute_positions(self.position_embeddings, input_ids, mask)
         if self.token_type_embeddings is not None:
             types = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
             x = x + self.token_type_embeddings(types)
         if self.embed_proj is not None:
             x = self.embed_proj(x)
-        x = self.LayerNorm(x) * mask.unsqueeze(-1).to(x.dtype)
+        x = self.LayerNorm(x)
+        if not isinstance(mask, Packed):  # a packed batch holds no padding
+            x = x * mask.unsqueeze(-1).to(x.dtype)
         return self.dropout(x)
 
 
@@ -92,6 +119,23 @@ class DisentangledSelfAttention(nn.Module):
         """``[..., N, H*d]`` -> ``[..., H, N, d]``."""
         return x.unflatten(-1, (self.heads, -1)).transpose(-3, -2)
 
+    def _attend(self, hidden: torch.Tensor, mask: Layout, query_states: torch.Tensor,
+                pos_key: torch.Tensor | None, pos_query: torch.Tensor | None) -> torch.Tensor:
+        """Attention output, ``[B, N, H*d]`` padded or ``[T, H*d]`` packed."""
+        shared = dict(position_buckets=self.position_buckets, max_relative_positions=self.max_relative_positions,
+                      dropout_p=self.attn_dropout if self.training else 0.0, softmax_scale=self.scale,
+                      impl=self.impl)
+        if isinstance(mask, Packed):  # [T, H, d] per token
+            q, k, v = (proj(x).unflatten(-1, (self.heads, -1)) for proj, x in
+                       ((self.query_proj, query_states), (self.key_proj, hidden), (self.value_proj, hidden)))
+            return kernels.disentangled_attention_varlen(
+                q, k, v, pos_key, pos_query, cu_seqlens=mask.cu_seqlens, max_seqlen=mask.max_seqlen,
+                **shared).flatten(1)
+        q = self._heads(self.query_proj(query_states))
+        k, v = self._heads(self.key_proj(hidden)), self._heads(self.value_proj(hidden))
+        return kernels.disentangled_attention(q, k, v, pos_key, pos_query, attention_mask=mask,
+                                              **shared).transpose(1, 2).flatten(2)
+
     def _position_tables(self, rel: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``Kr`` and ``Qr`` as ``[H, 2*span, d]`` from the (normalised) relative embeddings."""
         if not self.relative:
@@ -103,17 +147,10 @@ class DisentangledSelfAttention(nn.Module):
         pos_query = self._heads(query_proj(rel)) if self.p2c else None
         return pos_key, pos_query
 
-    def forward(self, hidden: torch.Tensor, mask: torch.Tensor, rel: torch.Tensor | None,
+    def forward(self, hidden: torch.Tensor, mask: Layout, rel: torch.Tensor | None,
                 query_states: torch.Tensor) -> torch.Tensor:
-        q = self._heads(self.query_proj(query_states))
-        k, v = self._heads(self.key_proj(hidden)), self._heads(self.value_proj(hidden))
         pos_key, pos_query = self._position_tables(rel)
-        out = kernels.disentangled_attention(
-            q, k, v, pos_key, pos_query,
-            position_buckets=self.position_buckets, max_relative_positions=self.max_relative_positions,
-            attention_mask=mask, dropout_p=self.attn_dropout if self.training else 0.0,
-            softmax_scale=self.scale, impl=self.impl)
-        return out.transpose(1, 2).flatten(2)
+        return self._attend(hidden, mask, query_states, pos_key, pos_query)
 
 
 class SelfOutput(nn.Module):
@@ -135,7 +172,7 @@ class Attention(nn.Module):
         self.self = DisentangledSelfAttention(cfg)
         self.output = SelfOutput(cfg.hidden_size, cfg)
 
-    def forward(self, hidden: torch.Tensor, mask: torch.Tensor, rel: torch.Tensor | None,
+    def forward(self, hidden: torch.Tensor, mask: Layout, rel: torch.Tensor | None,
                 query_states: torch.Tensor) -> torch.Tensor:
         return self.output(self.self(hidden, mask, rel, query_states), query_states)
 
@@ -166,7 +203,7 @@ class Layer(nn.Module):
         self.intermediate = Intermediate(cfg)
         self.output = SelfOutput(cfg.intermediate_size, cfg)
 
-    def forward(self, hidden: torch.Tensor, mask: torch.Tensor, rel: torch.Tensor | None,
+    def forward(self, hidden: torch.Tensor, mask: Layout, rel: torch.Tensor | None,
                 query_states: torch.Tensor | None = None) -> torch.Tensor:
         """Keys and values come from ``hidden``; queries from ``query_states`` (EMD) or ``hidden``."""
         attended = self.attention(hidden, mask, rel, hidden if query_states is None else query_states)
@@ -190,19 +227,19 @@ class Encoder(nn.Module):
         rel = self.rel_embeddings.weight
         return self.LayerNorm(rel) if self.LayerNorm is not None else rel
 
-    def run_layer(self, layer: Layer, hidden: torch.Tensor, mask: torch.Tensor, rel: torch.Tensor | None,
+    def run_layer(self, layer: Layer, hidden: torch.Tensor, mask: Layout, rel: torch.Tensor | None,
                   query_states: torch.Tensor | None = None) -> torch.Tensor:
         if self.activation_checkpointing and self.training and torch.is_grad_enabled():
             return checkpoint(layer, hidden, mask, rel, query_states, use_reentrant=False)
         return layer(hidden, mask, rel, query_states)
 
-    def forward(self, hidden: torch.Tensor, mask: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, mask: Layout, num_layers: int | None = None) -> torch.Tensor:
         rel = self.rel_table()
         for layer in self.layer[:num_layers]:
             hidden = self.run_layer(layer, hidden, mask, rel)
         return hidden
 
-    def requery_last_layer(self, hidden: torch.Tensor, mask: torch.Tensor, query: torch.Tensor,
+    def requery_last_layer(self, hidden: torch.Tensor, mask: Layout, query: torch.Tensor,
                            times: int) -> torch.Tensor:
         """The last layer ``times`` times over keys and values from ``hidden``, each output becoming
         the next ``query`` (the Enhanced Mask Decoder's computation)."""
@@ -220,9 +257,10 @@ class DebertaModel(nn.Module):
         self.embeddings = Embeddings(cfg)
         self.encoder = Encoder(cfg)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor, attention_mask: Layout | None = None,
                 token_type_ids: torch.Tensor | None = None, num_layers: int | None = None) -> torch.Tensor:
-        """Hidden states after the first ``num_layers`` layers (all by default)."""
+        """Hidden states after the first ``num_layers`` layers (all by default); ``attention_mask``
+        may be a :class:`Packed` layout for 1-D ``input_ids``."""
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         hidden = self.embeddings(input_ids, token_type_ids, mask)
         return self.encoder(hidden, mask, num_layers)
@@ -242,8 +280,8 @@ class EnhancedMaskDecoder(nn.Module):
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.applications = cfg.emd_layers
 
-    def forward(self, encoder: Encoder, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        query = hidden + self.position_embeddings.weight[: hidden.shape[1]]
+    def forward(self, encoder: Encoder, hidden: torch.Tensor, mask: Layout) -> torch.Tensor:
+        query = hidden + absolute_positions(self.position_embeddings, hidden, mask)
         return encoder.requery_last_layer(hidden, mask, query, self.applications)
 
 
@@ -265,9 +303,9 @@ class MaskedLMOutput(NamedTuple):
     """A NamedTuple, not a dataclass: ZeRO-3 finds the tensors of tuples (and re-gathers
     parameters for backward through them) but not those of a dataclass."""
 
-    # [B, N, D]: the encoder output; with EMD, the last layer's input (what EMD decodes from)
+    # [B, N, D] ([T, D] packed): the encoder output; with EMD, the last layer's input (what EMD decodes from)
     last_hidden_state: torch.Tensor
-    logits: torch.Tensor | None = None          # [B, N, V]; only computed when no labels are given
+    logits: torch.Tensor | None = None          # [B, N, V] ([T, V]); only computed when no labels are given
     loss: torch.Tensor | None = None            # mean cross-entropy over labelled tokens
     num_labelled: torch.Tensor | None = None
     num_correct: torch.Tensor | None = None
@@ -299,10 +337,20 @@ class DebertaForMaskedLM(nn.Module):
         return self.deberta.embeddings.word_embeddings
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> MaskedLMOutput:
+                token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                max_seqlen: int | None = None) -> MaskedLMOutput:
         """With ``labels`` (``IGNORE_INDEX`` = no target): the loss, computed on labelled positions
-        only, without building the logits. Without: ``[B, N, V]`` logits."""
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        only, without building the logits. Without: ``[B, N, V]`` logits.
+
+        Packed batches (``MLMCollator.packed``) give ``cu_seqlens``, ``max_seqlen`` and ``position_ids``
+        instead of ``attention_mask``; ``input_ids``, ``labels`` and the outputs are then 1-D over tokens."""
+        if cu_seqlens is not None:
+            if attention_mask is not None or position_ids is None or max_seqlen is None:
+                raise ValueError("a packed batch (cu_seqlens) needs position_ids and max_seqlen, and no attention_mask")
+            mask: Layout = Packed(cu_seqlens, int(max_seqlen), position_ids)
+        else:
+            mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         skip_last = 1 if self.emd is not None else 0
         hidden = self.deberta(input_ids, mask, token_type_ids, num_layers=self.config.num_hidden_layers - skip_last)
         decoded = self.emd(self.deberta.encoder, hidden, mask) if self.emd is not None else hidden
