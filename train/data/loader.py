@@ -4,6 +4,9 @@ Guarantees (see docs/data.md): every rank yields ``batches_per_epoch`` batches p
 loader given ``state_dict()`` of another (same world size, workers and batch size) yields exactly the
 batches, masks included, that the original would have yielded next; with a different world size,
 worker count or batch size it continues the epoch with the samples nobody has consumed yet.
+
+``token_budget > 0`` gives packed batches (``MLMCollator.packed``: 1-D tokens and ``cu_seqlens``) of
+whole samples up to that many tokens instead of ``batch_size`` padded rows; the guarantees hold alike.
 """
 
 from __future__ import annotations
@@ -38,10 +41,22 @@ def _survive_preemption_signals(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, lambda *_: signal.alarm(WORKER_SIGTERM_GRACE_S))  # SIGALRM ends the worker
 
 
-def _check_fits(split: str, samples: int, world_size: int, batch_size: int, data_dir: str) -> None:
-    if samples < world_size * batch_size:
-        raise DataError(f"{data_dir}: the {split} split has {samples} samples, fewer than world_size x batch_size "
-                        f"= {world_size} x {batch_size}; every rank needs at least one batch")
+def _check_fits(split: str, plan: Plan, data_dir: str) -> None:
+    if plan.batches == 0:
+        need = (f"world_size = {plan.world_size} batches of token budget {plan.token_budget}" if plan.token_budget
+                else f"world_size x batch_size = {plan.world_size} x {plan.batch_size}")
+        raise DataError(f"{data_dir}: the {split} split has {plan.total} samples, fewer than {need}; "
+                        "every rank needs at least one batch")
+
+
+def _batch_maker(collator: MLMCollator, token_budget: int):
+    return collator.packed if token_budget else collator
+
+
+def _check_budget(token_budget: int, seq_len: int, data_dir: str) -> None:
+    if 0 < token_budget < seq_len:
+        raise DataError(f"{data_dir}: token budget {token_budget} is below the data's seq_len {seq_len}: "
+                        "a full-length sample would fit no batch")
 
 
 class PretrainLoader:
@@ -49,23 +64,37 @@ class PretrainLoader:
 
     def __init__(self, data_dir: str | Path, manifest: Manifest, tokenizer: TokenizerInfo, *, batch_size: int,
                  rank: int, world_size: int, num_workers: int, seed: int, masking: MaskingConfig,
-                 group_shards: int = 4):
+                 group_shards: int = 4, token_budget: int = 0):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         split = manifest.splits["train"]
-        _check_fits("train", split.samples, world_size, batch_size, str(data_dir))
+        _check_budget(token_budget, manifest.seq_len, str(data_dir))
         self.data_dir, self.manifest, self.tokenizer = str(data_dir), manifest, tokenizer
         self.seq_len = manifest.seq_len
-        self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
+        # a packed plan cuts by tokens only: batch_size is no part of it
+        self.batch_size = 0 if token_budget else batch_size
+        self.rank, self.world_size, self.token_budget = rank, world_size, token_budget
         self.num_workers, self.seed, self.group_shards = num_workers, seed, group_shards
         self.collator = MLMCollator(tokenizer, masking, manifest.seq_len)
         self.reader = GroupReader(self.data_dir, split.shards, np.dtype(manifest.dtype), manifest.seq_len)
         self._shard_samples = [s.samples for s in split.shards]
-        self.batches_per_epoch = split.samples // (world_size * batch_size)
+        self._shard_lengths: list[np.ndarray] | None = None  # read on first need (packed plans only)
         self._start_epoch(0)
+        _check_fits("train", self.plan, self.data_dir)
+        self.batches_per_epoch = self.plan.batches  # epoch 0's; packed epochs may differ by a batch or two
+
+    def _order(self, epoch: int) -> EpochOrder:
+        return EpochOrder(self._shard_samples, self.seed, epoch, self.group_shards)
+
+    def _epoch_lengths(self, epoch: int) -> np.ndarray:
+        if self._shard_lengths is None:
+            self._shard_lengths = self.reader.shard_lengths()
+        return self._order(epoch).lengths(self._shard_lengths)
 
     def _new_plan(self, pending: list[tuple[int, int]]) -> Plan:
-        return Plan(tuple(pending), self.world_size, max(1, self.num_workers), self.batch_size)
+        lengths = self._epoch_lengths(self.epoch) if self.token_budget else None
+        return Plan(tuple(pending), self.world_size, max(1, self.num_workers), self.batch_size, self.token_budget,
+                    lengths)
 
     def _start_epoch(self, epoch: int) -> None:
         self.epoch, self.plan_index, self.batch_in_plan = epoch, 0, 0
@@ -81,9 +110,8 @@ class PretrainLoader:
             if self.batch_in_plan >= self.plan.batches:
                 self._start_epoch(self.epoch + 1)
                 continue
-            order = EpochOrder(self._shard_samples, self.seed, self.epoch, self.group_shards)
-            stream = PlanStream(self.reader, order, self.plan, self.rank, self.batch_in_plan, self.collator,
-                                [self.seed, self.epoch, self.plan_index])
+            stream = PlanStream(self.reader, self._order(self.epoch), self.plan, self.rank, self.batch_in_plan,
+                                _batch_maker(self.collator, self.token_budget), [self.seed, self.epoch, self.plan_index])
             # A private generator: the DataLoader's base-seed draw must not advance the global torch
             # RNG, or dropout after a resume would differ from the uninterrupted run.
             loader = DataLoader(stream, batch_size=None, num_workers=self.num_workers,
@@ -104,7 +132,8 @@ class PretrainLoader:
             "format": STATE_FORMAT, "seed": self.seed, "epoch": self.epoch, "plan_index": self.plan_index,
             "batch_in_plan": self.batch_in_plan, "group_shards": self.group_shards,
             "plan": {"world_size": self.plan.world_size, "slots": self.plan.slots,
-                     "batch_size": self.plan.batch_size, "pending": [list(p) for p in self.plan.pending]},
+                     "batch_size": self.plan.batch_size, "token_budget": self.plan.token_budget,
+                     "pending": [list(p) for p in self.plan.pending]},
             "data": {"shard_samples": self._shard_samples, "fingerprint": self.manifest.tokenizer_fingerprint},
             # Masking draws come from numpy's SeedSequence([seed, epoch, plan_index, rank, batch]): this
             # position is the whole RNG state.
@@ -122,11 +151,12 @@ class PretrainLoader:
             if state[key] != value:
                 raise ValueError(f"loader state {key} {state[key]!r} does not match this loader's {value!r}: "
                                  "the sample order would differ")
-        saved = Plan(tuple(tuple(p) for p in state["plan"]["pending"]), state["plan"]["world_size"],
-                     state["plan"]["slots"], state["plan"]["batch_size"])
         self.epoch, self.plan_index, self.batch_in_plan = state["epoch"], state["plan_index"], state["batch_in_plan"]
-        if (saved.world_size, saved.slots, saved.batch_size) == (self.world_size, max(1, self.num_workers),
-                                                                  self.batch_size):
+        plan = state["plan"]
+        saved = Plan(tuple(tuple(p) for p in plan["pending"]), plan["world_size"], plan["slots"], plan["batch_size"],
+                     plan.get("token_budget", 0), self._epoch_lengths(self.epoch) if plan.get("token_budget") else None)
+        if (saved.world_size, saved.slots, saved.batch_size, saved.token_budget) == (
+                self.world_size, max(1, self.num_workers), self.batch_size, self.token_budget):
             self.plan = saved
         else:  # re-deal what nobody has consumed yet in this epoch
             self.plan = self._new_plan(saved.remaining_after(self.batch_in_plan))
@@ -142,26 +172,35 @@ class EvalLoader:
     """
 
     def __init__(self, data_dir: str | Path, manifest: Manifest, tokenizer: TokenizerInfo, *, batch_size: int,
-                 rank: int, world_size: int, seed: int, masking: MaskingConfig):
+                 rank: int, world_size: int, seed: int, masking: MaskingConfig, token_budget: int = 0):
         split = manifest.splits["heldout"]
         if split.samples == 0:
             raise DataError(f"{data_dir}: the held-out split is empty (prepare with --heldout-fraction > 0)")
+        _check_budget(token_budget, manifest.seq_len, str(data_dir))
         self.data_dir, self.tokenizer, self.seq_len = str(data_dir), tokenizer, manifest.seq_len
-        self.rank, self.seed = rank, seed
+        self.rank, self.seed, self.token_budget = rank, seed, token_budget
         self.collator = MLMCollator(tokenizer, masking, manifest.seq_len)
         shard_samples = [s.samples for s in split.shards]
         self.order = EpochOrder(shard_samples, seed, 0, group_shards=1, shuffle=False)
-        total, needed = split.samples, world_size * batch_size
-        pending = [(0, total)] * (needed // total + 1) if total < needed else [(0, total)]
-        self.plan = Plan(tuple(pending), world_size, 1, batch_size)
         self._reader_args = (self.data_dir, split.shards, np.dtype(manifest.dtype), manifest.seq_len)
+        lengths = self.order.lengths(GroupReader(*self._reader_args).shard_lengths()) if token_budget else None
+        self.plan = self._filled_plan(split.samples, world_size, batch_size, lengths)
+
+    def _filled_plan(self, total: int, world_size: int, batch_size: int, lengths: np.ndarray | None) -> Plan:
+        """The split once, or repeated as often as it takes to give every rank one batch."""
+        for copies in range(1, world_size * max(batch_size, 1) + 2):
+            plan = Plan(((0, total),) * copies, world_size, 1, 0 if lengths is not None else batch_size,
+                        self.token_budget, None if lengths is None else np.tile(lengths, copies))
+            if plan.batches:
+                return plan
+        raise AssertionError("unreachable: world_size x batch_size copies fill a batch per rank")
 
     def __len__(self) -> int:
         return self.plan.batches
 
     def __iter__(self) -> Iterator[dict]:
-        stream = PlanStream(GroupReader(*self._reader_args), self.order, self.plan, self.rank, 0, self.collator,
-                            [self.seed, EVAL_STREAM, 0])
+        stream = PlanStream(GroupReader(*self._reader_args), self.order, self.plan, self.rank, 0,
+                            _batch_maker(self.collator, self.token_budget), [self.seed, EVAL_STREAM, 0])
         return iter(stream)
 
 
@@ -172,14 +211,14 @@ def open_data_dir(data_dir: str | Path) -> tuple[Manifest, TokenizerInfo]:
 
 
 def build_train_loader(data_dir: str | Path, *, batch_size: int, rank: int, world_size: int, num_workers: int,
-                       seed: int, masking: MaskingConfig) -> PretrainLoader:
+                       seed: int, masking: MaskingConfig, token_budget: int = 0) -> PretrainLoader:
     manifest, tokenizer = open_data_dir(data_dir)
     return PretrainLoader(data_dir, manifest, tokenizer, batch_size=batch_size, rank=rank, world_size=world_size,
-                          num_workers=num_workers, seed=seed, masking=masking)
+                          num_workers=num_workers, seed=seed, masking=masking, token_budget=token_budget)
 
 
 def build_eval_loader(data_dir: str | Path, *, batch_size: int, rank: int, world_size: int, seed: int,
-                      masking: MaskingConfig) -> EvalLoader:
+                      masking: MaskingConfig, token_budget: int = 0) -> EvalLoader:
     manifest, tokenizer = open_data_dir(data_dir)
     return EvalLoader(data_dir, manifest, tokenizer, batch_size=batch_size, rank=rank, world_size=world_size,
-                      seed=seed, masking=masking)
+                      seed=seed, masking=masking, token_budget=token_budget)

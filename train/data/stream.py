@@ -11,6 +11,12 @@ rank gets exactly ``batches`` batches whatever the shard sizes - and gives each 
 range. Inside a rank, batch ``j`` belongs to worker slot ``j % slots``, and each slot reads a
 contiguous stretch of the rank's range, so a DataLoader worker streams its shards front to back.
 
+*Token budget (packed batches).* With ``token_budget > 0`` a batch is not ``batch_size`` samples but
+as many whole samples, consecutive in the pending order, as fit in ``token_budget`` tokens (a new batch
+starts when the next sample would not fit). The cuts are made once over all pending positions from
+the samples' lengths, which every rank knows, so the ranks still get equal numbers of batches (the
+last ``< world_size`` batches are left out) and the plan remains a pure function of its inputs.
+
 *Resume.* The stream's position is ``(epoch, plan, batch)``. The same plan resumes exactly. A
 different world size, worker count or batch size re-plans: the positions every rank consumed are
 removed and the rest of the epoch is dealt again - no sample of the epoch is repeated.
@@ -18,7 +24,7 @@ removed and the rest of the epoch is dealt again - no sample of the epoch is rep
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable, Iterator, Sequence
 
@@ -51,6 +57,16 @@ class EpochOrder:
     def group_of(self, position: int) -> int:
         return int(np.searchsorted(self.group_starts, position, side="right")) - 1
 
+    def lengths(self, shard_lengths: Sequence[np.ndarray]) -> np.ndarray:
+        """Token count of every position of the epoch, from each shard's sample lengths."""
+        flat = np.concatenate([np.asarray(x, np.int64) for x in shard_lengths] + [np.zeros(0, np.int64)])
+        shard_start = np.concatenate([[0], np.cumsum(self.shard_samples)])
+        parts = [np.zeros(0, np.int64)]
+        for group in range(len(self.groups)):
+            shard_of, member_of = self.group_members(group)
+            parts.append(flat[shard_start[shard_of] + member_of])
+        return np.concatenate(parts)
+
     def group_members(self, group: int) -> tuple[np.ndarray, np.ndarray]:
         """(shard, member) arrays for the group's positions, in epoch order."""
         shards = self.groups[group]
@@ -62,18 +78,45 @@ class EpochOrder:
         return shard_of, member_of
 
 
+def token_budget_cuts(lengths: np.ndarray, budget: int) -> np.ndarray:
+    """Start of every batch (and the end): consecutive samples while their lengths fit in ``budget``."""
+    if lengths.size and int(lengths.max()) > budget:
+        raise DataError(f"a sample of {int(lengths.max())} tokens does not fit the token budget of {budget}")
+    ends = np.cumsum(lengths, dtype=np.int64)
+    cuts, start = [0], 0
+    while start < len(lengths):
+        # the first sample whose end passes the budget opens the next batch
+        start = int(np.searchsorted(ends, (ends[start - 1] if start else 0) + budget, side="right"))
+        cuts.append(start)
+    return np.asarray(cuts, dtype=np.int64)
+
+
 @dataclass(frozen=True)
 class Plan:
-    """Pending positions dealt to ``world_size`` ranks x ``slots`` worker slots in batches of ``batch_size``."""
+    """Pending positions dealt to ``world_size`` ranks x ``slots`` worker slots in batches of ``batch_size``
+    samples, or with ``token_budget > 0`` of whole samples up to that many tokens (``lengths``: the token
+    count of every epoch position)."""
 
     pending: tuple[tuple[int, int], ...]
     world_size: int
     slots: int
     batch_size: int
+    token_budget: int = 0
+    lengths: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @cached_property
     def _cumulative(self) -> np.ndarray:
         return np.concatenate([[0], np.cumsum([b - a for a, b in self.pending])]).astype(np.int64)
+
+    @cached_property
+    def _cuts(self) -> np.ndarray:
+        """Flat start of every batch dealt (and the end of the last): ``world_size * batches`` batches."""
+        if self.token_budget:
+            pending_lengths = np.concatenate([self.lengths[a:b] for a, b in self.pending] + [np.zeros(0, np.int64)])
+            cuts = token_budget_cuts(pending_lengths, self.token_budget)
+        else:
+            cuts = np.arange(0, self.total + 1, self.batch_size, dtype=np.int64)
+        return cuts[:(len(cuts) - 1) // self.world_size * self.world_size + 1]
 
     @property
     def total(self) -> int:
@@ -82,18 +125,23 @@ class Plan:
     @property
     def batches(self) -> int:
         """Batches per rank - the same on every rank."""
-        return self.total // (self.world_size * self.batch_size)
+        return (len(self._cuts) - 1) // self.world_size
 
     def _slot_offset(self, slot: int) -> int:
         """Batches owned by the slots before ``slot`` (slot s owns batches s, s+slots, ...)."""
         return sum(len(range(s, self.batches, self.slots)) for s in range(slot))
 
-    def _flat_start(self, rank: int, batch: int) -> int:
+    def _dealt_index(self, rank: int, batch: int) -> int:
+        """Index into the plan's batches (all ranks') of this rank's batch ``batch``."""
         slot = batch % self.slots
-        return self.batch_size * (rank * self.batches + self._slot_offset(slot) + batch // self.slots)
+        return rank * self.batches + self._slot_offset(slot) + batch // self.slots
+
+    def _flat_start(self, rank: int, batch: int) -> int:
+        return int(self._cuts[self._dealt_index(rank, batch)])
 
     def positions(self, rank: int, batch: int) -> np.ndarray:
-        flat = self._flat_start(rank, batch) + np.arange(self.batch_size)
+        index = self._dealt_index(rank, batch)
+        flat = np.arange(self._cuts[index], self._cuts[index + 1])
         interval = np.searchsorted(self._cumulative, flat, side="right") - 1
         starts = np.asarray([a for a, _ in self.pending], dtype=np.int64)
         return starts[interval] + (flat - self._cumulative[interval])
@@ -105,8 +153,8 @@ class Plan:
             for slot in range(self.slots):
                 done = len(range(slot, batches_done, self.slots))
                 if done:
-                    start = self._flat_start(rank, slot)
-                    consumed.append((start, start + done * self.batch_size))
+                    first = self._dealt_index(rank, slot)  # a slot's batches are consecutive in the deal
+                    consumed.append((int(self._cuts[first]), int(self._cuts[first + done])))
         kept, cursor = [], 0
         for start, stop in sorted(consumed) + [(self.total, self.total)]:
             if start > cursor:
@@ -131,17 +179,23 @@ class GroupReader:
         self._group: tuple[int, int, int] | None = None  # (seed, epoch, group): orders differ per epoch
         self._samples: list[np.ndarray] = []
 
+    def _read(self, shard: int) -> list[np.ndarray]:
+        info = self.shards[shard]
+        where = data_url(self.data_dir, info.path)
+        with open_data_file(self.data_dir, info.path) as stream:
+            samples = read_shard(stream, where, self.dtype, info.samples)
+        for member, sample in enumerate(samples):
+            problem = length_problem(len(sample), self.seq_len)
+            if problem:
+                raise DataError(f"{where}: member {member:08d}.npy: {problem}")
+        return samples
+
+    def shard_lengths(self) -> list[np.ndarray]:
+        """Every shard's sample lengths: one pass over the split, which token-budget plans need."""
+        return [np.asarray([len(x) for x in self._read(shard)], np.int64) for shard in range(len(self.shards))]
+
     def _load(self, order: EpochOrder, group: int) -> None:
-        loaded = {}
-        for shard in order.groups[group]:
-            info = self.shards[shard]
-            where = data_url(self.data_dir, info.path)
-            with open_data_file(self.data_dir, info.path) as stream:
-                loaded[shard] = read_shard(stream, where, self.dtype, info.samples)
-            for member, sample in enumerate(loaded[shard]):
-                problem = length_problem(len(sample), self.seq_len)
-                if problem:
-                    raise DataError(f"{where}: member {member:08d}.npy: {problem}")
+        loaded = {shard: self._read(shard) for shard in order.groups[group]}
         shard_of, member_of = order.group_members(group)
         self._samples = [loaded[s][m] for s, m in zip(shard_of.tolist(), member_of.tolist())]
         self._group = (order.seed, order.epoch, group)
