@@ -42,23 +42,25 @@ def rank_env(tmp: Path) -> dict[str, str]:
     return env
 
 
-def prepare_data(base: Path, sample_data: Path) -> Path:
-    """Tokenizer + shards (train and held-out) from 400 KB of real Shakespeare (bundled); cached per session."""
-    data_dir = base / "pretrain-data"
+def prepare_data(base: Path, sample_data: Path, pack_documents: bool = True) -> Path:
+    """Tokenizer + shards (train and held-out) from 400 KB of real Shakespeare (bundled); cached per session.
+    Without ``pack_documents`` every sequence is one paragraph (short, uneven: what packed batches are for)."""
+    data_dir = base / ("pretrain-data" if pack_documents else "pretrain-data-docs")
     if (data_dir / "manifest.json").is_file():
         return data_dir
     base.mkdir(parents=True, exist_ok=True)
     text = base / "shakespeare-sample.txt"
-    with gzip.open(sample_data / "shakespeare.txt.gz", "rt") as handle:
-        text.write_text(handle.read(400_000))
     env = rank_env(base)
     cli = [PYTHON, "-m", "distaff.launch.cli"]
-    subprocess.run(cli + ["tokenizer", "train", "--input", str(text), "--vocab-size", "1000", "--out",
-                          str(base / "tokenizer")], check=True, env=env, capture_output=True)
+    if not (base / "tokenizer" / "spm.model").is_file():
+        with gzip.open(sample_data / "shakespeare.txt.gz", "rt") as handle:
+            text.write_text(handle.read(400_000))
+        subprocess.run(cli + ["tokenizer", "train", "--input", str(text), "--vocab-size", "1000", "--out",
+                              str(base / "tokenizer")], check=True, env=env, capture_output=True)
     subprocess.run(cli + ["data", "prepare", "--input", str(text), "--tokenizer", str(base / "tokenizer"),
-                          "--seq-len", str(SEQ_LEN), "--out", str(data_dir), "--pack-documents",
-                          "--heldout-fraction", "0.05", "--shard-mb", "0.05", "--workers", "1", "--no-progress"],
-                   check=True, env=env, capture_output=True)
+                          "--seq-len", str(SEQ_LEN), "--out", str(data_dir), "--heldout-fraction", "0.05",
+                          "--shard-mb", "0.05", "--workers", "1", "--no-progress"]
+                   + (["--pack-documents"] if pack_documents else []), check=True, env=env, capture_output=True)
     return data_dir
 
 

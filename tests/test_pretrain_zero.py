@@ -46,7 +46,10 @@ def test_zero_run_learns_and_writes_its_outputs(stage, sample_data, tmp_path_fac
     assert resolved["zero"]["stage"] == stage and resolved["model"]["hidden_size"] == 64
     assert resolved["model"]["vocab_size"] == 1000           # taken from the tokenizer
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 16 and summary["tokens"] == 16 * 2 * 4 * 64
+    assert summary["steps"] == 16 and summary["positions"] == 16 * 2 * 4 * 64 and summary["packing"] == "padded"
+    # tokens are real tokens: the packed rows hold a little padding (a document's last row is short)
+    assert 0.8 * summary["positions"] < summary["tokens"] <= summary["positions"]
+    assert summary["padding_fraction"] == pytest.approx(1 - summary["tokens"] / summary["positions"])
     assert 0 < summary["unigram_baseline_accuracy"] < 0.2
     assert (out / "metrics.png").stat().st_size > 1000
     ckpts = sorted(p.name for p in (out / "checkpoints").glob("step-*"))

@@ -42,7 +42,19 @@ class DataSection:
     batch_size: int = 8                 # micro-batch per rank
     num_workers: int = 0
     eval_batch_size: int = 0            # 0: same as batch_size
+    # padded: batch_size rows of seq_len; varlen: whole samples packed end to end (cu_seqlens) up to
+    # tokens_per_batch tokens, attention per sample (docs/pretraining.md, "Packed training")
+    packing: Literal["padded", "varlen"] = "padded"
+    tokens_per_batch: int = 0           # varlen only; 0: batch_size x the data's seq_len
     masking: MaskingConfig = field(default_factory=MaskingConfig)
+
+    def token_budget(self, seq_len: int, eval: bool = False) -> int:
+        """Tokens per packed batch (0 for padded batches); eval batches hold eval_batch_size rows' worth."""
+        if self.packing == "padded":
+            return 0
+        if eval:
+            return (self.eval_batch_size or self.batch_size) * seq_len
+        return self.tokens_per_batch or self.batch_size * seq_len
 
 
 @dataclass
@@ -218,6 +230,7 @@ def _validate(cfg: RunConfig) -> None:
                 "checkpoint.keep": cfg.checkpoint.keep, "distributed.timeout_s": cfg.distributed.timeout_s,
                 "optim.lr": cfg.optim.lr}
     non_negative = {"data.num_workers": cfg.data.num_workers, "data.eval_batch_size": cfg.data.eval_batch_size,
+                    "data.tokens_per_batch": cfg.data.tokens_per_batch,
                     "optim.warmup_steps": cfg.optim.warmup_steps, "optim.weight_decay": cfg.optim.weight_decay,
                     "train.grad_clip": cfg.train.grad_clip, "eval.every": cfg.eval.every,
                     "eval.batches": cfg.eval.batches, "checkpoint.every": cfg.checkpoint.every,
@@ -228,6 +241,8 @@ def _validate(cfg: RunConfig) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"{key}: must be >= 0, got {value}")
+    if cfg.data.tokens_per_batch and cfg.data.packing != "varlen":
+        raise ConfigError("data.tokens_per_batch: only packed batches (data.packing=varlen) have a token budget")
     if cfg.zero.stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero.stage: must be 0, 1, 2 or 3, got {cfg.zero.stage}")
     if cfg.zero.offload_param and cfg.zero.stage != 3:

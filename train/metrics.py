@@ -106,6 +106,8 @@ def format_line(record: dict[str, Any], max_steps: int) -> str:
         parts.append(f"scale {record['loss_scale']:g}")
     parts.append(f"tok/s {record['tokens_per_s']:.0f} ({record['tokens_per_s_per_device']:.0f}/dev)")
     parts.append(f"samples/s {record['samples_per_s']:.1f}")
+    if record.get("padding_fraction") is not None:
+        parts.append(f"pad {100 * record['padding_fraction']:.1f}%")
     if record.get("mfu") is not None:
         parts.append(f"mfu {100 * record['mfu']:.1f}%")
     parts.append(f"mem {record['peak_mem_gb']:.2f} GB")
@@ -164,7 +166,7 @@ class MetricsLogger:
 
 
 class Throughput:
-    """Tokens/s, samples/s and ETA over the steps since the last report."""
+    """Real tokens/s, samples/s, the padding fraction and ETA over the steps since the last report."""
 
     def __init__(self, world_size: int, flops_per_token: float, peak_flops: float | None):
         self.world_size = world_size
@@ -176,12 +178,14 @@ class Throughput:
         self.t0 = time.perf_counter()
         self.tokens = 0
         self.samples = 0
+        self.positions = 0
         self.steps = 0
 
-    def add(self, tokens: int, samples: int) -> None:
-        """Global tokens and samples of one optimizer step."""
+    def add(self, tokens: int, samples: int, positions: int) -> None:
+        """Global real tokens, samples and computed positions (padding included) of one optimizer step."""
         self.tokens += tokens
         self.samples += samples
+        self.positions += positions
         self.steps += 1
 
     def report(self, steps_left: int) -> dict[str, Any]:
@@ -190,6 +194,7 @@ class Throughput:
         per_device = tokens_per_s / self.world_size
         report = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": per_device,
                   "samples_per_s": self.samples / elapsed, "samples_per_s_per_device": self.samples / elapsed / self.world_size,
+                  "padding_fraction": padding_fraction(self.tokens, self.positions),
                   "step_time_s": elapsed / max(self.steps, 1), "mfu": mfu(per_device, self.flops_per_token, self.peak_flops),
                   "eta_s": steps_left * elapsed / max(self.steps, 1)}
         self.reset()
@@ -233,6 +238,11 @@ def plot_metrics(jsonl_path: Path, png_path: Path) -> Path | None:
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
     return png_path
+
+
+def padding_fraction(tokens: int, positions: int) -> float | None:
+    """The share of computed token positions that were padding (None before any step)."""
+    return 1.0 - tokens / positions if positions else None
 
 
 def perplexity(loss: float) -> float:

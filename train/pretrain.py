@@ -37,7 +37,8 @@ from .data.manifest import Manifest
 from .engine import initialize, loss_scale, set_lr
 from .exit_codes import EXIT_BAD_CONFIG, EXIT_FAILURE, EXIT_PREEMPTED
 from .flops import peak_flops, train_flops_per_token
-from .metrics import PLOT_FILE, MetricsLogger, Throughput, WandbSink, peak_memory_gb, plot_metrics, system_info
+from .metrics import (PLOT_FILE, MetricsLogger, Throughput, WandbSink, padding_fraction, peak_memory_gb, plot_metrics,
+                      system_info)
 from .model import DebertaForMaskedLM
 from .model_config import ModelConfig
 from .schedule import lr_at
@@ -68,8 +69,9 @@ class TrainState:
     """The W&B run id, where the loop is and its counters: what a resumed run continues from."""
     wandb_run_id: str | None = None
     step: int = 0
-    tokens: int = 0
+    tokens: int = 0                     # real (non-padding) tokens
     samples: int = 0
+    positions: int = 0                  # token positions computed, padding included
     train_time_s: float = 0.0
     nonfinite_steps: int = 0            # steps skipped for a non-finite loss
     last_eval: dict[str, float] = field(default_factory=dict)
@@ -156,10 +158,13 @@ class Trainer:
     def _build_data(self, tokenizer: TokenizerInfo) -> tuple[PretrainLoader, Evaluator]:
         cfg, layout = self.cfg, self.layout
         shared = dict(rank=layout.rank, world_size=layout.world_size, seed=cfg.run.seed, masking=cfg.data.masking)
+        seq_len = self.manifest.seq_len
         loader = PretrainLoader(cfg.data.dir, self.manifest, tokenizer, batch_size=cfg.data.batch_size,
-                                num_workers=cfg.data.num_workers, **shared)
+                                num_workers=cfg.data.num_workers, token_budget=cfg.data.token_budget(seq_len),
+                                **shared)
         eval_loader = EvalLoader(cfg.data.dir, self.manifest, tokenizer,
-                                 batch_size=cfg.data.eval_batch_size or cfg.data.batch_size, **shared)
+                                 batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
+                                 token_budget=cfg.data.token_budget(seq_len, eval=True), **shared)
         return loader, Evaluator(eval_loader, cfg.eval.batches, layout.world_size, self.device)
 
     def _build_engine(self):
@@ -240,11 +245,11 @@ class Trainer:
         """One optimizer step and its bookkeeping; returns whether any rank got a signal."""
         state, started = self.state, time.perf_counter()
         set_lr(self.engine, self._lr(state.step))
-        local = train_step(self.engine, batches, self.cfg.train.grad_accum, self.device)
+        local = train_step(self.engine, batches, self.cfg.train.grad_accum, self.device, self.layout.world_size)
         # one small collective per step: global sums plus "did any rank get a signal?"; a non-finite
         # global loss sum makes every rank skip the same optimizer step
         flag = torch.tensor([float(self.preemption.signum != 0)], dtype=torch.float64, device=self.device)
-        loss_sum, labelled, correct, tokens, samples, signalled = dist_utils.all_reduce_sum(
+        loss_sum, labelled, correct, tokens, samples, positions, signalled = dist_utils.all_reduce_sum(
             torch.cat([local, flag]), self.device)
         skipped = not math.isfinite(loss_sum)
         optimizer_step(self.engine, skip=skipped)
@@ -252,8 +257,9 @@ class Trainer:
         self._count_nonfinite(skipped)
         state.tokens += int(tokens)
         state.samples += int(samples)
+        state.positions += int(positions)
         state.train_time_s += time.perf_counter() - started
-        self.throughput.add(int(tokens), int(samples))
+        self.throughput.add(int(tokens), int(samples), int(positions))
         if state.step % self.cfg.logging.every == 0 or state.step == self.cfg.train.max_steps:
             self._log_train(loss_sum / max(labelled, 1.0), correct / max(labelled, 1.0))
         self.metrics.advance(state.step)
@@ -325,8 +331,9 @@ def write_summary(cfg: RunConfig, state: TrainState, manifest: Manifest, checkpo
     """``summary.json`` and a short printed report; the plot is drawn here too."""
     out_dir = cfg.out_dir
     plot = plot_metrics(out_dir / "metrics.jsonl", out_dir / PLOT_FILE) if cfg.logging.plot else None
-    summary = {"steps": state.step, "tokens": state.tokens, "samples": state.samples, "world_size": world_size,
-               "train_time_s": round(state.train_time_s, 2),
+    summary = {"steps": state.step, "tokens": state.tokens, "samples": state.samples, "positions": state.positions,
+               "padding_fraction": padding_fraction(state.tokens, state.positions), "packing": cfg.data.packing,
+               "world_size": world_size, "train_time_s": round(state.train_time_s, 2),
                "tokens_per_s": state.tokens / state.train_time_s if state.train_time_s else None,
                **state.last_eval,
                "unigram_baseline_accuracy": unigram_baseline_accuracy(manifest),
@@ -334,7 +341,9 @@ def write_summary(cfg: RunConfig, state: TrainState, manifest: Manifest, checkpo
                "metrics": str(out_dir / "metrics.jsonl"), "plot": str(plot) if plot else None}
     (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
     lines = [f"steps {state.step}, {state.tokens:,} tokens on {world_size} rank(s) in {state.train_time_s:.0f} s"
-             + (f" ({summary['tokens_per_s']:,.0f} tokens/s)" if summary["tokens_per_s"] else "")]
+             + (f" ({summary['tokens_per_s']:,.0f} tokens/s)" if summary["tokens_per_s"] else "")
+             + (f", {100 * summary['padding_fraction']:.1f}% padding ({cfg.data.packing})"
+                if summary["padding_fraction"] is not None else "")]
     if "eval_loss" in summary:
         baseline = summary["unigram_baseline_accuracy"]
         lines.append(f"held-out loss {summary['eval_loss']:.4f}, perplexity {summary['eval_perplexity']:.1f}, "

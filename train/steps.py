@@ -1,4 +1,8 @@
-"""One optimizer step over micro-batches, and one evaluation pass over the held-out split."""
+"""One optimizer step over micro-batches, and one evaluation pass over the held-out split.
+
+Batches are padded (``attention_mask``, ``[B, N]``) or packed (``cu_seqlens``, 1-D over tokens: see
+``MLMCollator.packed``); both go to the model as keyword arguments.
+"""
 
 from __future__ import annotations
 
@@ -6,33 +10,62 @@ from typing import Iterator
 
 import torch
 
+from distaff.kernels import IGNORE_INDEX
+
 from . import distributed as dist_utils
 from .data.loader import EvalLoader
 from .metrics import perplexity
 from .model import MaskedLMOutput
 
 
-def forward_batch(engine, batch: dict[str, torch.Tensor], device: torch.device) -> MaskedLMOutput:
-    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    return engine(batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+def forward_batch(engine, batch: dict[str, torch.Tensor | int], device: torch.device) -> MaskedLMOutput:
+    batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+    return engine(batch.pop("input_ids"), **batch)
 
 
-def train_step(engine, batches: Iterator[dict], grad_accum: int, device: torch.device) -> torch.Tensor:
+def is_packed(batch: dict) -> bool:
+    return "cu_seqlens" in batch
+
+
+def batch_counts(batch: dict) -> list[int]:
+    """``[real tokens, samples, positions computed]`` of a batch (positions include padding)."""
+    ids = batch["input_ids"]
+    if is_packed(batch):
+        return [ids.numel(), batch["cu_seqlens"].numel() - 1, ids.numel()]
+    return [int(batch["attention_mask"].sum()), ids.shape[0], ids.numel()]
+
+
+def _loss_weights(micro_batches: list[dict], world_size: int, device: torch.device) -> list[float] | None:
+    """Packed batches: the factor turning each micro-batch's mean loss into its share of the mean over
+    every labelled token of the step on all ranks (one small collective). DeepSpeed divides the
+    gradients by ``grad_accum`` and averages them over ranks, hence the ``world_size * grad_accum``.
+    Padded batches keep the mean of the micro-batch means (None)."""
+    if not is_packed(micro_batches[0]):
+        return None
+    local = [float((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches]
+    total = dist_utils.all_reduce_sum([sum(local)], device)[0]
+    return [n * world_size * len(micro_batches) / max(total, 1.0) for n in local]
+
+
+def train_step(engine, batches: Iterator[dict], grad_accum: int, device: torch.device,
+               world_size: int = 1) -> torch.Tensor:
     """Forward and backward over ``grad_accum`` micro-batches, stopping short of the optimizer step
     (:func:`optimizer_step`, once the ranks have agreed the loss was finite); this rank's sums
-    ``[loss * labelled, labelled, correct, tokens, samples]`` as a float64 tensor on ``device``
-    (kept there so micro-batches queue without a host sync)."""
-    sums = torch.zeros(5, dtype=torch.float64, device=device)
-    for micro in range(grad_accum):
-        batch = next(batches)
-        ids = batch["input_ids"]
+    ``[loss * labelled, labelled, correct, tokens, samples, positions]`` as a float64 tensor on
+    ``device`` (kept there so micro-batches queue without a host sync); ``tokens`` are real tokens,
+    ``positions`` include padding."""
+    micro_batches = [next(batches) for _ in range(grad_accum)]
+    weights = _loss_weights(micro_batches, world_size, device)
+    sums = torch.zeros(6, dtype=torch.float64, device=device)
+    for micro, batch in enumerate(micro_batches):
+        counts = batch_counts(batch)
         out = forward_batch(engine, batch, device)
-        engine.backward(out.loss)
+        engine.backward(out.loss if weights is None else out.loss * weights[micro])
         if micro < grad_accum - 1:
             engine.step()   # below the accumulation boundary DeepSpeed only counts the micro-step
         labelled = out.num_labelled.double()
         sums[:3] += torch.stack([out.loss.detach().double() * labelled, labelled, out.num_correct.double()])
-        sums[3:] += torch.tensor([ids.numel(), ids.shape[0]], dtype=torch.float64, device=device)
+        sums[3:] += torch.tensor(counts, dtype=torch.float64, device=device)
     return sums
 
 
