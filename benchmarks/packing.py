@@ -1,0 +1,121 @@
+"""Pretraining throughput with padded vs packed (varlen) batches, on real text prepared one document per sequence.
+
+Prepares the bundled text WITHOUT ``--pack-documents`` (every sequence is one paragraph, or a piece
+of a long one), then runs the real trainer (``python -m distaff.train.pretrain`` under torchrun,
+DeepSpeed ZeRO-2) twice with the same model and about the same number of real tokens:
+
+- ``padded``: ``data.batch_size`` rows of ``seq_len`` per micro-batch, padding included;
+- ``varlen``: ``data.packing=varlen``, whole sequences packed up to the same ``batch_size x seq_len``
+  tokens per micro-batch, attention per sequence.
+
+The table gives real (non-padding) tokens/s from each run's ``summary.json``, the padding fraction
+(computed positions that were padding) and the held-out loss. Runs on CPUs (the reference kernels)
+or GPUs (Triton).
+
+    python benchmarks/packing.py [--text data/austen-emma-pride.txt.gz] [--seq-len 128]
+                                 [--batch-size 8] [--tokens 200000] [--ranks 2] [--work-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+MODES = ("padded", "varlen")
+
+
+def _run(cmd: list[str], env: dict[str, str]) -> None:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def prepare(text: Path, work: Path, seq_len: int, env: dict[str, str]) -> Path:
+    """Tokenizer and shards, one document per sequence (no --pack-documents); reused when present."""
+    data = work / "data"
+    if (data / "manifest.json").is_file():
+        return data
+    cli = [PYTHON, "-m", "distaff.launch.cli"]
+    _run(cli + ["tokenizer", "train", "--input", str(text), "--vocab-size", "4000", "--out", str(work / "tok")], env)
+    _run(cli + ["data", "prepare", "--input", str(text), "--tokenizer", str(work / "tok"), "--seq-len",
+                str(seq_len), "--heldout-fraction", "0.02", "--shard-mb", "0.2", "--out", str(data), "--no-progress"],
+         env)
+    return data
+
+
+def real_tokens_per_step(data: Path, mode: str, batch_size: int, ranks: int) -> float:
+    """Mean real tokens per optimizer step of the first epoch: rows x mean length when padded,
+    the token-budget plan's mean batch when packed."""
+    from distaff.train.data.manifest import read_manifest
+    from distaff.train.data.stream import EpochOrder, GroupReader, token_budget_cuts
+
+    manifest = read_manifest(data)
+    split = manifest.splits["train"]
+    if mode == "padded":
+        return ranks * batch_size * split.tokens / split.samples
+    reader = GroupReader(str(data), split.shards, np.dtype(manifest.dtype), manifest.seq_len)
+    lengths = EpochOrder([s.samples for s in split.shards], 1234, 0, 4).lengths(reader.shard_lengths())
+    cuts = token_budget_cuts(lengths, batch_size * manifest.seq_len)
+    return ranks * float(lengths.sum()) / (len(cuts) - 1)
+
+
+def train(data: Path, work: Path, mode: str, steps: int, args, env: dict[str, str]) -> dict:
+    out = work / f"run-{mode}"
+    cmd = [str(Path(PYTHON).with_name("torchrun")), "--nproc_per_node", str(args.ranks), "--master_port",
+           str(args.port), "-m", "distaff.train.pretrain", "--config", str(REPO / "configs/run/tiny-cpu.yaml"),
+           f"run.out_dir={out}", f"data.dir={data}", f"data.batch_size={args.batch_size}", f"data.packing={mode}",
+           f"train.max_steps={steps}", "optim.warmup_steps=10", "eval.every=0", "eval.batches=20",
+           "checkpoint.every=0", "checkpoint.resume=none", "logging.every=10", "logging.progress_bar=false",
+           "logging.plot=false", "wandb.mode=disabled"]
+    _run(cmd, env)
+    return json.loads((out / "summary.json").read_text())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--text", default=str(REPO / "data/austen-emma-pride.txt.gz"))
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=200_000, help="real tokens each run trains on (about)")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--port", type=int, default=29533)
+    parser.add_argument("--work-dir", default="")
+    args = parser.parse_args()
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="distaff-packing-"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    import torch
+
+    if not torch.cuda.is_available():
+        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+        env.pop("TRITON_INTERPRET", None)  # the reference kernels are the CPU path
+    data = prepare(Path(args.text), work, args.seq_len, env)
+    rows = []
+    for mode in MODES:
+        steps = math.ceil(args.tokens / real_tokens_per_step(data, mode, args.batch_size, args.ranks))
+        rows.append((mode, steps, train(data, work, mode, steps, args, env)))
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+    print(f"\ntiny preset, seq_len {args.seq_len}, {args.ranks} rank(s) x {args.batch_size} x {args.seq_len} "
+          f"token positions per micro-batch, ZeRO-2, fp32, {device}; data: {Path(args.text).name} without "
+          f"--pack-documents ({work / 'data'})")
+    print("| packing | steps | real tokens | samples | padding | train s | real tokens/s | held-out loss |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for mode, steps, s in rows:
+        print(f"| {mode} | {steps} | {s['tokens']:,} | {s['samples']:,} | {100 * s['padding_fraction']:.1f}% "
+              f"| {s['train_time_s']:.1f} | {s['tokens_per_s']:,.0f} | {s['eval_loss']:.3f} |")
+    print(f"varlen / padded real tokens/s: {rows[1][2]['tokens_per_s'] / rows[0][2]['tokens_per_s']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
