@@ -14,6 +14,7 @@ or GPUs (Triton).
 
     python benchmarks/packing.py [--text data/austen-emma-pride.txt.gz] [--seq-len 128]
                                  [--batch-size 8] [--tokens 200000] [--ranks 2] [--work-dir DIR]
+                                 [--vocab-size 4000]
 """
 
 from __future__ import annotations
@@ -40,13 +41,13 @@ def _run(cmd: list[str], env: dict[str, str]) -> None:
         sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
-def prepare(text: Path, work: Path, seq_len: int, env: dict[str, str]) -> Path:
+def prepare(text: Path, work: Path, seq_len: int, vocab_size: int, env: dict[str, str]) -> Path:
     """Tokenizer and shards, one document per sequence (no --pack-documents); reused when present."""
     data = work / "data"
     if (data / "manifest.json").is_file():
         return data
     cli = [PYTHON, "-m", "distaff.launch.cli"]
-    _run(cli + ["tokenizer", "train", "--input", str(text), "--vocab-size", "4000", "--out", str(work / "tok")], env)
+    _run(cli + ["tokenizer", "train", "--input", str(text), "--vocab-size", str(vocab_size), "--out", str(work / "tok")], env)
     _run(cli + ["data", "prepare", "--input", str(text), "--tokenizer", str(work / "tok"), "--seq-len",
                 str(seq_len), "--heldout-fraction", "0.02", "--shard-mb", "0.2", "--out", str(data), "--no-progress"],
          env)
@@ -71,8 +72,10 @@ def real_tokens_per_step(data: Path, mode: str, batch_size: int, ranks: int) -> 
 
 def train(data: Path, work: Path, mode: str, steps: int, args, env: dict[str, str]) -> dict:
     out = work / f"run-{mode}"
+    from distaff.train.distributed import free_port
+
     cmd = [str(Path(PYTHON).with_name("torchrun")), "--nproc_per_node", str(args.ranks), "--master_port",
-           str(args.port), "-m", "distaff.train.pretrain", "--config", str(REPO / "configs/run/tiny-cpu.yaml"),
+           str(free_port()), "-m", "distaff.train.pretrain", "--config", str(REPO / "configs/run/tiny-cpu.yaml"),
            f"run.out_dir={out}", f"data.dir={data}", f"data.batch_size={args.batch_size}", f"data.packing={mode}",
            f"train.max_steps={steps}", "optim.warmup_steps=10", "eval.every=0", "eval.batches=20",
            "checkpoint.every=0", "checkpoint.resume=none", "logging.every=10", "logging.progress_bar=false",
@@ -85,10 +88,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--text", default=str(REPO / "data/austen-emma-pride.txt.gz"))
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--vocab-size", type=int, default=4000)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=200_000, help="real tokens each run trains on (about)")
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--port", type=int, default=29533)
     parser.add_argument("--work-dir", default="")
     args = parser.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="distaff-packing-"))
@@ -99,7 +102,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
         env.pop("TRITON_INTERPRET", None)  # the reference kernels are the CPU path
-    data = prepare(Path(args.text), work, args.seq_len, env)
+    data = prepare(Path(args.text), work, args.seq_len, args.vocab_size, env)
     rows = []
     for mode in MODES:
         steps = math.ceil(args.tokens / real_tokens_per_step(data, mode, args.batch_size, args.ranks))

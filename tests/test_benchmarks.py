@@ -46,3 +46,25 @@ def test_attention_backward_memory_stays_within_its_gradients():
     assert len(rows) == 2, run.stdout
     for batch, n, grads, previous, now in rows:
         assert 0 < float(now) <= float(grads) < float(previous), (batch, n, grads, previous, now)
+
+
+@pytest.mark.timeout(300)
+def test_packing_benchmark_runs_both_layouts_on_real_text(tmp_path, sample_data):
+    """benchmarks/packing.py end to end on a slice of the bundled Shakespeare: both rows measured,
+    padding only in the padded run."""
+    import gzip
+
+    text = tmp_path / "plays.txt"
+    with gzip.open(sample_data / "shakespeare.txt.gz", "rt") as handle:
+        text.write_text(handle.read(120_000))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "packing.py"), "--text", str(text), "--vocab-size", "800",
+                          "--seq-len", "64", "--batch-size", "4", "--tokens", "1500", "--ranks", "1",
+                          "--work-dir", str(tmp_path / "work")], capture_output=True, text=True, timeout=290, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in run.stdout.splitlines()
+            if line.startswith("| padded |") or line.startswith("| varlen |")}
+    assert rows.keys() == {"padded", "varlen"}, run.stdout
+    padding = {mode: float(cells[3].strip(" %")) for mode, cells in rows.items()}
+    assert padding["varlen"] == 0.0 < padding["padded"]
+    assert all(float(cells[6].replace(",", "")) > 0 for cells in rows.values())  # measured tokens/s

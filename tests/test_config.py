@@ -69,6 +69,9 @@ def test_resolved_config_round_trips(tmp_path):
     ("data.masking.mlm_probability=1.5", "data.masking: mlm_probability"),
     ("data.masking.random_token_fraction=0.5", "data.masking: mask_token_fraction"),
     ("model.preset=no-such-preset", "no-such-preset"),
+    ("data.packing=packed", "data.packing"),             # padded | varlen
+    ("data.tokens_per_batch=4096", "data.tokens_per_batch"),  # a token budget needs packing=varlen
+    ("data.tokens_per_batch=-1", "data.tokens_per_batch"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -121,3 +124,12 @@ def test_non_finite_float_values_are_rejected_naming_the_key(override):
     with pytest.raises(ConfigError, match="must be a finite number") as err:
         load_config(None, ["data.dir=/d", override])
     assert str(err.value).startswith(key.replace("optim.betas", "optim.betas[1]"))
+
+
+def test_token_budget_defaults_to_the_padded_batch_positions():
+    padded = load_config(None, ["data.dir=/d", "data.batch_size=6"])
+    assert padded.data.packing == "padded" and padded.data.token_budget(128) == 0
+    varlen = load_config(None, ["data.dir=/d", "data.batch_size=6", "data.packing=varlen", "data.eval_batch_size=2"])
+    assert varlen.data.token_budget(128) == 6 * 128 and varlen.data.token_budget(128, eval=True) == 2 * 128
+    chosen = load_config(None, ["data.dir=/d", "data.packing=varlen", "data.tokens_per_batch=5000"])
+    assert chosen.data.token_budget(128) == 5000

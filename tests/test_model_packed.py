@@ -115,3 +115,17 @@ def test_packed_input_errors_name_the_missing_field():
         model(packed["input_ids"], cu_seqlens=packed["cu_seqlens"], max_seqlen=packed["max_seqlen"])
     with pytest.raises(ValueError, match="max_seqlen"):
         model(**{**packed, "max_seqlen": 3})
+
+
+def test_packed_activation_checkpointing_gives_identical_gradients():
+    """The packed layout passes through torch's checkpointing (dropout on: its RNG is replayed)."""
+    dropout = dict(emd=True, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    plain, ckpt = (model.train() for model in _models(dropout))
+    ckpt.deberta.encoder.activation_checkpointing = True
+    packed = pack(*padded_batch(BASE["vocab_size"]))
+    grads = []
+    for model in (plain, ckpt):
+        torch.manual_seed(7)
+        grads.append(_loss_and_grads(model, **packed)[1])
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, msg=name)
