@@ -59,9 +59,9 @@ class EpochOrder:
 
     def lengths(self, shard_lengths: Sequence[np.ndarray]) -> np.ndarray:
         """Token count of every position of the epoch, from each shard's sample lengths."""
-        flat = np.concatenate([np.asarray(x, np.int64) for x in shard_lengths] + [np.zeros(0, np.int64)])
+        flat = np.concatenate([np.asarray(x, np.int32) for x in shard_lengths] + [np.zeros(0, np.int32)])
         shard_start = np.concatenate([[0], np.cumsum(self.shard_samples)])
-        parts = [np.zeros(0, np.int64)]
+        parts = [np.zeros(0, np.int32)]
         for group in range(len(self.groups)):
             shard_of, member_of = self.group_members(group)
             parts.append(flat[shard_start[shard_of] + member_of])
@@ -109,14 +109,16 @@ class Plan:
         return np.concatenate([[0], np.cumsum([b - a for a, b in self.pending])]).astype(np.int64)
 
     @cached_property
-    def _cuts(self) -> np.ndarray:
-        """Flat start of every batch dealt (and the end of the last): ``world_size * batches`` batches."""
-        if self.token_budget:
-            pending_lengths = np.concatenate([self.lengths[a:b] for a, b in self.pending] + [np.zeros(0, np.int64)])
-            cuts = token_budget_cuts(pending_lengths, self.token_budget)
-        else:
-            cuts = np.arange(0, self.total + 1, self.batch_size, dtype=np.int64)
+    def _budget_cuts(self) -> np.ndarray:
+        """Token budget: the flat start of every batch dealt and the end of the last
+        (``world_size * batches`` batches)."""
+        pending_lengths = np.concatenate([self.lengths[a:b] for a, b in self.pending] + [np.zeros(0, np.int32)])
+        cuts = token_budget_cuts(pending_lengths, self.token_budget)
         return cuts[:(len(cuts) - 1) // self.world_size * self.world_size + 1]
+
+    def _cut(self, index: int) -> int:
+        """Flat start of the plan's batch ``index`` (all ranks' batches in dealing order)."""
+        return int(self._budget_cuts[index]) if self.token_budget else index * self.batch_size
 
     @property
     def total(self) -> int:
@@ -125,7 +127,9 @@ class Plan:
     @property
     def batches(self) -> int:
         """Batches per rank - the same on every rank."""
-        return (len(self._cuts) - 1) // self.world_size
+        if self.token_budget:
+            return (len(self._budget_cuts) - 1) // self.world_size
+        return self.total // (self.world_size * self.batch_size)
 
     def _slot_offset(self, slot: int) -> int:
         """Batches owned by the slots before ``slot`` (slot s owns batches s, s+slots, ...)."""
@@ -136,12 +140,9 @@ class Plan:
         slot = batch % self.slots
         return rank * self.batches + self._slot_offset(slot) + batch // self.slots
 
-    def _flat_start(self, rank: int, batch: int) -> int:
-        return int(self._cuts[self._dealt_index(rank, batch)])
-
     def positions(self, rank: int, batch: int) -> np.ndarray:
         index = self._dealt_index(rank, batch)
-        flat = np.arange(self._cuts[index], self._cuts[index + 1])
+        flat = np.arange(self._cut(index), self._cut(index + 1))
         interval = np.searchsorted(self._cumulative, flat, side="right") - 1
         starts = np.asarray([a for a, _ in self.pending], dtype=np.int64)
         return starts[interval] + (flat - self._cumulative[interval])
@@ -154,7 +155,7 @@ class Plan:
                 done = len(range(slot, batches_done, self.slots))
                 if done:
                     first = self._dealt_index(rank, slot)  # a slot's batches are consecutive in the deal
-                    consumed.append((int(self._cuts[first]), int(self._cuts[first + done])))
+                    consumed.append((self._cut(first), self._cut(first + done)))
         kept, cursor = [], 0
         for start, stop in sorted(consumed) + [(self.total, self.total)]:
             if start > cursor:
@@ -192,7 +193,7 @@ class GroupReader:
 
     def shard_lengths(self) -> list[np.ndarray]:
         """Every shard's sample lengths: one pass over the split, which token-budget plans need."""
-        return [np.asarray([len(x) for x in self._read(shard)], np.int64) for shard in range(len(self.shards))]
+        return [np.asarray([len(x) for x in self._read(shard)], np.int32) for shard in range(len(self.shards))]
 
     def _load(self, order: EpochOrder, group: int) -> None:
         loaded = {shard: self._read(shard) for shard in order.groups[group]}
