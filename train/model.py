@@ -250,7 +250,7 @@ class Encoder(nn.Module):
 
 
 class DebertaModel(nn.Module):
-    """Embeddings + encoder; ``DebertaV2Model``'s computation for 2-D padding masks."""
+    """Embeddings + encoder; ``DebertaV2Model``'s computation for 2-D padding masks, or for packed sequences."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
