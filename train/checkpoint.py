@@ -20,6 +20,8 @@ crash at any point before the rename leaves the previous checkpoint complete and
 from __future__ import annotations
 
 import base64
+import contextlib
+import hashlib
 import json
 import os
 import random
@@ -32,6 +34,7 @@ import torch
 
 from .checkpoint_files import FIRST_FORMAT_WITH_FILES, META, checkpoint_problem, write_file_list
 from .files import atomic_write_text, fsync_dir
+from .resize import global_batch_notice, has_partitioned_state, universal_folder, universal_loading
 from .safe_load import weights_only_loads
 
 LATEST = "latest"
@@ -114,7 +117,14 @@ def _b64_to_byte_tensor(text: str) -> torch.Tensor:
 
 
 class RNGState:
-    """Python, NumPy and torch (CPU and CUDA) generator states, as JSON-serialisable values."""
+    """Python, NumPy and torch (CPU and CUDA) generator states, as JSON-serialisable values.
+
+    After a resize there is no saved state for this rank to continue: every rank then seeds its
+    generators from a hash of all saved states and its own rank (distinct per rank, reproducible).
+    """
+
+    def __init__(self, rank: int = 0):
+        self.rank = rank
 
     def state_dict(self) -> dict[str, Any]:
         version, internal, gauss = random.getstate()
@@ -136,6 +146,13 @@ class RNGState:
         torch.set_rng_state(_b64_to_byte_tensor(state["torch"]))
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(_b64_to_byte_tensor(state["cuda"]))
+
+    def load_resized_state_dict(self, states: list[dict[str, Any]]) -> None:
+        text = json.dumps({"saved": states, "rank": self.rank}, sort_keys=True)
+        seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
 
 
 # ---------------------------------------------------------------- the checkpointer
@@ -243,22 +260,47 @@ class Checkpointer:
         return folder
 
     def load(self, folder: Path) -> None:
-        """Restore the engine and every component from ``folder``."""
+        """Restore the engine and every component from ``folder``, written by this world size or another."""
         meta = json.loads((folder / META).read_text())
-        if meta["world_size"] != self.world_size:
-            raise RuntimeError(f"{folder} was written by {meta['world_size']} ranks; resuming exactly needs the same "
-                               f"world size (data stream positions are per rank), this job has {self.world_size}")
-        own = _rank_file(folder, self.rank)
-        if not own.is_file():
-            raise FileNotFoundError(f"{own}: this rank's state is missing from the checkpoint")
-        rank_state = json.loads(own.read_text())
-        with weights_only_loads():  # DeepSpeed's checkpoint engine would unpickle with weights_only=False
-            loaded, _ = self.engine.load_checkpoint(str(folder.parent), tag=folder.name, load_optimizer_states=True,
-                                                    load_lr_scheduler_states=False)
-        if loaded is None:
-            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {folder}")
+        saved_world = meta["world_size"]
+        if saved_world == self.world_size:
+            per_rank = {name: [state] for name, state in self._rank_state(folder, self.rank).items()}
+        else:
+            if self.rank == 0 and "config" in meta and "config" in self.meta:
+                print(global_batch_notice(meta["config"], self.meta["config"], saved_world, self.world_size),
+                      flush=True)
+            saved = [self._rank_state(folder, rank) for rank in range(saved_world)]
+            per_rank = {name: [state[name] for state in saved] for name in self.per_rank}
+        self._load_engine(folder, resized=saved_world != self.world_size)
         for name, component in self.per_rank.items():
-            component.load_state_dict(rank_state[name])
+            if len(per_rank[name]) == 1:
+                component.load_state_dict(per_rank[name][0])
+            else:
+                component.load_resized_state_dict(per_rank[name])
         for name, component in self.shared.items():
             component.load_state_dict(meta[name])
         self.saved_step = meta["step"]
+
+    def _rank_state(self, folder: Path, rank: int) -> dict[str, Any]:
+        path = _rank_file(folder, rank)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: rank {rank}'s state is missing from the checkpoint")
+        state = json.loads(path.read_text())
+        missing = sorted(set(self.per_rank) - set(state))
+        if missing:
+            raise KeyError(f"{path}: no state for {missing}")
+        return state
+
+    def _load_engine(self, folder: Path, resized: bool) -> None:
+        """DeepSpeed's files; a checkpoint whose optimizer state is split over another number of ranks is
+        read through its universal form (resize.py)."""
+        load_dir, tag, universal = folder.parent, folder.name, contextlib.nullcontext()
+        if resized and has_partitioned_state(folder):
+            report = print if self.rank == 0 else lambda message: None
+            load_dir, tag = folder, universal_folder(folder, self.rank, self.barrier, report).name
+            universal = universal_loading(self.engine)
+        with universal, weights_only_loads():  # DeepSpeed's checkpoint engine would unpickle with weights_only=False
+            loaded, _ = self.engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
+                                                    load_lr_scheduler_states=False)
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {folder}")

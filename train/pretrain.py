@@ -172,7 +172,8 @@ class Trainer:
         """Saves the engine plus each rank's data stream and RNGs, and the loop's state once (rank 0)."""
         cfg, layout = self.cfg, self.layout
         return Checkpointer(cfg.out_dir / "checkpoints", self.engine,
-                            per_rank={"data": self.loader, "rng": RNGState()}, shared={"train_state": self.state},
+                            per_rank={"data": self.loader, "rng": RNGState(layout.rank)},
+                            shared={"train_state": self.state},
                             meta={"config": config_to_dict(cfg), "model_config": self.model_cfg.to_dict()},
                             every=cfg.checkpoint.every, keep=cfg.checkpoint.keep, rank=layout.rank,
                             world_size=layout.world_size, barrier=dist_utils.barrier, tokenizer_dir=tokenizer_dir)
