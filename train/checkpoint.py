@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -174,6 +175,36 @@ def prune(root: Path, keep: int, published: Path | None = None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written; the message names the cause and the intact previous checkpoint."""
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_NEARLY_FULL_BYTES = 64 << 20
+
+
+def _failure(write: Callable[[], Any]) -> BaseException | None:
+    """What ``write()`` raised, if anything (ours or DeepSpeed's, which torch may turn into a RuntimeError)."""
+    try:
+        write()
+    except Exception as err:  # noqa: BLE001 - every rank must learn of it before anyone raises
+        return err
+    return None
+
+
+def _save_failure_cause(err: BaseException, root: Path) -> str:
+    """"no space left on <path>" for a full disk or quota: torch's zip writer reports ENOSPC only as
+    "unexpected pos N vs M", so a failed write on a filesystem that is now (nearly) full counts as one too."""
+    chain = [err, *(e for e in (err.__cause__, err.__context__) if e is not None)]
+    oserror = next((e for e in chain if isinstance(e, OSError)), None)
+    where = Path(oserror.filename) if oserror is not None and oserror.filename else root
+    if (oserror is not None and oserror.errno in _NO_SPACE) or shutil.disk_usage(root).free < _NEARLY_FULL_BYTES:
+        return f"no space left on {where} ({shutil.disk_usage(root).free:,} bytes free)"
+    if oserror is not None:
+        return f"{oserror.strerror or oserror} on {where}"
+    return f"{type(err).__name__}: {err}"
+
+
 def publish(partial: Path, final: Path) -> None:
     """Rename a finished ``partial`` folder to ``final`` (replacing an older save of the same step)
     and point ``latest`` at it."""
@@ -198,11 +229,13 @@ class Checkpointer:
 
     def __init__(self, root: Path, engine, *, per_rank: dict[str, Stateful], shared: dict[str, Stateful],
                  meta: dict[str, Any], every: int, keep: int, rank: int, world_size: int,
-                 barrier: Callable[[], None], tokenizer_dir: Path | None = None):
+                 barrier: Callable[[], None], any_rank: Callable[[bool], bool] = lambda flag: flag,
+                 tokenizer_dir: Path | None = None):
         self.root, self.engine = root, engine
         self.per_rank, self.shared, self.meta = per_rank, shared, meta
         self.every, self.keep = every, keep
         self.rank, self.world_size, self.barrier = rank, world_size, barrier
+        self.any_rank = any_rank  # collective "is the flag set on any rank?"
         self.tokenizer_dir = tokenizer_dir
         self.saved_step: int | None = None
 
@@ -221,16 +254,31 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)
         self.barrier()
-        self._write_rank_files(partial, step)
-        self.barrier()
+        self._check_saved(partial, step, _failure(lambda: self._write_rank_files(partial, step)))
         final = self.root / tag_for_step(step)
+        failure = None
         if self.rank == 0:
-            self._write_meta(partial, step)
-            publish(partial, final)
+            failure = _failure(lambda: (self._write_meta(partial, step), publish(partial, final)))
+        self._check_saved(partial, step, failure)
+        if self.rank == 0:
             prune(self.root, self.keep, published=final)
         self.barrier()
         self.saved_step = step
         return final
+
+    def _check_saved(self, partial: Path, step: int, failure: BaseException | None) -> None:
+        """Collective: when a rank failed to write its part, every rank removes nothing but the partial save
+        (the previous checkpoint stays named by ``latest``) and raises :class:`CheckpointSaveError`."""
+        if not self.any_rank(failure is not None):
+            return
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        self.barrier()
+        previous = latest_checkpoint(self.root)
+        intact = (f"previous checkpoint step {json.loads((previous / META).read_text())['step']} is intact "
+                  f"({previous})" if previous else "there is no previous checkpoint")
+        cause = _save_failure_cause(failure, self.root) if failure else "another rank failed (see its error)"
+        raise CheckpointSaveError(f"{cause} while saving step {step}; {intact}") from failure
 
     def _write_rank_files(self, partial: Path, step: int) -> None:
         """This rank's share: its DeepSpeed files and its per-rank components."""

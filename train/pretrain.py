@@ -176,7 +176,11 @@ class Trainer:
                             shared={"train_state": self.state},
                             meta={"config": config_to_dict(cfg), "model_config": self.model_cfg.to_dict()},
                             every=cfg.checkpoint.every, keep=cfg.checkpoint.keep, rank=layout.rank,
-                            world_size=layout.world_size, barrier=dist_utils.barrier, tokenizer_dir=tokenizer_dir)
+                            world_size=layout.world_size, barrier=dist_utils.barrier, any_rank=self._any_rank,
+                            tokenizer_dir=tokenizer_dir)
+
+    def _any_rank(self, flag: bool) -> bool:
+        return dist_utils.all_reduce_sum([float(flag)], self.device)[0] > 0
 
     def _check_same_step(self) -> None:
         step = self.state.step
