@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from pretrain_fixtures import metrics, prepare_data, spawn_ranks, wait_all, write_config
+from pretrain_fixtures import metrics, prepare_data, run_probe, write_config
 
 from distaff.train.data.stream import Plan
 from distaff.train.pretrain import EXIT_PREEMPTED
@@ -20,17 +20,11 @@ from distaff.train.schedule import lr_at
 pytestmark = pytest.mark.integration
 
 STEPS, LR, WARMUP = 9, 3e-3, 2
-PROBE = ("tests/resize_probe.py",)
 
 
-def _run(config: Path, tmp: Path, world: int, probe: Path, stop_at: int = 0) -> int:
-    probe.mkdir()
-    procs = spawn_ranks(config, tmp, world_size=world, program=(str(Path(__file__).with_name("resize_probe.py")),),
-                        env={"PROBE_DIR": str(probe), "PROBE_STOP_AT": str(stop_at)})
-    codes = wait_all(procs, timeout=240)
-    logs = "\n".join((tmp / f"rank{r}.log").read_text()[-3000:] for r in range(world))
+def _run(config: Path, tmp: Path, world: int, probe: Path, stop_at: int = 0) -> None:
+    codes, logs = run_probe(config, tmp, world, probe, stop_at=stop_at)
     assert set(codes) == {EXIT_PREEMPTED if stop_at else 0}, logs
-    return codes[0]
 
 
 def _dump(probe: Path, when: str, rank: int = 0) -> dict:
