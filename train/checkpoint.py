@@ -230,12 +230,13 @@ class Checkpointer:
     def __init__(self, root: Path, engine, *, per_rank: dict[str, Stateful], shared: dict[str, Stateful],
                  meta: dict[str, Any], every: int, keep: int, rank: int, world_size: int,
                  barrier: Callable[[], None], any_rank: Callable[[bool], bool] = lambda flag: flag,
-                 tokenizer_dir: Path | None = None):
+                 from_rank0: Callable[[str], str] = lambda text: text, tokenizer_dir: Path | None = None):
         self.root, self.engine = root, engine
         self.per_rank, self.shared, self.meta = per_rank, shared, meta
         self.every, self.keep = every, keep
         self.rank, self.world_size, self.barrier = rank, world_size, barrier
         self.any_rank = any_rank  # collective "is the flag set on any rank?"
+        self.from_rank0 = from_rank0  # collective: rank 0's text on every rank
         self.tokenizer_dir = tokenizer_dir
         self.saved_step: int | None = None
 
@@ -299,10 +300,21 @@ class Checkpointer:
     # ---- restoring
     def restore(self, resume: str) -> Path | None:
         """Resolve ``checkpoint.resume``, clear interrupted saves and load the checkpoint, if any."""
-        folder = resolve_resume(resume, self.root, print if self.rank == 0 else lambda message: None)
-        if self.rank == 0 and self.root.is_dir():
-            remove_partial(self.root)
-        self.barrier()
+        verdict, failure = "", None
+        if self.rank == 0:  # one rank hashes the checkpoints and tells the others what it chose
+            try:
+                chosen = resolve_resume(resume, self.root)
+                verdict = f"ok:{chosen}" if chosen is not None else "none:"
+                if self.root.is_dir():
+                    remove_partial(self.root)
+            except Exception as err:  # noqa: BLE001 - the other ranks must hear of it, not wait
+                verdict, failure = f"error:{type(err).__name__}: {err}", err
+        kind, _, detail = self.from_rank0(verdict).partition(":")
+        if failure is not None:
+            raise failure
+        if kind == "error":
+            raise RuntimeError(f"rank 0 could not choose a checkpoint to resume from: {detail}")
+        folder = Path(detail) if kind == "ok" else None
         if folder is not None:
             self.load(folder)
         return folder

@@ -177,6 +177,7 @@ class Trainer:
                             meta={"config": config_to_dict(cfg), "model_config": self.model_cfg.to_dict()},
                             every=cfg.checkpoint.every, keep=cfg.checkpoint.keep, rank=layout.rank,
                             world_size=layout.world_size, barrier=dist_utils.barrier, any_rank=self._any_rank,
+                            from_rank0=lambda text: dist_utils.broadcast_text(text, self.device),
                             tokenizer_dir=tokenizer_dir)
 
     def _any_rank(self, flag: bool) -> bool:
