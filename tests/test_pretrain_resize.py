@@ -122,3 +122,15 @@ def test_other_zero_stages_resume_on_fewer_ranks(stage, sample_data, tmp_path_fa
     _assert_counters_continue(tmp / "run", steps=5)
     converted = "to a universal checkpoint" in (tmp / "rank0.log").read_text()
     assert converted == (stage != 0)
+
+
+@pytest.mark.timeout(200)
+def test_rank0_alone_checks_the_checkpoint_and_tells_the_others(sample_data, tmp_path_factory):
+    """Only rank 0 resolves and hashes the checkpoint; its verdict, here an error, reaches rank 1 at once."""
+    config, tmp = _config(0, sample_data, tmp_path_factory, steps=2)
+    codes, logs = run_probe(config, tmp, 2, tmp / "probe", f"checkpoint.resume={tmp / 'no-such-checkpoint'}",
+                            state=False, timeout=120)
+    assert codes == [1, 1], logs
+    assert "FileNotFoundError: checkpoint.resume=" in (tmp / "rank0.log").read_text()
+    assert "rank 0 could not choose a checkpoint to resume from: FileNotFoundError: checkpoint.resume=" \
+        in (tmp / "rank1.log").read_text()
