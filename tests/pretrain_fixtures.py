@@ -110,6 +110,19 @@ def spawn_ranks(config: Path, tmp: Path, *overrides: str, world_size: int = 2, e
     return procs
 
 
+def run_probe(config: Path, tmp: Path, world_size: int, probe: Path, *overrides: str, stop_at: int = 0,
+              state: bool = True, timeout: float = 240) -> tuple[list[int], str]:
+    """The trainer under ``engine_probe.py`` on ``world_size`` ranks, writing into ``probe``; the exit codes
+    and the ranks' logs. ``stop_at``: every rank checkpoints and exits 75 there; ``state``: dump the
+    weights and optimizer moments."""
+    probe.mkdir()
+    procs = spawn_ranks(config, tmp, *overrides, world_size=world_size,
+                        program=(str(Path(__file__).with_name("engine_probe.py")),),
+                        env={"PROBE_DIR": str(probe), "PROBE_STOP_AT": str(stop_at), "PROBE_STATE": str(int(state))})
+    codes = wait_all(procs, timeout=timeout)
+    return codes, "\n".join((tmp / f"rank{r}.log").read_text()[-3000:] for r in range(world_size))
+
+
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
     deadline = time.monotonic() + timeout
     codes = []

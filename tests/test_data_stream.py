@@ -118,6 +118,19 @@ def test_resume_with_another_world_size_never_repeats_a_sample(data_dir: Path, n
 
 
 @pytest.mark.timeout(120)
+def test_a_resized_resume_needs_all_saved_ranks_at_one_position(data_dir: Path) -> None:
+    old = [_loader(data_dir, rank, 2, num_workers=0) for rank in range(2)]
+    _take(old[0], 3), _take(old[1], 3)
+    states = [loader.state_dict() for loader in old]
+    new = _loader(data_dir, 0, 1, num_workers=0)
+    new.load_resized_state_dict(states)
+    assert new.plan.world_size == 1 and new.plan.total == old[0].plan.total - 2 * 3 * BATCH   # both ranks' 3 batches
+    _take(old[1], 1)
+    with pytest.raises(ValueError, match="the 2 saved ranks are at different stream positions"):
+        _loader(data_dir, 0, 1, num_workers=0).load_resized_state_dict([states[0], old[1].state_dict()])
+
+
+@pytest.mark.timeout(120)
 def test_pipe_url_reads_the_same_batches(data_dir: Path) -> None:
     local = _take(_loader(data_dir, 0, 1, 0), 3)
     remote = build_train_loader(f"pipe:cat {data_dir}/{{path}}", batch_size=BATCH, rank=0, world_size=1,

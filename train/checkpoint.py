@@ -20,6 +20,9 @@ crash at any point before the rename leaves the previous checkpoint complete and
 from __future__ import annotations
 
 import base64
+import contextlib
+import errno
+import hashlib
 import json
 import os
 import random
@@ -32,6 +35,7 @@ import torch
 
 from .checkpoint_files import FIRST_FORMAT_WITH_FILES, META, checkpoint_problem, write_file_list
 from .files import atomic_write_text, fsync_dir
+from .resize import global_batch_notice, has_partitioned_state, universal_folder, universal_loading
 from .safe_load import weights_only_loads
 
 LATEST = "latest"
@@ -114,7 +118,14 @@ def _b64_to_byte_tensor(text: str) -> torch.Tensor:
 
 
 class RNGState:
-    """Python, NumPy and torch (CPU and CUDA) generator states, as JSON-serialisable values."""
+    """Python, NumPy and torch (CPU and CUDA) generator states, as JSON-serialisable values.
+
+    After a resize there is no saved state for this rank to continue: every rank then seeds its
+    generators from a hash of all saved states and its own rank (distinct per rank, reproducible).
+    """
+
+    def __init__(self, rank: int = 0):
+        self.rank = rank
 
     def state_dict(self) -> dict[str, Any]:
         version, internal, gauss = random.getstate()
@@ -137,6 +148,13 @@ class RNGState:
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(_b64_to_byte_tensor(state["cuda"]))
 
+    def load_resized_state_dict(self, states: list[dict[str, Any]]) -> None:
+        text = json.dumps({"saved": states, "rank": self.rank}, sort_keys=True)
+        seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+
 
 # ---------------------------------------------------------------- the checkpointer
 
@@ -155,6 +173,36 @@ def prune(root: Path, keep: int, published: Path | None = None) -> None:
         return
     for old in complete[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written; the message names the cause and the intact previous checkpoint."""
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_NEARLY_FULL_BYTES = 64 << 20
+
+
+def _failure(write: Callable[[], Any]) -> BaseException | None:
+    """What ``write()`` raised, if anything (ours or DeepSpeed's, which torch may turn into a RuntimeError)."""
+    try:
+        write()
+    except Exception as err:  # noqa: BLE001 - every rank must learn of it before anyone raises
+        return err
+    return None
+
+
+def _save_failure_cause(err: BaseException, root: Path) -> str:
+    """"no space left on <path>" for a full disk or quota: torch's zip writer reports ENOSPC only as
+    "unexpected pos N vs M", so a failed write on a filesystem that is now (nearly) full counts as one too."""
+    chain = [err, *(e for e in (err.__cause__, err.__context__) if e is not None)]
+    oserror = next((e for e in chain if isinstance(e, OSError)), None)
+    where = Path(oserror.filename) if oserror is not None and oserror.filename else root
+    if (oserror is not None and oserror.errno in _NO_SPACE) or shutil.disk_usage(root).free < _NEARLY_FULL_BYTES:
+        return f"no space left on {where} ({shutil.disk_usage(root).free:,} bytes free)"
+    if oserror is not None:
+        return f"{oserror.strerror or oserror} on {where}"
+    return f"{type(err).__name__}: {err}"
 
 
 def publish(partial: Path, final: Path) -> None:
@@ -181,11 +229,14 @@ class Checkpointer:
 
     def __init__(self, root: Path, engine, *, per_rank: dict[str, Stateful], shared: dict[str, Stateful],
                  meta: dict[str, Any], every: int, keep: int, rank: int, world_size: int,
-                 barrier: Callable[[], None], tokenizer_dir: Path | None = None):
+                 barrier: Callable[[], None], any_rank: Callable[[bool], bool] = lambda flag: flag,
+                 from_rank0: Callable[[str], str] = lambda text: text, tokenizer_dir: Path | None = None):
         self.root, self.engine = root, engine
         self.per_rank, self.shared, self.meta = per_rank, shared, meta
         self.every, self.keep = every, keep
         self.rank, self.world_size, self.barrier = rank, world_size, barrier
+        self.any_rank = any_rank  # collective "is the flag set on any rank?"
+        self.from_rank0 = from_rank0  # collective: rank 0's text on every rank
         self.tokenizer_dir = tokenizer_dir
         self.saved_step: int | None = None
 
@@ -204,16 +255,31 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)
         self.barrier()
-        self._write_rank_files(partial, step)
-        self.barrier()
+        self._check_saved(partial, step, _failure(lambda: self._write_rank_files(partial, step)))
         final = self.root / tag_for_step(step)
+        failure = None
         if self.rank == 0:
-            self._write_meta(partial, step)
-            publish(partial, final)
+            failure = _failure(lambda: (self._write_meta(partial, step), publish(partial, final)))
+        self._check_saved(partial, step, failure)
+        if self.rank == 0:
             prune(self.root, self.keep, published=final)
         self.barrier()
         self.saved_step = step
         return final
+
+    def _check_saved(self, partial: Path, step: int, failure: BaseException | None) -> None:
+        """Collective: when a rank failed to write its part, every rank removes nothing but the partial save
+        (the previous checkpoint stays named by ``latest``) and raises :class:`CheckpointSaveError`."""
+        if not self.any_rank(failure is not None):
+            return
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        self.barrier()
+        previous = latest_checkpoint(self.root)
+        intact = (f"previous checkpoint step {json.loads((previous / META).read_text())['step']} is intact "
+                  f"({previous})" if previous else "there is no previous checkpoint")
+        cause = _save_failure_cause(failure, self.root) if failure else "another rank failed (see its error)"
+        raise CheckpointSaveError(f"{cause} while saving step {step}; {intact}") from failure
 
     def _write_rank_files(self, partial: Path, step: int) -> None:
         """This rank's share: its DeepSpeed files and its per-rank components."""
@@ -234,31 +300,67 @@ class Checkpointer:
     # ---- restoring
     def restore(self, resume: str) -> Path | None:
         """Resolve ``checkpoint.resume``, clear interrupted saves and load the checkpoint, if any."""
-        folder = resolve_resume(resume, self.root, print if self.rank == 0 else lambda message: None)
-        if self.rank == 0 and self.root.is_dir():
-            remove_partial(self.root)
-        self.barrier()
+        verdict, failure = "", None
+        if self.rank == 0:  # one rank hashes the checkpoints and tells the others what it chose
+            try:
+                chosen = resolve_resume(resume, self.root)
+                verdict = f"ok:{chosen}" if chosen is not None else "none:"
+                if self.root.is_dir():
+                    remove_partial(self.root)
+            except Exception as err:  # noqa: BLE001 - the other ranks must hear of it, not wait
+                verdict, failure = f"error:{type(err).__name__}: {err}", err
+        kind, _, detail = self.from_rank0(verdict).partition(":")
+        if failure is not None:
+            raise failure
+        if kind == "error":
+            raise RuntimeError(f"rank 0 could not choose a checkpoint to resume from: {detail}")
+        folder = Path(detail) if kind == "ok" else None
         if folder is not None:
             self.load(folder)
         return folder
 
     def load(self, folder: Path) -> None:
-        """Restore the engine and every component from ``folder``."""
+        """Restore the engine and every component from ``folder``, written by this world size or another."""
         meta = json.loads((folder / META).read_text())
-        if meta["world_size"] != self.world_size:
-            raise RuntimeError(f"{folder} was written by {meta['world_size']} ranks; resuming exactly needs the same "
-                               f"world size (data stream positions are per rank), this job has {self.world_size}")
-        own = _rank_file(folder, self.rank)
-        if not own.is_file():
-            raise FileNotFoundError(f"{own}: this rank's state is missing from the checkpoint")
-        rank_state = json.loads(own.read_text())
-        with weights_only_loads():  # DeepSpeed's checkpoint engine would unpickle with weights_only=False
-            loaded, _ = self.engine.load_checkpoint(str(folder.parent), tag=folder.name, load_optimizer_states=True,
-                                                    load_lr_scheduler_states=False)
-        if loaded is None:
-            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {folder}")
+        saved_world = meta["world_size"]
+        if saved_world == self.world_size:
+            per_rank = {name: [state] for name, state in self._rank_state(folder, self.rank).items()}
+        else:
+            if self.rank == 0 and "config" in meta and "config" in self.meta:
+                print(global_batch_notice(meta["config"], self.meta["config"], saved_world, self.world_size),
+                      flush=True)
+            saved = [self._rank_state(folder, rank) for rank in range(saved_world)]
+            per_rank = {name: [state[name] for state in saved] for name in self.per_rank}
+        self._load_engine(folder, resized=saved_world != self.world_size)
         for name, component in self.per_rank.items():
-            component.load_state_dict(rank_state[name])
+            if len(per_rank[name]) == 1:
+                component.load_state_dict(per_rank[name][0])
+            else:
+                component.load_resized_state_dict(per_rank[name])
         for name, component in self.shared.items():
             component.load_state_dict(meta[name])
         self.saved_step = meta["step"]
+
+    def _rank_state(self, folder: Path, rank: int) -> dict[str, Any]:
+        path = _rank_file(folder, rank)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: rank {rank}'s state is missing from the checkpoint")
+        state = json.loads(path.read_text())
+        missing = sorted(set(self.per_rank) - set(state))
+        if missing:
+            raise KeyError(f"{path}: no state for {missing}")
+        return state
+
+    def _load_engine(self, folder: Path, resized: bool) -> None:
+        """DeepSpeed's files; a checkpoint whose optimizer state is split over another number of ranks is
+        read through its universal form (resize.py)."""
+        load_dir, tag, universal = folder.parent, folder.name, contextlib.nullcontext()
+        if resized and has_partitioned_state(folder):
+            report = print if self.rank == 0 else lambda message: None
+            load_dir, tag = folder, universal_folder(folder, self.rank, self.barrier, report).name
+            universal = universal_loading(self.engine)
+        with universal, weights_only_loads():  # DeepSpeed's checkpoint engine would unpickle with weights_only=False
+            loaded, _ = self.engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
+                                                    load_lr_scheduler_states=False)
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {folder}")

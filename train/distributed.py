@@ -101,6 +101,17 @@ def all_reduce_sum(values: torch.Tensor | list[float], device: torch.device) -> 
     return t.tolist()
 
 
+def broadcast_text(text: str, device: torch.device) -> str:
+    """Rank 0's ``text`` on every rank (UTF-8 bytes in two small broadcasts, nothing pickled)."""
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+    length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=0)
+    if dist.get_rank() != 0:
+        data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=0)
+    return bytes(data.tolist()).decode()
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

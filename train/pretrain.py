@@ -177,10 +177,16 @@ class Trainer:
         """Saves the engine plus each rank's data stream and RNGs, and the loop's state once (rank 0)."""
         cfg, layout = self.cfg, self.layout
         return Checkpointer(cfg.out_dir / "checkpoints", self.engine,
-                            per_rank={"data": self.loader, "rng": RNGState()}, shared={"train_state": self.state},
+                            per_rank={"data": self.loader, "rng": RNGState(layout.rank)},
+                            shared={"train_state": self.state},
                             meta={"config": config_to_dict(cfg), "model_config": self.model_cfg.to_dict()},
                             every=cfg.checkpoint.every, keep=cfg.checkpoint.keep, rank=layout.rank,
-                            world_size=layout.world_size, barrier=dist_utils.barrier, tokenizer_dir=tokenizer_dir)
+                            world_size=layout.world_size, barrier=dist_utils.barrier, any_rank=self._any_rank,
+                            from_rank0=lambda text: dist_utils.broadcast_text(text, self.device),
+                            tokenizer_dir=tokenizer_dir)
+
+    def _any_rank(self, flag: bool) -> bool:
+        return dist_utils.all_reduce_sum([float(flag)], self.device)[0] > 0
 
     def _check_same_step(self) -> None:
         step = self.state.step

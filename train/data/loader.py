@@ -11,6 +11,7 @@ whole samples up to that many tokens instead of ``batch_size`` padded rows; the 
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 from typing import Iterator
@@ -161,6 +162,15 @@ class PretrainLoader:
         else:  # re-deal what nobody has consumed yet in this epoch
             self.plan = self._new_plan(saved.remaining_after(self.batch_in_plan))
             self.plan_index, self.batch_in_plan = self.plan_index + 1, 0
+
+    def load_resized_state_dict(self, states: list[dict]) -> None:
+        """Continue from the states of all ranks of a run with another world size: they share one epoch
+        position (every rank reads the same number of batches), which is re-dealt to this world size."""
+        positions = {(s["epoch"], s["plan_index"], s["batch_in_plan"], json.dumps(s["plan"])) for s in states}
+        if len(positions) != 1:
+            raise ValueError(f"the {len(states)} saved ranks are at different stream positions "
+                             f"{sorted(p[:3] for p in positions)}; they cannot be re-dealt")
+        self.load_state_dict(states[0])
 
 
 class EvalLoader:

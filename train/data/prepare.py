@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 STATE_FILE = "prepare_state.json"
 COUNTS_DIR = "prepare_counts"  # per-block token histograms, summed into the manifest at the end
 TOP_TOKENS = 20
+MAX_PIECE_CHARS = 1 << 16  # longer documents are tokenized in pieces of this many characters (memory bound)
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def pack_sequences(docs: Sequence[Sequence[int]], seq_len: int, cls_id: int, sep
                 current = [cls_id]
             room = seq_len - len(current) - 1
             take = ids[start:start + room]
-            current.extend(take)
+            current.extend(take.tolist() if isinstance(take, np.ndarray) else take)
             current.append(sep_id)
             start += len(take)
             if not across_documents or len(current) >= seq_len - 1:
@@ -93,11 +94,58 @@ def pack_sequences(docs: Sequence[Sequence[int]], seq_len: int, cls_id: int, sep
     return sequences
 
 
+def split_long_text(text: str, max_chars: int = MAX_PIECE_CHARS) -> Iterator[str]:
+    """``text`` in pieces of at most ``max_chars``, each cut just before a whitespace character (in the last
+    tenth of the piece) where there is one: SentencePiece then tokenizes the pieces exactly as the whole,
+    since a word after a space starts a new token either way. A stretch without whitespace (e.g. text
+    without spaces) is cut at ``max_chars``, where the tokens may differ from those of the whole."""
+    start = 0
+    while len(text) - start > max_chars:
+        stop = start + max_chars
+        cut = max(text.rfind(space, stop - max_chars // 10, stop) for space in " \n\t")
+        cut = cut if cut > start else stop
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
+
+
+def encode_documents(processor, texts: Sequence[str], dtype: np.dtype) -> list[np.ndarray]:
+    """Each text's token ids as one array. Texts are encoded in batches of about ``MAX_PIECE_CHARS`` of
+    text and over-long ones piece by piece (:func:`split_long_text`), so the tokenizer's own memory (its
+    lattice and Python int lists, ~30 bytes per character) stays bounded whatever one document's length;
+    what is kept is 2-4 bytes per token."""
+    parts: list[list[np.ndarray]] = [[] for _ in texts]
+    batch: list[tuple[int, str]] = []
+    batch_chars = 0
+
+    def flush() -> None:
+        for (owner, _), ids in zip(batch, processor.encode([piece for _, piece in batch], num_threads=1)):
+            parts[owner].append(np.asarray(ids, dtype=dtype))
+        batch.clear()
+
+    for index, text in enumerate(texts):
+        for piece in split_long_text(text):
+            batch.append((index, piece))
+            batch_chars += len(piece)
+            if batch_chars >= MAX_PIECE_CHARS:
+                flush()
+                batch_chars = 0
+    flush()
+    return [np.concatenate(doc) if len(doc) > 1 else (doc[0] if doc else np.zeros(0, dtype=dtype)) for doc in parts]
+
+
+def _token_counts(sequences: Sequence[np.ndarray], vocab_size: int, per_chunk: int = 1 << 14) -> np.ndarray:
+    """Token histogram; in chunks, as bincount copies its input to int64 (4x a uint16 block)."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for start in range(0, len(sequences), per_chunk):
+        counts += np.bincount(np.concatenate(sequences[start:start + per_chunk]), minlength=vocab_size)
+    return counts
+
+
 def _process_block(block: Block, config: PrepareConfig, tokenizer: TokenizerInfo) -> dict:
     """Tokenize, pack and write one block's shards; return their stats (runs in a worker)."""
-    processor = tokenizer.processor()
-    ids = processor.encode(block.texts, num_threads=1)
     dtype = token_dtype(tokenizer.vocab_size)
+    ids = encode_documents(tokenizer.processor(), block.texts, dtype)
     result: dict = {"index": block.index, "bytes": block.nbytes, "splits": {}}
     for split, wanted in (("train", False), ("heldout", True)):
         docs = [doc for doc, is_heldout in zip(ids, block.heldout) if is_heldout == wanted]
@@ -107,7 +155,7 @@ def _process_block(block: Block, config: PrepareConfig, tokenizer: TokenizerInfo
             continue
         relpath = f"{split}/shard-{block.index:06d}.tar"
         write_shard(Path(config.out_dir) / relpath, sequences)
-        counts = np.bincount(np.concatenate(sequences), minlength=tokenizer.vocab_size)
+        counts = _token_counts(sequences, tokenizer.vocab_size)
         np.save(Path(config.out_dir) / COUNTS_DIR / f"{split}-{block.index:06d}.npy", counts)
         result["splits"][split] = {"path": relpath, "samples": len(sequences), "tokens": int(counts.sum()),
                                    "sha256": file_sha256(Path(config.out_dir) / relpath)}
