@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from distaff import kernels
 from distaff.train.model_config import ModelConfig
+from distaff.train.rope import apply_rope, rope_angles
 
 
 class LayerNorm(nn.Module):
@@ -87,6 +88,7 @@ class DisentangledSelfAttention(nn.Module):
         self.position_buckets = cfg.position_buckets
         self.max_relative_positions = cfg.resolved_max_relative_positions
         self.impl = cfg.attention_impl
+        self.rope_theta = cfg.rope_theta if cfg.rope else None
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., N, H*d]`` -> ``[..., H, N, d]``."""
@@ -107,6 +109,9 @@ class DisentangledSelfAttention(nn.Module):
                 query_states: torch.Tensor) -> torch.Tensor:
         q = self._heads(self.query_proj(query_states))
         k, v = self._heads(self.key_proj(hidden)), self._heads(self.value_proj(hidden))
+        if self.rope_theta is not None:  # token positions 0..N-1 of each sequence
+            cos, sin = rope_angles(torch.arange(q.shape[-2], device=q.device), q.shape[-1], self.rope_theta)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         pos_key, pos_query = self._position_tables(rel)
         out = kernels.disentangled_attention(
             q, k, v, pos_key, pos_query,
