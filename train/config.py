@@ -148,9 +148,14 @@ class RunConfig:
                 from .model_folder import init_model_config
 
                 return init_model_config(self.model.init_from, self.model.overrides, fixed)
-            return load_model_config(self.model.preset, **{"emd": True, **self.model.overrides, **fixed})
+            cfg = load_model_config(self.model.preset, **{"emd": True, **self.model.overrides, **fixed})
         except ConfigError as err:
             raise ConfigError(f"model: {err}") from None
+        if cfg.pos_att_type and not cfg.relative_attention:
+            # Hugging Face accepts this (and only rescales attention by the unused terms); a new run means a mistake
+            raise ConfigError(f"model.pos_att_type {cfg.pos_att_type} needs model.relative_attention: true; for "
+                              "absolute positions or RoPE alone set model.pos_att_type: [] (content-only attention)")
+        return cfg
 
 
 # ---------------------------------------------------------------- building from plain values
