@@ -4,7 +4,6 @@ the copies can drift apart in training; a grown folder starts a real run through
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 import torch

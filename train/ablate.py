@@ -52,6 +52,7 @@ from typing import Any
 import yaml
 
 from .config import ConfigError, RunConfig, load_config
+from .metrics import save_figure
 from .pretrain import SUMMARY_FILE
 
 LAUNCHERS = ("sequential", "script")
@@ -398,15 +399,10 @@ def plot_curves(cfg: AblationConfig, runs: list[PlannedRun], path: Path) -> Path
         stats = [_mean_std([c[i][1] for c in curves]) for i in range(length)]
         ax.plot(tokens, [m for m, _ in stats], "o-", label=f"{variant.name} ({len(curves)} seeds)")
         ax.fill_between(tokens, [m - s for m, s in stats], [m + s for m, s in stats], alpha=0.2)
-    ax.set_xlabel("tokens seen")
-    ax.set_ylabel("held-out MLM loss")
-    ax.set_title(f"ablation {cfg.name}")
+    ax.set(xlabel="tokens seen", ylabel="held-out MLM loss", title=f"ablation {cfg.name}")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def write_report(cfg: AblationConfig, runs: list[PlannedRun]) -> list[dict[str, Any]]:
