@@ -10,9 +10,9 @@ import sys
 
 import pytest
 import yaml
-from pretrain_fixtures import prepare_data, rank_env, wandb_runs, write_config
+from pretrain_fixtures import REPO, prepare_data, rank_env, wandb_runs, write_config
 
-from distaff.train.ablate import load_ablation, main, plan_runs, write_job_scripts
+from distaff.train.ablate import load_ablation, main, plan_runs, variant_config, write_job_scripts
 from distaff.train.config import ConfigError
 
 VARIANTS = [{"name": "relative", "overrides": {"model.emd": False}},
@@ -79,7 +79,7 @@ def unprepared_base(tmp_path):
 
 @pytest.mark.unit
 def test_script_launcher_writes_one_job_per_run(unprepared_base, tmp_path):
-    prepare = {"input": ["corpus.txt"], "seq_len": 64}
+    prepare = {"input": "corpus.txt", "seq_len": 64}  # one path, or a list
     config = _ablation(tmp_path, unprepared_base, launcher="script", ranks=2, prepare=prepare)
     cfg = load_ablation(config)
     scripts = write_job_scripts(cfg, plan_runs(cfg))
@@ -110,3 +110,14 @@ def test_config_errors_name_the_key(unprepared_base, tmp_path, change, message, 
         load_ablation(config)
     assert main(["--config", str(config)]) == 2
     assert str(config) in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_bundled_positions_ablation_plans_equal_budgets(monkeypatch):
+    monkeypatch.chdir(REPO)  # its paths are relative to the repository root, like the run configs
+    cfg = load_ablation("configs/ablation/positions-cpu.yaml")
+    runs = plan_runs(cfg)
+    assert [v.name for v in cfg.variants] == ["relative+emd", "relative", "absolute", "rope"]
+    assert len(runs) == 12 and {r.max_steps for r in runs} == {293} and cfg.prepare.input == ["data/austen-emma-pride.txt.gz"]
+    rope = variant_config(cfg, cfg.variants[3], 1).model_config(vocab_size=4000)
+    assert rope.rope and not rope.relative_attention and not rope.emd and rope.pos_att_type == []

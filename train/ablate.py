@@ -127,7 +127,7 @@ def _section(source: str, key: str, values: Any, cls: type) -> dict[str, Any]:
         raise ConfigError(f"{source}: unknown key(s) {[f'{key}.{k}'.lstrip('.') for k in unknown]} "
                           f"(known: {sorted(known)})")
     kinds = {"str": str, "int": int, "float": (int, float), "dict[str, Any]": dict, "list[int]": list,
-             "list[str]": list}
+             "list[str]": (list, str)}  # one path or several
     for name, value in values.items():
         kind = kinds.get(str(known[name].type))
         if kind is not None:
