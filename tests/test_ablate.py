@@ -63,7 +63,8 @@ def test_tiny_ablation_end_to_end_and_resumed(base_config, tmp_path):
         assert [r["step"] for r in records if "eval_loss" in r] == [2, 4]   # eval.every from `evals: 2`
     assert summaries[0]["eval_loss"] != summaries[1]["eval_loss"]           # seeds differ
     assert (root / "ablation.png").stat().st_size > 5000
-    assert "| rope | 2 |" in (root / "ablation.md").read_text()
+    report = (root / "ablation.md").read_text()
+    assert "| rope | 2 |" in report and f"| rope | {summaries[0]['eval_loss']:.4f} | " in report
     (run_id, _history), = wandb_runs(root / "runs" / "rope" / "seed-4")
     assert run_id
     again = _ablate(config, tmp_path)

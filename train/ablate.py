@@ -362,7 +362,19 @@ def _write_csv(path: Path, rows: list[dict[str, Any]], table: list[dict[str, Any
         writer.writerows(rows)
 
 
-def _markdown(cfg: AblationConfig, table: list[dict[str, Any]]) -> str:
+def _per_seed(cfg: AblationConfig, rows: list[dict[str, Any]]) -> list[str]:
+    """Held-out loss per variant and seed: a seed shares data order across variants, so columns pair up."""
+    loss = {(r["variant"], r["seed"]): r["eval_loss"] for r in rows}
+    lines = ["", "Held-out loss per seed (same seed = same data order and masking across variants):", "",
+             "| variant | " + " | ".join(f"seed {s}" for s in cfg.seeds) + " |",
+             "| --- |" + " ---: |" * len(cfg.seeds)]
+    for variant in cfg.variants:
+        cells = [f"{loss[variant.name, s]:.4f}" if (variant.name, s) in loss else "-" for s in cfg.seeds]
+        lines.append(f"| {variant.name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _markdown(cfg: AblationConfig, table: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
     lines = [f"# Ablation {cfg.name}", "",
              f"Base `{cfg.base}`, {cfg.tokens:,} tokens per run, seeds {cfg.seeds}, {cfg.ranks} rank(s) per run. "
              "Mean +- sample std over seeds; held-out figures are from each run's final evaluation.", "",
@@ -372,7 +384,7 @@ def _markdown(cfg: AblationConfig, table: list[dict[str, Any]]) -> str:
         lines.append(f"| {e['variant']} | {e['seeds']} | {e['tokens']:,} | {e['eval_loss_mean']:.4f} +- "
                      f"{e['eval_loss_std']:.4f} | {e['eval_accuracy_mean']:.4f} +- {e['eval_accuracy_std']:.4f} "
                      f"| {e['tokens_per_s_mean']:,.0f} +- {e['tokens_per_s_std']:,.0f} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _per_seed(cfg, rows)) + "\n"
 
 
 def eval_curve(run_dir: Path) -> list[tuple[int, float]]:
@@ -411,7 +423,7 @@ def write_report(cfg: AblationConfig, runs: list[PlannedRun]) -> list[dict[str, 
     table = aggregate(cfg, rows)
     cfg.root.mkdir(parents=True, exist_ok=True)
     _write_csv(cfg.root / "ablation.csv", rows, table)
-    markdown = _markdown(cfg, table)
+    markdown = _markdown(cfg, table, rows)
     (cfg.root / "ablation.md").write_text(markdown)
     plot_curves(cfg, runs, cfg.root / "ablation.png")
     print(markdown, flush=True)
