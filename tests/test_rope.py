@@ -115,3 +115,14 @@ def test_hf_export_refuses_rope(tmp_path):
     with pytest.raises(ConfigError, match="model.rope: .*no Hugging Face"):
         to_hf(DebertaForMaskedLM(ModelConfig(**SMALL)), tmp_path / "hf")
     assert not (tmp_path / "hf" / "model.safetensors").exists()
+
+
+def test_packed_layout_rotates_like_the_padded_one():
+    """``[T, H, d]`` (packed, positions restarting per sequence) equals ``[1, H, N, d]`` per sequence."""
+    attention = DebertaForMaskedLM(ModelConfig(**SMALL)).deberta.encoder.layer[0].attention.self
+    q, k = torch.randn(1, 2, 7, 16), torch.randn(1, 2, 7, 16)
+    padded = attention._rotate(q, k, torch.arange(7))
+    packed_q, packed_k = (x[0].transpose(0, 1).repeat(2, 1, 1) for x in (q, k))  # two copies of the sequence
+    packed = attention._rotate(packed_q, packed_k, torch.arange(7).repeat(2))
+    for p, r in zip(packed, padded):
+        torch.testing.assert_close(p, r[0].transpose(0, 1).repeat(2, 1, 1))

@@ -94,6 +94,15 @@ class DisentangledSelfAttention(nn.Module):
         """``[..., N, H*d]`` -> ``[..., H, N, d]``."""
         return x.unflatten(-1, (self.heads, -1)).transpose(-3, -2)
 
+    def _rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE (``model.rope``) at each token's position in its sequence; ``q``, ``k`` unchanged without it."""
+        if self.rope_theta is None:
+            return q, k
+        cos, sin = rope_angles(positions, q.shape[-1], self.rope_theta)
+        if q.dim() == 3:  # packed [T, H, d]: one angle per token, shared by the heads
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
     def _position_tables(self, rel: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``Kr`` and ``Qr`` as ``[H, 2*span, d]`` from the (normalised) relative embeddings."""
         if not self.relative:
@@ -109,9 +118,7 @@ class DisentangledSelfAttention(nn.Module):
                 query_states: torch.Tensor) -> torch.Tensor:
         q = self._heads(self.query_proj(query_states))
         k, v = self._heads(self.key_proj(hidden)), self._heads(self.value_proj(hidden))
-        if self.rope_theta is not None:  # token positions 0..N-1 of each sequence
-            cos, sin = rope_angles(torch.arange(q.shape[-2], device=q.device), q.shape[-1], self.rope_theta)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self._rotate(q, k, torch.arange(q.shape[-2], device=q.device))
         pos_key, pos_query = self._position_tables(rel)
         out = kernels.disentangled_attention(
             q, k, v, pos_key, pos_query,

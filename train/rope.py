@@ -24,8 +24,9 @@ def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[t
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x [B, H, N, d]`` with each ``(x_i, x_{i+d/2})`` plane rotated; ``cos``/``sin`` broadcast
-    as ``[N, d/2]`` (one sequence layout) or ``[B, 1, N, d/2]`` (per-sequence positions)."""
+    """``x [..., d]`` with each ``(x_i, x_{i+d/2})`` plane rotated by the angles whose ``cos``/``sin``
+    broadcast against ``x`` with its last dim halved: ``[N, d/2]`` for padded ``[B, H, N, d]``,
+    ``[T, 1, d/2]`` for packed ``[T, H, d]``."""
     first, second = x.float().chunk(2, dim=-1)
     rotated = torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
     return rotated.to(x.dtype)
