@@ -11,6 +11,9 @@ COMMANDS = {
     "data": ("distaff.train.data.cli", "prepare and verify webdataset shards (distaff data prepare|verify ...)"),
     "pretrain": ("distaff.train.pretrain", "pretrain a DeBERTa model (--config CONFIG.yaml [key=value ...])"),
     "export-hf": ("distaff.train.export", "export a checkpoint to a Hugging Face folder"),
+    "ablate": ("distaff.train.ablate", "run config variants on equal budgets and seeds, compare them"),
+    "grow": ("distaff.train.grow", "widen/deepen a trained model, outputs unchanged (distaff grow CKPT OUT ...)"),
+    "embed": ("distaff.train.embed", "sentence embeddings of a text file, optional whitening (distaff embed ...)"),
     "launch": ("distaff.launch.launcher", "run pretraining under the deepspeed launcher"),
     "slurm": ("distaff.launch.slurm", "write and submit a Slurm job for pretraining"),
 }

@@ -24,6 +24,8 @@ CONFIGS = {
     "v3-no-emd": dict(emd=False),
     "absolute-positions": dict(position_biased_input=True, norm_rel_ebd="none", share_att_key=False),
     "no-buckets-emd": dict(position_buckets=-1, max_relative_positions=16, emd=True),
+    "rope-emd": dict(rope=True, relative_attention=False, pos_att_type=[], emd=True),
+    "rope-on-relative": dict(rope=True),
 }
 LENGTHS = (40, 29, 4, 17)  # past the bucket span (saturated distances) down to a 4-token sequence
 

@@ -32,6 +32,8 @@ class RunSection:
 @dataclass
 class ModelSection:
     preset: str = "tiny"
+    # a model folder (`distaff grow` output, or Hugging Face) whose weights and architecture the run starts from
+    init_from: str = ""
     # ModelConfig fields to change from the preset (``model.<field>=value``)
     overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -154,9 +156,18 @@ class RunConfig:
         Pretraining turns the Enhanced Mask Decoder on unless the run says ``model.emd: false``.
         """
         try:
-            return load_model_config(self.model.preset, **{"emd": True, **self.model.overrides, **fixed})
+            if self.model.init_from:  # the architecture is the folder's; the preset is not used
+                from .model_folder import init_model_config
+
+                return init_model_config(self.model.init_from, self.model.overrides, fixed)
+            cfg = load_model_config(self.model.preset, **{"emd": True, **self.model.overrides, **fixed})
         except ConfigError as err:
             raise ConfigError(f"model: {err}") from None
+        if cfg.pos_att_type and not cfg.relative_attention:
+            # Hugging Face accepts this (and only rescales attention by the unused terms); a new run means a mistake
+            raise ConfigError(f"model.pos_att_type {cfg.pos_att_type} needs model.relative_attention: true; for "
+                              "absolute positions or RoPE alone set model.pos_att_type: [] (content-only attention)")
+        return cfg
 
 
 # ---------------------------------------------------------------- building from plain values
@@ -218,9 +229,10 @@ def _build_model_section(values: Any) -> ModelSection:
         raise ConfigError(f"model: expected a mapping, got {values!r}")
     values = dict(values)
     preset = _check_value("model.preset", values.pop("preset", ModelSection.preset), str)
+    init_from = _check_value("model.init_from", values.pop("init_from", ModelSection.init_from), str)
     reject_unknown_keys(values, (f.name for f in fields(ModelConfig)), "unknown config key(s)", "model.",
                         " (not ModelConfig fields)")
-    return ModelSection(preset=preset, overrides=values)
+    return ModelSection(preset=preset, init_from=init_from, overrides=values)
 
 
 def _validate(cfg: RunConfig) -> None:
@@ -318,7 +330,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
 def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
     """Plain nested values that :func:`config_from_dict` turns back into ``cfg``."""
     values = dataclasses.asdict(cfg)
-    values["model"] = {"preset": cfg.model.preset, **cfg.model.overrides}
+    init_from = {"init_from": cfg.model.init_from} if cfg.model.init_from else {}
+    values["model"] = {"preset": cfg.model.preset, **init_from, **cfg.model.overrides}
     return values
 
 
@@ -326,5 +339,5 @@ def save_config(cfg: RunConfig, path: str | Path, model_config: ModelConfig | No
     """Write the resolved config; with ``model_config``, every model field is spelled out."""
     values = config_to_dict(cfg)
     if model_config is not None:
-        values["model"] = {"preset": cfg.model.preset, **model_config.to_dict()}
+        values["model"] = {**values["model"], **model_config.to_dict()}
     Path(path).write_text(yaml.safe_dump(values, sort_keys=False))

@@ -75,7 +75,11 @@ def model_config_from_hf(hf_config: dict[str, Any], source: str = "config.json",
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
-    """``config.json`` contents for ``DebertaV2ForMaskedLM``."""
+    """``config.json`` contents for ``DebertaV2ForMaskedLM``; a model HF cannot run is refused."""
+    if cfg.rope:
+        raise ConfigError("model.rope: rotary position embeddings have no Hugging Face DeBERTa-v2 equivalent "
+                          "(DebertaV2Model would run the weights without them and silently compute something "
+                          "else); such a model cannot be exported to HF, keep its distaff checkpoint")
     values = {name: getattr(cfg, name) for name in HF_DEFAULTS}
     return {"architectures": ["DebertaV2ForMaskedLM"], "model_type": "deberta-v2", "legacy": True,
             "tie_word_embeddings": True, **values}
@@ -153,11 +157,12 @@ def hf_state_dict(model: DebertaForMaskedLM) -> dict[str, torch.Tensor]:
 def to_hf(model: DebertaForMaskedLM, path: str | Path, tokenizer: str | Path | None = None) -> Path:
     """Write an HF folder that ``AutoModelForMaskedLM.from_pretrained`` loads with no missing or
     unexpected keys; ``tokenizer`` is a tokenizer folder whose files are copied alongside."""
+    config = hf_config_dict(model.config)  # first: a model HF cannot run leaves no files behind
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     save_file(hf_state_dict(model), out / "model.safetensors", metadata={"format": "pt"})
     chmod_default(out / "model.safetensors")  # safetensors writes it 0600
-    (out / "config.json").write_text(json.dumps(hf_config_dict(model.config), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is not None:
         source = Path(tokenizer)
         if not source.is_dir():

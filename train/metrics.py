@@ -234,10 +234,17 @@ def plot_metrics(jsonl_path: Path, png_path: Path) -> Path | None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
+    return save_figure(fig, png_path)
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Write a matplotlib figure as a PNG and free it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-    return png_path
+    return path
 
 
 def padding_fraction(tokens: int, positions: int) -> float | None:

@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from distaff import kernels
 from distaff.train.model_config import ModelConfig
+from distaff.train.rope import apply_rope, rope_angles
 
 
 class Packed(NamedTuple):
@@ -114,6 +115,7 @@ class DisentangledSelfAttention(nn.Module):
         self.position_buckets = cfg.position_buckets
         self.max_relative_positions = cfg.resolved_max_relative_positions
         self.impl = cfg.attention_impl
+        self.rope_theta = cfg.rope_theta if cfg.rope else None
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., N, H*d]`` -> ``[..., H, N, d]``."""
@@ -128,13 +130,24 @@ class DisentangledSelfAttention(nn.Module):
         if isinstance(mask, Packed):  # [T, H, d] per token
             q, k, v = (proj(x).unflatten(-1, (self.heads, -1)) for proj, x in
                        ((self.query_proj, query_states), (self.key_proj, hidden), (self.value_proj, hidden)))
+            q, k = self._rotate(q, k, mask.position_ids)
             return kernels.disentangled_attention_varlen(
                 q, k, v, pos_key, pos_query, cu_seqlens=mask.cu_seqlens, max_seqlen=mask.max_seqlen,
                 **shared).flatten(1)
         q = self._heads(self.query_proj(query_states))
         k, v = self._heads(self.key_proj(hidden)), self._heads(self.value_proj(hidden))
+        q, k = self._rotate(q, k, torch.arange(q.shape[-2], device=q.device))
         return kernels.disentangled_attention(q, k, v, pos_key, pos_query, attention_mask=mask,
                                               **shared).transpose(1, 2).flatten(2)
+
+    def _rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE (``model.rope``) at each token's position in its sequence; ``q``, ``k`` unchanged without it."""
+        if self.rope_theta is None:
+            return q, k
+        cos, sin = rope_angles(positions, q.shape[-1], self.rope_theta)
+        if q.dim() == 3:  # packed [T, H, d]: one angle per token, shared by the heads
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     def _position_tables(self, rel: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``Kr`` and ``Qr`` as ``[H, 2*span, d]`` from the (normalised) relative embeddings."""

@@ -62,6 +62,8 @@ class ModelConfig:
     attention_impl: str = "auto"          # disentangled attention: auto | triton | reference
     kernel_impl: str = "auto"             # LayerNorm, bias+GELU, MLM loss: auto | triton | reference
     activation_checkpointing: bool = False
+    rope: bool = False                    # rotary position embedding of q and k (RoFormer); no HF equivalent
+    rope_theta: float = 10000.0           # RoPE base: plane i turns by position * rope_theta^(-2i/d)
 
     def __post_init__(self) -> None:
         if isinstance(self.pos_att_type, str):
@@ -95,6 +97,11 @@ class ModelConfig:
         for name in ("attention_impl", "kernel_impl"):
             if getattr(self, name) not in IMPLS:
                 raise ConfigError(f"{name} must be one of {IMPLS}, got {getattr(self, name)!r}")
+        if self.rope_theta <= 0:
+            raise ConfigError(f"rope_theta must be positive, got {self.rope_theta}")
+        if self.rope and self.head_dim % 2:
+            raise ConfigError(f"rope: needs an even head size, but hidden_size / num_attention_heads = "
+                              f"{self.hidden_size} / {self.num_attention_heads} = {self.head_dim}")
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise ConfigError(f"pad_token_id {self.pad_token_id} is outside the vocabulary (size {self.vocab_size})")
 

@@ -41,6 +41,7 @@ from .metrics import (PLOT_FILE, MetricsLogger, Throughput, WandbSink, padding_f
                       system_info)
 from .model import DebertaForMaskedLM
 from .model_config import ModelConfig
+from .model_folder import load_initial_weights
 from .schedule import lr_at
 from .tokenizer import TokenizerInfo
 from .runlock import DirLock
@@ -169,7 +170,10 @@ class Trainer:
 
     def _build_engine(self):
         _seed(self.cfg.run.seed)                      # identical initial weights on every rank
-        engine = initialize(DebertaForMaskedLM(self.model_cfg), self.cfg, self.layout.world_size)
+        model = DebertaForMaskedLM(self.model_cfg)
+        if self.cfg.model.init_from:
+            load_initial_weights(model, self.cfg.model.init_from)
+        engine = initialize(model, self.cfg, self.layout.world_size)
         _seed(self.cfg.run.seed + 7919 * (self.layout.rank + 1))   # different dropout and masking per rank
         return engine
 

@@ -1,0 +1,124 @@
+"""``distaff ablate``: a tiny ablation end to end (real shards, single-rank runs as subprocesses,
+W&B offline), the report read back against the runs' own summaries, resuming, and config errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+from pretrain_fixtures import REPO, prepare_data, rank_env, wandb_runs, write_config
+
+from distaff.train.ablate import load_ablation, main, plan_runs, variant_config, write_job_scripts
+from distaff.train.config import ConfigError
+
+VARIANTS = [{"name": "relative", "overrides": {"model.emd": False}},
+            {"name": "rope", "overrides": {"model.emd": False, "model.relative_attention": False,
+                                           "model.pos_att_type": [], "model.rope": True}}]
+
+
+def _ablation(tmp_path, base_config, **changes):
+    values = {"name": "tiny-abl", "base": str(base_config), "out_dir": str(tmp_path / "abl"), "tokens": 1000,
+              "seeds": [3, 4], "evals": 2, "variants": VARIANTS, **changes}
+    path = tmp_path / "abl.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+@pytest.fixture(scope="module")
+def base_config(sample_data, tmp_path_factory):
+    base = tmp_path_factory.getbasetemp()
+    data_dir = prepare_data(base, sample_data)
+    return write_config(tmp_path_factory.mktemp("abl-base") / "base.yaml", data_dir, base / "unused",
+                        checkpoint={"every": 0, "keep": 1})
+
+
+def _ablate(config, tmp_path):
+    return subprocess.run([sys.executable, "-m", "distaff.launch.cli", "ablate", "--config", str(config)],
+                          env=rank_env(tmp_path), capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.integration
+def test_tiny_ablation_end_to_end_and_resumed(base_config, tmp_path):
+    config = _ablation(tmp_path, base_config)
+    first = _ablate(config, tmp_path)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    root = tmp_path / "abl"
+    rows = list(csv.DictReader(open(root / "ablation.csv")))
+    for variant in ("relative", "rope"):
+        summaries = [json.loads((root / "runs" / variant / f"seed-{s}" / "summary.json").read_text()) for s in (3, 4)]
+        assert [s["steps"] for s in summaries] == [4, 4]   # ceil(1000 tokens / (4 x 64 per step))
+        overall = next(r for r in rows if r["variant"] == variant and r["seed"] == "all")
+        for key in ("eval_loss", "eval_accuracy", "tokens_per_s"):
+            values = [s[key] for s in summaries]
+            mean = sum(values) / 2
+            assert float(overall[f"{key}_mean"]) == pytest.approx(mean, rel=1e-12)
+            assert float(overall[f"{key}_std"]) == pytest.approx(abs(values[0] - values[1]) / 2 ** 0.5, rel=1e-9)
+        per_run = {r["seed"]: float(r["eval_loss"]) for r in rows if r["variant"] == variant and r["seed"] != "all"}
+        assert per_run == {"3": summaries[0]["eval_loss"], "4": summaries[1]["eval_loss"]}
+        records = [json.loads(x) for x in (root / "runs" / variant / "seed-3" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records if "eval_loss" in r] == [2, 4]   # eval.every from `evals: 2`
+    assert summaries[0]["eval_loss"] != summaries[1]["eval_loss"]           # seeds differ
+    assert (root / "ablation.png").stat().st_size > 5000
+    report = (root / "ablation.md").read_text()
+    assert "| rope | 2 |" in report and f"| rope | {summaries[0]['eval_loss']:.4f} | " in report
+    (run_id, _history), = wandb_runs(root / "runs" / "rope" / "seed-4")
+    assert run_id
+    again = _ablate(config, tmp_path)
+    assert again.returncode == 0 and again.stdout.count("done before") == 4, again.stdout[-2000:]
+    assert list(csv.DictReader(open(root / "ablation.csv"))) == rows
+
+
+@pytest.fixture()
+def unprepared_base(tmp_path):
+    """A run config whose data dir does not exist yet: enough for planning (seq_len from ``prepare``)."""
+    return write_config(tmp_path / "base.yaml", tmp_path / "data", tmp_path / "unused")
+
+
+@pytest.mark.unit
+def test_script_launcher_writes_one_job_per_run(unprepared_base, tmp_path):
+    prepare = {"input": "corpus.txt", "seq_len": 64}  # one path, or a list
+    config = _ablation(tmp_path, unprepared_base, launcher="script", ranks=2, prepare=prepare)
+    cfg = load_ablation(config)
+    scripts = write_job_scripts(cfg, plan_runs(cfg))
+    assert [s.name for s in scripts] == ["relative-seed-3.sh", "relative-seed-4.sh", "rope-seed-3.sh", "rope-seed-4.sh"]
+    text = scripts[-1].read_text()
+    assert "torchrun --nproc_per_node 2" in text and "train.max_steps=2" in text and "wandb.group=tiny-abl" in text
+    assert plan_runs(cfg)[0].max_steps == 2   # 1000 tokens / (2 ranks x 4 x 64)
+    assert "data.dir=" + str(tmp_path / "abl" / "data") in text
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("change,message", [
+    ({"variants": []}, "variants: expected a non-empty list"),
+    ({"variants": [VARIANTS[0], VARIANTS[0]]}, r"variants\[1\].name: 'relative' is used twice"),
+    ({"variants": [{"name": "x", "overrides": {"model.bogus": 1}}]}, r"variants\[x\]: .*model.bogus"),
+    ({"variants": [{"name": "x", "override": {}}]}, r"unknown key\(s\) \['variants\[0\].override'\]"),
+    ({"seeds": []}, "seeds: expected a non-empty list"),
+    ({"seeds": [1, 1]}, "seeds: repeated seed"),
+    ({"tokens": 0}, "tokens: must be positive"),
+    ({"tokens": "many"}, "tokens: expected int"),
+    ({"launcher": "slurm"}, "launcher: must be one of"),
+    ({"base": "nowhere.yaml"}, "base: run config not found: nowhere.yaml"),
+    ({"colour": "red"}, r"unknown key\(s\) \['colour'\]"),
+])
+def test_config_errors_name_the_key(unprepared_base, tmp_path, change, message, capsys):
+    config = _ablation(tmp_path, unprepared_base, **change)  # a "base" in change replaces the real one
+    with pytest.raises(ConfigError, match=message):
+        load_ablation(config)
+    assert main(["--config", str(config)]) == 2
+    assert str(config) in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_bundled_positions_ablation_plans_equal_budgets(monkeypatch):
+    monkeypatch.chdir(REPO)  # its paths are relative to the repository root, like the run configs
+    cfg = load_ablation("configs/ablation/positions-cpu.yaml")
+    runs = plan_runs(cfg)
+    assert [v.name for v in cfg.variants] == ["relative+emd", "relative", "absolute", "rope"]
+    assert len(runs) == 12 and {r.max_steps for r in runs} == {293} and cfg.prepare.input == ["data/austen-emma-pride.txt.gz"]
+    rope = variant_config(cfg, cfg.variants[3], 1).model_config(vocab_size=4000)
+    assert rope.rope and not rope.relative_attention and not rope.emd and rope.pos_att_type == []
