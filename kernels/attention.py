@@ -24,6 +24,12 @@ A tile's score gradient ``dS`` is moved to window (distance) coordinates by a pu
 register gather), then to bucket coordinates by a one-hot ``tl.dot`` that merges distances sharing
 a bucket; tiles whose window maps one-to-one onto buckets (near the diagonal) skip the merge.
 
+Saturated tiles (every distance in one bucket ``t``: far from the diagonal, most tiles at long N)
+take a rank-1 path, chosen per tile by a scalar branch: c2p is ``Q Kr[t]`` per row, p2c ``K Qr[t]``
+per column, and their gradients are row / column sums of ``dS`` times one table row, with one
+partial row updated; no slab, gather or merge (``_score_tile``, ``_position_grads``).
+``tile_paths`` counts the tiles on each path on the host.
+
 Dropout keeps ``(i, j)`` iff ``tl.rand(seed + b*H + h, i * n_ctx + j) >= p``: regenerated in
 backward, no mask in memory. Tile sizes per kernel and head dim are chosen so that every
 configuration compiles for sm_80/sm_90/sm_100 without register spills (``compile_check``);

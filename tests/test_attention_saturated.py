@@ -23,6 +23,7 @@ BUCKETS, MAX_REL = 8, 32  # saturated beyond |i - j| of 16 (positive side) and 3
 
 
 def _saturated_tiles(n: int, buckets: int = BUCKETS, max_rel: int = MAX_REL) -> int:
+    """Saturated tiles of a length-``n`` sequence at the interpreter's tiles; both paths must occur."""
     paths = attention.tile_paths(n, attention.INTERPRETER_TILES, buckets, max_rel)
     assert paths.saturated > 0 and paths.identity + paths.merged > 0, paths  # both paths in one sequence
     return paths.saturated
@@ -108,6 +109,20 @@ def test_saturated_tiles_match_the_reference(c2p, p2c, dtype) -> None:
     got = run_with_grads(attention.disentangled_attention, inputs, dtype, **kw)
     want = run_with_grads(reference.disentangled_attention, inputs, torch.float64, **kw)
     assert_close(got, want, TOL[dtype])
+
+
+@pytest.mark.parametrize("tiles", [attention.Tiles(16, 16, 8, 1), attention.Tiles(32, 16, 4, 1),
+                                   attention.Tiles(16, 32, 4, 1)], ids=["16x16", "32x16", "16x32"])
+def test_saturated_gpu_and_rectangular_tiles(tiles, monkeypatch) -> None:
+    """The GPU's 16 x 16 tiles and rectangular ones (window and slab of other widths) on both paths."""
+    monkeypatch.setattr(attention, "INTERPRETER_TILES", tiles)
+    n = 80
+    _saturated_tiles(n)
+    inputs = make_inputs(torch.device("cpu"), 1, 1, n, 32, 8, seed=8)
+    kw = dict(position_buckets=BUCKETS, max_relative_positions=MAX_REL)
+    got = run_with_grads(attention.disentangled_attention, inputs, torch.float32, **kw)
+    want = run_with_grads(reference.disentangled_attention, inputs, torch.float64, **kw)
+    assert_close(got, want, TOL[torch.float32])
 
 
 def test_saturated_tiles_with_padding() -> None:

@@ -46,3 +46,22 @@ def test_attention_backward_memory_stays_within_its_gradients():
     assert len(rows) == 2, run.stdout
     for batch, n, grads, previous, now in rows:
         assert 0 < float(now) <= float(grads) < float(previous), (batch, n, grads, previous, now)
+
+
+@pytest.mark.timeout(120)
+def test_attention_tile_paths_table_accounts_for_every_tile():
+    """The tile-path table: each row's paths add up to its tiles (one sequence, N/BM x N/BN), no tile
+    saturates at N = 512 with DeBERTa-v3's buckets and most do at 8192."""
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "attention.py"), "--tile-paths"], capture_output=True,
+                         text=True, timeout=110)
+    assert run.returncode == 0, run.stderr
+    rows = [line.split("|")[1:-1] for line in run.stdout.splitlines() if line.startswith(("| fwd", "| dkdv", "| dq"))]
+    assert len(rows) == 3 * 3 * 2, run.stdout  # kernels x lengths x head dims
+    for kernel, d, tile, n, tiles, saturated, identity, merged, percent in rows:
+        block_m, block_n = map(int, tile.split("x"))
+        assert int(tiles) == -(-int(n) // block_m) * -(-int(n) // block_n) == int(saturated) + int(identity) + int(
+            merged), (kernel, d, n)
+        if int(n) == 512:
+            assert float(percent) == 0.0, (kernel, d)
+        if int(n) == 8192:
+            assert float(percent) > 80.0, (kernel, d)
