@@ -3,6 +3,7 @@
     python benchmarks/attention.py                 # full matrix, needs a CUDA GPU
     python benchmarks/attention.py --cpu-smoke     # tiny shapes under TRITON_INTERPRET=1 (checks the script)
     python benchmarks/attention.py --memory        # the backward's temporary memory at real shapes (CPU)
+    python benchmarks/attention.py --tile-paths    # the fraction of tiles on each kernel path (CPU)
 
 Rows (16,384 tokens per batch, H=12, d=64, bf16, N in {128, 512, 2048, 8192}, dropout 0 and 0.1):
 distaff (Triton); HF eager (a faithful re-implementation of transformers' DisentangledSelfAttention
@@ -319,6 +320,26 @@ def print_memory_table() -> None:
               f"{backward_extra_mib(batch, n):.0f} |", flush=True)
 
 
+def print_tile_paths(lengths=(512, 2048, 8192)) -> None:
+    """Per kernel and length: how many of a sequence's tiles take the saturated (rank-1) path, the
+    identity path (near the diagonal: slab products, no bucket merge) and the merged path, from the
+    tile shapes a GPU launch uses (bf16; d = 64 and 128)."""
+    from distaff.kernels import attention
+
+    print(f"# Attention tile paths per sequence ({BUCKETS} buckets, max relative {MAX_REL}, GPU tiles, bf16)\n")
+    print("| kernel | d | tile | N | tiles | saturated (rank-1) | identity (no merge) | merged | saturated % |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for head_dim in (64, 128):
+        for kernel in attention.KERNELS:
+            tiles = attention.tiles_for(kernel, head_dim, torch.bfloat16)
+            for n in lengths:
+                paths = attention.tile_paths(n, tiles, BUCKETS, MAX_REL)
+                print(f"| {kernel} | {head_dim} | {tiles.block_m}x{tiles.block_n} | {n} | {paths.total} | "
+                      f"{paths.saturated} | {paths.identity} | {paths.merged} | "
+                      f"{100 * paths.saturated / paths.total:.1f} |")
+    print()
+
+
 def environment(device) -> str:
     import triton
     lines = [f"- torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}"]
@@ -336,6 +357,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     parser.add_argument("--memory", action="store_true", help="the backward's temporary memory at real shapes, on CPU")
+    parser.add_argument("--tile-paths", action="store_true", help="the fraction of tiles on each kernel path, on CPU")
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     parser.add_argument("--dropout", type=float, nargs="+", default=[0.0, 0.1])
     parser.add_argument("--warmup", type=int, default=5)
@@ -345,6 +367,9 @@ def main(argv=None) -> int:
     global TOKENS, HEADS, BUCKETS, MAX_REL
     if args.memory:
         print_memory_table()
+        return 0
+    if args.tile_paths:
+        print_tile_paths()
         return 0
     if args.cpu_smoke:
         device, dtype = torch.device("cpu"), torch.float32
@@ -361,6 +386,8 @@ def main(argv=None) -> int:
 
     print(f"# Disentangled attention, {TOKENS} tokens per batch, H={HEADS}, d={HEAD_DIM}, {dtype}\n")
     print(environment(device) + "\n")
+    if not args.cpu_smoke:
+        print_tile_paths(lengths)
     print("| implementation | N | B | dropout | fwd ms | bwd ms | fwd+bwd ms | TFLOP/s fwd / bwd / both | "
           "peak extra MiB (fwd+bwd) | |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -24,6 +24,12 @@ A tile's score gradient ``dS`` is moved to window (distance) coordinates by a pu
 register gather), then to bucket coordinates by a one-hot ``tl.dot`` that merges distances sharing
 a bucket; tiles whose window maps one-to-one onto buckets (near the diagonal) skip the merge.
 
+Saturated tiles (every distance in one bucket ``t``: far from the diagonal, most tiles at long N)
+take a rank-1 path, chosen per tile by a scalar branch: c2p is ``Q Kr[t]`` per row, p2c ``K Qr[t]``
+per column, and their gradients are row / column sums of ``dS`` times one table row, with one
+partial row updated; no slab, gather or merge (``_score_tile``, ``_position_grads``).
+``tile_paths`` counts the tiles on each path on the host.
+
 Dropout keeps ``(i, j)`` iff ``tl.rand(seed + b*H + h, i * n_ctx + j) >= p``: regenerated in
 backward, no mask in memory. Tile sizes per kernel and head dim are chosen so that every
 configuration compiles for sm_80/sm_90/sm_100 without register spills (``compile_check``);
@@ -85,29 +91,21 @@ def _store_rows(ptr, row0, offs_r, offs_d, stride_n, seq_len, value):
 
 
 @triton.jit
-def _bucket_window(table_ptr, i0, j0, offs_m, offs_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Bucket range ``[t_lo, t_hi]`` of the tile and each score's slab row ``loc = idx - t_lo``.
+def _bucket_range(table_ptr, i0, j0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Bucket range ``[t_lo, t_hi]`` of the tile's distance window; ``t_lo == t_hi``: saturated tile.
 
     ``table_ptr`` points at distance 0; window column ``c`` is distance ``i0 - j0 - BLOCK_N + 1 + c``.
     """
     r0 = i0 - j0 - (BLOCK_N - 1)
-    t_lo = tl.load(table_ptr + r0)
-    t_hi = tl.load(table_ptr + r0 + BLOCK_M + BLOCK_N - 2)
-    loc = tl.load(table_ptr + (i0 - j0) + offs_m[:, None] - offs_n[None, :]) - t_lo
-    return t_lo, t_hi, loc
+    return tl.load(table_ptr + r0), tl.load(table_ptr + r0 + BLOCK_M + BLOCK_N - 2)
 
 
 @triton.jit
-def _load_slab(rel_ptr, t_lo, offs_w, offs_d, HAS_TERM: tl.constexpr, DTYPE: tl.constexpr,
-               SLAB: tl.constexpr, TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Rows ``t_lo .. t_lo + SLAB - 1`` of one head's ``[2*span, d]`` position table (zeros when the
-    term is off, so absent terms need no placeholder tensor)."""
-    slab = tl.zeros([SLAB, HEAD_DIM], DTYPE)
-    if HAS_TERM:
-        rows = t_lo + offs_w
-        slab = tl.load(rel_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=(rows < TWO_SPAN)[:, None],
-                       other=0.0)
-    return slab
+def _load_slab(rel_ptr, t_lo, offs_w, offs_d, SLAB: tl.constexpr, TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Rows ``t_lo .. t_lo + SLAB - 1`` of one head's ``[2*span, d]`` position table (zeros past its end)."""
+    rows = t_lo + offs_w
+    return tl.load(rel_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=(rows < TWO_SPAN)[:, None],
+                   other=0.0)
 
 
 @triton.jit
@@ -123,15 +121,25 @@ def _visible(mask_ptr, i0, j0, offs_m, offs_n, seq_len, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
-def _scores_from_slabs(q, k, krs, qrs, loc, visible, scale,
-                 HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, PRECISION: tl.constexpr):
-    """Scaled scores of one tile, ``-inf`` where the pair is not visible."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    if HAS_C2P:  # Q @ slab(Kr)^T, then each score picks its bucket's column
+def _add_slab_bias(s, q, k, kr_ptr, qr_ptr, table_ptr, i0, j0, t_lo, offs_m, offs_n, offs_w, offs_d,
+                   TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, SLAB: tl.constexpr, HAS_C2P: tl.constexpr,
+                   HAS_P2C: tl.constexpr, PRECISION: tl.constexpr):
+    """``s`` + c2p + p2c of a general tile: ``Q @ slab(Kr)^T`` and ``K @ slab(Qr)^T``, then each score
+    picks its bucket's column (``loc = idx - t_lo``) with a register gather."""
+    loc = tl.load(table_ptr + (i0 - j0) + offs_m[:, None] - offs_n[None, :]) - t_lo
+    if HAS_C2P:
+        krs = _load_slab(kr_ptr, t_lo, offs_w, offs_d, SLAB, TWO_SPAN, HEAD_DIM)
         s += tl.gather(tl.dot(q, tl.trans(krs), input_precision=PRECISION), loc, 1)
-    if HAS_P2C:  # K @ slab(Qr)^T, same for the transposed tile
+    if HAS_P2C:
+        qrs = _load_slab(qr_ptr, t_lo, offs_w, offs_d, SLAB, TWO_SPAN, HEAD_DIM)
         s += tl.trans(tl.gather(tl.dot(k, tl.trans(qrs), input_precision=PRECISION), tl.trans(loc), 1))
-    return tl.where(visible, s * scale, float("-inf"))
+    return s
+
+
+@triton.jit
+def _dot_row(x, row_ptr, offs_d):
+    """``x @ row`` for one table row (``[len(x)]``, float32): a rank-1 term on the CUDA cores."""
+    return tl.sum(x.to(tl.float32) * tl.load(row_ptr + offs_d).to(tl.float32)[None, :], 1)
 
 
 @triton.jit
@@ -139,14 +147,23 @@ def _score_tile(q, k, kr_ptr, qr_ptr, table_ptr, mask_ptr, i0, j0, seq_len, scal
                 TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 SLAB: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr,
                 PRECISION: tl.constexpr):
-    """Scores of tile ``(i0, j0)``, with the position slabs and bucket range it read (the backward's
-    bucket merges reuse them). Slabs are per-tile values, never loop-carried."""
-    t_lo, t_hi, loc = _bucket_window(table_ptr, i0, j0, offs_m, offs_n, BLOCK_M, BLOCK_N)
-    krs = _load_slab(kr_ptr, t_lo, offs_w, offs_d, HAS_C2P, q.dtype, SLAB, TWO_SPAN, HEAD_DIM)
-    qrs = _load_slab(qr_ptr, t_lo, offs_w, offs_d, HAS_P2C, q.dtype, SLAB, TWO_SPAN, HEAD_DIM)
+    """Scaled scores of tile ``(i0, j0)`` (``-inf`` where the pair is not visible) and its bucket range.
+
+    A saturated tile (every distance in one bucket ``t``) has a rank-1 position bias: c2p is one value
+    per query row (``q_a . Kr[t]``), p2c one per key column (``k_b . Qr[t]``); no slab, no gather.
+    """
+    t_lo, t_hi = _bucket_range(table_ptr, i0, j0, BLOCK_M, BLOCK_N)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if t_lo == t_hi:
+        if HAS_C2P:
+            s += _dot_row(q, kr_ptr + t_lo * HEAD_DIM, offs_d)[:, None]
+        if HAS_P2C:
+            s += _dot_row(k, qr_ptr + t_lo * HEAD_DIM, offs_d)[None, :]
+    else:
+        s = _add_slab_bias(s, q, k, kr_ptr, qr_ptr, table_ptr, i0, j0, t_lo, offs_m, offs_n, offs_w, offs_d,
+                           TWO_SPAN, HEAD_DIM, SLAB, HAS_C2P, HAS_P2C, PRECISION)
     visible = _visible(mask_ptr, i0, j0, offs_m, offs_n, seq_len, HAS_MASK)
-    s = _scores_from_slabs(q, k, krs, qrs, loc, visible, scale, HAS_C2P, HAS_P2C, PRECISION)
-    return s, krs, qrs, t_lo, t_hi
+    return tl.where(visible, s * scale, float("-inf")), t_lo, t_hi
 
 
 @triton.jit
@@ -178,7 +195,7 @@ def _to_buckets(d_dist, table_ptr, i0, j0, t_lo, t_hi, offs_w, BLOCK_M: tl.const
 
     Returned in ``DTYPE``, the operand type of the products that consume it.
     """
-    if t_hi - t_lo != BLOCK_M + BLOCK_N - 2:  # not one-to-one (log buckets or saturation): one-hot merge
+    if t_hi - t_lo != BLOCK_M + BLOCK_N - 2:  # not one-to-one (log buckets, partly saturated): merge
         bucket_of = tl.load(table_ptr + i0 - j0 - (BLOCK_N - 1) + offs_w) - t_lo
         one_hot = (bucket_of[:, None] == offs_w[None, :]).to(DTYPE)
         d_bucket = tl.dot(d_dist.to(DTYPE), one_hot, input_precision=PRECISION).to(DTYPE)
@@ -189,8 +206,8 @@ def _to_buckets(d_dist, table_ptr, i0, j0, t_lo, t_hi, offs_w, BLOCK_M: tl.const
 
 @triton.jit
 def _accumulate_rows(part_ptr, t_lo, t_hi, offs_w, offs_d, rows_grad, HEAD_DIM: tl.constexpr):
-    """``part[t_lo + u] += rows_grad[u]`` for the tile's buckets ``t_lo..t_hi`` (one row for a saturated
-    tile), in this program's own partial buffer.
+    """``part[t_lo + u] += rows_grad[u]`` for the tile's buckets ``t_lo..t_hi``, in this program's own
+    partial buffer.
 
     The next tile's window overlaps these rows and another thread of this program may read them:
     the barrier (``bar.sync``) makes this store visible to every warp of the block before those loads.
@@ -200,6 +217,41 @@ def _accumulate_rows(part_ptr, t_lo, t_hi, offs_w, offs_d, rows_grad, HEAD_DIM: 
     ok = (rows <= t_hi)[:, None]
     tl.store(ptrs, tl.load(ptrs, mask=ok, other=0.0) + rows_grad, mask=ok)
     tl.debug_barrier()
+
+
+@triton.jit
+def _accumulate_row(row_ptr, offs_d, row_grad):
+    """``part[t] += row_grad`` for a saturated tile's one bucket (same barrier as ``_accumulate_rows``;
+    the compiler stores each element from one thread, the one that loaded it)."""
+    tl.store(row_ptr + offs_d, tl.load(row_ptr + offs_d) + row_grad)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _position_grads(acc, own, ds_own, skew, skew_ok, rel_ptr, part_ptr, table_ptr, i0, j0, t_lo, t_hi, offs_w, offs_d,
+                    TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    SLAB: tl.constexpr, PRECISION: tl.constexpr):
+    """One position term's gradients from a tile, seen from the program's own side (``own`` = q with
+    ``ds_own = dS`` for c2p, k with ``dS^T`` for p2c): ``acc[a] += sum_b ds_own[a, b] * rel[idx]``
+    and ``part[t] += sum_{idx = t} ds_own[a, b] * own[a]``.
+
+    Saturated tile (one bucket ``t``): ``acc += rowsum(ds_own) rel[t]^T`` and
+    ``part[t] += rowsum(ds_own) @ own``, rank-1 on the CUDA cores. Otherwise ``ds_own`` is skewed to
+    distances, merged to buckets and multiplied with the slab.
+    """
+    if t_lo == t_hi:
+        ds_sum = tl.sum(ds_own, 1)
+        acc += ds_sum[:, None] * tl.load(rel_ptr + t_lo * HEAD_DIM + offs_d).to(tl.float32)[None, :]
+        _accumulate_row(part_ptr + t_lo * HEAD_DIM, offs_d, tl.sum(ds_sum[:, None] * own.to(tl.float32), 0))
+    else:
+        ds_dist = tl.where(skew_ok, tl.gather(ds_own, skew, 1), 0.0)
+        ds_bucket = _to_buckets(ds_dist, table_ptr, i0, j0, t_lo, t_hi, offs_w, BLOCK_M, BLOCK_N, own.dtype,
+                                PRECISION)
+        slab = _load_slab(rel_ptr, t_lo, offs_w, offs_d, SLAB, TWO_SPAN, HEAD_DIM)
+        acc += tl.dot(ds_bucket, slab, input_precision=PRECISION)
+        _accumulate_rows(part_ptr, t_lo, t_hi, offs_w, offs_d,
+                         tl.dot(tl.trans(ds_bucket), own, input_precision=PRECISION), HEAD_DIM)
+    return acc
 
 
 @triton.jit
@@ -244,8 +296,8 @@ def _attn_fwd(Q, K, V, KR, QR, TABLE, MASK, CU, O, LSE,
     for j0 in range(0, seq_len, BLOCK_N):
         k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
         v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
-        s, krs, qrs, t_lo, t_hi = _score_tile(q, k, KR + rel_off, QR + rel_off, TABLE, MASK + seq * n_ctx, i0, j0,
-                                              seq_len, scale, offs_m, offs_n, offs_w, offs_d, TWO_SPAN, HEAD_DIM,
+        s, _, _ = _score_tile(q, k, KR + rel_off, QR + rel_off, TABLE, MASK + seq * n_ctx, i0, j0,
+                              seq_len, scale, offs_m, offs_n, offs_w, offs_d, TWO_SPAN, HEAD_DIM,
                                               BLOCK_M, BLOCK_N, SLAB, HAS_C2P, HAS_P2C, HAS_MASK, PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Rows with nothing visible yet keep m = -inf; subtract 0 so exp gives 0, not NaN.
@@ -288,20 +340,17 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, DO, LSE, DELTA, DK, DV, part_p
         q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)
         do = _load_rows(DO + base, i0, offs_m, offs_d, stride_n, seq_len)
         lse, delta = _row_stats(LSE, DELTA, stat_off, i0, offs_m, seq_len)
-        s, krs, qrs, t_lo, t_hi = _score_tile(q, k, KR + rel_off, QR + rel_off, TABLE, mask_ptr, i0, j0, seq_len,
-                                              scale, offs_m, offs_n, offs_w, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M,
-                                              BLOCK_N, SLAB, HAS_C2P, HAS_P2C, HAS_MASK, PRECISION)
+        s, t_lo, t_hi = _score_tile(q, k, KR + rel_off, QR + rel_off, TABLE, mask_ptr, i0, j0, seq_len, scale,
+                                    offs_m, offs_n, offs_w, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, SLAB,
+                                    HAS_C2P, HAS_P2C, HAS_MASK, PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         p_dropped, ds = _probs_and_dscores(s, lse, delta, dp, seed, i0, j0, offs_m, offs_n, n_ctx,
                                            dropout_p, scale, DROPOUT)
         dv += tl.dot(tl.trans(p_dropped).to(do.dtype), do, input_precision=PRECISION)
         dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
         if HAS_P2C:  # dK_b += sum_a dS[a,b] Qr[idx];  dQr[t] += sum_{idx=t} dS[a,b] K_b
-            ds_dist = tl.where(skew_ok, tl.gather(tl.trans(ds), skew_rows, 1), 0.0)
-            ds_bucket = _to_buckets(ds_dist, TABLE, i0, j0, t_lo, t_hi, offs_w, BLOCK_M, BLOCK_N, k.dtype, PRECISION)
-            dk += tl.dot(ds_bucket, qrs, input_precision=PRECISION)
-            _accumulate_rows(part_ptr, t_lo, t_hi, offs_w, offs_d,
-                             tl.dot(tl.trans(ds_bucket), k, input_precision=PRECISION), HEAD_DIM)
+            dk = _position_grads(dk, k, tl.trans(ds), skew_rows, skew_ok, QR + rel_off, part_ptr, TABLE, i0, j0,
+                                 t_lo, t_hi, offs_w, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, SLAB, PRECISION)
     _store_rows(DK + base, j0, offs_n, offs_d, stride_n, seq_len, dk)
     _store_rows(DV + base, j0, offs_n, offs_d, stride_n, seq_len, dv)
 
@@ -350,18 +399,15 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, DO, LSE, DELTA, DQ, part_ptr, i0
     for j0 in range(0, seq_len, BLOCK_N):
         k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
         v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
-        s, krs, qrs, t_lo, t_hi = _score_tile(q, k, KR + rel_off, QR + rel_off, TABLE, mask_ptr, i0, j0, seq_len,
-                                              scale, offs_m, offs_n, offs_w, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M,
-                                              BLOCK_N, SLAB, HAS_C2P, HAS_P2C, HAS_MASK, PRECISION)
+        s, t_lo, t_hi = _score_tile(q, k, KR + rel_off, QR + rel_off, TABLE, mask_ptr, i0, j0, seq_len, scale,
+                                    offs_m, offs_n, offs_w, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, SLAB,
+                                    HAS_C2P, HAS_P2C, HAS_MASK, PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         _, ds = _probs_and_dscores(s, lse, delta, dp, seed, i0, j0, offs_m, offs_n, n_ctx, dropout_p, scale, DROPOUT)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
         if HAS_C2P:  # dQ_a += sum_b dS[a,b] Kr[idx];  dKr[t] += sum_{idx=t} dS[a,b] Q_a
-            ds_dist = tl.where(skew_ok, tl.gather(ds, skew_cols, 1), 0.0)
-            ds_bucket = _to_buckets(ds_dist, TABLE, i0, j0, t_lo, t_hi, offs_w, BLOCK_M, BLOCK_N, q.dtype, PRECISION)
-            dq += tl.dot(ds_bucket, krs, input_precision=PRECISION)
-            _accumulate_rows(part_ptr, t_lo, t_hi, offs_w, offs_d,
-                             tl.dot(tl.trans(ds_bucket), q, input_precision=PRECISION), HEAD_DIM)
+            dq = _position_grads(dq, q, ds, skew_cols, skew_ok, KR + rel_off, part_ptr, TABLE, i0, j0, t_lo, t_hi,
+                                 offs_w, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, SLAB, PRECISION)
     _store_rows(DQ + base, i0, offs_m, offs_d, stride_n, seq_len, dq)
 
 
@@ -452,6 +498,39 @@ def tiles_for(kernel: str, head_dim: int, dtype: torch.dtype, own_term: bool = T
         return LIGHT_TILES[(kernel, head_dim)]
     table = GPU_TILES_FP32 if dtype == torch.float32 else GPU_TILES
     return table[(kernel, head_dim)]
+
+
+def tile_bucket_widths(n: int, tiles: Tiles, position_buckets: int, max_relative_positions: int) -> torch.Tensor:
+    """``t_hi - t_lo`` of every tile of one length-``n`` sequence, as the kernels compute it (rows:
+    query blocks, columns: key blocks): 0 for a saturated tile, ``BLOCK_M + BLOCK_N - 2`` for a tile
+    whose distances map one-to-one onto buckets."""
+    bm, bn = tiles.block_m, tiles.block_n
+    reach = n + bm + bn  # every distance a tile's window covers, its overhang past n included
+    table = bucket_table(reach, position_buckets, max_relative_positions).long()
+    first = torch.arange(0, n, bm)[:, None] - torch.arange(0, n, bn)[None, :] - (bn - 1) + reach
+    return table[first + bm + bn - 2] - table[first]
+
+
+@dataclass(frozen=True)
+class TilePaths:
+    """How many tiles of one sequence take each path of a kernel."""
+
+    saturated: int  # one bucket: rank-1 position terms, no slab, no merge
+    identity: int   # near the diagonal, one bucket per distance: slab products; the backward skips the merge
+    merged: int     # the rest (log buckets, partly saturated): slab products; the backward merges buckets
+
+    @property
+    def total(self) -> int:
+        return self.saturated + self.identity + self.merged
+
+
+def tile_paths(n: int, tiles: Tiles, position_buckets: int, max_relative_positions: int) -> TilePaths:
+    """The path counts of a kernel with ``tiles`` over one sequence of ``n`` tokens (a kernel selects
+    the path per tile from its bucket range, as ``tile_bucket_widths`` computes it)."""
+    widths = tile_bucket_widths(n, tiles, position_buckets, max_relative_positions)
+    saturated = int((widths == 0).sum())
+    identity = int((widths == tiles.block_m + tiles.block_n - 2).sum())
+    return TilePaths(saturated, identity, widths.numel() - saturated - identity)
 
 
 @functools.lru_cache(maxsize=64)

@@ -68,3 +68,22 @@ def test_packing_benchmark_runs_both_layouts_on_real_text(tmp_path, sample_data)
     padding = {mode: float(cells[3].strip(" %")) for mode, cells in rows.items()}
     assert padding["varlen"] == 0.0 < padding["padded"]
     assert all(float(cells[6].replace(",", "")) > 0 for cells in rows.values())  # measured tokens/s
+
+
+@pytest.mark.timeout(120)
+def test_attention_tile_paths_table_accounts_for_every_tile():
+    """The tile-path table: each row's paths add up to its tiles (one sequence, N/BM x N/BN), no tile
+    saturates at N = 512 with DeBERTa-v3's buckets and most do at 8192."""
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "attention.py"), "--tile-paths"], capture_output=True,
+                         text=True, timeout=110)
+    assert run.returncode == 0, run.stderr
+    rows = [line.split("|")[1:-1] for line in run.stdout.splitlines() if line.startswith(("| fwd", "| dkdv", "| dq"))]
+    assert len(rows) == 3 * 3 * 2, run.stdout  # kernels x lengths x head dims
+    for kernel, d, tile, n, tiles, saturated, identity, merged, percent in rows:
+        block_m, block_n = map(int, tile.split("x"))
+        assert int(tiles) == -(-int(n) // block_m) * -(-int(n) // block_n) == int(saturated) + int(identity) + int(
+            merged), (kernel, d, n)
+        if int(n) == 512:
+            assert float(percent) == 0.0, (kernel, d)
+        if int(n) == 8192:
+            assert float(percent) > 80.0, (kernel, d)

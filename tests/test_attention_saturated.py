@@ -1,0 +1,201 @@
+"""The saturated-tile fast path of the fused attention: tiles whose distances all share one bucket
+take a rank-1 position bias (one value per row for c2p, per column for p2c) and rank-1 position
+gradients instead of slab products and bucket merges.
+
+Small ``position_buckets`` / ``max_relative_positions`` make most tiles saturate at small N, so the
+interpreter exercises the fast path next to the general one in every sequence; each test asserts
+that saturated tiles occur, and one counts that the kernels take the fast path on exactly the tiles
+``attention.tile_paths`` predicts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_attention_triton import DROP, TOL, assert_close, make_inputs, recover_keep_mask, run_with_grads
+
+from distaff.kernels import attention, reference
+from distaff.kernels.relative_position import attention_span, relative_position_index
+
+pytestmark = pytest.mark.unit
+
+BUCKETS, MAX_REL = 8, 32  # saturated beyond |i - j| of 16 (positive side) and 32 (negative side)
+
+
+def _saturated_tiles(n: int, buckets: int = BUCKETS, max_rel: int = MAX_REL) -> int:
+    """Saturated tiles of a length-``n`` sequence at the interpreter's tiles; both paths must occur."""
+    paths = attention.tile_paths(n, attention.INTERPRETER_TILES, buckets, max_rel)
+    assert paths.saturated > 0 and paths.identity + paths.merged > 0, paths  # both paths in one sequence
+    return paths.saturated
+
+
+# --------------------------------------------------------------------------- counting the paths
+
+
+def _brute_force_paths(n: int, tiles: attention.Tiles, buckets: int, max_rel: int) -> attention.TilePaths:
+    """Each tile's set of position rows, read off the full ``[i, j]`` index of the tile's rectangle
+    (including rows and columns past ``n``, which the kernels' windows cover too)."""
+    bm, bn = tiles.block_m, tiles.block_n
+    rows, cols = -(-n // bm) * bm, -(-n // bn) * bn
+    idx = relative_position_index(rows, cols, buckets, max_rel)
+    counts = {"saturated": 0, "identity": 0, "merged": 0}
+    for i0 in range(0, n, bm):
+        for j0 in range(0, n, bn):
+            distinct = len(set(idx[i0:i0 + bm, j0:j0 + bn].flatten().tolist()))
+            kind = "saturated" if distinct == 1 else "identity" if distinct == bm + bn - 1 else "merged"
+            counts[kind] += 1
+    return attention.TilePaths(**counts)
+
+
+@pytest.mark.parametrize("n,tiles,buckets,max_rel", [
+    (512, attention.Tiles(32, 32, 4, 1), 256, 512),
+    (1100, attention.Tiles(16, 16, 8, 1), 256, 512),   # both saturated sides (|i - j| >= 506 / 512)
+    (1100, attention.Tiles(32, 32, 4, 1), 256, 512),
+    (300, attention.Tiles(32, 16, 4, 1), 32, 128),     # the tiny preset's table, rectangular tiles
+    (130, attention.Tiles(16, 32, 4, 1), BUCKETS, MAX_REL),
+    (257, attention.Tiles(32, 32, 4, 1), 0, 24),       # clamped distances, no log buckets
+    (77, attention.Tiles(16, 16, 4, 1), 4, 8),         # odd length: the last tiles overhang n
+])
+def test_tile_paths_match_a_brute_force_enumeration(n, tiles, buckets, max_rel) -> None:
+    assert attention.tile_paths(n, tiles, buckets, max_rel) == _brute_force_paths(n, tiles, buckets, max_rel)
+
+
+def test_v3_path_fractions_at_the_benchmark_lengths() -> None:
+    """DeBERTa-v3 settings: no saturated tile at N = 512 (the farthest distance, 511, saturates only
+    on the positive side and no whole window reaches it), more than half at 2048, most at 8192."""
+    fwd = attention.Tiles(32, 32, 4, 1)
+    fractions = [attention.tile_paths(n, fwd, 256, 512).saturated / (n // 32) ** 2 for n in (512, 2048, 8192)]
+    assert fractions[0] == 0.0 and 0.5 < fractions[1] < 0.6 and 0.85 < fractions[2] < 0.9, fractions
+
+
+def test_kernels_take_the_rank1_path_on_exactly_the_saturated_tiles(monkeypatch) -> None:
+    """Every rank-1 score term and rank-1 gradient the kernels compute is counted: the forward scores
+    each saturated tile once per term, the backward's two kernels rescore it and each adds its own
+    term's gradient with a single-row update."""
+    calls = {"score": 0, "grad": 0}
+
+    def counted(name, fn):
+        def wrapper(*args):
+            calls[name] += 1
+            return fn(*args)
+        return wrapper
+
+    monkeypatch.setattr(attention, "_dot_row", counted("score", attention._dot_row))
+    monkeypatch.setattr(attention, "_accumulate_row", counted("grad", attention._accumulate_row))
+    batch, heads, n = 1, 2, 130
+    saturated = _saturated_tiles(n) * batch * heads
+    inputs = make_inputs(torch.device("cpu"), batch, heads, n, 32, 8)
+    leaves = [t.requires_grad_() for t in inputs]
+    out = attention.disentangled_attention(*leaves, position_buckets=BUCKETS, max_relative_positions=MAX_REL)
+    assert calls == {"score": 2 * saturated, "grad": 0}
+    out.backward(torch.randn_like(out))
+    assert calls == {"score": 3 * 2 * saturated, "grad": 2 * saturated}
+
+
+# --------------------------------------------------------------------------- values and gradients
+
+
+@pytest.mark.parametrize("c2p,p2c,dtype", [
+    pytest.param(True, True, torch.float32, id="both-fp32"),
+    pytest.param(True, True, torch.float16, id="both-fp16"),
+    pytest.param(True, False, torch.float32, id="c2p-only"),
+    pytest.param(False, True, torch.float16, id="p2c-only-fp16"),
+])
+def test_saturated_tiles_match_the_reference(c2p, p2c, dtype) -> None:
+    n = 130
+    _saturated_tiles(n)
+    inputs = make_inputs(torch.device("cpu"), 1, 2, n, 32, 8, c2p, p2c, seed=4)
+    kw = dict(position_buckets=BUCKETS, max_relative_positions=MAX_REL)
+    got = run_with_grads(attention.disentangled_attention, inputs, dtype, **kw)
+    want = run_with_grads(reference.disentangled_attention, inputs, torch.float64, **kw)
+    assert_close(got, want, TOL[dtype])
+
+
+@pytest.mark.parametrize("tiles", [attention.Tiles(16, 16, 8, 1), attention.Tiles(32, 16, 4, 1),
+                                   attention.Tiles(16, 32, 4, 1)], ids=["16x16", "32x16", "16x32"])
+def test_saturated_gpu_and_rectangular_tiles(tiles, monkeypatch) -> None:
+    """The GPU's 16 x 16 tiles and rectangular ones (window and slab of other widths) on both paths."""
+    monkeypatch.setattr(attention, "INTERPRETER_TILES", tiles)
+    n = 80
+    _saturated_tiles(n)
+    inputs = make_inputs(torch.device("cpu"), 1, 1, n, 32, 8, seed=8)
+    kw = dict(position_buckets=BUCKETS, max_relative_positions=MAX_REL)
+    got = run_with_grads(attention.disentangled_attention, inputs, torch.float32, **kw)
+    want = run_with_grads(reference.disentangled_attention, inputs, torch.float64, **kw)
+    assert_close(got, want, TOL[torch.float32])
+
+
+def test_saturated_tiles_with_padding() -> None:
+    """Padded rows and columns inside saturated tiles: holes, trailing padding, an empty sequence."""
+    n = 110
+    _saturated_tiles(n)
+    inputs = make_inputs(torch.device("cpu"), 3, 1, n, 32, 8, seed=5)
+    mask = torch.ones(3, n, dtype=torch.long)
+    mask[0, 75:] = 0
+    mask[1, 1::4] = 0
+    mask[2] = 0
+    kw = dict(position_buckets=BUCKETS, max_relative_positions=MAX_REL, attention_mask=mask)
+    got = run_with_grads(attention.disentangled_attention, inputs, torch.float32, **kw)
+    want = run_with_grads(reference.disentangled_attention, inputs, torch.float64, **kw)
+    assert_close(got, want, TOL[torch.float32])
+
+
+def test_saturated_tiles_in_packed_sequences() -> None:
+    """Packed sequences: positions restart per sequence, so the long ones saturate and the short do not."""
+    lengths = [100, 7, 75]
+    _saturated_tiles(100)
+    cu_seqlens = torch.tensor([0, 100, 107, 182], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(6)
+    inputs = [torch.randn(sum(lengths), 2, 32, generator=gen) for _ in range(3)]
+    inputs += [torch.randn(2, 2 * BUCKETS, 32, generator=gen) for _ in range(2)]
+    kw = dict(cu_seqlens=cu_seqlens, max_seqlen=max(lengths), position_buckets=BUCKETS,
+              max_relative_positions=MAX_REL)
+    got = run_with_grads(attention.disentangled_attention_varlen, inputs, torch.float32, **kw)
+    want = run_with_grads(reference.disentangled_attention_varlen, inputs, torch.float64, **kw)
+    assert_close(got, want, TOL[torch.float32])
+
+
+def test_saturated_tiles_with_a_shared_position_table() -> None:
+    """``share_att_key``: Kr and Qr are the content key/query projections of one table R, so R's
+    gradient sums the c2p and p2c rank-1 gradients of the same saturated buckets."""
+    heads, d, n = 2, 32, 130
+    _saturated_tiles(n)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, heads, n, d, generator=gen) for _ in range(3))
+    table = torch.randn(2 * BUCKETS, heads * d, generator=gen)
+    w_key, w_query = (torch.randn(heads * d, heads * d, generator=gen) / (heads * d) ** 0.5 for _ in range(2))
+
+    def attend(fn, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, table)]
+        rel = leaves[3]
+        pos_key, pos_query = ((rel @ w.to(dtype).T).view(2 * BUCKETS, heads, d).transpose(0, 1)
+                              for w in (w_key, w_query))
+        out = fn(*leaves[:3], pos_key, pos_query, position_buckets=BUCKETS, max_relative_positions=MAX_REL)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype))
+        return [out] + [t.grad for t in leaves]
+
+    got = attend(attention.disentangled_attention, torch.float32)
+    want = attend(reference.disentangled_attention, torch.float64)
+    assert_close(got, want, TOL[torch.float32])  # out, dq, dk, dv and dR (in the dpos_key slot)
+
+
+def test_saturated_tiles_with_dropout() -> None:
+    """Dropout inside saturated tiles against an oracle that applies the kernel's own keep mask."""
+    from attention_oracle import naive_attention
+
+    batch, heads, n, d, drop = 1, 1, 128, 32, DROP
+    _saturated_tiles(n)
+    keep = recover_keep_mask(torch.device("cpu"), batch, heads, n, seed=9).double()
+    inputs = [t.double() for t in make_inputs(torch.device("cpu"), batch, heads, n, d, attention_span(8, 32))]
+    kw = dict(position_buckets=BUCKETS, max_relative_positions=MAX_REL)
+    eye = torch.eye(n, dtype=torch.float64).expand(batch, heads, n, n)
+
+    def oracle(q, k, v, kr, qr):
+        return (naive_attention(q, k, eye, kr, qr, **kw) * keep / (1 - drop)) @ v
+
+    def kernel(q, k, v, kr, qr):
+        torch.manual_seed(9)
+        return attention.disentangled_attention(q, k, v, kr, qr, dropout_p=drop, **kw)
+
+    assert_close(run_with_grads(kernel, inputs, torch.float32), run_with_grads(oracle, inputs, torch.float64),
+                 TOL[torch.float32])
