@@ -1,0 +1,155 @@
+"""RTD pretraining on 2 CPU ranks under real DeepSpeed ZeRO-3: exact resume of both networks and of
+the sampling stream after SIGUSR1, the metrics of both networks (JSONL, W&B, plot, summary), and the
+export: the discriminator as a ``DebertaV2Model`` folder, the generator as ``DebertaV2ForMaskedLM``."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pretrain_fixtures import (metrics, prepare_data, spawn_ranks, train_losses, wait_all, wait_for_step,
+                               wandb_runs, write_config)
+
+from distaff.train.export import fp32_state_dict, main as export_main, model_from_meta
+from distaff.train.hf import discriminator_from_hf
+from distaff.train.pretrain import EXIT_PREEMPTED
+
+pytestmark = pytest.mark.integration
+
+STEPS = 8
+SECTIONS = dict(train={"max_steps": STEPS, "objective": "rtd"}, zero={"stage": 3},
+                checkpoint={"every": 0, "keep": 1}, eval={"every": 4, "batches": 2})
+TRACKED = ("loss", "gen_loss", "gen_accuracy", "rtd_loss", "rtd_accuracy", "rtd_auc", "replaced_rate")
+TEXT = ["Shall I compare thee to a summer's day? Thou art more lovely and more temperate.",
+        "Now is the winter of our discontent made glorious summer by this sun of York."]
+
+
+def _log(tmp: Path) -> str:
+    return "\n".join(f"--- rank{r}.log\n" + (tmp / f"rank{r}.log").read_text()[-4000:] for r in (0, 1))
+
+
+def rtd_run(base: Path, sample_data: Path) -> Path:
+    """The uninterrupted 2-rank ZeRO-3 RTD run (cached per session)."""
+    out = base / "rtd-run"
+    if (out / "summary.json").is_file():
+        return out
+    data = prepare_data(base, sample_data)
+    folder = base / "rtd-uninterrupted"
+    folder.mkdir(exist_ok=True)
+    procs = spawn_ranks(write_config(folder / "run.yaml", data, out, **SECTIONS), folder)
+    assert wait_all(procs, timeout=240) == [0, 0], _log(folder)
+    return out
+
+
+def tracked(run_dir: Path) -> dict[int, tuple]:
+    return {r["step"]: tuple(r[k] for k in TRACKED) for r in metrics(run_dir) if "loss" in r}
+
+
+def eval_records(run_dir: Path) -> list[dict]:
+    return [r for r in metrics(run_dir) if "eval_loss" in r]
+
+
+@pytest.mark.timeout(400)
+def test_zero3_rtd_resume_is_exact_for_both_networks_and_the_sampling(sample_data, tmp_path_factory):
+    base = tmp_path_factory.getbasetemp()
+    full = rtd_run(base, sample_data)
+    expected = tracked(full)
+    assert sorted(expected) == list(range(1, STEPS + 1))
+
+    tmp = tmp_path_factory.mktemp("rtd-interrupted")
+    run_dir = tmp / "run"
+    config = write_config(tmp / "run.yaml", prepare_data(base, sample_data), run_dir, **SECTIONS)
+    procs = spawn_ranks(config, tmp)
+    wait_for_step(run_dir, 2, procs)
+    procs[0].send_signal(signal.SIGUSR1)
+    assert wait_all(procs, timeout=120) == [EXIT_PREEMPTED, EXIT_PREEMPTED], _log(tmp)
+    stopped_at = max(train_losses(run_dir))
+    assert 2 <= stopped_at < STEPS
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    samplers = [json.loads((latest / "distaff" / f"rank-0000{r}.json").read_text())["sampler"] for r in (0, 1)]
+    assert samplers[0]["seed"] != samplers[1]["seed"]                 # each rank its own stream
+
+    procs = spawn_ranks(config, tmp)
+    assert wait_all(procs, timeout=240) == [0, 0], _log(tmp)
+    assert f"resuming from {latest}" in (tmp / "rank0.log").read_text()
+    assert tracked(run_dir) == expected               # both networks and the replacements, bit for bit
+    assert eval_records(run_dir) == eval_records(full)
+
+
+@pytest.mark.timeout(300)
+def test_rtd_run_reports_both_networks(sample_data, tmp_path_factory):
+    out = rtd_run(tmp_path_factory.getbasetemp(), sample_data)
+    train = [r for r in metrics(out) if "loss" in r]
+    keys = {"gen_loss", "gen_accuracy", "rtd_loss", "rtd_accuracy", "rtd_auc", "rtd_precision", "rtd_recall",
+            "replaced_rate", "rtd_baseline_accuracy", "masked_replaced_rate", "tokens_per_s", "grad_norm"}
+    assert all(keys <= r.keys() for r in train)
+    first, last = train[0], train[-1]
+    assert last["gen_loss"] < first["gen_loss"] and last["rtd_loss"] < first["rtd_loss"]
+    assert first["loss"] == pytest.approx(first["gen_loss"] + 50.0 * first["rtd_loss"])
+    assert all(0.05 < r["replaced_rate"] < 0.25 for r in train)       # ~15% masked, nearly all replaced early
+    evals = eval_records(out)
+    assert [r["step"] for r in evals] == [4, STEPS]
+    assert {"eval_gen_loss", "eval_rtd_auc", "eval_rtd_accuracy", "eval_replaced_rate"} <= evals[0].keys()
+    # held-out replacements are drawn afresh from the same stream at each evaluation
+    assert evals[0]["eval_tokens"] == evals[1]["eval_tokens"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_rtd_auc"] == evals[-1]["eval_rtd_auc"]
+    assert (out / "metrics.png").stat().st_size > 1000
+    (_, history), = wandb_runs(out)
+    assert history[STEPS]["rtd_auc"] == train[-1]["rtd_auc"]
+
+
+@pytest.mark.timeout(300)
+def test_rtd_export_loads_in_transformers(sample_data, tmp_path_factory, tmp_path):
+    from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    run = rtd_run(tmp_path_factory.getbasetemp(), sample_data)
+    checkpoint = run / "checkpoints" / f"step-{STEPS:08d}"
+    meta = json.loads((checkpoint / "distaff" / "meta.json").read_text())
+    ours = model_from_meta(meta, "meta.json")
+    ours.load_state_dict(fp32_state_dict(checkpoint))
+    ours.eval()
+    residual = ours.discriminator.deberta.embeddings.word_embeddings.weight
+    assert residual.abs().sum() > 0 and ours.sharing == "gdes"          # the RTD loss trained E_delta
+
+    disc_dir, gen_dir = tmp_path / "discriminator", tmp_path / "generator"
+    assert export_main([str(run), str(disc_dir)]) == 0
+    assert export_main([str(run), str(gen_dir), "--generator"]) == 0
+    tokenizer = AutoTokenizer.from_pretrained(disc_dir)
+    batch = tokenizer(TEXT, padding=True, return_tensors="pt")
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    keep = mask.bool()
+
+    hf_disc = AutoModel.from_pretrained(disc_dir).eval()
+    assert type(hf_disc).__name__ == "DebertaV2Model"
+    stored = load_file(disc_dir / "model.safetensors")
+    torch.testing.assert_close(stored["deberta.embeddings.word_embeddings.weight"],
+                               ours.discriminator_word_embeddings().detach())             # E_G + E_delta
+    assert {"mask_predictions.dense.weight", "mask_predictions.LayerNorm.weight",
+            "mask_predictions.classifier.weight"} <= stored.keys()
+    with torch.no_grad():
+        offset = ours.generator.word_embeddings(ids)
+        expected = ours.discriminator.deberta(ids, mask, word_offset=offset)
+        got = hf_disc(input_ids=ids, attention_mask=mask).last_hidden_state
+        torch.testing.assert_close(got[keep], expected[keep], rtol=1e-4, atol=1e-4)
+        classifier = AutoModelForSequenceClassification.from_pretrained(disc_dir, num_labels=2).eval()
+        assert classifier(input_ids=ids, attention_mask=mask).logits.shape == (2, 2)
+
+        reloaded, has_head = discriminator_from_hf(disc_dir)       # keeps mask_predictions.*
+        assert has_head
+        torch.testing.assert_close(reloaded.eval()(ids, mask), ours.discriminator(ids, mask, word_offset=offset),
+                                   rtol=1e-4, atol=1e-4)
+
+        hf_gen = AutoModelForMaskedLM.from_pretrained(gen_dir).eval()
+        generator = model_from_meta({**meta, "generator_config": {**meta["generator_config"], "emd": False}},
+                                    "meta.json").generator
+        generator.load_state_dict({k[len("generator."):]: v for k, v in fp32_state_dict(checkpoint).items()
+                                   if k.startswith("generator.") and ".emd." not in k and not k.startswith("generator.emd.")})
+        expected_logits = generator.eval()(ids, mask).logits
+        torch.testing.assert_close(hf_gen(input_ids=ids, attention_mask=mask).logits[keep], expected_logits[keep],
+                                   rtol=1e-4, atol=1e-4)
