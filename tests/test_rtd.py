@@ -270,3 +270,23 @@ def test_discriminator_head_builds_nothing_of_vocabulary_size():
     for hook in hooks:
         hook.remove()
     assert seen and all(VOCAB not in shape for shape in seen)
+
+
+def test_shipped_rtd_presets():
+    from pathlib import Path
+
+    from distaff.train.config import load_config
+
+    run_dir = Path(__file__).resolve().parents[1] / "configs" / "run"
+    tiny = load_config(run_dir / "tiny-rtd-cpu.yaml")
+    mlm = load_config(run_dir / "tiny-cpu.yaml")
+    assert tiny.train.objective == "rtd" and mlm.train.objective == "mlm"
+    # the same token budget as the MLM demo run
+    assert (tiny.train.max_steps, tiny.data.batch_size, tiny.data.dir) == (mlm.train.max_steps, mlm.data.batch_size,
+                                                                          mlm.data.dir)
+    assert tiny.generator_config(tiny.model_config()).num_hidden_layers == 2
+    base = load_config(run_dir / "deberta-v3-rtd-base.yaml")
+    disc = base.model_config(vocab_size=128100)
+    gen = base.generator_config(disc)
+    assert (disc.num_hidden_layers, gen.num_hidden_layers, gen.hidden_size) == (12, 6, 768)
+    assert base.rtd.embedding_sharing == "gdes" and base.rtd.weight == 50.0

@@ -64,6 +64,9 @@ class RTDSection:
     # the generator: ``preset`` and/or ModelConfig fields; empty = the discriminator's config with
     # half its layers (the DeBERTa-v3 paper's generator)
     generator: dict[str, Any] = field(default_factory=dict)
+    # an HF folder (a public DeBERTa-v3 checkpoint, or one export-hf wrote) whose weights, RTD head
+    # included when present, start the discriminator; shared embeddings start the generator's table
+    init_discriminator: str = ""
 
 
 @dataclass

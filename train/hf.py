@@ -60,6 +60,9 @@ IGNORED_HF_PREFIXES = ("mask_predictions.",)
 # What a discriminator ignores: MLM heads (the public v3 checkpoints carry one).
 DISCRIMINATOR_IGNORED_PREFIXES = ("lm_predictions.", "cls.predictions.")
 RTD_HEAD_PREFIX = "mask_predictions."
+# Fields that may differ between an HF folder and the model its weights initialise (no weight shape or
+# computation depends on them at inference).
+HF_FREE_FIELDS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "initializer_range", "pad_token_id")
 # Absolute positions of the original DeBERTa-v3 checkpoints: unused by HF, EMD's table for us.
 HF_ABSOLUTE_POSITIONS = "deberta.embeddings.position_embeddings.weight"
 
@@ -168,12 +171,29 @@ def discriminator_from_hf(path: str | Path, **overrides: Any) -> tuple[Discrimin
     checkpoints do); returns the model and whether the head was loaded (else it is freshly initialised)."""
     folder = Path(path)
     model = Discriminator(_read_hf_config(folder, **overrides))
+    state = discriminator_hf_state(folder, model)
+    model.load_state_dict(state, strict=False)
+    return model, any(key.startswith(RTD_HEAD_PREFIX) for key in state)
+
+
+def _comparable(value: Any) -> Any:
+    return sorted(value) if isinstance(value, list) else value   # pos_att_type's order means nothing
+
+
+def discriminator_hf_state(path: str | Path, model: Discriminator) -> dict[str, torch.Tensor]:
+    """The weights of an HF folder under ``model``'s names (the RTD head only if the folder has one),
+    after checking that the folder's config.json describes ``model``'s architecture."""
+    folder = Path(path)
+    theirs = _read_hf_config(folder)
+    differ = [f"{name}: {getattr(theirs, name)!r} there, {getattr(model.config, name)!r} here"
+              for name in HF_DEFAULTS if name not in HF_FREE_FIELDS
+              and _comparable(getattr(theirs, name)) != _comparable(getattr(model.config, name))]
+    if differ:
+        raise ConfigError(f"{folder / 'config.json'} describes another model: {'; '.join(differ)}")
     hf_state = {key if key.startswith((RTD_HEAD_PREFIX, "deberta.")) else f"deberta.{key}": tensor
                 for key, tensor in read_hf_weights(folder).items()
                 if not key.startswith(DISCRIMINATOR_IGNORED_PREFIXES)}
-    state = _matched_state(hf_state, model.state_dict(), {}, (), RTD_HEAD_PREFIX, str(folder))
-    model.load_state_dict(state, strict=False)
-    return model, any(key.startswith(RTD_HEAD_PREFIX) for key in state)
+    return _matched_state(hf_state, model.state_dict(), {}, (), RTD_HEAD_PREFIX, str(folder))
 
 
 def hf_state_dict(model: DebertaForMaskedLM) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from . import rtd
-from .config import RunConfig
+from .config import ConfigError, RunConfig
 from .flops import train_flops_per_token
 from .metrics import perplexity
 from .model import DebertaForMaskedLM, MaskedLMOutput
@@ -74,9 +74,23 @@ class ReplacedTokenDetectionObjective:
         return {"model": self.model_cfg, "rtd.generator": self.generator_cfg}
 
     def build(self, rank: int) -> nn.Module:
-        """Same weights on every rank (the caller seeds), a different sampling stream per rank."""
-        return rtd.ReplacedTokenDetection(self.generator_cfg, self.model_cfg, sharing=self.cfg.rtd.embedding_sharing,
-                                          weight=self.cfg.rtd.weight, seed=sampling_seed(self.cfg.run.seed, rank))
+        """Same weights on every rank (the caller seeds), a different sampling stream per rank;
+        the discriminator from ``rtd.init_discriminator`` when set."""
+        model = rtd.ReplacedTokenDetection(self.generator_cfg, self.model_cfg, sharing=self.cfg.rtd.embedding_sharing,
+                                           weight=self.cfg.rtd.weight, seed=sampling_seed(self.cfg.run.seed, rank))
+        source = self.cfg.rtd.init_discriminator
+        if source:
+            from .hf import discriminator_hf_state
+
+            try:
+                state = discriminator_hf_state(source, model.discriminator)
+            except (FileNotFoundError, ValueError) as err:
+                raise ConfigError(f"rtd.init_discriminator: {err}") from None
+            model.start_from_discriminator(state)
+            if rank == 0:
+                head = "with" if any(k.startswith("mask_predictions.") for k in state) else "without (fresh head)"
+                print(f"distaff: discriminator initialised from {source}, {head} its RTD head", flush=True)
+        return model
 
     def sums(self, out: rtd.RTDOutput) -> torch.Tensor:
         return out.sums

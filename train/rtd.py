@@ -171,6 +171,20 @@ class ReplacedTokenDetection(nn.Module):
             self.sampler.restart_eval()
         return self
 
+    @torch.no_grad()
+    def start_from_discriminator(self, state: dict[str, torch.Tensor]) -> None:
+        """Continue from a trained discriminator's weights (``state``, the RTD head optional). With
+        shared embeddings its table becomes the generator's (under GDES ``E_delta`` stays zero, so the
+        discriminator reads exactly the trained table)."""
+        key = "deberta.embeddings.word_embeddings.weight"
+        if self.sharing != "none":
+            state = dict(state)
+            self.generator.word_embeddings.weight.copy_(state.pop(key))
+        missing = self.discriminator.load_state_dict(state, strict=False).missing_keys
+        # the table was set through the generator (or, under GDES, is E_delta, which stays zero)
+        if any(not k.startswith("mask_predictions.") and k != key for k in missing):
+            raise ValueError(f"discriminator weights missing: {missing}")
+
     def discriminator_word_embeddings(self) -> torch.Tensor:
         """The discriminator's effective word-embedding table (with GDES: ``E_G + E_delta``)."""
         own = self.discriminator.deberta.embeddings.word_embeddings.weight
