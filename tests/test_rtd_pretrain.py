@@ -5,19 +5,17 @@ export: the discriminator as a ``DebertaV2Model`` folder, the generator as ``Deb
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from pretrain_fixtures import (metrics, prepare_data, spawn_ranks, train_losses, wait_all, wait_for_step,
-                               wandb_runs, write_config)
+from pretrain_fixtures import (metrics, prepare_data, preempted_run, rank_logs, spawn_ranks, wait_all, wandb_runs,
+                               write_config)
 
 from distaff.train.export import fp32_state_dict, main as export_main, model_from_meta
 from distaff.train.hf import discriminator_from_hf
-from distaff.train.pretrain import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.integration
 
@@ -29,10 +27,6 @@ TEXT = ["Shall I compare thee to a summer's day? Thou art more lovely and more t
         "Now is the winter of our discontent made glorious summer by this sun of York."]
 
 
-def _log(tmp: Path) -> str:
-    return "\n".join(f"--- rank{r}.log\n" + (tmp / f"rank{r}.log").read_text()[-4000:] for r in (0, 1))
-
-
 def rtd_run(base: Path, sample_data: Path) -> Path:
     """The uninterrupted 2-rank ZeRO-3 RTD run (cached per session)."""
     out = base / "rtd-run"
@@ -42,7 +36,7 @@ def rtd_run(base: Path, sample_data: Path) -> Path:
     folder = base / "rtd-uninterrupted"
     folder.mkdir(exist_ok=True)
     procs = spawn_ranks(write_config(folder / "run.yaml", data, out, **SECTIONS), folder)
-    assert wait_all(procs, timeout=240) == [0, 0], _log(folder)
+    assert wait_all(procs, timeout=240) == [0, 0], rank_logs(folder)
     return out
 
 
@@ -64,18 +58,13 @@ def test_zero3_rtd_resume_is_exact_for_both_networks_and_the_sampling(sample_dat
     tmp = tmp_path_factory.mktemp("rtd-interrupted")
     run_dir = tmp / "run"
     config = write_config(tmp / "run.yaml", prepare_data(base, sample_data), run_dir, **SECTIONS)
-    procs = spawn_ranks(config, tmp)
-    wait_for_step(run_dir, 2, procs)
-    procs[0].send_signal(signal.SIGUSR1)
-    assert wait_all(procs, timeout=120) == [EXIT_PREEMPTED, EXIT_PREEMPTED], _log(tmp)
-    stopped_at = max(train_losses(run_dir))
+    stopped_at, latest = preempted_run(config, tmp, run_dir, after_step=2, signal_rank=0)
     assert 2 <= stopped_at < STEPS
-    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     samplers = [json.loads((latest / "distaff" / f"rank-0000{r}.json").read_text())["sampler"] for r in (0, 1)]
     assert samplers[0]["seed"] != samplers[1]["seed"]                 # each rank its own stream
 
     procs = spawn_ranks(config, tmp)
-    assert wait_all(procs, timeout=240) == [0, 0], _log(tmp)
+    assert wait_all(procs, timeout=240) == [0, 0], rank_logs(tmp)
     assert f"resuming from {latest}" in (tmp / "rank0.log").read_text()
     assert tracked(run_dir) == expected               # both networks and the replacements, bit for bit
     assert eval_records(run_dir) == eval_records(full)
