@@ -142,3 +142,28 @@ def test_rtd_export_loads_in_transformers(sample_data, tmp_path_factory, tmp_pat
         expected_logits = generator.eval()(ids, mask).logits
         torch.testing.assert_close(hf_gen(input_ids=ids, attention_mask=mask).logits[keep], expected_logits[keep],
                                    rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sharing, stage", [("es", 3), ("none", 0)])
+def test_other_sharing_modes_train_and_export(sharing, stage, sample_data, tmp_path_factory, tmp_path):
+    from transformers import AutoModel
+
+    base = tmp_path_factory.getbasetemp()
+    out = tmp_path / "run"
+    config = write_config(tmp_path / "run.yaml", prepare_data(base, sample_data), out,
+                          **{**SECTIONS, "train": {"max_steps": 4, "objective": "rtd"}, "zero": {"stage": stage},
+                             "eval": {"every": 0, "batches": 2}, "rtd": {"embedding_sharing": sharing}})
+    assert wait_all(spawn_ranks(config, tmp_path), timeout=240) == [0, 0], rank_logs(tmp_path)
+    checkpoint = out / "checkpoints" / "step-00000004"
+    ours = model_from_meta(json.loads((checkpoint / "distaff" / "meta.json").read_text()), "meta.json")
+    ours.load_state_dict(fp32_state_dict(checkpoint))
+    gen_table = ours.generator.word_embeddings.weight
+    disc_table = ours.discriminator.deberta.embeddings.word_embeddings.weight
+    assert (disc_table is gen_table) == (sharing == "es")
+    assert export_main([str(out), str(tmp_path / "hf")]) == 0
+    hf = AutoModel.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(5, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=ids).last_hidden_state, ours.eval().discriminator.deberta(ids),
+                                   rtol=1e-4, atol=1e-4)
