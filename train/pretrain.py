@@ -197,8 +197,8 @@ class Trainer:
                   f"{self.layout.world_size} rank(s), ZeRO-{cfg.zero.stage}, {cfg.train.precision}, "
                   f"{parameters / 1e6:.2f}M parameters", flush=True)
             sink = WandbSink(cfg.wandb, run_name=cfg.run.name, out_dir=cfg.out_dir, run_id=self.state.wandb_run_id,
-                             config={**config_to_dict(cfg), "model_resolved": self.model_cfg.to_dict(),
-                                     "system": system_info(self.layout.world_size)})
+                             config={**config_to_dict(cfg), "model_resolved": self.objective.model_cfg.to_dict(),
+                                     **self.objective.meta(), "system": system_info(self.layout.world_size)})
         return MetricsLogger(cfg.out_dir, enabled=self.layout.is_main, max_steps=cfg.train.max_steps,
                              start_step=self.state.step, progress_bar=cfg.logging.progress_bar, wandb=sink)
 
