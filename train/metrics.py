@@ -221,12 +221,13 @@ PLOT_PANELS = (("loss", ("loss", "gen_loss", "rtd_loss")),
 
 def _plot_series(ax, key: str, train: list[dict], evals: list[dict]) -> None:
     """``key`` from the train records and ``eval_<key>`` from the evaluations, where logged."""
+    color = None
     points = [(r["step"], r[key]) for r in train if r.get(key) is not None]
     if points:
-        ax.plot(*zip(*points), label=key, linewidth=1)
+        color = ax.plot(*zip(*points), label=key, linewidth=1)[0].get_color()
     points = [(r["step"], r[f"eval_{key}"]) for r in evals if r.get(f"eval_{key}") is not None]
     if points:
-        ax.plot(*zip(*points), "o-", label=f"held-out {key}")
+        ax.plot(*zip(*points), "o--", color=color, label=f"held-out {key}")
 
 
 def plot_metrics(jsonl_path: Path, png_path: Path) -> Path | None:
