@@ -290,3 +290,24 @@ def test_shipped_rtd_presets():
     gen = base.generator_config(disc)
     assert (disc.num_hidden_layers, gen.num_hidden_layers, gen.hidden_size) == (12, 6, 768)
     assert base.rtd.embedding_sharing == "gdes" and base.rtd.weight == 50.0
+
+
+def test_progress_lines_and_plot_show_the_objectives_metrics(tmp_path):
+    import json
+
+    from distaff.train.metrics import format_line, plot_metrics
+
+    common = {"lr": 1e-3, "tokens_per_s": 10.0, "tokens_per_s_per_device": 5.0, "samples_per_s": 1.0,
+              "peak_mem_gb": 0.1, "eta_s": 3.0}
+    rtd_record = {"step": 3, **rtd.report(rtd.batch_sums(fake_mlm(), torch.tensor(0.25), torch.tensor([1.0, -1.0]),
+                                                         torch.tensor([True, False])).tolist(), 50.0), **common}
+    line = format_line(rtd_record, 10)
+    assert "gen 2.0000" in line and "rtd 0.2500" in line and "auc 1.0000" in line and "acc" in line
+    mlm_line = format_line({"step": 3, "loss": 4.0, "accuracy": 0.25, **common}, 10)
+    assert "loss 4.0000 | acc 0.2500" in mlm_line and "auc" not in mlm_line
+    evaluation = {"step": 3, **{f"eval_{k}": v for k, v in rtd.report([0.0] * rtd.NUM_SUMS, 50.0).items()},
+                  "eval_perplexity": 1.0, "eval_tokens": 0}
+    assert "eval step 3" in format_line(evaluation, 10) and "auc" not in format_line(evaluation, 10)
+    jsonl = tmp_path / "metrics.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in (rtd_record, {**rtd_record, "step": 4}, evaluation)) + "\n")
+    assert plot_metrics(jsonl, tmp_path / "m.png").stat().st_size > 1000
