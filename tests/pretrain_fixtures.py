@@ -207,3 +207,24 @@ def wandb_runs(run_dir: Path) -> list[tuple[str, dict[int, dict]]]:
                 history[int(items["_step"])] = items
         runs.append((run_id, history))
     return runs
+
+
+def rank_logs(tmp: Path, ranks: int = 2) -> str:
+    """The tail of each rank's log written by :func:`spawn_ranks` into ``tmp``."""
+    return "\n".join(f"--- rank{r}.log\n" + (tmp / f"rank{r}.log").read_text()[-4000:] for r in range(ranks))
+
+
+def preempted_run(config: Path, tmp: Path, run_dir: Path, *, after_step: int, signal_rank: int,
+                  env: dict[str, str] | None = None) -> tuple[int, Path]:
+    """2 ranks that get SIGUSR1 (on one rank) once ``after_step`` is logged, and must both exit with
+    75; the step they stopped at and the checkpoint ``latest`` names."""
+    import signal
+
+    from distaff.train.exit_codes import EXIT_PREEMPTED
+
+    procs = spawn_ranks(config, tmp, env=env)
+    wait_for_step(run_dir, after_step, procs)
+    procs[signal_rank].send_signal(signal.SIGUSR1)
+    assert wait_all(procs, timeout=120) == [EXIT_PREEMPTED, EXIT_PREEMPTED], rank_logs(tmp)
+    checkpoints = run_dir / "checkpoints"
+    return max(train_losses(run_dir)), checkpoints / (checkpoints / "latest").read_text().strip()

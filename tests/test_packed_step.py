@@ -9,9 +9,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from distaff.train.config import RunConfig
 from distaff.train.distributed import free_port
 from distaff.train.model import DebertaForMaskedLM
 from distaff.train.model_config import ModelConfig
+from distaff.train.objectives import MaskedLMObjective
 from distaff.train.steps import batch_counts, train_step
 from test_model_packed import BASE, pack, padded_batch
 
@@ -48,7 +50,9 @@ def test_packed_micro_batches_give_the_gradient_of_the_token_mean(one_rank_group
     ids, mask, labels = padded_batch(BASE["vocab_size"], lengths=(40, 29, 4, 17, 33))
     labels[:2, ::2] = ids[:2, ::2].where(mask[:2, ::2].bool(), labels[:2, ::2])  # uneven label counts
     first, second = pack(ids[:2], mask[:2], labels[:2]), pack(ids[2:], mask[2:], labels[2:])
-    sums = train_step(AccumulatingEngine(model, 2), iter([first, second]), 2, torch.device("cpu"), world_size=1)
+    objective = MaskedLMObjective(RunConfig(), model.config)
+    sums = train_step(AccumulatingEngine(model, 2), iter([first, second]), 2, torch.device("cpu"), objective,
+                      world_size=1)
     whole(**pack(ids, mask, labels)).loss.backward()
     for (name, got), (_, want) in zip(model.named_parameters(), whole.named_parameters()):
         torch.testing.assert_close(got.grad, want.grad, atol=1e-6, rtol=1e-4, msg=name)

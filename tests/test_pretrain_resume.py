@@ -4,25 +4,17 @@ reproduces the uninterrupted run's per-step losses exactly; W&B keeps the run id
 from __future__ import annotations
 
 import json
-import signal
-from pathlib import Path
 
 import pytest
 
-from pretrain_fixtures import (metrics, prepare_data, spawn_ranks, train_losses, wait_all,
-                               wait_for_step, wandb_runs, write_config)
-
-from distaff.train.pretrain import EXIT_PREEMPTED
+from pretrain_fixtures import (metrics, prepare_data, preempted_run, rank_logs, spawn_ranks, train_losses, wait_all,
+                               wandb_runs, write_config)
 
 pytestmark = pytest.mark.integration
 
 STEPS = 40
 SECTIONS = dict(train={"max_steps": STEPS}, model={"emd": True},   # dropout and EMD on: RNG state matters
                 checkpoint={"every": 0, "keep": 2}, eval={"every": 0, "batches": 2})
-
-
-def _log(tmp: Path) -> str:
-    return "\n".join(f"--- rank{r}.log\n" + (tmp / f"rank{r}.log").read_text()[-4000:] for r in (0, 1))
 
 
 @pytest.mark.timeout(400)
@@ -32,7 +24,7 @@ def test_sigusr1_checkpoints_exits_75_and_resume_is_exact(sample_data, tmp_path_
 
     full_dir = tmp_path_factory.mktemp("uninterrupted")
     full = spawn_ranks(write_config(full_dir / "run.yaml", data, full_dir / "run", **SECTIONS), full_dir)
-    assert wait_all(full, timeout=240) == [0, 0], _log(full_dir)
+    assert wait_all(full, timeout=240) == [0, 0], rank_logs(full_dir)
     expected = train_losses(full_dir / "run")
     assert sorted(expected) == list(range(1, STEPS + 1))
 
@@ -40,20 +32,16 @@ def test_sigusr1_checkpoints_exits_75_and_resume_is_exact(sample_data, tmp_path_
     tmp = tmp_path_factory.mktemp("interrupted")
     run_dir = tmp / "run"
     config = write_config(tmp / "run.yaml", data, run_dir, **SECTIONS)
-    procs = spawn_ranks(config, tmp, env={"WANDB_RUN_ID": "resume-test-1"})
-    wait_for_step(run_dir, 3, procs)
-    procs[1].send_signal(signal.SIGUSR1)
-    assert wait_all(procs, timeout=120) == [EXIT_PREEMPTED, EXIT_PREEMPTED], _log(tmp)
-    stopped_at = max(train_losses(run_dir))
+    stopped_at, latest = preempted_run(config, tmp, run_dir, after_step=3, signal_rank=1,
+                                       env={"WANDB_RUN_ID": "resume-test-1"})
     assert 3 <= stopped_at < STEPS
-    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     meta = json.loads((latest / "distaff" / "meta.json").read_text())
     assert meta["step"] == stopped_at and meta["train_state"]["wandb_run_id"] == "resume-test-1"
     assert sorted(p.name for p in (latest / "distaff").glob("rank-*.json")) == ["rank-00000.json", "rank-00001.json"]
 
     # Resumed (WANDB_RUN_ID now differs: the checkpoint's id wins).
     procs = spawn_ranks(config, tmp, env={"WANDB_RUN_ID": "some-other-id"})
-    assert wait_all(procs, timeout=240) == [0, 0], _log(tmp)
+    assert wait_all(procs, timeout=240) == [0, 0], rank_logs(tmp)
     assert f"resuming from {latest}" in (tmp / "rank0.log").read_text()
     resumed = train_losses(run_dir)
     assert resumed == expected                       # every step, bit-exact (floats compared with ==)

@@ -66,6 +66,21 @@ class TrainSection:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     grad_clip: float = 1.0              # 0 disables clipping
     max_nonfinite_steps: int = 10       # stop after this many skipped (non-finite loss) steps in a row
+    # mlm: masked-LM; rtd: DeBERTa-v3's replaced-token detection (generator + discriminator, see `rtd`)
+    objective: Literal["mlm", "rtd"] = "mlm"
+
+
+@dataclass
+class RTDSection:
+    """``train.objective=rtd`` only. The ``model`` section is the discriminator (the model exported)."""
+    weight: float = 50.0                # total loss = generator MLM loss + weight x RTD loss
+    embedding_sharing: Literal["none", "es", "gdes"] = "gdes"
+    # the generator: ``preset`` and/or ModelConfig fields; empty = the discriminator's config with
+    # half its layers (the DeBERTa-v3 paper's generator)
+    generator: dict[str, Any] = field(default_factory=dict)
+    # an HF folder (a public DeBERTa-v3 checkpoint, or one export-hf wrote) whose weights, RTD head
+    # included when present, start the discriminator; shared embeddings start the generator's table
+    init_discriminator: str = ""
 
 
 @dataclass
@@ -145,6 +160,7 @@ class RunConfig:
     wandb: WandbSection = field(default_factory=WandbSection)
     eval: EvalSection = field(default_factory=EvalSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    rtd: RTDSection = field(default_factory=RTDSection)
 
     @property
     def out_dir(self) -> Path:
@@ -169,6 +185,25 @@ class RunConfig:
                               "absolute positions or RoPE alone set model.pos_att_type: [] (content-only attention)")
         return cfg
 
+    def generator_config(self, discriminator: ModelConfig) -> ModelConfig:
+        """The RTD generator: ``rtd.generator`` (a preset and/or fields) over the discriminator's config
+        with half its layers; vocabulary and padding are the discriminator's, and so is the embedding
+        width when the embeddings are shared (a narrower generator projects them)."""
+        values = dict(self.rtd.generator)
+        preset = values.pop("preset", None)
+        fixed = {"vocab_size": discriminator.vocab_size, "pad_token_id": discriminator.pad_token_id}
+        if self.rtd.embedding_sharing != "none":
+            fixed["embedding_size"] = values.pop("embedding_size", discriminator.embedding_size)
+        try:
+            if preset is not None:
+                return load_model_config(str(preset), **{"emd": discriminator.emd, **values, **fixed})
+            base = {**discriminator.to_dict(), "num_hidden_layers": max(1, discriminator.num_hidden_layers // 2)}
+            if "hidden_size" in values and "embedding_size" not in fixed:
+                base["embedding_size"] = None       # unshared: the generator's own width
+            return ModelConfig.from_dict({**base, **values, **fixed}, "rtd.generator")
+        except ConfigError as err:
+            raise ConfigError(f"rtd.generator: {err}") from None
+
 
 # ---------------------------------------------------------------- building from plain values
 
@@ -178,6 +213,10 @@ def _check_value(key: str, value: Any, annotation: Any) -> Any:
     if origin is Literal:
         if value not in args:
             raise ConfigError(f"{key}: must be one of {list(args)}, got {value!r}")
+        return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: must be a mapping, got {value!r} ({type(value).__name__})")
         return value
     if origin is list:
         if not isinstance(value, list):
@@ -240,7 +279,7 @@ def _validate(cfg: RunConfig) -> None:
                 "train.grad_accum": cfg.train.grad_accum, "train.max_nonfinite_steps": cfg.train.max_nonfinite_steps,
                 "logging.every": cfg.logging.every,
                 "checkpoint.keep": cfg.checkpoint.keep, "distributed.timeout_s": cfg.distributed.timeout_s,
-                "optim.lr": cfg.optim.lr}
+                "optim.lr": cfg.optim.lr, "rtd.weight": cfg.rtd.weight}
     non_negative = {"data.num_workers": cfg.data.num_workers, "data.eval_batch_size": cfg.data.eval_batch_size,
                     "data.tokens_per_batch": cfg.data.tokens_per_batch,
                     "optim.warmup_steps": cfg.optim.warmup_steps, "optim.weight_decay": cfg.optim.weight_decay,
@@ -253,8 +292,6 @@ def _validate(cfg: RunConfig) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"{key}: must be >= 0, got {value}")
-    if cfg.data.tokens_per_batch and cfg.data.packing != "varlen":
-        raise ConfigError("data.tokens_per_batch: only packed batches (data.packing=varlen) have a token budget")
     if cfg.zero.stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero.stage: must be 0, 1, 2 or 3, got {cfg.zero.stage}")
     if cfg.zero.offload_param and cfg.zero.stage != 3:
@@ -269,6 +306,19 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError("data.dir: required (a folder written by `distaff data prepare`)")
     if not cfg.run.out_dir:
         raise ConfigError("run.out_dir: required")
+    _check_combinations(cfg)
+
+
+def _check_combinations(cfg: RunConfig) -> None:
+    """Settings that are valid alone but not together, each error naming both keys."""
+    if cfg.data.tokens_per_batch and cfg.data.packing != "varlen":
+        raise ConfigError("data.tokens_per_batch: only packed batches (data.packing=varlen) have a token budget")
+    if cfg.train.objective == "rtd" and cfg.data.packing == "varlen":
+        raise ConfigError("train.objective=rtd with data.packing=varlen: the RTD discriminator and head run on "
+                          "padded [B, N] batches only; use data.packing=padded")
+    if cfg.train.objective == "rtd" and cfg.model.init_from:
+        raise ConfigError("model.init_from with train.objective=rtd: start the discriminator from an HF folder "
+                          "with rtd.init_discriminator instead")
 
 
 def config_from_dict(values: dict[str, Any]) -> RunConfig:
@@ -281,6 +331,8 @@ def config_from_dict(values: dict[str, Any]) -> RunConfig:
     cfg.model = model
     _validate(cfg)
     cfg.model_config()  # model overrides are validated now, not at the first step
+    if cfg.train.objective == "rtd":
+        cfg.generator_config(cfg.model_config())
     return cfg
 
 

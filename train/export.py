@@ -2,7 +2,10 @@
 
 CHECKPOINT is a checkpoint folder (``.../checkpoints/step-00001000``), a ``checkpoints`` folder or a
 run directory (the latest complete checkpoint is used). The folder written loads with
-``AutoModelForMaskedLM`` and ``AutoTokenizer``; the Enhanced Mask Decoder is not exported.
+``AutoModelForMaskedLM`` and ``AutoTokenizer``; the Enhanced Mask Decoder is not exported. From an
+RTD run (``train.objective=rtd``) the discriminator is written, as a ``DebertaV2Model`` folder
+(``AutoModel``) with its RTD head kept as ``mask_predictions.*``; ``--generator`` writes the
+generator as a ``DebertaV2ForMaskedLM`` folder instead.
 """
 
 from __future__ import annotations
@@ -52,21 +55,41 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
 
 
 def export(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | None = None,
-           overwrite: bool = False) -> Path:
-    """Write the HF folder for ``checkpoint`` into ``out``; returns ``out``."""
-    from .hf import to_hf
-    from .model import DebertaForMaskedLM
-    from .model_config import ModelConfig
+           overwrite: bool = False, generator: bool = False) -> Path:
+    """Write the HF folder for ``checkpoint`` into ``out`` (an RTD run's discriminator, or with
+    ``generator`` its generator); returns ``out``."""
+    from .hf import discriminator_to_hf, to_hf
 
     check_out_dir(Path(out), overwrite)
     folder = find_checkpoint(checkpoint)
     meta = json.loads((folder / META).read_text())
-    model = DebertaForMaskedLM(ModelConfig.from_dict(meta["model_config"], f"{folder / META} model_config"))
-    model.load_state_dict(fp32_state_dict(folder), strict=True)
     tokenizer = tokenizer or (folder / "tokenizer" if (folder / "tokenizer").is_dir() else None)
     if tokenizer is None:
         raise FileNotFoundError(f"{folder}: no tokenizer copy in the checkpoint; pass --tokenizer DIR")
-    return to_hf(model, out, tokenizer=tokenizer)
+    model = model_from_meta(meta, f"{folder / META}")
+    model.load_state_dict(fp32_state_dict(folder), strict=True)
+    if not hasattr(model, "discriminator"):
+        if generator:
+            raise ValueError(f"{folder}: --generator needs a checkpoint of an RTD run (train.objective=rtd)")
+        return to_hf(model, out, tokenizer=tokenizer)
+    if generator:
+        return to_hf(model.generator, out, tokenizer=tokenizer)
+    return discriminator_to_hf(model.discriminator, out, tokenizer, model.discriminator_word_embeddings())
+
+
+def model_from_meta(meta: dict, source: str):
+    """The model a checkpoint's ``meta.json`` describes: ``DebertaForMaskedLM``, or for an RTD run
+    ``ReplacedTokenDetection`` (generator and discriminator, embeddings shared as in training)."""
+    from .model import DebertaForMaskedLM
+    from .model_config import ModelConfig
+    from .rtd import ReplacedTokenDetection
+
+    model_cfg = ModelConfig.from_dict(meta["model_config"], f"{source} model_config")
+    if meta["config"]["train"].get("objective", "mlm") != "rtd":
+        return DebertaForMaskedLM(model_cfg)
+    generator_cfg = ModelConfig.from_dict(meta["generator_config"], f"{source} generator_config")
+    rtd = meta["config"]["rtd"]
+    return ReplacedTokenDetection(generator_cfg, model_cfg, sharing=rtd["embedding_sharing"], weight=rtd["weight"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,13 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="output folder for the Hugging Face model")
     parser.add_argument("--tokenizer", help="tokenizer folder (default: the checkpoint's copy)")
     parser.add_argument("--overwrite", action="store_true", help="write into OUT even if it already holds files")
+    parser.add_argument("--generator", action="store_true",
+                        help="RTD runs: write the generator (DebertaV2ForMaskedLM) instead of the discriminator")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        out = export(args.checkpoint, args.out, args.tokenizer, args.overwrite)
+        out = export(args.checkpoint, args.out, args.tokenizer, args.overwrite, args.generator)
     except (FileNotFoundError, FileExistsError, ValueError, RuntimeError, KeyError) as err:
         print(f"distaff export-hf: {err}", file=sys.stderr)
         return 1
-    print(f"distaff export-hf: wrote {out} (load with AutoModelForMaskedLM / AutoTokenizer)")
+    architecture = json.loads((out / "config.json").read_text())["architectures"][0]
+    loader = "AutoModel" if architecture == "DebertaV2Model" else "AutoModelForMaskedLM"
+    print(f"distaff export-hf: wrote {out} ({architecture}: load with {loader} / AutoTokenizer)")
     return 0
 
 

@@ -7,6 +7,12 @@ DeBERTa ``lm_predictions.lm_head.*``. ``to_hf`` writes the ``cls.predictions`` l
 covers ``embedding_size != hidden_size``; the Enhanced Mask Decoder is a pretraining-only part
 and is not exported.
 
+RTD discriminators (:class:`~distaff.train.rtd.Discriminator`) are ``DebertaV2Model`` folders
+whose weights also hold the replaced-token head under the official names ``mask_predictions.*``
+(transformers has no class for it and ignores it; ``AutoModelForSequenceClassification`` adds a
+fresh head): ``discriminator_to_hf`` writes one, ``discriminator_from_hf`` reads one, the public
+DeBERTa-v3 checkpoints included, keeping the head so RTD pretraining can continue from it.
+
 This module does not import ``transformers``.
 """
 
@@ -23,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from distaff.train.files import chmod_default
 from distaff.train.model import DebertaForMaskedLM
 from distaff.train.model_config import ConfigError, ModelConfig
+from distaff.train.rtd import Discriminator
 
 # DebertaV2Config's defaults, used for fields a config.json leaves out (they differ from ours).
 HF_DEFAULTS: dict[str, Any] = dict(
@@ -50,6 +57,12 @@ HEAD_KEYS = {
 IGNORED_HF_KEYS = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias",
                    "deberta.embeddings.position_ids")
 IGNORED_HF_PREFIXES = ("mask_predictions.",)
+# What a discriminator ignores: MLM heads (the public v3 checkpoints carry one).
+DISCRIMINATOR_IGNORED_PREFIXES = ("lm_predictions.", "cls.predictions.")
+RTD_HEAD_PREFIX = "mask_predictions."
+# Fields that may differ between an HF folder and the model its weights initialise (no weight shape or
+# computation depends on them at inference).
+HF_FREE_FIELDS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "initializer_range", "pad_token_id")
 # Absolute positions of the original DeBERTa-v3 checkpoints: unused by HF, EMD's table for us.
 HF_ABSOLUTE_POSITIONS = "deberta.embeddings.position_embeddings.weight"
 
@@ -74,14 +87,15 @@ def model_config_from_hf(hf_config: dict[str, Any], source: str = "config.json",
     return ModelConfig.from_dict({**values, **overrides}, source)
 
 
-def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
-    """``config.json`` contents for ``DebertaV2ForMaskedLM``; a model HF cannot run is refused."""
+def hf_config_dict(cfg: ModelConfig, architecture: str = "DebertaV2ForMaskedLM") -> dict[str, Any]:
+    """``config.json`` contents for ``architecture`` (``DebertaV2ForMaskedLM``, ``DebertaV2Model``); a model
+    HF cannot run is refused."""
     if cfg.rope:
         raise ConfigError("model.rope: rotary position embeddings have no Hugging Face DeBERTa-v2 equivalent "
                           "(DebertaV2Model would run the weights without them and silently compute something "
                           "else); such a model cannot be exported to HF, keep its distaff checkpoint")
     values = {name: getattr(cfg, name) for name in HF_DEFAULTS}
-    return {"architectures": ["DebertaV2ForMaskedLM"], "model_type": "deberta-v2", "legacy": True,
+    return {"architectures": [architecture], "model_type": "deberta-v2", "legacy": True,
             "tie_word_embeddings": True, **values}
 
 
@@ -112,19 +126,25 @@ def _distaff_state(hf_state: dict[str, torch.Tensor], model: DebertaForMaskedLM,
     renames = {hf: ours for ours, hf in HEAD_KEYS[layout].items()}
     if model.emd is not None and HF_ABSOLUTE_POSITIONS in hf_state and not model.config.position_biased_input:
         renames[HF_ABSOLUTE_POSITIONS] = "emd.position_embeddings.weight"
-    expected = model.state_dict()
+    # EMD is ours: an HF checkpoint never has it, so it keeps its initialisation.
+    return _matched_state(hf_state, model.state_dict(), renames, IGNORED_HF_PREFIXES, "emd.", source)
+
+
+def _matched_state(hf_state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], renames: dict[str, str],
+                   ignored_prefixes: tuple[str, ...], optional_prefix: str, source: str) -> dict[str, torch.Tensor]:
+    """``hf_state`` under our names (``renames``), checked against ``expected``: every key used or
+    ignored, every expected key present (but those under ``optional_prefix``), shapes equal."""
     state, unexpected = {}, []
     for key, tensor in hf_state.items():
         ours = renames.get(key, key)
         if ours in expected:
             state[ours] = tensor
-        elif key not in IGNORED_HF_KEYS and not key.startswith(IGNORED_HF_PREFIXES) and key != HF_ABSOLUTE_POSITIONS:
+        elif key not in IGNORED_HF_KEYS and not key.startswith(ignored_prefixes) and key != HF_ABSOLUTE_POSITIONS:
             unexpected.append(key)
     if unexpected:
         raise ValueError(f"{source}: weights not used by a model of this config: {sorted(unexpected)[:10]}"
                          f"{' ...' if len(unexpected) > 10 else ''} (does config.json match the weights?)")
-    # EMD is ours: an HF checkpoint never has it, so it keeps its initialisation.
-    missing = [k for k in expected if k not in state and not k.startswith("emd.")]
+    missing = [k for k in expected if k not in state and not k.startswith(optional_prefix)]
     if missing:
         raise ValueError(f"{source}: missing weights {missing[:10]}{' ...' if len(missing) > 10 else ''}")
     for key, tensor in state.items():
@@ -134,17 +154,51 @@ def _distaff_state(hf_state: dict[str, torch.Tensor], model: DebertaForMaskedLM,
     return state
 
 
-def from_hf(path: str | Path, **overrides: Any) -> DebertaForMaskedLM:
-    """Load an HF ``DebertaV2ForMaskedLM`` folder; ``overrides`` set distaff fields (``emd=True`` ...)."""
-    folder = Path(path)
+def _read_hf_config(folder: Path, **overrides: Any) -> ModelConfig:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"no config.json in {folder}")
-    cfg = model_config_from_hf(json.loads(config_path.read_text()), str(config_path), **overrides)
-    model = DebertaForMaskedLM(cfg)
+    return model_config_from_hf(json.loads(config_path.read_text()), str(config_path), **overrides)
+
+
+def from_hf(path: str | Path, **overrides: Any) -> DebertaForMaskedLM:
+    """Load an HF ``DebertaV2ForMaskedLM`` folder; ``overrides`` set distaff fields (``emd=True`` ...)."""
+    folder = Path(path)
+    model = DebertaForMaskedLM(_read_hf_config(folder, **overrides))
     state = _distaff_state(read_hf_weights(folder), model, str(folder))
     model.load_state_dict(state, strict=False)
     return model
+
+
+def discriminator_from_hf(path: str | Path, **overrides: Any) -> tuple[Discriminator, bool]:
+    """An RTD discriminator from an HF DeBERTa-v2/v3 folder (``deberta.*`` weights, or a bare
+    ``DebertaV2Model``'s), with its ``mask_predictions.*`` head when the folder has one (the public v3
+    checkpoints do); returns the model and whether the head was loaded (else it is freshly initialised)."""
+    folder = Path(path)
+    model = Discriminator(_read_hf_config(folder, **overrides))
+    state = discriminator_hf_state(folder, model)
+    model.load_state_dict(state, strict=False)
+    return model, any(key.startswith(RTD_HEAD_PREFIX) for key in state)
+
+
+def _comparable(value: Any) -> Any:
+    return sorted(value) if isinstance(value, list) else value   # pos_att_type's order means nothing
+
+
+def discriminator_hf_state(path: str | Path, model: Discriminator) -> dict[str, torch.Tensor]:
+    """The weights of an HF folder under ``model``'s names (the RTD head only if the folder has one),
+    after checking that the folder's config.json describes ``model``'s architecture."""
+    folder = Path(path)
+    theirs = _read_hf_config(folder)
+    differ = [f"{name}: {getattr(theirs, name)!r} there, {getattr(model.config, name)!r} here"
+              for name in HF_DEFAULTS if name not in HF_FREE_FIELDS
+              and _comparable(getattr(theirs, name)) != _comparable(getattr(model.config, name))]
+    if differ:
+        raise ConfigError(f"{folder / 'config.json'} describes another model: {'; '.join(differ)}")
+    hf_state = {key if key.startswith((RTD_HEAD_PREFIX, "deberta.")) else f"deberta.{key}": tensor
+                for key, tensor in read_hf_weights(folder).items()
+                if not key.startswith(DISCRIMINATOR_IGNORED_PREFIXES)}
+    return _matched_state(hf_state, model.state_dict(), {}, (), RTD_HEAD_PREFIX, str(folder))
 
 
 def hf_state_dict(model: DebertaForMaskedLM) -> dict[str, torch.Tensor]:
@@ -158,9 +212,26 @@ def to_hf(model: DebertaForMaskedLM, path: str | Path, tokenizer: str | Path | N
     """Write an HF folder that ``AutoModelForMaskedLM.from_pretrained`` loads with no missing or
     unexpected keys; ``tokenizer`` is a tokenizer folder whose files are copied alongside."""
     config = hf_config_dict(model.config)  # first: a model HF cannot run leaves no files behind
+    return write_hf_folder(hf_state_dict(model), config, path, tokenizer)
+
+
+def discriminator_to_hf(model: Discriminator, path: str | Path, tokenizer: str | Path | None = None,
+                        word_embeddings: torch.Tensor | None = None) -> Path:
+    """Write a ``DebertaV2Model`` folder (``AutoModel``; ``AutoModelForSequenceClassification`` adds a
+    fresh head) whose weights also hold the RTD head as ``mask_predictions.*``. ``word_embeddings``
+    replaces the model's own table (with GDES, the sum of the generator's and the residual)."""
+    state = {key: tensor.detach().cpu().contiguous().clone() for key, tensor in model.state_dict().items()}
+    if word_embeddings is not None:
+        state["deberta.embeddings.word_embeddings.weight"] = word_embeddings.detach().cpu().contiguous().clone()
+    return write_hf_folder(state, hf_config_dict(model.config, "DebertaV2Model"), path, tokenizer)
+
+
+def write_hf_folder(state: dict[str, torch.Tensor], config: dict[str, Any], path: str | Path,
+                    tokenizer: str | Path | None) -> Path:
+    """``model.safetensors``, ``config.json`` and a copy of the ``tokenizer`` folder's files."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(hf_state_dict(model), out / "model.safetensors", metadata={"format": "pt"})
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     chmod_default(out / "model.safetensors")  # safetensors writes it 0600
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is not None:

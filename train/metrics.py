@@ -93,13 +93,22 @@ def _format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+# (key, label) of the objective's metrics a line shows when the record has them (MLM or RTD).
+QUALITY_KEYS = (("loss", "loss"), ("accuracy", "acc"), ("gen_loss", "gen"), ("gen_accuracy", "gen acc"),
+                ("rtd_loss", "rtd"), ("rtd_accuracy", "rtd acc"), ("rtd_auc", "auc"), ("replaced_rate", "replaced"))
+
+
+def _quality(record: dict[str, Any], prefix: str) -> list[str]:
+    return [f"{label} {record[prefix + key]:.4f}" for key, label in QUALITY_KEYS
+            if record.get(prefix + key) is not None]
+
+
 def format_line(record: dict[str, Any], max_steps: int) -> str:
     """One human-readable line for a train or eval record."""
     if "eval_loss" in record:
-        return (f"eval step {record['step']} | loss {record['eval_loss']:.4f} | acc {record['eval_accuracy']:.4f} "
-                f"| ppl {record['eval_perplexity']:.2f} | {record['eval_tokens']} labelled tokens")
-    parts = [f"step {record['step']}/{max_steps}", f"loss {record['loss']:.4f}", f"acc {record['accuracy']:.4f}",
-             f"lr {record['lr']:.2e}"]
+        return " | ".join([f"eval step {record['step']}", *_quality(record, "eval_"),
+                           f"ppl {record['eval_perplexity']:.2f}", f"{record['eval_tokens']} tokens"])
+    parts = [f"step {record['step']}/{max_steps}", *_quality(record, ""), f"lr {record['lr']:.2e}"]
     if record.get("grad_norm") is not None:
         parts.append(f"gnorm {record['grad_norm']:.3f}")
     if record.get("loss_scale") is not None:
@@ -210,8 +219,24 @@ def peak_memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+# (title, keys): what each panel shows, for whichever keys the run logged (MLM or RTD).
+PLOT_PANELS = (("loss", ("loss", "gen_loss", "rtd_loss")),
+               ("accuracy", ("accuracy", "gen_accuracy", "rtd_accuracy", "rtd_auc")))
+
+
+def _plot_series(ax, key: str, train: list[dict], evals: list[dict]) -> None:
+    """``key`` from the train records and ``eval_<key>`` from the evaluations, where logged."""
+    color = None
+    points = [(r["step"], r[key]) for r in train if r.get(key) is not None]
+    if points:
+        color = ax.plot(*zip(*points), label=key, linewidth=1)[0].get_color()
+    points = [(r["step"], r[f"eval_{key}"]) for r in evals if r.get(f"eval_{key}") is not None]
+    if points:
+        ax.plot(*zip(*points), "o--", color=color, label=f"held-out {key}")
+
+
 def plot_metrics(jsonl_path: Path, png_path: Path) -> Path | None:
-    """Loss and MLM accuracy against steps (train and held-out) as a PNG; None if nothing was logged."""
+    """Loss and accuracy (MLM, or generator and discriminator with RTD) against steps (train and held-out) as a PNG; None if nothing was logged."""
     if not jsonl_path.is_file():
         return None
     records = [json.loads(line) for line in jsonl_path.read_text().splitlines() if line.strip()]
@@ -224,12 +249,10 @@ def plot_metrics(jsonl_path: Path, png_path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, title in ((ax_loss, "loss", "MLM loss"), (ax_acc, "accuracy", "MLM accuracy")):
-        if train:
-            ax.plot([r["step"] for r in train], [r[key] for r in train], label="train", linewidth=1)
-        if evals:
-            ax.plot([r["step"] for r in evals], [r[f"eval_{key}"] for r in evals], "o-", label="held-out")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, (title, keys) in zip(axes, PLOT_PANELS):
+        for key in keys:
+            _plot_series(ax, key, train, evals)
         ax.set_xlabel("step")
         ax.set_title(title)
         ax.grid(alpha=0.3)

@@ -80,8 +80,13 @@ class Embeddings(nn.Module):
         self.LayerNorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, cfg.kernel_impl)
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None, mask: Layout) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None, mask: Layout,
+                word_offset: torch.Tensor | None = None) -> torch.Tensor:
+        """``word_offset`` (same shape as the word vectors) is added to them (gradient-disentangled
+        embedding sharing adds the generator's detached vectors to this table's residual)."""
         x = self.word_embeddings(input_ids)
+        if word_offset is not None:
+            x = x + word_offset
         if self.position_embeddings is not None:
             x = x + absolute_positions(self.position_embeddings, input_ids, mask)
         if self.token_type_embeddings is not None:
@@ -271,11 +276,12 @@ class DebertaModel(nn.Module):
         self.encoder = Encoder(cfg)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Layout | None = None,
-                token_type_ids: torch.Tensor | None = None, num_layers: int | None = None) -> torch.Tensor:
+                token_type_ids: torch.Tensor | None = None, num_layers: int | None = None,
+                word_offset: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states after the first ``num_layers`` layers (all by default); ``attention_mask``
         may be a :class:`Packed` layout for 1-D ``input_ids``."""
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        hidden = self.embeddings(input_ids, token_type_ids, mask)
+        hidden = self.embeddings(input_ids, token_type_ids, mask, word_offset)
         return self.encoder(hidden, mask, num_layers)
 
 
@@ -312,6 +318,18 @@ class MLMHead(nn.Module):
         return self.LayerNorm(_dense_gelu(self.dense, hidden, self.impl))
 
 
+def init_weights(module: nn.Module, std: float) -> None:
+    """HF's initialisation: N(0, std) weights, zero biases and padding row."""
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, std=std)
+        if module.padding_idx is not None:
+            nn.init.zeros_(module.weight[module.padding_idx])
+
+
 class MaskedLMOutput(NamedTuple):
     """A NamedTuple, not a dataclass: ZeRO-3 finds the tensors of tuples (and re-gathers
     parameters for backward through them) but not those of a dataclass."""
@@ -334,16 +352,7 @@ class DebertaForMaskedLM(nn.Module):
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
-        """HF's initialisation: N(0, initializer_range) weights, zero biases and padding row."""
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, std=std)
-            if module.padding_idx is not None:
-                nn.init.zeros_(module.weight[module.padding_idx])
+        init_weights(module, self.config.initializer_range)
 
     @property
     def word_embeddings(self) -> nn.Embedding:
@@ -364,18 +373,30 @@ class DebertaForMaskedLM(nn.Module):
             mask: Layout = Packed(cu_seqlens, int(max_seqlen), position_ids)
         else:
             mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        skip_last = 1 if self.emd is not None else 0
-        hidden = self.deberta(input_ids, mask, token_type_ids, num_layers=self.config.num_hidden_layers - skip_last)
-        decoded = self.emd(self.deberta.encoder, hidden, mask) if self.emd is not None else hidden
+        hidden, decoded = self.decode(input_ids, mask, token_type_ids)
         if labels is None:
             logits = F.linear(self.lm_head.transform(decoded), self.word_embeddings.weight, self.lm_head.bias)
             return MaskedLMOutput(hidden, logits=logits)
-        # Only labelled positions (~15%) go through the head transform and the vocabulary projection;
-        # they are found once (one host sync), and the loss gets only those rows and their labels.
-        labelled = (labels.reshape(-1) != kernels.IGNORE_INDEX).nonzero().squeeze(1)
-        rows = decoded.reshape(-1, decoded.shape[-1]).index_select(0, labelled)
-        result = kernels.masked_lm_loss(self.lm_head.transform(rows), self.word_embeddings.weight, self.lm_head.bias,
-                                        labels.reshape(-1).index_select(0, labelled), ignore_index=None,
-                                        impl=self.config.kernel_impl)
+        labelled = labelled_positions(labels)
+        result = self.labelled_loss(self.lm_head.transform(decoded.flatten(0, -2).index_select(0, labelled)),
+                                    labels.reshape(-1).index_select(0, labelled))
         return MaskedLMOutput(hidden, loss=result.loss, num_labelled=result.num_labelled,
                               num_correct=result.num_correct)
+
+    def decode(self, input_ids: torch.Tensor, mask: Layout,
+               token_type_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The encoder output and what the MLM head reads (EMD's output, or the encoder's)."""
+        skip_last = 1 if self.emd is not None else 0
+        hidden = self.deberta(input_ids, mask, token_type_ids, num_layers=self.config.num_hidden_layers - skip_last)
+        return hidden, self.emd(self.deberta.encoder, hidden, mask) if self.emd is not None else hidden
+
+    def labelled_loss(self, rows: torch.Tensor, targets: torch.Tensor) -> kernels.MaskedLMLoss:
+        """The fused MLM loss of head-transformed ``rows`` ``[M, E]`` against ``targets`` ``[M]``."""
+        return kernels.masked_lm_loss(rows, self.word_embeddings.weight, self.lm_head.bias, targets,
+                                      ignore_index=None, impl=self.config.kernel_impl)
+
+
+def labelled_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Flat indices of the labelled positions. Only those (~15%) go through the MLM head transform
+    and the vocabulary projection; they are found once (one host sync)."""
+    return (labels.reshape(-1) != kernels.IGNORE_INDEX).nonzero().squeeze(1)

@@ -1,4 +1,4 @@
-"""MLM pretraining under DeepSpeed: ``python -m distaff.train.pretrain --config RUN.yaml [key=value ...]``.
+"""Pretraining (MLM or RTD, ``train.objective``) under DeepSpeed: ``python -m distaff.train.pretrain --config RUN.yaml [key=value ...]``.
 
 Run under the ``deepspeed`` launcher, ``torchrun`` or ``srun``; rank and world size come from the
 environment. Data flows one way: config -> data stream -> model -> engine -> checkpoints/metrics.
@@ -36,12 +36,12 @@ from .data.loader import EvalLoader, PretrainLoader, open_data_dir
 from .data.manifest import Manifest
 from .engine import initialize, loss_scale, set_lr
 from .exit_codes import EXIT_BAD_CONFIG, EXIT_FAILURE, EXIT_PREEMPTED
-from .flops import peak_flops, train_flops_per_token
+from .flops import peak_flops
 from .metrics import (PLOT_FILE, MetricsLogger, Throughput, WandbSink, padding_fraction, peak_memory_gb, plot_metrics,
                       system_info)
-from .model import DebertaForMaskedLM
 from .model_config import ModelConfig
 from .model_folder import load_initial_weights
+from .objectives import objective_for
 from .schedule import lr_at
 from .tokenizer import TokenizerInfo
 from .runlock import DirLock
@@ -97,13 +97,13 @@ def build_model_config(cfg: RunConfig, tokenizer) -> ModelConfig:
     return cfg.model_config(**fixed)
 
 
-def check_data_fits_model(model_cfg: ModelConfig, seq_len: int) -> None:
+def check_data_fits_model(model_cfg: ModelConfig, seq_len: int, section: str = "model") -> None:
     """Absolute position embeddings (``position_biased_input``, the Enhanced Mask Decoder) have
     ``max_position_embeddings`` rows: longer sequences would fail at the first step with a shape error."""
-    users = [name for name, on in (("model.position_biased_input", model_cfg.position_biased_input),
-                                   ("model.emd", model_cfg.emd)) if on]
+    users = [f"{section}.{name}" for name, on in (("position_biased_input", model_cfg.position_biased_input),
+                                                  ("emd", model_cfg.emd)) if on]
     if users and seq_len > model_cfg.max_position_embeddings:
-        raise ConfigError(f"model.max_position_embeddings: {model_cfg.max_position_embeddings} is shorter than "
+        raise ConfigError(f"{section}.max_position_embeddings: {model_cfg.max_position_embeddings} is shorter than "
                           f"the data's sequences (data.dir: seq_len {seq_len}), and {' and '.join(users)} "
                           f"use absolute positions; raise it or prepare the data with a smaller --seq-len")
 
@@ -128,9 +128,11 @@ class Trainer:
         self.out_dir_lock = self._lock_out_dir()
         self.preemption = PreemptionFlag()
         self.manifest, tokenizer = open_data_dir(cfg.data.dir)
-        self.loader, self.evaluator = self._build_data(tokenizer)
         self.model_cfg = build_model_config(cfg, tokenizer)
-        check_data_fits_model(self.model_cfg, self.loader.seq_len)
+        self.objective = objective_for(cfg, self.model_cfg)
+        self.loader, self.evaluator = self._build_data(tokenizer)
+        for section, model_cfg in self.objective.model_configs().items():
+            check_data_fits_model(model_cfg, self.loader.seq_len, section)
         self.engine = self._build_engine()
         self.state = TrainState()
         self.checkpointer = self._build_checkpointer(tokenizer.path)
@@ -166,11 +168,11 @@ class Trainer:
         eval_loader = EvalLoader(cfg.data.dir, self.manifest, tokenizer,
                                  batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
                                  token_budget=cfg.data.token_budget(seq_len, eval=True), **shared)
-        return loader, Evaluator(eval_loader, cfg.eval.batches, layout.world_size, self.device)
+        return loader, Evaluator(eval_loader, cfg.eval.batches, layout.world_size, self.device, self.objective)
 
     def _build_engine(self):
         _seed(self.cfg.run.seed)                      # identical initial weights on every rank
-        model = DebertaForMaskedLM(self.model_cfg)
+        model = self.objective.build(self.layout.rank)
         if self.cfg.model.init_from:
             load_initial_weights(model, self.cfg.model.init_from)
         engine = initialize(model, self.cfg, self.layout.world_size)
@@ -180,10 +182,12 @@ class Trainer:
     def _build_checkpointer(self, tokenizer_dir: Path) -> Checkpointer:
         """Saves the engine plus each rank's data stream and RNGs, and the loop's state once (rank 0)."""
         cfg, layout = self.cfg, self.layout
-        return Checkpointer(cfg.out_dir / "checkpoints", self.engine,
-                            per_rank={"data": self.loader, "rng": RNGState(layout.rank)},
-                            shared={"train_state": self.state},
-                            meta={"config": config_to_dict(cfg), "model_config": self.model_cfg.to_dict()},
+        per_rank = {"data": self.loader, "rng": RNGState(layout.rank),
+                    **self.objective.per_rank_state(self.engine.module)}
+        meta = {"config": config_to_dict(cfg), "model_config": self.objective.model_cfg.to_dict(),
+                **self.objective.meta()}
+        return Checkpointer(cfg.out_dir / "checkpoints", self.engine, per_rank=per_rank,
+                            shared={"train_state": self.state}, meta=meta,
                             every=cfg.checkpoint.every, keep=cfg.checkpoint.keep, rank=layout.rank,
                             world_size=layout.world_size, barrier=dist_utils.barrier, any_rank=self._any_rank,
                             from_rank0=lambda text: dist_utils.broadcast_text(text, self.device),
@@ -208,15 +212,15 @@ class Trainer:
                   f"{self.layout.world_size} rank(s), ZeRO-{cfg.zero.stage}, {cfg.train.precision}, "
                   f"{parameters / 1e6:.2f}M parameters", flush=True)
             sink = WandbSink(cfg.wandb, run_name=cfg.run.name, out_dir=cfg.out_dir, run_id=self.state.wandb_run_id,
-                             config={**config_to_dict(cfg), "model_resolved": self.model_cfg.to_dict(),
-                                     "system": system_info(self.layout.world_size)})
+                             config={**config_to_dict(cfg), "model_resolved": self.objective.model_cfg.to_dict(),
+                                     **self.objective.meta(), "system": system_info(self.layout.world_size)})
         return MetricsLogger(cfg.out_dir, enabled=self.layout.is_main, max_steps=cfg.train.max_steps,
                              start_step=self.state.step, progress_bar=cfg.logging.progress_bar, wandb=sink)
 
     def _build_throughput(self) -> Throughput:
         on_gpu = self.device.type == "cuda"
         peak = peak_flops(torch.cuda.get_device_name(), self.cfg.train.precision) if on_gpu else None
-        flops = train_flops_per_token(self.model_cfg, self.loader.seq_len, self.cfg.data.masking.mlm_probability)
+        flops = self.objective.flops_per_token(self.loader.seq_len)
         return Throughput(self.layout.world_size, flops, peak)
 
     # ---------------------------------------------------------------- the loop
@@ -255,13 +259,13 @@ class Trainer:
         """One optimizer step and its bookkeeping; returns whether any rank got a signal."""
         state, started = self.state, time.perf_counter()
         set_lr(self.engine, self._lr(state.step))
-        local = train_step(self.engine, batches, self.cfg.train.grad_accum, self.device, self.layout.world_size)
+        local = train_step(self.engine, batches, self.cfg.train.grad_accum, self.device, self.objective,
+                           self.layout.world_size)
         # one small collective per step: global sums plus "did any rank get a signal?"; a non-finite
-        # global loss sum makes every rank skip the same optimizer step
+        # global sum makes every rank skip the same optimizer step
         flag = torch.tensor([float(self.preemption.signum != 0)], dtype=torch.float64, device=self.device)
-        loss_sum, labelled, correct, tokens, samples, positions, signalled = dist_utils.all_reduce_sum(
-            torch.cat([local, flag]), self.device)
-        skipped = not math.isfinite(loss_sum)
+        *sums, tokens, samples, positions, signalled = dist_utils.all_reduce_sum(torch.cat([local, flag]), self.device)
+        skipped = not all(map(math.isfinite, sums))
         optimizer_step(self.engine, skip=skipped)
         state.step += 1
         self._count_nonfinite(skipped)
@@ -271,7 +275,7 @@ class Trainer:
         state.train_time_s += time.perf_counter() - started
         self.throughput.add(int(tokens), int(samples), int(positions))
         if state.step % self.cfg.logging.every == 0 or state.step == self.cfg.train.max_steps:
-            self._log_train(loss_sum / max(labelled, 1.0), correct / max(labelled, 1.0))
+            self._log_train(self.objective.report(sums))
         self.metrics.advance(state.step)
         self.watchdog.feed()
         self._stop_if_nonfinite()
@@ -302,9 +306,9 @@ class Trainer:
         return lr_at(step, lr=optim.lr, warmup_steps=optim.warmup_steps, max_steps=self.cfg.train.max_steps,
                      schedule=optim.schedule, min_lr_ratio=optim.min_lr_ratio)
 
-    def _log_train(self, loss: float, accuracy: float) -> None:
+    def _log_train(self, objective_metrics: dict[str, float | None]) -> None:
         grad_norm = self.engine.get_global_grad_norm()
-        self.metrics.log({"step": self.state.step, "loss": loss, "accuracy": accuracy,
+        self.metrics.log({"step": self.state.step, **objective_metrics,
                           "lr": self.engine.optimizer.param_groups[0]["lr"],
                           "grad_norm": None if grad_norm is None else float(grad_norm),
                           "loss_scale": loss_scale(self.engine), "tokens_seen": self.state.tokens,
@@ -354,7 +358,9 @@ def write_summary(cfg: RunConfig, state: TrainState, manifest: Manifest, checkpo
              + (f" ({summary['tokens_per_s']:,.0f} tokens/s)" if summary["tokens_per_s"] else "")
              + (f", {100 * summary['padding_fraction']:.1f}% padding ({cfg.data.packing})"
                 if summary["padding_fraction"] is not None else "")]
-    if "eval_loss" in summary:
+    if "eval_rtd_auc" in summary:
+        lines.append(eval_rtd_line(summary))
+    elif "eval_loss" in summary:
         baseline = summary["unigram_baseline_accuracy"]
         lines.append(f"held-out loss {summary['eval_loss']:.4f}, perplexity {summary['eval_perplexity']:.1f}, "
                      f"MLM accuracy {summary['eval_accuracy']:.4f}"
@@ -362,6 +368,16 @@ def write_summary(cfg: RunConfig, state: TrainState, manifest: Manifest, checkpo
     lines.append(f"run directory {out_dir}; latest checkpoint {checkpoint}")
     print("distaff: summary\n  " + "\n  ".join(lines), flush=True)
     return summary
+
+
+def eval_rtd_line(summary: dict[str, Any]) -> str:
+    def fmt(key: str) -> str:
+        return "n/a" if summary.get(key) is None else f"{summary[key]:.4f}"
+
+    return (f"held-out generator loss {fmt('eval_gen_loss')}, accuracy {fmt('eval_gen_accuracy')}; "
+            f"discriminator accuracy {fmt('eval_rtd_accuracy')} (all-original baseline "
+            f"{fmt('eval_rtd_baseline_accuracy')}), replaced-token AUC {fmt('eval_rtd_auc')} (chance 0.5), "
+            f"precision {fmt('eval_rtd_precision')}, recall {fmt('eval_rtd_recall')}")
 
 
 def train(cfg: RunConfig, layout: dist_utils.DistEnv) -> int:

@@ -14,11 +14,12 @@ from distaff.kernels import IGNORE_INDEX
 
 from . import distributed as dist_utils
 from .data.loader import EvalLoader
-from .metrics import perplexity
-from .model import MaskedLMOutput
+from .objectives import MaskedLMObjective, ReplacedTokenDetectionObjective
+
+Objective = MaskedLMObjective | ReplacedTokenDetectionObjective
 
 
-def forward_batch(engine, batch: dict[str, torch.Tensor | int], device: torch.device) -> MaskedLMOutput:
+def forward_batch(engine, batch: dict[str, torch.Tensor | int], device: torch.device):
     batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
     return engine(batch.pop("input_ids"), **batch)
 
@@ -47,25 +48,24 @@ def _loss_weights(micro_batches: list[dict], world_size: int, device: torch.devi
     return [n * world_size * len(micro_batches) / max(total, 1.0) for n in local]
 
 
-def train_step(engine, batches: Iterator[dict], grad_accum: int, device: torch.device,
+def train_step(engine, batches: Iterator[dict], grad_accum: int, device: torch.device, objective: Objective,
                world_size: int = 1) -> torch.Tensor:
     """Forward and backward over ``grad_accum`` micro-batches, stopping short of the optimizer step
     (:func:`optimizer_step`, once the ranks have agreed the loss was finite); this rank's sums
-    ``[loss * labelled, labelled, correct, tokens, samples, positions]`` as a float64 tensor on
-    ``device`` (kept there so micro-batches queue without a host sync); ``tokens`` are real tokens,
-    ``positions`` include padding."""
+    (the objective's, then ``tokens, samples, positions``) as a float64 tensor on ``device`` (kept
+    there so micro-batches queue without a host sync); ``tokens`` are real tokens, ``positions``
+    include padding."""
     micro_batches = [next(batches) for _ in range(grad_accum)]
     weights = _loss_weights(micro_batches, world_size, device)
-    sums = torch.zeros(6, dtype=torch.float64, device=device)
+    sums = torch.zeros(objective.num_sums + 3, dtype=torch.float64, device=device)
     for micro, batch in enumerate(micro_batches):
         counts = batch_counts(batch)
         out = forward_batch(engine, batch, device)
         engine.backward(out.loss if weights is None else out.loss * weights[micro])
         if micro < grad_accum - 1:
             engine.step()   # below the accumulation boundary DeepSpeed only counts the micro-step
-        labelled = out.num_labelled.double()
-        sums[:3] += torch.stack([out.loss.detach().double() * labelled, labelled, out.num_correct.double()])
-        sums[3:] += torch.tensor(counts, dtype=torch.float64, device=device)
+        sums[:-3] += objective.sums(out)
+        sums[-3:] += torch.tensor(counts, dtype=torch.float64, device=device)
     return sums
 
 
@@ -92,15 +92,16 @@ def optimizer_step(engine, skip: bool) -> None:
 
 
 class Evaluator:
-    """Loss, accuracy and perplexity on the held-out split, token-weighted over all ranks.
+    """The objective's metrics on the held-out split (``eval_`` keys), token-weighted over all ranks.
 
     Every rank runs the same number of batches (ZeRO-3 forwards are collective), and the global
     RNG is forked so evaluating never changes the training run's random stream.
     """
 
-    def __init__(self, loader: EvalLoader, max_batches: int, world_size: int, device: torch.device):
+    def __init__(self, loader: EvalLoader, max_batches: int, world_size: int, device: torch.device,
+                 objective: Objective):
         self.loader, self.max_batches = loader, max_batches
-        self.world_size, self.device = world_size, device
+        self.world_size, self.device, self.objective = world_size, device, objective
 
     @torch.no_grad()
     def __call__(self, engine) -> dict[str, float]:
@@ -108,26 +109,21 @@ class Evaluator:
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             sums = self._local_sums(engine)
         engine.train()
-        loss_sum, labelled, correct = dist_utils.all_reduce_sum(sums, self.device)
-        if labelled == 0:
+        sums = dist_utils.all_reduce_sum(sums, self.device)
+        if sums[1] == 0:    # both objectives' second sum counts the masked tokens
             raise RuntimeError(f"evaluation saw no labelled tokens: is the held-out split of "
                                f"{self.loader.data_dir} empty?")
-        loss = loss_sum / labelled
-        return {"eval_loss": loss, "eval_accuracy": correct / labelled, "eval_perplexity": perplexity(loss),
-                "eval_tokens": int(labelled)}
+        return self.objective.eval_report(sums)
 
-    def _local_sums(self, engine) -> list[float]:
-        """This rank's ``[loss * labelled, labelled, correct]``, over batches every rank has."""
-        sums, done, batches = [0.0, 0.0, 0.0], 0, iter(self.loader)
+    def _local_sums(self, engine) -> torch.Tensor:
+        """This rank's objective sums, over batches every rank has."""
+        sums = torch.zeros(self.objective.num_sums, dtype=torch.float64, device=self.device)
+        done, batches = 0, iter(self.loader)
         while self.max_batches == 0 or done < self.max_batches:
             batch = next(batches, None)
             have = dist_utils.all_reduce_sum([0.0 if batch is None else 1.0], self.device)[0]
             if have < self.world_size:
                 break
-            out = forward_batch(engine, batch, self.device)
-            labelled = float(out.num_labelled)
-            sums[0] += float(out.loss) * labelled
-            sums[1] += labelled
-            sums[2] += float(out.num_correct)
+            sums += self.objective.sums(forward_batch(engine, batch, self.device))
             done += 1
         return sums
