@@ -410,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except ConfigError as err:
         print(f"distaff pretrain: rank {layout.rank}: config error: {err}", file=sys.stderr, flush=True)
+        # every rank refuses together, so no collective is pending: a live process group left to the
+        # interpreter's exit aborts the process ("terminate called without an active exception")
+        dist_utils.shutdown()
         return EXIT_BAD_CONFIG
     except Exception as err:  # noqa: BLE001 - report which rank failed and why, then exit non-zero
         traceback.print_exc()
