@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
 from distaff.train.config import ConfigError, config_from_dict, config_to_dict, load_config, save_config
+from distaff.train.hf import hf_config_dict
 
 pytestmark = pytest.mark.unit
 
@@ -133,3 +136,16 @@ def test_token_budget_defaults_to_the_padded_batch_positions():
     assert varlen.data.token_budget(128) == 6 * 128 and varlen.data.token_budget(128, eval=True) == 2 * 128
     chosen = load_config(None, ["data.dir=/d", "data.packing=varlen", "data.tokens_per_batch=5000"])
     assert chosen.data.token_budget(128) == 5000
+
+
+@pytest.mark.parametrize("setting, first, second", [
+    ("packing", r"train\.objective=rtd", r"data\.packing=varlen"),
+    ("init_from", r"model\.init_from", r"rtd\.init_discriminator"),
+])
+def test_rtd_refuses_settings_it_cannot_run_naming_both_keys(tmp_path, setting, first, second):
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(load_config(None, ["data.dir=/d"]).model_config())))
+    override = "data.packing=varlen" if setting == "packing" else f"model.init_from={tmp_path}"
+    load_config(None, ["data.dir=/d", override])            # valid for MLM
+    with pytest.raises(ConfigError, match=first) as err:
+        load_config(None, ["data.dir=/d", "train.objective=rtd", override])
+    assert re.search(second, str(err.value)), err.value
