@@ -112,6 +112,10 @@ def broadcast_text(text: str, device: torch.device) -> str:
     return bytes(data.tolist()).decode()
 
 
+def torch_distributed_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

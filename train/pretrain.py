@@ -422,6 +422,11 @@ def main(argv: list[str] | None = None) -> int:
                     f"distributed.timeout_s={cfg.distributed.timeout_s})")
         print(f"distaff pretrain: rank {layout.rank}: failed: {type(err).__name__}: {err}{hint}",
               file=sys.stderr, flush=True)
+        # its peers may be gone or mid-collective, so the process group can be neither destroyed (that
+        # may wait) nor left to the interpreter's teardown (gloo's threads abort it with -6): leave now
+        if dist_utils.torch_distributed_initialized():
+            sys.stdout.flush()
+            os._exit(EXIT_FAILURE)
         return EXIT_FAILURE
     finally:
         sys.stdout.flush()
