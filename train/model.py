@@ -59,6 +59,17 @@ class LayerNorm(nn.Module):
         return kernels.layer_norm(x, self.weight, self.bias, self.eps, residual, impl=self.impl)
 
 
+def batch_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+                 cu_seqlens: torch.Tensor | None, max_seqlen: int | None) -> Layout:
+    """A model's batch arguments as a :data:`Layout`: the padding mask (all ones when absent), or
+    :class:`Packed` when ``cu_seqlens`` is given."""
+    if cu_seqlens is None:
+        return torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    if attention_mask is not None or position_ids is None or max_seqlen is None:
+        raise ValueError("a packed batch (cu_seqlens) needs position_ids and max_seqlen, and no attention_mask")
+    return Packed(cu_seqlens, int(max_seqlen), position_ids)
+
+
 def absolute_positions(table: nn.Embedding, tokens: torch.Tensor, mask: Layout) -> torch.Tensor:
     """Each token's absolute position embedding: ``[N, D]`` (broadcast over the batch) when padded,
     ``[T, D]`` restarting in every sequence when packed."""
@@ -367,12 +378,7 @@ class DebertaForMaskedLM(nn.Module):
 
         Packed batches (``MLMCollator.packed``) give ``cu_seqlens``, ``max_seqlen`` and ``position_ids``
         instead of ``attention_mask``; ``input_ids``, ``labels`` and the outputs are then 1-D over tokens."""
-        if cu_seqlens is not None:
-            if attention_mask is not None or position_ids is None or max_seqlen is None:
-                raise ValueError("a packed batch (cu_seqlens) needs position_ids and max_seqlen, and no attention_mask")
-            mask: Layout = Packed(cu_seqlens, int(max_seqlen), position_ids)
-        else:
-            mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        mask = batch_layout(input_ids, attention_mask, position_ids, cu_seqlens, max_seqlen)
         hidden, decoded = self.decode(input_ids, mask, token_type_ids)
         if labels is None:
             logits = F.linear(self.lm_head.transform(decoded), self.word_embeddings.weight, self.lm_head.bias)
