@@ -1,0 +1,168 @@
+"""SiFT: scale-invariant fine-tuning (DeBERTa paper, He et al. 2021, "Scale-invariant fine-tuning").
+
+A virtual adversarial regulariser: the classifier should predict the same thing when its
+*normalised* word embeddings (the output of ``deberta.embeddings.LayerNorm``) are nudged in the
+direction that changes its prediction most. Perturbing after the normalisation keeps a
+perturbation of a given size equally strong whatever the scale of the embedding table.
+
+Per training step, on the batch the trainer has just run:
+
+1. ``delta`` <- normal noise of std ``perturbation_size`` (truncated at two std), one vector per token;
+2. ``adversarial_steps`` times: run the model with ``delta`` added to the normalised embeddings,
+   take the gradient of the divergence from the clean (detached) prediction w.r.t. ``delta`` only,
+   and step ``delta`` up it by ``step_size`` times the gradient divided by its per-token max-abs;
+3. run the model once more with the final (detached) ``delta`` and return
+   ``loss_weight * divergence(perturbed, clean)``, with gradients into the parameters through both
+   predictions; the trainer adds it to the task loss.
+
+The divergence is the symmetric KL of the two predicted distributions (classification), or for
+regression the squared difference of the predictions: the symmetric KL of two unit-variance
+Gaussians centred on them. docs/finetuning.md ("SiFT") gives the sources and the decisions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distaff.train.model_config import ConfigError
+
+__all__ = ["SiftConfig", "SiFT", "divergence", "symmetric_kl"]
+
+
+@dataclass
+class SiftConfig:
+    """The ``sift:`` section of a fine-tuning config; defaults are the official implementation's."""
+
+    enabled: bool = False
+    perturbation_size: float = 1e-2     # std of the initial noise on the normalised embeddings
+    step_size: float = 1e-4             # largest change of one coordinate per ascent step
+    adversarial_steps: int = 1          # ascent steps on the perturbation (0: random noise only)
+    loss_weight: float = 1.0            # weight of the adversarial term added to the task loss
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"sift.enabled must be true or false, got {self.enabled!r}")
+        if isinstance(self.adversarial_steps, bool) or not isinstance(self.adversarial_steps, int) \
+                or self.adversarial_steps < 0:
+            raise ConfigError(f"sift.adversarial_steps must be an integer >= 0, got {self.adversarial_steps!r}")
+        for name, positive in (("perturbation_size", True), ("step_size", False), ("loss_weight", False)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+                    or value in (float("inf"), float("-inf")) or value < 0 or (positive and value == 0):
+                bound = "> 0" if positive else ">= 0"
+                raise ConfigError(f"sift.{name} must be a finite number {bound}, got {value!r}")
+            setattr(self, name, float(value))
+
+
+def symmetric_kl(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``KL(p || q) + KL(q || p)`` of the softmax distributions over the last dim, batch mean, float32."""
+    log_p, log_q = F.log_softmax(logits.float(), -1), F.log_softmax(target.float(), -1)
+    return ((log_p.exp() - log_q.exp()) * (log_p - log_q)).sum(-1).mean()
+
+
+def divergence(logits: torch.Tensor, target: torch.Tensor, regression: bool) -> torch.Tensor:
+    """Symmetric KL for class logits; for regression outputs the mean squared difference (the symmetric
+    KL of two unit-variance Gaussians centred on the predictions). Float32 whatever the inputs' dtype."""
+    if regression:
+        return (logits.float() - target.float()).pow(2).mean()
+    return symmetric_kl(logits, target)
+
+
+class _RandomState:
+    """The RNG state of the CPU and of ``device`` when it is a GPU, to replay one dropout draw."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
+
+
+class _Perturbation:
+    """The per-token perturbation ``delta`` (float32), drawn at the first perturbed forward from the shape of
+    the normalised embeddings, and the ascent step on it.
+
+    As a forward hook it adds ``delta`` to the module's output. Every perturbed forward replays the random
+    state the first one had there, so all of them draw the same dropout masks (the model's dropouts all come
+    after the embedding LayerNorm) and the ascent sees ``delta``'s effect alone."""
+
+    def __init__(self, size: float):
+        self.size = size
+        self.delta: torch.Tensor | None = None
+        self.random_state: _RandomState | None = None
+        self.ascending = True  # False: the last forward, whose delta is a constant
+
+
+    def __call__(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        if self.delta is None:
+            noise = torch.randn(output.shape, device=output.device, dtype=torch.float32) * self.size
+            self.delta = noise.clamp(-2 * self.size, 2 * self.size).requires_grad_()
+            self.random_state = _RandomState(output.device)
+        else:
+            self.random_state.restore()
+        delta = self.delta if self.ascending else self.delta.detach()
+        return (output.float() + delta).to(output.dtype)
+
+    def ascend(self, loss: torch.Tensor, step_size: float) -> bool:
+        """One normalised gradient-ascent step of ``loss`` on ``delta``; False (``delta`` kept) when the
+        gradient is not finite. Only ``delta``'s gradient is computed: nothing reaches the parameters."""
+        (grad,) = torch.autograd.grad(loss, self.delta)
+        if not bool(torch.isfinite(grad).all()):
+            return False
+        scale = grad.abs().amax(-1, keepdim=True) + 1e-6
+        self.delta = (self.delta.detach() + step_size * grad / scale).requires_grad_()
+        return True
+
+
+class SiFT:
+    """Scale-invariant fine-tuning for a :class:`~distaff.train.classifier.DebertaForSequenceClassification`.
+
+    ``model`` is the module itself (under DeepSpeed, ``engine.module``): SiFT hooks its embedding
+    LayerNorm during its own forwards only. ``skipped_updates`` counts ascent steps skipped because
+    the perturbation's gradient was not finite.
+    """
+
+    def __init__(self, cfg: SiftConfig, model: nn.Module):
+        embeddings = getattr(getattr(model, "deberta", None), "embeddings", None)
+        if not isinstance(getattr(embeddings, "LayerNorm", None), nn.Module) or not hasattr(model, "regression"):
+            raise TypeError(f"SiFT needs a DebertaForSequenceClassification (deberta.embeddings.LayerNorm, "
+                            f".regression), got {type(model).__name__}; under DeepSpeed pass engine.module")
+        self.cfg = cfg
+        self.regression: bool = bool(model.regression)
+        self.perturbed_module: nn.Module = embeddings.LayerNorm  # its output is what SiFT perturbs
+        self.skipped_updates = 0
+
+    def adversarial_loss(self, forward: Callable[[], torch.Tensor], clean_logits: torch.Tensor) -> torch.Tensor:
+        """``loss_weight`` x the divergence between the model's predictions with and without the
+        adversarial perturbation, to add to the task loss before backward (a float32 scalar; zero, with no
+        forward run, when SiFT is disabled). ``forward`` reruns the model on this step's batch and returns
+        its logits; ``clean_logits`` are this step's logits from the normal forward, with their graph."""
+        if not self.cfg.enabled or self.cfg.loss_weight == 0:
+            return torch.zeros((), dtype=torch.float32, device=clean_logits.device)
+        target = clean_logits.detach()
+        perturbation = _Perturbation(self.cfg.perturbation_size)
+        with self._perturbing(perturbation):
+            for _ in range(self.cfg.adversarial_steps):
+                if not perturbation.ascend(divergence(forward(), target, self.regression), self.cfg.step_size):
+                    self.skipped_updates += 1
+            perturbation.ascending = False
+            perturbed = forward()
+        return self.cfg.loss_weight * divergence(perturbed, clean_logits, self.regression)
+
+    @contextmanager
+    def _perturbing(self, perturbation: _Perturbation) -> Iterator[None]:
+        handle = self.perturbed_module.register_forward_hook(perturbation)
+        try:
+            yield
+        finally:
+            handle.remove()
