@@ -36,14 +36,15 @@ def _model(num_labels: int = 3, dropout: float = 0.0, seed: int = 0) -> DebertaF
     return model
 
 
+LENGTHS = (12, 8, 12, 5)  # real tokens per row of the test batch, the rest padding
+
+
 def _batch(num_labels: int = 3):
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, MODEL["vocab_size"], (4, 12), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[1, 8:] = 0
-    mask[3, 5:] = 0
-    ids[mask == 0] = 0
-    labels = torch.randn(4, generator=gen) if num_labels == 1 else torch.randint(0, num_labels, (4,), generator=gen)
+    mask = (torch.arange(max(LENGTHS)) < torch.tensor(LENGTHS)[:, None]).long()
+    ids = torch.randint(3, MODEL["vocab_size"], mask.shape, generator=gen) * mask
+    rows = len(LENGTHS)
+    labels = torch.randn(rows, generator=gen) if num_labels == 1 else torch.randint(0, num_labels, (rows,), generator=gen)
     return ids, mask, labels
 
 

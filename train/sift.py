@@ -124,6 +124,21 @@ class _Perturbation:
         return True
 
 
+def _model_logits(forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``forward()``, refusing logits that came through a DeepSpeed engine's ``forward``.
+
+    DeepSpeed (0.19 here) hooks the engine's outputs so that any backward through them is a training
+    backward: the ascent's gradient w.r.t. the perturbation would then be refused (ZeRO-0) or would start
+    the gradient reduction (ZeRO-2 fails in it). The module's own ZeRO-3 hooks gather its parameters
+    whichever way it is called, so SiFT's forwards call ``engine.module``."""
+    logits = forward()
+    if hasattr(logits, "_backward_hook_managers"):  # where DeepSpeed keeps those output hooks
+        raise ValueError("SiFT: forward() must run the model itself (lambda: engine.module(**batch).logits), "
+                         "not the DeepSpeed engine (engine(**batch)): a backward through the engine's "
+                         "outputs is a training backward to DeepSpeed")
+    return logits
+
+
 class SiFT:
     """Scale-invariant fine-tuning for a :class:`~distaff.train.classifier.DebertaForSequenceClassification`.
 
@@ -145,18 +160,22 @@ class SiFT:
     def adversarial_loss(self, forward: Callable[[], torch.Tensor], clean_logits: torch.Tensor) -> torch.Tensor:
         """``loss_weight`` x the divergence between the model's predictions with and without the
         adversarial perturbation, to add to the task loss before backward (a float32 scalar; zero, with no
-        forward run, when SiFT is disabled). ``forward`` reruns the model on this step's batch and returns
-        its logits; ``clean_logits`` are this step's logits from the normal forward, with their graph."""
+        forward run, when SiFT is disabled).
+
+        ``forward`` reruns the model on this step's batch and returns its logits; under DeepSpeed it calls
+        the module, ``lambda: engine.module(**batch).logits``, not the engine (see :func:`_model_logits`).
+        ``clean_logits`` are this step's logits from the normal forward (through the engine), with their graph."""
         if not self.cfg.enabled or self.cfg.loss_weight == 0:
             return torch.zeros((), dtype=torch.float32, device=clean_logits.device)
         target = clean_logits.detach()
         perturbation = _Perturbation(self.cfg.perturbation_size)
         with self._perturbing(perturbation):
             for _ in range(self.cfg.adversarial_steps):
-                if not perturbation.ascend(divergence(forward(), target, self.regression), self.cfg.step_size):
+                ascent_loss = divergence(_model_logits(forward), target, self.regression)
+                if not perturbation.ascend(ascent_loss, self.cfg.step_size):
                     self.skipped_updates += 1
             perturbation.ascending = False
-            perturbed = forward()
+            perturbed = _model_logits(forward)
         return self.cfg.loss_weight * divergence(perturbed, clean_logits, self.regression)
 
     @contextmanager
