@@ -706,6 +706,9 @@ def check_offsets_fit_int32(num_seqs: int, n_heads: int, n_ctx: int, token_strid
 
 def _make_problem(call: AttentionCall, *, num_seqs: int, n_ctx: int, strides: tuple, stat_shape: tuple,
                   stat_strides: tuple, mask, cu_seqlens) -> _Problem:
+    if call.per_sequence_scale or call.mask_diagonal:
+        raise NotImplementedError("per-sequence softmax_scale and mask_diagonal are not in the Triton kernels yet; "
+                                  "use impl='reference'")
     q = call.q
     heads = q.shape[1]  # [B, H, N, d] and [total, H, d] alike
     two_span = 2 * attention_span(call.position_buckets, call.max_relative_positions)
