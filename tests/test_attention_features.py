@@ -129,3 +129,102 @@ def test_varlen_scale_needs_one_per_sequence():
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"\[S\] \(len\(cu_seqlens\) - 1\) = \(2,\)"):
         disentangled_attention_varlen(q, q, q, cu_seqlens=cu, max_seqlen=4, **KW, softmax_scale=torch.ones(6))
+
+
+# --------------------------------------------------------------------------- Triton (interpreter: fp32, fp16)
+
+FEATURES = {"scale": (True, False), "diagonal": (False, True), "scale+diagonal": (True, True)}
+
+
+def _features(name: str, num_seqs: int) -> dict:
+    scaled, diagonal = FEATURES[name]
+    scales = torch.linspace(0.15, 1.4, num_seqs, dtype=torch.float32) if scaled else None
+    return dict(softmax_scale=scales, mask_diagonal=diagonal)
+
+
+@pytest.mark.parametrize("features,c2p,p2c,dtype", [
+    ("scale", True, True, torch.float32), ("diagonal", True, True, torch.float32),
+    ("scale+diagonal", True, True, torch.float16), ("scale+diagonal", True, False, torch.float32),
+    ("scale+diagonal", False, True, torch.float16), ("scale+diagonal", False, False, torch.float32),
+])
+def test_triton_padded_matches_reference(features, c2p, p2c, dtype):
+    """Four sequences: full, padded tail, one real token, fully padded; 45 tokens = 2 x 2 tiles of 32,
+    so diagonal tiles and off-diagonal tiles both occur."""
+    n = 45
+    inputs = make_inputs(torch.device("cpu"), 4, 1, n, 32, BUCKETS, c2p, p2c, seed=2)
+    kw = dict(KW, attention_mask=_padding_mask(4, n), **_features(features, 4))
+    got = run_with_grads(attention.disentangled_attention, inputs, dtype, **kw)
+    want = run_with_grads(reference.disentangled_attention, inputs, torch.float64, **kw)
+    assert_close(got, want, TOL[dtype])
+    if kw["mask_diagonal"]:  # the one-token sequence has no key: exact zeros, no NaN
+        for value in got[:4]:
+            assert (value[2, :, 0] == 0).all()
+
+
+@pytest.mark.parametrize("features,c2p,dtype", [
+    ("scale", True, torch.float32), ("diagonal", False, torch.float16), ("scale+diagonal", True, torch.float16),
+    ("scale+diagonal", False, torch.float32),
+])
+def test_triton_varlen_matches_reference(features, c2p, dtype):
+    lengths = [5, 1, 40, 33]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(sum(lengths), 2, 32, generator=gen) for _ in range(3)]
+    inputs += [torch.randn(2, 2 * BUCKETS, 32, generator=gen) if c2p else None,
+               torch.randn(2, 2 * BUCKETS, 32, generator=gen)]
+    kw = dict(KW, cu_seqlens=cu, max_seqlen=max(lengths), **_features(features, len(lengths)))
+    got = run_with_grads(attention.disentangled_attention_varlen, inputs, dtype, **kw)
+    want = run_with_grads(reference.disentangled_attention_varlen, inputs, torch.float64, **kw)
+    assert_close(got, want, TOL[dtype])
+
+
+def test_triton_against_the_brute_force_oracle_with_saturated_tiles():
+    """Explicit N x N float64 scores with -inf on the diagonal and per-sequence scales; at 130 tokens
+    with 8 buckets most tiles are saturated (the rank-1 fast path) and the diagonal ones are not."""
+    n = 130
+    paths = attention.tile_paths(n, attention.INTERPRETER_TILES, BUCKETS, MAX_REL)
+    assert paths.saturated > 0 and paths.identity + paths.merged > 0, paths
+    inputs = _float64_inputs(2, 1, n, 32, seed=6)
+    mask = torch.ones(2, n, dtype=torch.long)
+    mask[1, 100:] = 0
+    kw = dict(KW, attention_mask=mask, softmax_scale=torch.tensor([0.11, 0.3]), mask_diagonal=True)
+    got = run_with_grads(attention.disentangled_attention, inputs, torch.float32, **kw)
+    want = run_with_grads(naive_attention, inputs, torch.float64, **kw)
+    assert_close(got, want, TOL[torch.float32])
+    # The same kernel without the diagonal mask is far from this oracle: the check can fail.
+    unmasked = run_with_grads(attention.disentangled_attention, inputs, torch.float32, **{**kw, "mask_diagonal": False})
+    with pytest.raises(AssertionError, match="out: relative L2 error"):
+        assert_close(unmasked, want, TOL[torch.float32])
+
+
+def test_triton_one_token_sequences_give_zeros_not_nan():
+    for fn, shape, kw in ((attention.disentangled_attention, (1, 2, 1, 32), {}),
+                          (attention.disentangled_attention_varlen, (2, 2, 32),
+                           dict(cu_seqlens=torch.tensor([0, 1, 2], dtype=torch.int32), max_seqlen=1))):
+        gen = torch.Generator().manual_seed(0)
+        inputs = [torch.randn(shape, generator=gen) for _ in range(3)]
+        inputs += [torch.randn(2, 2 * BUCKETS, 32, generator=gen) for _ in range(2)]
+        for value in run_with_grads(fn, inputs, torch.float32, **KW, **kw, mask_diagonal=True):
+            assert (value == 0).all(), "no key left: output and every gradient are exactly 0"
+
+
+def test_triton_dropout_mask_is_unchanged_by_the_features():
+    """The keep mask recovered from the kernel without the features, applied by a float64 oracle with
+    them, matches the kernel with them: the features do not move the dropout stream."""
+    batch, heads, n, d = 2, 1, 64, 32  # recover_keep_mask needs d = n
+    keep = recover_keep_mask(torch.device("cpu"), batch, heads, n, seed=5).double()
+    inputs = _float64_inputs(batch, heads, n, d, seed=7)
+    scales = torch.tensor([0.2, 0.45])
+    eye = torch.eye(n, dtype=torch.float64).expand(batch, heads, n, n)
+
+    def oracle(q, k, v, kr, qr):
+        probs = naive_attention(q, k, eye, kr, qr, **KW, softmax_scale=scales, mask_diagonal=True)
+        return (probs * keep / (1 - DROP)) @ v
+
+    def kernel(q, k, v, kr, qr):
+        torch.manual_seed(5)
+        return attention.disentangled_attention(q, k, v, kr, qr, **KW, dropout_p=DROP, softmax_scale=scales,
+                                                mask_diagonal=True)
+
+    assert_close(run_with_grads(kernel, inputs, torch.float32), run_with_grads(oracle, inputs, torch.float64),
+                 TOL[torch.float32])
