@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 from attention_oracle import naive_attention
+from helpers import assert_same_loss_and_grads
 
 from distaff.train.hf import to_hf
 from distaff.train.model import DebertaForMaskedLM
@@ -116,12 +117,7 @@ def test_triton_path_matches_the_reference_with_gradients():
     ids = torch.randint(5, 50, (len(LENGTHS), n))
     mask = _padding_mask(n)
     labels = torch.where(mask.bool() & (torch.arange(n) % 2 == 0), ids, -100)
-    losses = [model(ids, mask, labels=labels).loss for model in (fused, plain)]
-    torch.testing.assert_close(losses[0], losses[1], atol=1e-5, rtol=1e-5)
-    for loss in losses:
-        loss.backward()
-    for (name, a), (_, b) in zip(fused.named_parameters(), plain.named_parameters()):
-        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert_same_loss_and_grads(fused, plain, ids, mask, labels=labels)
 
 
 @pytest.mark.parametrize("value", [-1, 1])
