@@ -228,3 +228,22 @@ def test_triton_dropout_mask_is_unchanged_by_the_features():
 
     assert_close(run_with_grads(kernel, inputs, torch.float32), run_with_grads(oracle, inputs, torch.float64),
                  TOL[torch.float32])
+
+
+@pytest.mark.parametrize("layout", ["padded", "varlen"])
+def test_triton_tensor_of_one_scale_is_bit_identical_to_the_float(layout):
+    """The per-sequence specialisation only changes where the scale comes from, not the arithmetic."""
+    scale = 0.37
+    if layout == "padded":
+        inputs = make_inputs(torch.device("cpu"), 2, 1, 40, 32, BUCKETS, seed=9)
+        mask = (torch.arange(40)[None, :] < torch.tensor([[40], [25]])).long()
+        fn, kw, seqs = attention.disentangled_attention, dict(KW, attention_mask=mask), 2
+    else:
+        inputs = [t[0].transpose(0, 1).contiguous() if t.dim() == 4 else t
+                  for t in make_inputs(torch.device("cpu"), 1, 1, 40, 32, BUCKETS, seed=9)]
+        cu = torch.tensor([0, 7, 40], dtype=torch.int32)
+        fn, kw, seqs = attention.disentangled_attention_varlen, dict(KW, cu_seqlens=cu, max_seqlen=33), 2
+    with_float = run_with_grads(fn, inputs, torch.float16, **kw, softmax_scale=scale)
+    with_tensor = run_with_grads(fn, inputs, torch.float16, **kw, softmax_scale=torch.full((seqs,), scale))
+    for a, b in zip(with_float, with_tensor):
+        assert torch.equal(a, b)
