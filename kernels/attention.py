@@ -30,6 +30,12 @@ per column, and their gradients are row / column sums of ``dS`` times one table 
 partial row updated; no slab, gather or merge (``_score_tile``, ``_position_grads``).
 ``tile_paths`` counts the tiles on each path on the host.
 
+Optional features are ``tl.constexpr`` specialisations, so kernels without them are unchanged:
+``SCALE_PER_SEQ`` loads the sequence's softmax scale from a float32 ``[num_seqs]`` tensor (forward
+and both backward kernels, where it scales ``dS``); ``MASK_DIAGONAL`` hides ``i == j`` on the tiles
+that meet the diagonal. A row left without keys gets ``lse = +inf`` and output 0, hence ``P = 0``
+and ``dS = 0`` in backward.
+
 Dropout keeps ``(i, j)`` iff ``tl.rand(seed + b*H + h, i * n_ctx + j) >= p``: regenerated in
 backward, no mask in memory. Tile sizes per kernel and head dim are chosen so that every
 configuration compiles for sm_80/sm_90/sm_100 without register spills (``compile_check``);
@@ -109,7 +115,10 @@ def _load_slab(rel_ptr, t_lo, offs_w, offs_d, SLAB: tl.constexpr, TWO_SPAN: tl.c
 
 
 @triton.jit
-def _visible(mask_ptr, i0, j0, offs_m, offs_n, seq_len, HAS_MASK: tl.constexpr):
+def _visible(mask_ptr, i0, j0, offs_m, offs_n, seq_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr):
+    """Visible pairs of a tile: both tokens real; under ``MASK_DIAGONAL`` also ``i != j``, tested only on
+    the tiles whose rectangle meets the diagonal (a uniform scalar branch: the others skip it)."""
     rows = i0 + offs_m
     cols = j0 + offs_n
     row_ok = rows < seq_len
@@ -117,7 +126,20 @@ def _visible(mask_ptr, i0, j0, offs_m, offs_n, seq_len, HAS_MASK: tl.constexpr):
     if HAS_MASK:
         row_ok &= tl.load(mask_ptr + rows, mask=row_ok, other=0) != 0
         col_ok &= tl.load(mask_ptr + cols, mask=col_ok, other=0) != 0
-    return row_ok[:, None] & col_ok[None, :]
+    visible = row_ok[:, None] & col_ok[None, :]
+    if MASK_DIAGONAL:
+        if (i0 < j0 + BLOCK_N) & (j0 < i0 + BLOCK_M):
+            visible = visible & (rows[:, None] != cols[None, :])
+    return visible
+
+
+@triton.jit
+def _sequence_scale(SCALES, seq, scale, SCALE_PER_SEQ: tl.constexpr):
+    """The softmax scale of sequence ``seq``: its entry of ``SCALES`` (float32 [num_seqs]) or the one float."""
+    seq_scale = scale
+    if SCALE_PER_SEQ:
+        seq_scale = tl.load(SCALES + seq)
+    return seq_scale
 
 
 @triton.jit
@@ -146,7 +168,7 @@ def _dot_row(x, row_ptr, offs_d):
 def _score_tile(q, k, kr_ptr, qr_ptr, table_ptr, mask_ptr, i0, j0, seq_len, scale, offs_m, offs_n, offs_w, offs_d,
                 TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 SLAB: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr,
-                PRECISION: tl.constexpr):
+                MASK_DIAGONAL: tl.constexpr, PRECISION: tl.constexpr):
     """Scaled scores of tile ``(i0, j0)`` (``-inf`` where the pair is not visible) and its bucket range.
 
     A saturated tile (every distance in one bucket ``t``) has a rank-1 position bias: c2p is one value
@@ -162,7 +184,7 @@ def _score_tile(q, k, kr_ptr, qr_ptr, table_ptr, mask_ptr, i0, j0, seq_len, scal
     else:
         s = _add_slab_bias(s, q, k, kr_ptr, qr_ptr, table_ptr, i0, j0, t_lo, offs_m, offs_n, offs_w, offs_d,
                            TWO_SPAN, HEAD_DIM, SLAB, HAS_C2P, HAS_P2C, PRECISION)
-    visible = _visible(mask_ptr, i0, j0, offs_m, offs_n, seq_len, HAS_MASK)
+    visible = _visible(mask_ptr, i0, j0, offs_m, offs_n, seq_len, BLOCK_M, BLOCK_N, HAS_MASK, MASK_DIAGONAL)
     return tl.where(visible, s * scale, float("-inf")), t_lo, t_hi
 
 
@@ -273,12 +295,13 @@ def _probs_and_dscores(s, lse, delta, dp, seed, i0, j0, offs_m, offs_n, n_ctx, d
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, KR, QR, TABLE, MASK, CU, O, LSE,
+def _attn_fwd(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, O, LSE,
               seed, scale, dropout_p, n_ctx, n_heads,
               stride_b, stride_h, stride_n, stride_lb, stride_lh,
               TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               SLAB: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr,
-              VARLEN: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+              VARLEN: tl.constexpr, DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr,
+              MASK_DIAGONAL: tl.constexpr, PRECISION: tl.constexpr):
     bh = tl.program_id(1)
     seq = bh // n_heads
     seq_len, base, rel_off, stat_off = _locate(CU, seq, bh % n_heads, n_ctx, stride_b, stride_h, stride_n,
@@ -288,6 +311,7 @@ def _attn_fwd(Q, K, V, KR, QR, TABLE, MASK, CU, O, LSE,
         return
     offs_m, offs_n, offs_w, offs_d = _tile_offsets(BLOCK_M, BLOCK_N, SLAB, HEAD_DIM)
     q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)
+    seq_scale = _sequence_scale(SCALES, seq, scale, SCALE_PER_SEQ)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     m_safe = tl.zeros([BLOCK_M], tl.float32)
@@ -297,8 +321,8 @@ def _attn_fwd(Q, K, V, KR, QR, TABLE, MASK, CU, O, LSE,
         k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
         v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
         s, _, _ = _score_tile(q, k, KR + rel_off, QR + rel_off, TABLE, MASK + seq * n_ctx, i0, j0,
-                              seq_len, scale, offs_m, offs_n, offs_w, offs_d, TWO_SPAN, HEAD_DIM,
-                                              BLOCK_M, BLOCK_N, SLAB, HAS_C2P, HAS_P2C, HAS_MASK, PRECISION)
+                              seq_len, seq_scale, offs_m, offs_n, offs_w, offs_d, TWO_SPAN, HEAD_DIM,
+                              BLOCK_M, BLOCK_N, SLAB, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Rows with nothing visible yet keep m = -inf; subtract 0 so exp gives 0, not NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -325,7 +349,7 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, DO, LSE, DELTA, DK, DV, part_p
                 seed, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stride_n,
                 TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 SLAB: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr,
-                DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+                MASK_DIAGONAL: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """dK, dV of key block ``j0`` (all query blocks), and its p2c gradient added to the partial dQr."""
     offs_m, offs_n, offs_w, offs_d = _tile_offsets(BLOCK_M, BLOCK_N, SLAB, HEAD_DIM)
     k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
@@ -342,7 +366,7 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, DO, LSE, DELTA, DK, DV, part_p
         lse, delta = _row_stats(LSE, DELTA, stat_off, i0, offs_m, seq_len)
         s, t_lo, t_hi = _score_tile(q, k, KR + rel_off, QR + rel_off, TABLE, mask_ptr, i0, j0, seq_len, scale,
                                     offs_m, offs_n, offs_w, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, SLAB,
-                                    HAS_C2P, HAS_P2C, HAS_MASK, PRECISION)
+                                    HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         p_dropped, ds = _probs_and_dscores(s, lse, delta, dp, seed, i0, j0, offs_m, offs_n, n_ctx,
                                            dropout_p, scale, DROPOUT)
@@ -356,12 +380,13 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, DO, LSE, DELTA, DK, DV, part_p
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, DO, LSE, DELTA, DK, DV, DQR_PART,
+def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, DO, LSE, DELTA, DK, DV, DQR_PART,
                    seed, scale, dropout_p, n_ctx, n_heads, num_seqs, items_per_program,
                    stride_b, stride_h, stride_n, stride_lb, stride_lh,
                    TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    SLAB: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr,
-                   VARLEN: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+                   VARLEN: tl.constexpr, DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr,
+                   MASK_DIAGONAL: tl.constexpr, PRECISION: tl.constexpr):
     """Program (p, head) walks ``items_per_program`` (sequence, key block) items of one head, in
     sequence-major order, adding their p2c gradients into one partial dQr of that head."""
     pid, head = tl.program_id(0), tl.program_id(1)
@@ -375,9 +400,9 @@ def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, DO, LSE, DELTA, DK, DV, DQR
         j0 = (item % blocks) * BLOCK_N
         if j0 < seq_len:
             _dkdv_block(Q, K, V, KR, QR, TABLE, MASK + seq * n_ctx, DO, LSE, DELTA, DK, DV, part_ptr, j0,
-                        seed + seq * n_heads + head, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off,
-                        stride_n, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, SLAB, HAS_C2P, HAS_P2C, HAS_MASK, DROPOUT,
-                        PRECISION)
+                        seed + seq * n_heads + head, _sequence_scale(SCALES, seq, scale, SCALE_PER_SEQ), dropout_p,
+                        n_ctx, seq_len, base, rel_off, stat_off, stride_n, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N,
+                        SLAB, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, PRECISION)
 
 
 @triton.jit
@@ -385,7 +410,7 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, DO, LSE, DELTA, DQ, part_ptr, i0
               seed, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stride_n,
               TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               SLAB: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr,
-              DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+              MASK_DIAGONAL: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """dQ of query block ``i0`` (all key blocks), and its c2p gradient added to the partial dKr."""
     offs_m, offs_n, offs_w, offs_d = _tile_offsets(BLOCK_M, BLOCK_N, SLAB, HEAD_DIM)
     q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)
@@ -401,7 +426,7 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, DO, LSE, DELTA, DQ, part_ptr, i0
         v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
         s, t_lo, t_hi = _score_tile(q, k, KR + rel_off, QR + rel_off, TABLE, mask_ptr, i0, j0, seq_len, scale,
                                     offs_m, offs_n, offs_w, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, SLAB,
-                                    HAS_C2P, HAS_P2C, HAS_MASK, PRECISION)
+                                    HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         _, ds = _probs_and_dscores(s, lse, delta, dp, seed, i0, j0, offs_m, offs_n, n_ctx, dropout_p, scale, DROPOUT)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -412,12 +437,13 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, DO, LSE, DELTA, DQ, part_ptr, i0
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, DO, LSE, DELTA, DQ, DKR_PART,
+def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, DO, LSE, DELTA, DQ, DKR_PART,
                  seed, scale, dropout_p, n_ctx, n_heads, num_seqs, items_per_program,
                  stride_b, stride_h, stride_n, stride_lb, stride_lh,
                  TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  SLAB: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr,
-                 VARLEN: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+                 VARLEN: tl.constexpr, DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr,
+                 MASK_DIAGONAL: tl.constexpr, PRECISION: tl.constexpr):
     """Program (p, head) walks (sequence, query block) items of one head into one partial dKr."""
     pid, head = tl.program_id(0), tl.program_id(1)
     part_ptr = DKR_PART + (head * tl.num_programs(0) + pid).to(tl.int64) * TWO_SPAN * HEAD_DIM
@@ -430,9 +456,9 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, DO, LSE, DELTA, DQ, DKR_PART,
         i0 = (item % blocks) * BLOCK_M
         if i0 < seq_len:
             _dq_block(Q, K, V, KR, QR, TABLE, MASK + seq * n_ctx, DO, LSE, DELTA, DQ, part_ptr, i0,
-                      seed + seq * n_heads + head, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off,
-                      stride_n, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, SLAB, HAS_C2P, HAS_P2C, HAS_MASK, DROPOUT,
-                      PRECISION)
+                      seed + seq * n_heads + head, _sequence_scale(SCALES, seq, scale, SCALE_PER_SEQ), dropout_p,
+                      n_ctx, seq_len, base, rel_off, stat_off, stride_n, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N,
+                      SLAB, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, PRECISION)
 
 
 @triton.jit
@@ -565,7 +591,9 @@ class _Problem:
     mask: torch.Tensor | None
     cu_seqlens: torch.Tensor | None
     two_span: int
-    scale: float
+    scale: float                 # the one scale, or 1.0 (unused) when ``scales`` is given
+    scales: torch.Tensor | None  # float32 [num_seqs]: one softmax scale per sequence
+    mask_diagonal: bool
     dropout_p: float
     seed: int
 
@@ -576,12 +604,14 @@ class _Problem:
             TABLE=self.table[self.max_distance:],  # element 0 is distance 0
             MASK=q if self.mask is None else self.mask,  # q stands in for absent optional tensors
             CU=q if self.cu_seqlens is None else self.cu_seqlens,
+            SCALES=q if self.scales is None else self.scales,
             seed=self.seed, scale=self.scale, dropout_p=self.dropout_p, n_ctx=self.n_ctx, n_heads=self.n_heads,
             stride_b=self.strides[0], stride_h=self.strides[1], stride_n=self.strides[2],
             stride_lb=self.stat_strides[0], stride_lh=self.stat_strides[1],
             TWO_SPAN=self.two_span, HEAD_DIM=q.shape[-1], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
             SLAB=tiles.slab, HAS_C2P=has_c2p, HAS_P2C=has_p2c, HAS_MASK=self.mask is not None,
             VARLEN=self.cu_seqlens is not None, DROPOUT=self.dropout_p > 0,
+            SCALE_PER_SEQ=self.scales is not None, MASK_DIAGONAL=self.mask_diagonal,
             PRECISION="tf32",  # fp32 inputs use TF32 tensor cores (docs/kernels.md); half inputs ignore it
             num_warps=tiles.num_warps, num_stages=tiles.num_stages, **args)
 
@@ -717,7 +747,9 @@ def _make_problem(call: AttentionCall, *, num_seqs: int, n_ctx: int, strides: tu
     return _Problem(num_seqs=num_seqs, n_heads=heads, n_ctx=n_ctx,
                     strides=strides, stat_shape=stat_shape, stat_strides=stat_strides, table=table,
                     max_distance=max_distance, mask=mask, cu_seqlens=cu_seqlens, two_span=two_span,
-                    scale=call.softmax_scale, dropout_p=call.dropout_p, seed=dropout_seed(call.dropout_p))
+                    scale=1.0 if call.per_sequence_scale else call.softmax_scale,
+                    scales=call.softmax_scale if call.per_sequence_scale else None, mask_diagonal=call.mask_diagonal,
+                    dropout_p=call.dropout_p, seed=dropout_seed(call.dropout_p))
 
 
 def _tables_in(call: AttentionCall) -> list:

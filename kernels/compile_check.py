@@ -57,6 +57,7 @@ class Case:
     position_buckets: int = BUCKETS
     max_relative_positions: int = MAX_REL
     seq_len: int = SEQ
+    features: str = ""       # "" | scale (per-sequence softmax scale) | diagonal | scale+diagonal
 
     @property
     def name(self) -> str:
@@ -64,7 +65,7 @@ class Case:
             return f"{self.op} {self.dtype}"
         buckets = "" if self.position_buckets == BUCKETS else f" k{self.position_buckets}"
         return (f"d{self.head_dim}{buckets} {self.dtype} {self.terms} {self.layout}"
-                f"{' dropout' if self.dropout else ''}")
+                f"{' dropout' if self.dropout else ''}{' ' + self.features if self.features else ''}")
 
 
 # configs/model/tiny.yaml: d = 128 / 4 heads, 32 buckets, max_relative_positions -1 -> 128 positions.
@@ -115,6 +116,11 @@ def suite_cases() -> list[Case]:
     cases += [Case("attention", "float16", d, layout="varlen", dropout=False) for d in (64, 128)]
     cases += [Case("attention", "bfloat16", 64, "c2p", "varlen"), Case("attention", "bfloat16", 64, "none", "varlen"),
               Case("attention", "bfloat16", 64, "p2c", dropout=False), TINY_PRESET]
+    # The optional specialisations (issue 16): per-sequence scale and diagonal mask, alone and together.
+    cases += [Case("attention", "bfloat16", 64, features="scale+diagonal"),
+              Case("attention", "float16", 128, layout="varlen", dropout=False, features="scale+diagonal"),
+              Case("attention", "bfloat16", 128, features="diagonal"),
+              Case("attention", "float16", 64, "c2p", "varlen", features="scale")]
     cases += [Case("attention", "float32", 64), Case("attention", "float32", 128, layout="varlen")]
     return cases
 
@@ -143,7 +149,9 @@ def _run_attention(case: Case, torch) -> None:
     tables = [torch.randn(heads, 2 * span, case.head_dim, dtype=dtype, requires_grad=True) if term in case.terms
               else None for term in ("c2p", "p2c")]
     kwargs = dict(position_buckets=case.position_buckets, max_relative_positions=case.max_relative_positions,
-                  dropout_p=0.1 if case.dropout else 0.0)
+                  dropout_p=0.1 if case.dropout else 0.0, mask_diagonal="diagonal" in case.features)
+    if "scale" in case.features:  # one scale per sequence: 2 padded rows, 3 packed sequences
+        kwargs["softmax_scale"] = torch.full((2 if case.layout == "padded" else 3,), 0.1)
     if case.layout == "padded":
         out = attention.disentangled_attention(q, k, v, *tables, attention_mask=torch.ones(2, n), **kwargs)
     else:

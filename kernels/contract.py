@@ -25,6 +25,30 @@ def default_softmax_scale(head_dim: int, pos_key: torch.Tensor | None, pos_query
     return 1.0 / math.sqrt(head_dim * factor)
 
 
+def check_softmax_scale(softmax_scale: float | torch.Tensor | None, num_seqs: int, device: torch.device,
+                        form: str) -> None:
+    """A scale is a Python number, None (the default) or a float32 tensor of one scale per sequence
+    (``form`` names that shape in errors: ``[B]`` padded, ``[S]`` packed)."""
+    if softmax_scale is None or not isinstance(softmax_scale, torch.Tensor):
+        return
+    if softmax_scale.dtype != torch.float32 or tuple(softmax_scale.shape) != (num_seqs,):
+        raise ValueError(f"softmax_scale as a tensor must be float32 {form} = ({num_seqs},), one scale per "
+                         f"sequence; got {softmax_scale.dtype} {tuple(softmax_scale.shape)}")
+    if softmax_scale.device != device:
+        raise ValueError(f"softmax_scale is on {softmax_scale.device} but q is on {device}")
+    if softmax_scale.requires_grad:
+        raise ValueError("softmax_scale as a tensor is a constant of the op (no gradient flows into it); "
+                         "pass it detached")
+
+
+def resolve_scale(softmax_scale: float | torch.Tensor | None, head_dim: int, pos_key: torch.Tensor | None,
+                  pos_query: torch.Tensor | None) -> float | torch.Tensor:
+    """The scale an implementation applies: DeBERTa's default, the float given, or the per-sequence tensor."""
+    if softmax_scale is None:
+        return default_softmax_scale(head_dim, pos_key, pos_query)
+    return softmax_scale.contiguous() if isinstance(softmax_scale, torch.Tensor) else float(softmax_scale)
+
+
 def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            pos_key: torch.Tensor | None, pos_query: torch.Tensor | None,
                            span: int, attention_mask: torch.Tensor | None, dropout_p: float) -> None:
@@ -110,11 +134,16 @@ class AttentionCall:
     position_buckets: int
     max_relative_positions: int
     dropout_p: float
-    softmax_scale: float
+    softmax_scale: float | torch.Tensor  # a float, or float32 [num_seqs]: one scale per sequence
     attention_mask: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
     bounds: tuple = ()
+    mask_diagonal: bool = False  # query i never sees key i of its own sequence
+
+    @property
+    def per_sequence_scale(self) -> bool:
+        return isinstance(self.softmax_scale, torch.Tensor)
 
 
 def attention_op(implementation: Callable[[AttentionCall], torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -125,12 +154,14 @@ def attention_op(implementation: Callable[[AttentionCall], torch.Tensor]) -> Cal
     def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_key: torch.Tensor | None = None,
            pos_query: torch.Tensor | None = None, *, position_buckets: int, max_relative_positions: int,
            attention_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-           softmax_scale: float | None = None) -> torch.Tensor:
+           softmax_scale: float | torch.Tensor | None = None, mask_diagonal: bool = False) -> torch.Tensor:
         span = attention_span(position_buckets, max_relative_positions)
         check_attention_inputs(q, k, v, pos_key, pos_query, span, attention_mask, dropout_p)
-        scale = default_softmax_scale(q.shape[-1], pos_key, pos_query) if softmax_scale is None else softmax_scale
+        check_softmax_scale(softmax_scale, q.shape[0], q.device, "[B]")
+        scale = resolve_scale(softmax_scale, q.shape[-1], pos_key, pos_query)
         return implementation(AttentionCall(q, k, v, pos_key, pos_query, position_buckets, max_relative_positions,
-                                            float(dropout_p), float(scale), attention_mask=attention_mask))
+                                            float(dropout_p), scale, attention_mask=attention_mask,
+                                            mask_diagonal=bool(mask_diagonal)))
 
     return op
 
@@ -142,16 +173,18 @@ def varlen_attention_op(implementation: Callable[[AttentionCall], torch.Tensor])
     def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_key: torch.Tensor | None = None,
            pos_query: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor, max_seqlen: int,
            position_buckets: int, max_relative_positions: int, dropout_p: float = 0.0,
-           softmax_scale: float | None = None) -> torch.Tensor:
+           softmax_scale: float | torch.Tensor | None = None, mask_diagonal: bool = False) -> torch.Tensor:
         bounds = check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen)
         span = attention_span(position_buckets, max_relative_positions)
         # The padded contract's checker covers pos_key/pos_query and dropout_p on a one-token view.
         one = q[:1].transpose(0, 1)[None]
         check_attention_inputs(one, one, one, pos_key, pos_query, span, None, dropout_p)
-        scale = default_softmax_scale(q.shape[-1], pos_key, pos_query) if softmax_scale is None else softmax_scale
+        check_softmax_scale(softmax_scale, len(bounds) - 1, q.device, "[S] (len(cu_seqlens) - 1)")
+        scale = resolve_scale(softmax_scale, q.shape[-1], pos_key, pos_query)
         return implementation(AttentionCall(q, k, v, pos_key, pos_query, position_buckets, max_relative_positions,
-                                            float(dropout_p), float(scale), cu_seqlens=cu_seqlens,
-                                            max_seqlen=int(max_seqlen), bounds=tuple(bounds)))
+                                            float(dropout_p), scale, cu_seqlens=cu_seqlens,
+                                            max_seqlen=int(max_seqlen), bounds=tuple(bounds),
+                                            mask_diagonal=bool(mask_diagonal)))
 
     return op
 

@@ -37,10 +37,15 @@ def _dropout_keep(shape: torch.Size, p: float, seed: int, block: int, device: to
 
 
 class _BlockScores:
-    """Scores of one block of query rows: ``(Q K^T + c2p + p2c) * scale``, masked."""
+    """Scores of one block of query rows: ``(Q K^T + c2p + p2c) * scale``, masked.
 
-    def __init__(self, q, k, pos_key, pos_query, index, mask, scale):
+    ``scale``: a float or a ``[B, 1, 1, 1]`` tensor (one per sequence); ``mask_diagonal`` hides the
+    pairs ``(i, i)``.
+    """
+
+    def __init__(self, q, k, pos_key, pos_query, index, mask, scale, mask_diagonal):
         self.q, self.k, self.pos_key, self.index, self.mask, self.scale = q, k, pos_key, index, mask, scale
+        self.mask_diagonal = mask_diagonal
         # p2c reads K_j . Qr[idx(i, j)]: one [B, H, 2*span, N] product shared by all row blocks.
         self.key_posq = None if pos_query is None else pos_query @ k.transpose(-1, -2)
 
@@ -56,13 +61,16 @@ class _BlockScores:
         if self.mask is not None:
             visible = self.mask[:, None, r0:r1, None] & self.mask[:, None, None, :]
             scores.masked_fill_(~visible, float("-inf"))
+        if self.mask_diagonal:
+            rows = torch.arange(r0, r1, device=scores.device)[:, None]
+            scores.masked_fill_(rows == torch.arange(scores.shape[-1], device=scores.device), float("-inf"))
         return scores
 
 
 class _ReferenceAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, pos_key, pos_query, index, mask, scale, dropout_p, seed):
-        scores_of = _BlockScores(q, k, pos_key, pos_query, index, mask, scale)
+    def forward(ctx, q, k, v, pos_key, pos_query, index, mask, scale, mask_diagonal, dropout_p, seed):
+        scores_of = _BlockScores(q, k, pos_key, pos_query, index, mask, scale, mask_diagonal)
         batch, heads, n, _ = q.shape
         rows = _rows_per_block(batch, heads, n)
         out = torch.empty_like(q)
@@ -74,7 +82,7 @@ class _ReferenceAttention(torch.autograd.Function):
             row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
             probs.sub_(row_max).exp_()
             row_sum = probs.sum(-1, keepdim=True)
-            # Fully masked rows have row_sum 0: their probabilities (and output) are 0, and an
+            # Rows with no visible key (padding; a one-token sequence without its diagonal) have row_sum 0: their probabilities (and output) are 0, and an
             # lse of +inf makes exp(score - lse) = 0 again in backward.
             lse[:, :, r0:r1] = torch.where(row_sum > 0, row_max + row_sum.log(), float("inf")).squeeze(-1)
             probs.div_(row_sum.clamp_min(torch.finfo(probs.dtype).tiny))
@@ -82,14 +90,14 @@ class _ReferenceAttention(torch.autograd.Function):
                 probs.mul_(_dropout_keep(probs.shape, dropout_p, seed, blk, q.device)).div_(1 - dropout_p)
             out[:, :, r0:r1] = probs @ v
         ctx.save_for_backward(q, k, v, pos_key, pos_query, index, mask, out, lse)
-        ctx.scale, ctx.dropout_p, ctx.seed, ctx.rows = scale, dropout_p, seed, rows
+        ctx.scale, ctx.mask_diagonal, ctx.dropout_p, ctx.seed, ctx.rows = scale, mask_diagonal, dropout_p, seed, rows
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, pos_key, pos_query, index, mask, out, lse = ctx.saved_tensors
         scale, dropout_p = ctx.scale, ctx.dropout_p
-        scores_of = _BlockScores(q, k, pos_key, pos_query, index, mask, scale)
+        scores_of = _BlockScores(q, k, pos_key, pos_query, index, mask, scale, ctx.mask_diagonal)
         n = q.shape[2]
         grad_out = grad_out.contiguous()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -122,7 +130,7 @@ class _ReferenceAttention(torch.autograd.Function):
         if p2c_cols is not None:
             dk += p2c_cols.transpose(-1, -2) @ pos_query
             d_pos_query = (p2c_cols @ k).sum(0)
-        return dq, dk, dv, d_pos_key, d_pos_query, None, None, None, None, None
+        return dq, dk, dv, d_pos_key, d_pos_query, None, None, None, None, None, None
 
 
 @attention_op
@@ -130,8 +138,11 @@ def disentangled_attention(call: AttentionCall) -> torch.Tensor:
     """DeBERTa disentangled attention, ``softmax(QK^T + c2p + p2c) V`` with padding and dropout.
 
     ``q, k, v``: ``[B, H, N, d]``; ``pos_key`` (Kr) and ``pos_query`` (Qr): ``[H, 2*span, d]`` or
-    None to drop the c2p / p2c term; ``attention_mask``: ``[B, N]``, nonzero = token. Rows of
-    padded queries output zeros. Half-precision inputs are computed in float32.
+    None to drop the c2p / p2c term; ``attention_mask``: ``[B, N]``, nonzero = token;
+    ``softmax_scale``: a float or a float32 ``[B]`` tensor (one scale per sequence);
+    ``mask_diagonal``: query ``i`` never attends key ``i``. Rows with no visible key (padded queries,
+    a one-token sequence under ``mask_diagonal``) output zeros. Half-precision inputs are computed in
+    float32.
     """
     q = call.q
     index = relative_position_index(q.shape[2], q.shape[2], call.position_buckets, call.max_relative_positions,
@@ -139,7 +150,10 @@ def disentangled_attention(call: AttentionCall) -> torch.Tensor:
     mask = None if call.attention_mask is None else call.attention_mask.ne(0)
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     cast = [None if t is None else t.to(compute) for t in (q, call.k, call.v, call.pos_key, call.pos_query)]
-    out = _ReferenceAttention.apply(*cast, index, mask, call.softmax_scale, call.dropout_p,
+    scale = call.softmax_scale
+    if call.per_sequence_scale:
+        scale = scale.to(compute).view(-1, 1, 1, 1)
+    out = _ReferenceAttention.apply(*cast, index, mask, scale, call.mask_diagonal, call.dropout_p,
                                     dropout_seed(call.dropout_p))
     return out.to(q.dtype)
 
@@ -147,13 +161,16 @@ def disentangled_attention(call: AttentionCall) -> torch.Tensor:
 @varlen_attention_op
 def disentangled_attention_varlen(call: AttentionCall) -> torch.Tensor:
     """Packed form: ``q, k, v`` are ``[total_tokens, H, d]``; sequence ``s`` spans tokens
-    ``cu_seqlens[s]:cu_seqlens[s+1]`` and relative positions restart in every sequence."""
+    ``cu_seqlens[s]:cu_seqlens[s+1]`` and relative positions restart in every sequence;
+    ``softmax_scale`` may be a float32 ``[S]`` tensor, one scale per sequence."""
     outs = []
-    for start, end in zip(call.bounds[:-1], call.bounds[1:]):
+    for s, (start, end) in enumerate(zip(call.bounds[:-1], call.bounds[1:])):
         seq = [t[start:end].transpose(0, 1).unsqueeze(0) for t in (call.q, call.k, call.v)]
+        scale = call.softmax_scale[s:s + 1] if call.per_sequence_scale else call.softmax_scale
         out = disentangled_attention(*seq, call.pos_key, call.pos_query, position_buckets=call.position_buckets,
                                      max_relative_positions=call.max_relative_positions,
-                                     dropout_p=call.dropout_p, softmax_scale=call.softmax_scale)
+                                     dropout_p=call.dropout_p, softmax_scale=scale,
+                                     mask_diagonal=call.mask_diagonal)
         outs.append(out.squeeze(0).transpose(0, 1))
     return torch.cat(outs, 0)
 

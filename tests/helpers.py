@@ -21,6 +21,17 @@ BF16_NEEDS_GPU = pytest.mark.skipif(
 TRITON_DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=BF16_NEEDS_GPU)]
 
 
+def assert_same_loss_and_grads(fused, plain, *inputs, labels) -> None:
+    """Two models with the same weights (e.g. Triton and reference attention) give the same MLM loss
+    and parameter gradients on ``inputs``."""
+    losses = [model(*inputs, labels=labels).loss for model in (fused, plain)]
+    torch.testing.assert_close(losses[0], losses[1], atol=1e-5, rtol=1e-5)
+    for loss in losses:
+        loss.backward()
+    for (name, a), (_, b) in zip(fused.named_parameters(), plain.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float, what: str = "") -> None:
     """``actual`` (any dtype) against a float64 reference, elementwise; ``what`` names the tensor on failure."""
     torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol,

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import assert_same_loss_and_grads
 
 from distaff.train.hf import to_hf
 from distaff.train.model import DebertaForMaskedLM
@@ -94,12 +95,7 @@ def test_triton_attention_with_rope_matches_the_reference(relative, device):
     mask = torch.ones_like(ids)
     mask[1, 12:] = 0
     labels = torch.where((torch.arange(16, device=device) % 3 == 0) & mask.bool(), ids, -100)
-    losses = [model(ids, mask, labels=labels).loss for model in (fused, plain)]
-    torch.testing.assert_close(losses[0], losses[1], atol=1e-5, rtol=1e-5)
-    for loss in losses:
-        loss.backward()
-    for (name, a), (_, b) in zip(fused.named_parameters(), plain.named_parameters()):
-        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert_same_loss_and_grads(fused, plain, ids, mask, labels=labels)
 
 
 def test_rope_config_errors_name_the_fields():

@@ -94,6 +94,11 @@ def hf_config_dict(cfg: ModelConfig, architecture: str = "DebertaV2ForMaskedLM")
         raise ConfigError("model.rope: rotary position embeddings have no Hugging Face DeBERTa-v2 equivalent "
                           "(DebertaV2Model would run the weights without them and silently compute something "
                           "else); such a model cannot be exported to HF, keep its distaff checkpoint")
+    if cfg.entropy_scale_length:
+        raise ConfigError(f"model.entropy_scale_length={cfg.entropy_scale_length}: the entropy-invariant attention "
+                          "scale (log n / log n_train per sequence) has no Hugging Face DeBERTa-v2 equivalent "
+                          "(DebertaV2Model would attend with the plain scale and silently compute something else); "
+                          "such a model cannot be exported to HF, keep its distaff checkpoint")
     values = {name: getattr(cfg, name) for name in HF_DEFAULTS}
     return {"architectures": [architecture], "model_type": "deberta-v2", "legacy": True,
             "tie_word_embeddings": True, **values}

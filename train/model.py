@@ -21,6 +21,7 @@ padded model's for the same sequence.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -132,6 +133,17 @@ class DisentangledSelfAttention(nn.Module):
         self.max_relative_positions = cfg.resolved_max_relative_positions
         self.impl = cfg.attention_impl
         self.rope_theta = cfg.rope_theta if cfg.rope else None
+        self.entropy_scale_length = cfg.entropy_scale_length
+
+    def _softmax_scale(self, mask: Layout) -> float | torch.Tensor:
+        """The scale, or with ``entropy_scale_length`` one per sequence: ``scale * log(n) / log(n_train)``
+        with ``n`` the sequence's real tokens (padding excluded), at least 1. ``n = 1`` gives scale 0, which
+        changes nothing: a one-token sequence attends only to itself (a fully padded row outputs 0)."""
+        if not self.entropy_scale_length:
+            return self.scale
+        lengths = mask.cu_seqlens.diff() if isinstance(mask, Packed) else mask.ne(0).sum(-1)
+        ratio = lengths.clamp_min(1).double().log() / math.log(self.entropy_scale_length)
+        return (self.scale * ratio).float()
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., N, H*d]`` -> ``[..., H, N, d]``."""
@@ -141,7 +153,7 @@ class DisentangledSelfAttention(nn.Module):
                 pos_key: torch.Tensor | None, pos_query: torch.Tensor | None) -> torch.Tensor:
         """Attention output, ``[B, N, H*d]`` padded or ``[T, H*d]`` packed."""
         shared = dict(position_buckets=self.position_buckets, max_relative_positions=self.max_relative_positions,
-                      dropout_p=self.attn_dropout if self.training else 0.0, softmax_scale=self.scale,
+                      dropout_p=self.attn_dropout if self.training else 0.0, softmax_scale=self._softmax_scale(mask),
                       impl=self.impl)
         if isinstance(mask, Packed):  # [T, H, d] per token
             q, k, v = (proj(x).unflatten(-1, (self.heads, -1)) for proj, x in

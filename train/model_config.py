@@ -64,6 +64,9 @@ class ModelConfig:
     activation_checkpointing: bool = False
     rope: bool = False                    # rotary position embedding of q and k (RoFormer); no HF equivalent
     rope_theta: float = 10000.0           # RoPE base: plane i turns by position * rope_theta^(-2i/d)
+    # Entropy-invariant softmax scale (Su, 2021): scores of a sequence of n real tokens are scaled by
+    # log(n) / log(entropy_scale_length) on top of the usual scale; 0 = off. No HF equivalent.
+    entropy_scale_length: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.pos_att_type, str):
@@ -102,6 +105,9 @@ class ModelConfig:
         if self.rope and self.head_dim % 2:
             raise ConfigError(f"rope: needs an even head size, but hidden_size / num_attention_heads = "
                               f"{self.hidden_size} / {self.num_attention_heads} = {self.head_dim}")
+        if self.entropy_scale_length < 0 or self.entropy_scale_length == 1:
+            raise ConfigError(f"entropy_scale_length must be 0 (off) or a training length >= 2 (log of it divides the "
+                              f"scale), got {self.entropy_scale_length}")
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise ConfigError(f"pad_token_id {self.pad_token_id} is outside the vocabulary (size {self.vocab_size})")
 
