@@ -12,7 +12,7 @@ import torch
 
 from distaff.train.classifier import DebertaForSequenceClassification
 from distaff.train.model_config import ConfigError, ModelConfig
-from distaff.train.sift import SiFT, SiftConfig, divergence, symmetric_kl
+from distaff.train.sift import SiFT, SiftConfig, _Perturbation, divergence, symmetric_kl
 
 pytestmark = pytest.mark.unit
 
@@ -187,6 +187,38 @@ def test_perturbed_forwards_share_one_dropout_draw():
     torch.testing.assert_close(seen[1], seen[0], rtol=0, atol=0)
     torch.testing.assert_close(seen[2], seen[0], rtol=0, atol=0)
     assert not torch.allclose(seen[0], first)
+
+
+def _first_ascent_step(model, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ascent step on the perturbation of a ``dtype`` model, and the plain gradient of the divergence
+    w.r.t. the perturbation (what an unscaled backward gives)."""
+    model = model.to(dtype)
+    ids, mask, _ = _batch()
+    clean = model(ids, mask).logits.detach()
+    torch.manual_seed(5)
+    perturbation = _Perturbation(0.01)
+    handle = model.deberta.embeddings.LayerNorm.register_forward_hook(perturbation)
+    logits = model(ids, mask).logits
+    handle.remove()
+    start = perturbation.delta.detach().clone()
+    (plain,) = torch.autograd.grad(divergence(logits, clean, False), perturbation.delta, retain_graph=True)
+    assert perturbation.ascend(logits, clean, False, step_size=1.0)
+    real = mask.bool()
+    return (perturbation.delta.detach() - start)[real], plain[real]
+
+
+def test_fp16_ascent_step_matches_fp32_where_a_plain_backward_underflows():
+    torch.manual_seed(0)  # the default initialisation: near-uniform predictions, a tiny divergence
+    model = DebertaForSequenceClassification(ModelConfig(**MODEL), 3)
+    step32, plain32 = _first_ascent_step(model, torch.float32)
+    step16, plain16 = _first_ascent_step(model, torch.float16)
+    assert torch.nn.functional.cosine_similarity(step16.flatten(), step32.flatten(), 0) > 0.95
+    # every real token's largest coordinate moves by exactly step_size, in both precisions
+    for step in (step32, step16):
+        torch.testing.assert_close(step.abs().amax(-1), torch.ones(len(step)))
+    # control: the unscaled fp16 gradient is zero for most tokens (fp32's is finite but tiny)
+    assert (plain16.abs().amax(-1) == 0).float().mean() > 0.5
+    assert 0 < plain32.abs().max() < 1e-5
 
 
 def test_symmetric_kl_equals_a_hand_computation():

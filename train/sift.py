@@ -34,6 +34,8 @@ from distaff.train.model_config import ConfigError
 
 __all__ = ["SiftConfig", "SiFT", "divergence", "symmetric_kl"]
 
+_TINY = torch.finfo(torch.float32).tiny  # a zero gradient divided by it stays zero
+
 
 @dataclass
 class SiftConfig:
@@ -102,7 +104,6 @@ class _Perturbation:
         self.random_state: _RandomState | None = None
         self.ascending = True  # False: the last forward, whose delta is a constant
 
-
     def __call__(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
         if self.delta is None:
             noise = torch.randn(output.shape, device=output.device, dtype=torch.float32) * self.size
@@ -113,14 +114,24 @@ class _Perturbation:
         delta = self.delta if self.ascending else self.delta.detach()
         return (output.float() + delta).to(output.dtype)
 
-    def ascend(self, loss: torch.Tensor, step_size: float) -> bool:
-        """One normalised gradient-ascent step of ``loss`` on ``delta``; False (``delta`` kept) when the
-        gradient is not finite. Only ``delta``'s gradient is computed: nothing reaches the parameters."""
-        (grad,) = torch.autograd.grad(loss, self.delta)
+    def ascend(self, logits: torch.Tensor, target: torch.Tensor, regression: bool, step_size: float) -> bool:
+        """One normalised gradient-ascent step on ``delta`` of the divergence of ``logits`` (computed with
+        ``delta``) from ``target``; False (``delta`` kept) when the gradient is not finite. Only ``delta``'s
+        gradient is computed: nothing reaches the parameters.
+
+        The divergence's gradient w.r.t. the logits is rescaled per example to a max-abs of 1 before it goes
+        back through the model. Each token's gradient comes from its own example alone, so a per-example factor
+        leaves the per-token normalised step as it is; but unscaled, an fp16 backward of a divergence this
+        small underflows to zero for most tokens."""
+        wide = logits.float()
+        (upstream,) = torch.autograd.grad(divergence(wide, target, regression), wide)
+        rows = upstream.reshape(upstream.shape[0], -1)
+        upstream = (rows / rows.abs().amax(-1, keepdim=True).clamp_min(_TINY)).view_as(upstream)
+        (grad,) = torch.autograd.grad(wide, self.delta, upstream)
         if not bool(torch.isfinite(grad).all()):
             return False
-        scale = grad.abs().amax(-1, keepdim=True) + 1e-6
-        self.delta = (self.delta.detach() + step_size * grad / scale).requires_grad_()
+        step = grad / grad.abs().amax(-1, keepdim=True).clamp_min(_TINY)
+        self.delta = (self.delta.detach() + step_size * step).requires_grad_()
         return True
 
 
@@ -171,8 +182,7 @@ class SiFT:
         perturbation = _Perturbation(self.cfg.perturbation_size)
         with self._perturbing(perturbation):
             for _ in range(self.cfg.adversarial_steps):
-                ascent_loss = divergence(_model_logits(forward), target, self.regression)
-                if not perturbation.ascend(ascent_loss, self.cfg.step_size):
+                if not perturbation.ascend(_model_logits(forward), target, self.regression, self.cfg.step_size):
                     self.skipped_updates += 1
             perturbation.ascending = False
             perturbed = _model_logits(forward)
