@@ -7,7 +7,7 @@ perturbation of a given size equally strong whatever the scale of the embedding 
 
 Per training step, on the batch the trainer has just run:
 
-1. ``delta`` <- normal noise of std ``perturbation_size`` (truncated at two std), one vector per token;
+1. ``delta`` <- normal noise of std ``perturbation_size`` (clipped to +-2 std), one vector per token;
 2. ``adversarial_steps`` times: run the model with ``delta`` added to the normalised embeddings,
    take the gradient of the divergence from the clean (detached) prediction w.r.t. ``delta`` only,
    and step ``delta`` up it by ``step_size`` times the gradient divided by its per-token max-abs;
@@ -22,6 +22,7 @@ Gaussians centred on them. docs/finetuning.md ("SiFT") gives the sources and the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,13 +51,11 @@ class SiftConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
             raise ConfigError(f"sift.enabled must be true or false, got {self.enabled!r}")
-        if isinstance(self.adversarial_steps, bool) or not isinstance(self.adversarial_steps, int) \
-                or self.adversarial_steps < 0:
+        if type(self.adversarial_steps) is not int or self.adversarial_steps < 0:  # bool is not a count
             raise ConfigError(f"sift.adversarial_steps must be an integer >= 0, got {self.adversarial_steps!r}")
         for name, positive in (("perturbation_size", True), ("step_size", False), ("loss_weight", False)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
-                    or value in (float("inf"), float("-inf")) or value < 0 or (positive and value == 0):
+            if type(value) not in (int, float) or not math.isfinite(value) or value < 0 or (positive and value == 0):
                 bound = "> 0" if positive else ">= 0"
                 raise ConfigError(f"sift.{name} must be a finite number {bound}, got {value!r}")
             setattr(self, name, float(value))
