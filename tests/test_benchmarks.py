@@ -87,3 +87,14 @@ def test_attention_tile_paths_table_accounts_for_every_tile():
             assert float(percent) == 0.0, (kernel, d)
         if int(n) == 8192:
             assert float(percent) > 80.0, (kernel, d)
+
+
+@pytest.mark.timeout(120)
+def test_sift_benchmark_cpu_smoke_measures_every_row():
+    smoke = subprocess.run([sys.executable, str(BENCHMARKS / "sift.py"), "--cpu-smoke"], capture_output=True, text=True,
+                           timeout=110, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert smoke.returncode == 0, smoke.stderr
+    rows = [line.split("|")[1:-1] for line in smoke.stdout.splitlines()
+            if line.startswith("| off |") or " ascent step" in line]
+    assert [row[0].strip() for row in rows] == ["off", "0 ascent steps", "1 ascent step", "2 ascent steps"], smoke.stdout
+    assert all(float(row[1]) > 0 for row in rows), smoke.stdout

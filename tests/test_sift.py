@@ -12,7 +12,7 @@ import torch
 
 from distaff.train.classifier import DebertaForSequenceClassification
 from distaff.train.model_config import ConfigError, ModelConfig
-from distaff.train.sift import SiFT, SiftConfig, divergence, symmetric_kl
+from distaff.train.sift import SiFT, SiftConfig, _Perturbation, divergence, symmetric_kl
 
 pytestmark = pytest.mark.unit
 
@@ -24,9 +24,9 @@ MODEL = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_h
 SIFT = dict(enabled=True, perturbation_size=0.05, step_size=0.05, adversarial_steps=2, loss_weight=1.0)
 
 
-def _model(num_labels: int = 3, dropout: float = 0.0, seed: int = 0) -> DebertaForSequenceClassification:
+def _model(num_labels: int = 3, dropout: float = 0.0, seed: int = 0, **fields) -> DebertaForSequenceClassification:
     torch.manual_seed(seed)
-    config = ModelConfig(**{**MODEL, "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout})
+    config = ModelConfig(**{**MODEL, "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout, **fields})
     model = DebertaForSequenceClassification(config, num_labels)
     with torch.no_grad():
         # word vectors of norm ~sqrt(hidden): the LayerNorm's eps is negligible at every scale tried
@@ -48,11 +48,20 @@ def _batch(num_labels: int = 3):
     return ids, mask, labels
 
 
-def _adversarial_loss(model, sift: SiFT, num_labels: int = 3, seed: int = 5) -> torch.Tensor:
+def _packed(ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor | int]:
+    """The padded batch's sequences laid end to end (the classifier's packed layout)."""
+    lengths = mask.sum(1)
+    return {"input_ids": ids[mask.bool()], "position_ids": torch.cat([torch.arange(int(n)) for n in lengths]),
+            "cu_seqlens": torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).int()]),
+            "max_seqlen": int(lengths.max())}
+
+
+def _adversarial_loss(model, sift: SiFT, num_labels: int = 3, seed: int = 5, packed: bool = False) -> torch.Tensor:
     ids, mask, _ = _batch(num_labels)
-    clean = model(ids, mask).logits
+    inputs = _packed(ids, mask) if packed else {"input_ids": ids, "attention_mask": mask}
+    clean = model(**inputs).logits
     torch.manual_seed(seed)  # the same initial noise for every call
-    return sift.adversarial_loss(lambda: model(ids, mask).logits, clean)
+    return sift.adversarial_loss(lambda: model(**inputs).logits, clean)
 
 
 def _scaled(model, factor: float):
@@ -61,12 +70,13 @@ def _scaled(model, factor: float):
     return model
 
 
-@pytest.mark.parametrize("num_labels", [3, 1], ids=["classification", "regression"])
-def test_adversarial_loss_does_not_depend_on_the_embedding_scale(num_labels):
+@pytest.mark.parametrize("num_labels, packed", [(3, False), (1, False), (3, True)],
+                         ids=["classification", "regression", "packed"])
+def test_adversarial_loss_does_not_depend_on_the_embedding_scale(num_labels, packed):
     losses = {}
     for factor in (1.0, 10.0, 0.1):
         model = _scaled(_model(num_labels), factor)
-        losses[factor] = _adversarial_loss(model, SiFT(SiftConfig(**SIFT), model), num_labels).item()
+        losses[factor] = _adversarial_loss(model, SiFT(SiftConfig(**SIFT), model), num_labels, packed=packed).item()
     assert losses[1.0] > 1e-3, losses
     for factor in (10.0, 0.1):
         assert losses[factor] == pytest.approx(losses[1.0], rel=1e-4), losses
@@ -85,10 +95,11 @@ def test_control_perturbing_the_raw_embeddings_depends_on_the_scale():
     assert losses[10.0] < losses[1.0] < losses[0.1]  # relative to the table, the perturbation shrinks as it grows
 
 
-def test_ascent_steps_increase_the_divergence():
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_ascent_steps_increase_the_divergence(packed):
     model = _model()
-    by_steps = [_adversarial_loss(model, SiFT(SiftConfig(**{**SIFT, "adversarial_steps": k}), model)).item()
-                for k in range(4)]
+    by_steps = [_adversarial_loss(model, SiFT(SiftConfig(**{**SIFT, "adversarial_steps": k}), model),
+                                  packed=packed).item() for k in range(4)]
     assert all(later > earlier for earlier, later in zip(by_steps, by_steps[1:])), by_steps
     assert by_steps[-1] > 2 * by_steps[0], by_steps
 
@@ -115,9 +126,10 @@ def _task_gradients(model, sift: SiFT | None, num_labels: int = 3) -> dict[str, 
     return {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}
 
 
-@pytest.mark.parametrize("num_labels", [3, 1], ids=["classification", "regression"])
-def test_gradients_flow_through_the_adversarial_term(num_labels):
-    model = _model(num_labels)
+@pytest.mark.parametrize("num_labels, checkpointing", [(3, False), (1, False), (3, True)],
+                         ids=["classification", "regression", "activation-checkpointing"])
+def test_gradients_flow_through_the_adversarial_term(num_labels, checkpointing):
+    model = _model(num_labels, activation_checkpointing=checkpointing)
     clean = _task_gradients(model, None, num_labels)
     with_sift = _task_gradients(model, SiFT(SiftConfig(**SIFT), model), num_labels)
     assert set(with_sift) == set(clean)
@@ -187,6 +199,38 @@ def test_perturbed_forwards_share_one_dropout_draw():
     torch.testing.assert_close(seen[1], seen[0], rtol=0, atol=0)
     torch.testing.assert_close(seen[2], seen[0], rtol=0, atol=0)
     assert not torch.allclose(seen[0], first)
+
+
+def _first_ascent_step(model, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ascent step on the perturbation of a ``dtype`` model, and the plain gradient of the divergence
+    w.r.t. the perturbation (what an unscaled backward gives)."""
+    model = model.to(dtype)
+    ids, mask, _ = _batch()
+    clean = model(ids, mask).logits.detach()
+    torch.manual_seed(5)
+    perturbation = _Perturbation(0.01)
+    handle = model.deberta.embeddings.LayerNorm.register_forward_hook(perturbation)
+    logits = model(ids, mask).logits
+    handle.remove()
+    start = perturbation.delta.detach().clone()
+    (plain,) = torch.autograd.grad(divergence(logits, clean, False), perturbation.delta, retain_graph=True)
+    assert perturbation.ascend(logits, clean, False, step_size=1.0)
+    real = mask.bool()
+    return (perturbation.delta.detach() - start)[real], plain[real]
+
+
+def test_fp16_ascent_step_matches_fp32_where_a_plain_backward_underflows():
+    torch.manual_seed(0)  # the default initialisation: near-uniform predictions, a tiny divergence
+    model = DebertaForSequenceClassification(ModelConfig(**MODEL), 3)
+    step32, plain32 = _first_ascent_step(model, torch.float32)
+    step16, plain16 = _first_ascent_step(model, torch.float16)
+    assert torch.nn.functional.cosine_similarity(step16.flatten(), step32.flatten(), 0) > 0.95
+    # every real token's largest coordinate moves by exactly step_size, in both precisions
+    for step in (step32, step16):
+        torch.testing.assert_close(step.abs().amax(-1), torch.ones(len(step)))
+    # control: the unscaled fp16 gradient is zero for most tokens (fp32's is finite but tiny)
+    assert (plain16.abs().amax(-1) == 0).float().mean() > 0.5
+    assert 0 < plain32.abs().max() < 1e-5
 
 
 def test_symmetric_kl_equals_a_hand_computation():

@@ -7,7 +7,7 @@ perturbation of a given size equally strong whatever the scale of the embedding 
 
 Per training step, on the batch the trainer has just run:
 
-1. ``delta`` <- normal noise of std ``perturbation_size`` (truncated at two std), one vector per token;
+1. ``delta`` <- normal noise of std ``perturbation_size`` (clipped to +-2 std), one vector per token;
 2. ``adversarial_steps`` times: run the model with ``delta`` added to the normalised embeddings,
    take the gradient of the divergence from the clean (detached) prediction w.r.t. ``delta`` only,
    and step ``delta`` up it by ``step_size`` times the gradient divided by its per-token max-abs;
@@ -22,6 +22,7 @@ Gaussians centred on them. docs/finetuning.md ("SiFT") gives the sources and the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from torch import nn
 from distaff.train.model_config import ConfigError
 
 __all__ = ["SiftConfig", "SiFT", "divergence", "symmetric_kl"]
+
+_TINY = torch.finfo(torch.float32).tiny  # a zero gradient divided by it stays zero
 
 
 @dataclass
@@ -48,13 +51,11 @@ class SiftConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
             raise ConfigError(f"sift.enabled must be true or false, got {self.enabled!r}")
-        if isinstance(self.adversarial_steps, bool) or not isinstance(self.adversarial_steps, int) \
-                or self.adversarial_steps < 0:
+        if type(self.adversarial_steps) is not int or self.adversarial_steps < 0:  # bool is not a count
             raise ConfigError(f"sift.adversarial_steps must be an integer >= 0, got {self.adversarial_steps!r}")
         for name, positive in (("perturbation_size", True), ("step_size", False), ("loss_weight", False)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
-                    or value in (float("inf"), float("-inf")) or value < 0 or (positive and value == 0):
+            if type(value) not in (int, float) or not math.isfinite(value) or value < 0 or (positive and value == 0):
                 bound = "> 0" if positive else ">= 0"
                 raise ConfigError(f"sift.{name} must be a finite number {bound}, got {value!r}")
             setattr(self, name, float(value))
@@ -102,7 +103,6 @@ class _Perturbation:
         self.random_state: _RandomState | None = None
         self.ascending = True  # False: the last forward, whose delta is a constant
 
-
     def __call__(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
         if self.delta is None:
             noise = torch.randn(output.shape, device=output.device, dtype=torch.float32) * self.size
@@ -113,14 +113,24 @@ class _Perturbation:
         delta = self.delta if self.ascending else self.delta.detach()
         return (output.float() + delta).to(output.dtype)
 
-    def ascend(self, loss: torch.Tensor, step_size: float) -> bool:
-        """One normalised gradient-ascent step of ``loss`` on ``delta``; False (``delta`` kept) when the
-        gradient is not finite. Only ``delta``'s gradient is computed: nothing reaches the parameters."""
-        (grad,) = torch.autograd.grad(loss, self.delta)
+    def ascend(self, logits: torch.Tensor, target: torch.Tensor, regression: bool, step_size: float) -> bool:
+        """One normalised gradient-ascent step on ``delta`` of the divergence of ``logits`` (computed with
+        ``delta``) from ``target``; False (``delta`` kept) when the gradient is not finite. Only ``delta``'s
+        gradient is computed: nothing reaches the parameters.
+
+        The divergence's gradient w.r.t. the logits is rescaled per example to a max-abs of 1 before it goes
+        back through the model. Each token's gradient comes from its own example alone, so a per-example factor
+        leaves the per-token normalised step as it is; but unscaled, an fp16 backward of a divergence this
+        small underflows to zero for most tokens."""
+        wide = logits.float()
+        (upstream,) = torch.autograd.grad(divergence(wide, target, regression), wide)
+        rows = upstream.reshape(upstream.shape[0], -1)
+        upstream = (rows / rows.abs().amax(-1, keepdim=True).clamp_min(_TINY)).view_as(upstream)
+        (grad,) = torch.autograd.grad(wide, self.delta, upstream)
         if not bool(torch.isfinite(grad).all()):
             return False
-        scale = grad.abs().amax(-1, keepdim=True) + 1e-6
-        self.delta = (self.delta.detach() + step_size * grad / scale).requires_grad_()
+        step = grad / grad.abs().amax(-1, keepdim=True).clamp_min(_TINY)
+        self.delta = (self.delta.detach() + step_size * step).requires_grad_()
         return True
 
 
@@ -171,8 +181,7 @@ class SiFT:
         perturbation = _Perturbation(self.cfg.perturbation_size)
         with self._perturbing(perturbation):
             for _ in range(self.cfg.adversarial_steps):
-                ascent_loss = divergence(_model_logits(forward), target, self.regression)
-                if not perturbation.ascend(ascent_loss, self.cfg.step_size):
+                if not perturbation.ascend(_model_logits(forward), target, self.regression, self.cfg.step_size):
                     self.skipped_updates += 1
             perturbation.ascending = False
             perturbed = _model_logits(forward)
