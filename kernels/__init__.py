@@ -17,7 +17,7 @@ import os
 import torch
 
 from . import reference
-from .contract import IGNORE_INDEX, IMPLS, MaskedLMLoss
+from .contract import IGNORE_INDEX, IMPLS, TRITON_HEAD_DIMS, MaskedLMLoss
 from .relative_position import attention_span, bucket_table, relative_position_index
 
 # op name -> module holding its Triton implementation (a function of the same name).
@@ -70,7 +70,7 @@ bias_gelu = _dispatched("bias_gelu")
 masked_lm_loss = _dispatched("masked_lm_loss")
 
 __all__ = [
-    "IGNORE_INDEX", "IMPLS", "MaskedLMLoss", "attention_span", "bias_gelu", "bucket_table", "disentangled_attention",
-    "disentangled_attention_varlen", "layer_norm", "masked_lm_loss", "reference", "relative_position_index",
-    "resolve_impl", "triton_available",
+    "IGNORE_INDEX", "IMPLS", "MaskedLMLoss", "TRITON_HEAD_DIMS", "attention_span", "bias_gelu", "bucket_table",
+    "disentangled_attention", "disentangled_attention_varlen", "layer_norm", "masked_lm_loss", "reference",
+    "relative_position_index", "resolve_impl", "triton_available",
 ]

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .contract import AttentionCall, attention_op, dropout_seed, varlen_attention_op
+from .contract import TRITON_HEAD_DIMS, AttentionCall, attention_op, dropout_seed, varlen_attention_op
 from .relative_position import attention_span, bucket_table
 
 # Largest value a 32-bit in-kernel offset may take (see check_offsets_fit_int32).
@@ -703,8 +703,8 @@ def _check_kernel_inputs(q: torch.Tensor, tensors: dict) -> None:
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q must be float16, bfloat16 or float32 for the Triton kernel, got {q.dtype}")
     head_dim = q.shape[-1]
-    if head_dim not in (16, 32, 64, 128):
-        raise ValueError(f"head dim d must be 16, 32, 64 or 128 for the Triton kernel, got {head_dim}")
+    if head_dim not in TRITON_HEAD_DIMS:
+        raise ValueError(f"head dim d must be one of {TRITON_HEAD_DIMS} for the Triton kernel, got {head_dim}")
     for name, t in tensors.items():
         if t is not None and t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")

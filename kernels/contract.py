@@ -17,6 +17,7 @@ from .relative_position import attention_span
 
 IMPLS = ("auto", "triton", "reference")
 IGNORE_INDEX = -100  # label of positions without an MLM target (PyTorch's cross-entropy default)
+TRITON_HEAD_DIMS = (16, 32, 64, 128)  # head sizes the fused attention kernels are built for
 
 
 def default_softmax_scale(head_dim: int, pos_key: torch.Tensor | None, pos_query: torch.Tensor | None) -> float:

@@ -45,7 +45,7 @@ def test_content_attention_equals_the_formula_by_hand():
     attention = _self_attention(relative_attention=False, pos_att_type=[])
     n = max(LENGTHS)
     hidden = torch.randn(len(LENGTHS), n, 32, dtype=torch.float64)
-    out = attention(hidden, _padding_mask(n), None, hidden)
+    out, _ = attention(hidden, _padding_mask(n), None, hidden)
     for b, length in enumerate(LENGTHS):
         x = hidden[b, :length]
         q, k, v = (proj(x).view(length, 2, 16).transpose(0, 1)
@@ -55,7 +55,7 @@ def test_content_attention_equals_the_formula_by_hand():
         torch.testing.assert_close(out[b, :length], expected, **FLOAT32_SCALE)
     plain = _self_attention(relative_attention=False, pos_att_type=[], entropy_scale_length=0)
     plain.load_state_dict(attention.state_dict())
-    assert not torch.allclose(plain(hidden, _padding_mask(n), None, hidden)[0], out[0])
+    assert not torch.allclose(plain(hidden, _padding_mask(n), None, hidden)[0][0], out[0])
 
 
 def test_relative_attention_equals_the_naive_oracle_with_each_sequences_scale():
@@ -63,7 +63,7 @@ def test_relative_attention_equals_the_naive_oracle_with_each_sequences_scale():
     n = max(LENGTHS)
     hidden = torch.randn(len(LENGTHS), n, 32, dtype=torch.float64)
     rel = torch.randn(2 * 8, 32, dtype=torch.float64)
-    out = attention(hidden, _padding_mask(n), rel, hidden)
+    out, _ = attention(hidden, _padding_mask(n), rel, hidden)
     pos_key, pos_query = attention._position_tables(rel)
     heads = lambda proj, x: proj(x).view(1, -1, 2, 16).transpose(1, 2)  # noqa: E731
     base = (16 * 3) ** -0.5

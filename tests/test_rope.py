@@ -56,7 +56,7 @@ def test_model_attention_equals_the_rotary_formula_by_hand():
     cfg = ModelConfig(**SMALL, relative_attention=False, pos_att_type=[])
     attention = DebertaForMaskedLM(cfg).double().deberta.encoder.layer[0].attention.self
     hidden = torch.randn(1, 9, 32, dtype=torch.float64)
-    out = attention(hidden, torch.ones(1, 9, dtype=torch.long), None, hidden)
+    out, _ = attention(hidden, torch.ones(1, 9, dtype=torch.long), None, hidden)
     heads = lambda proj: proj(hidden).view(9, 2, 16).transpose(0, 1).detach().numpy()  # noqa: E731
     q, k, v = (closed_form(heads(attention.query_proj), 10000.0), closed_form(heads(attention.key_proj), 10000.0),
                heads(attention.value_proj))

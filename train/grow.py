@@ -102,6 +102,11 @@ class Widening:
 def grown_config(small: ModelConfig, hidden_size: int, num_layers: int, intermediate_size: int | None,
                  heads: int | None) -> ModelConfig:
     """The grown model's config; an expansion this module cannot make exactly is a ConfigError."""
+    for switch, why in (("realformer", "new layers' scores would join every later layer's residual scores"),
+                        ("tta", "its position-query table is not among the weights this module widens or keeps")):
+        if getattr(small, switch):
+            raise ConfigError(f"model.{switch} with distaff grow: growth is not function-preserving for it ({why}); "
+                              "train the larger model from scratch")
     if hidden_size < small.hidden_size or hidden_size % small.hidden_size:
         raise ConfigError(f"--hidden-size {hidden_size}: must be a multiple of the model's hidden_size "
                           f"{small.hidden_size} (exact widening copies the hidden vector a whole number of times)")

@@ -87,18 +87,25 @@ def model_config_from_hf(hf_config: dict[str, Any], source: str = "config.json",
     return ModelConfig.from_dict({**values, **overrides}, source)
 
 
+# distaff's switches DebertaV2Model cannot run, each with what it is.
+NO_HF_EQUIVALENT = {
+    "rope": "rotary position embeddings",
+    "entropy_scale_length": "the entropy-invariant attention scale (log n / log n_train per sequence)",
+    "realformer": "RealFormer's residual attention (every earlier layer's scores added to a layer's own)",
+    "tta": "T-TA's attention (no token attends to itself, keys and values from the embeddings, position queries)",
+}
+
+
 def hf_config_dict(cfg: ModelConfig, architecture: str = "DebertaV2ForMaskedLM") -> dict[str, Any]:
     """``config.json`` contents for ``architecture`` (``DebertaV2ForMaskedLM``, ``DebertaV2Model``); a model
     HF cannot run is refused."""
-    if cfg.rope:
-        raise ConfigError("model.rope: rotary position embeddings have no Hugging Face DeBERTa-v2 equivalent "
-                          "(DebertaV2Model would run the weights without them and silently compute something "
-                          "else); such a model cannot be exported to HF, keep its distaff checkpoint")
-    if cfg.entropy_scale_length:
-        raise ConfigError(f"model.entropy_scale_length={cfg.entropy_scale_length}: the entropy-invariant attention "
-                          "scale (log n / log n_train per sequence) has no Hugging Face DeBERTa-v2 equivalent "
-                          "(DebertaV2Model would attend with the plain scale and silently compute something else); "
-                          "such a model cannot be exported to HF, keep its distaff checkpoint")
+    for name, what in NO_HF_EQUIVALENT.items():
+        value = getattr(cfg, name)
+        if value:
+            shown = "" if value is True else f"={value}"
+            raise ConfigError(f"model.{name}{shown}: {what} has no Hugging Face DeBERTa-v2 equivalent "
+                              "(DebertaV2Model would run the weights without it and silently compute something "
+                              "else); such a model cannot be exported to HF, keep its distaff checkpoint")
     values = {name: getattr(cfg, name) for name in HF_DEFAULTS}
     return {"architectures": [architecture], "model_type": "deberta-v2", "legacy": True,
             "tie_word_embeddings": True, **values}

@@ -22,7 +22,8 @@ padded model's for the same sequence.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from functools import partial
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from distaff import kernels
+from distaff.train import realformer
 from distaff.train.model_config import ModelConfig
+from distaff.train.realformer import ScoreHistory
 from distaff.train.rope import apply_rope, rope_angles
 
 
@@ -134,6 +137,8 @@ class DisentangledSelfAttention(nn.Module):
         self.impl = cfg.attention_impl
         self.rope_theta = cfg.rope_theta if cfg.rope else None
         self.entropy_scale_length = cfg.entropy_scale_length
+        self.realformer = cfg.realformer
+        self.mask_diagonal = cfg.tta  # T-TA: no token attends to itself
 
     def _softmax_scale(self, mask: Layout) -> float | torch.Tensor:
         """The scale, or with ``entropy_scale_length`` one per sequence: ``scale * log(n) / log(n_train)``
@@ -149,24 +154,35 @@ class DisentangledSelfAttention(nn.Module):
         """``[..., N, H*d]`` -> ``[..., H, N, d]``."""
         return x.unflatten(-1, (self.heads, -1)).transpose(-3, -2)
 
-    def _attend(self, hidden: torch.Tensor, mask: Layout, query_states: torch.Tensor,
-                pos_key: torch.Tensor | None, pos_query: torch.Tensor | None) -> torch.Tensor:
-        """Attention output, ``[B, N, H*d]`` padded or ``[T, H*d]`` packed."""
-        shared = dict(position_buckets=self.position_buckets, max_relative_positions=self.max_relative_positions,
-                      dropout_p=self.attn_dropout if self.training else 0.0, softmax_scale=self._softmax_scale(mask),
-                      impl=self.impl)
-        if isinstance(mask, Packed):  # [T, H, d] per token
-            q, k, v = (proj(x).unflatten(-1, (self.heads, -1)) for proj, x in
-                       ((self.query_proj, query_states), (self.key_proj, hidden), (self.value_proj, hidden)))
-            q, k = self._rotate(q, k, mask.position_ids)
-            return kernels.disentangled_attention_varlen(
-                q, k, v, pos_key, pos_query, cu_seqlens=mask.cu_seqlens, max_seqlen=mask.max_seqlen,
-                **shared).flatten(1)
-        q = self._heads(self.query_proj(query_states))
-        k, v = self._heads(self.key_proj(hidden)), self._heads(self.value_proj(hidden))
-        q, k = self._rotate(q, k, torch.arange(q.shape[-2], device=q.device))
-        return kernels.disentangled_attention(q, k, v, pos_key, pos_query, attention_mask=mask,
-                                              **shared).transpose(1, 2).flatten(2)
+    def _split(self, x: torch.Tensor, mask: Layout) -> torch.Tensor:
+        """``[..., H*d]`` in the op's layout: ``[T, H, d]`` packed, ``[B, H, N, d]`` padded."""
+        return x.unflatten(-1, (self.heads, -1)) if isinstance(mask, Packed) else self._heads(x)
+
+    def _op(self, mask: Layout) -> Callable[..., torch.Tensor]:
+        """The attention op for this layout, its layout arguments bound."""
+        if isinstance(mask, Packed):
+            return partial(kernels.disentangled_attention_varlen, cu_seqlens=mask.cu_seqlens,
+                           max_seqlen=mask.max_seqlen)
+        return partial(kernels.disentangled_attention, attention_mask=mask)
+
+    def _attend(self, hidden: torch.Tensor, mask: Layout, query_states: torch.Tensor, pos_key: torch.Tensor | None,
+                pos_query: torch.Tensor | None,
+                history: ScoreHistory | None) -> tuple[torch.Tensor, ScoreHistory | None]:
+        """Attention output, ``[B, N, H*d]`` padded or ``[T, H*d]`` packed, and with ``realformer`` the
+        score history including this layer."""
+        q, k, v = (self._split(proj(x), mask) for proj, x in
+                   ((self.query_proj, query_states), (self.key_proj, hidden), (self.value_proj, hidden)))
+        positions = mask.position_ids if isinstance(mask, Packed) else torch.arange(q.shape[-2], device=q.device)
+        q, k = self._rotate(q, k, positions)
+        options = dict(position_buckets=self.position_buckets, max_relative_positions=self.max_relative_positions,
+                       dropout_p=self.attn_dropout if self.training else 0.0, softmax_scale=self._softmax_scale(mask),
+                       mask_diagonal=self.mask_diagonal)
+        if self.realformer:
+            history = realformer.extend(history, q, k, pos_key, pos_query)
+            out = realformer.residual_attention(history, v, self._op(mask), self.impl, **options)
+        else:
+            out = self._op(mask)(q, k, v, pos_key, pos_query, impl=self.impl, **options)
+        return (out.flatten(1) if isinstance(mask, Packed) else out.transpose(1, 2).flatten(2)), history
 
     def _rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE (``model.rope``) at each token's position in its sequence; ``q``, ``k`` unchanged without it."""
@@ -188,10 +204,10 @@ class DisentangledSelfAttention(nn.Module):
         pos_query = self._heads(query_proj(rel)) if self.p2c else None
         return pos_key, pos_query
 
-    def forward(self, hidden: torch.Tensor, mask: Layout, rel: torch.Tensor | None,
-                query_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, mask: Layout, rel: torch.Tensor | None, query_states: torch.Tensor,
+                history: ScoreHistory | None = None) -> tuple[torch.Tensor, ScoreHistory | None]:
         pos_key, pos_query = self._position_tables(rel)
-        return self._attend(hidden, mask, query_states, pos_key, pos_query)
+        return self._attend(hidden, mask, query_states, pos_key, pos_query, history)
 
 
 class SelfOutput(nn.Module):
@@ -213,9 +229,10 @@ class Attention(nn.Module):
         self.self = DisentangledSelfAttention(cfg)
         self.output = SelfOutput(cfg.hidden_size, cfg)
 
-    def forward(self, hidden: torch.Tensor, mask: Layout, rel: torch.Tensor | None,
-                query_states: torch.Tensor) -> torch.Tensor:
-        return self.output(self.self(hidden, mask, rel, query_states), query_states)
+    def forward(self, hidden: torch.Tensor, mask: Layout, rel: torch.Tensor | None, query_states: torch.Tensor,
+                history: ScoreHistory | None = None) -> tuple[torch.Tensor, ScoreHistory | None]:
+        attended, history = self.self(hidden, mask, rel, query_states, history)
+        return self.output(attended, query_states), history
 
 
 def _dense_gelu(dense: nn.Linear, x: torch.Tensor, impl: str) -> torch.Tensor:
@@ -245,10 +262,13 @@ class Layer(nn.Module):
         self.output = SelfOutput(cfg.intermediate_size, cfg)
 
     def forward(self, hidden: torch.Tensor, mask: Layout, rel: torch.Tensor | None,
-                query_states: torch.Tensor | None = None) -> torch.Tensor:
-        """Keys and values come from ``hidden``; queries from ``query_states`` (EMD) or ``hidden``."""
-        attended = self.attention(hidden, mask, rel, hidden if query_states is None else query_states)
-        return self.output(self.intermediate(attended), attended)
+                query_states: torch.Tensor | None = None,
+                history: ScoreHistory | None = None) -> tuple[torch.Tensor, ScoreHistory | None]:
+        """Keys and values come from ``hidden``; queries from ``query_states`` (EMD, T-TA) or ``hidden``.
+        Returns the layer's output and, with ``realformer``, the score history including this layer."""
+        attended, history = self.attention(hidden, mask, rel, hidden if query_states is None else query_states,
+                                           history)
+        return self.output(self.intermediate(attended), attended), history
 
 
 class Encoder(nn.Module):
@@ -269,16 +289,21 @@ class Encoder(nn.Module):
         return self.LayerNorm(rel) if self.LayerNorm is not None else rel
 
     def run_layer(self, layer: Layer, hidden: torch.Tensor, mask: Layout, rel: torch.Tensor | None,
-                  query_states: torch.Tensor | None = None) -> torch.Tensor:
+                  query_states: torch.Tensor | None = None,
+                  history: ScoreHistory | None = None) -> tuple[torch.Tensor, ScoreHistory | None]:
         if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-            return checkpoint(layer, hidden, mask, rel, query_states, use_reentrant=False)
-        return layer(hidden, mask, rel, query_states)
+            return checkpoint(layer, hidden, mask, rel, query_states, history, use_reentrant=False)
+        return layer(hidden, mask, rel, query_states, history)
 
-    def forward(self, hidden: torch.Tensor, mask: Layout, num_layers: int | None = None) -> torch.Tensor:
-        rel = self.rel_table()
+    def forward(self, hidden: torch.Tensor, mask: Layout, num_layers: int | None = None,
+                query: torch.Tensor | None = None) -> torch.Tensor:
+        """The first ``num_layers`` layers. With ``query`` (T-TA), every layer takes its keys and values
+        from ``hidden`` and its queries from the previous layer's output, the first from ``query``."""
+        rel, history = self.rel_table(), None
+        stream = hidden if query is None else query
         for layer in self.layer[:num_layers]:
-            hidden = self.run_layer(layer, hidden, mask, rel)
-        return hidden
+            stream, history = self.run_layer(layer, stream if query is None else hidden, mask, rel, stream, history)
+        return stream
 
     def requery_last_layer(self, hidden: torch.Tensor, mask: Layout, query: torch.Tensor,
                            times: int) -> torch.Tensor:
@@ -286,17 +311,23 @@ class Encoder(nn.Module):
         the next ``query`` (the Enhanced Mask Decoder's computation)."""
         rel, last = self.rel_table(), self.layer[-1]
         for _ in range(times):
-            query = self.run_layer(last, hidden, mask, rel, query)
+            query, _ = self.run_layer(last, hidden, mask, rel, query)
         return query
 
 
 class DebertaModel(nn.Module):
-    """Embeddings + encoder; ``DebertaV2Model``'s computation for 2-D padding masks, or for packed sequences."""
+    """Embeddings + encoder; ``DebertaV2Model``'s computation for 2-D padding masks, or for packed sequences.
+
+    With ``tta`` (T-TA, Shin et al., ACL 2020) every layer's keys and values are the embedding output,
+    the first layer's queries a learned vector per position, and no token attends to itself, so no
+    output depends on its own input token: every token can be a prediction target."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embeddings = Embeddings(cfg)
         self.encoder = Encoder(cfg)
+        # T-TA: the first layer's queries, one learned vector per position (no token information)
+        self.position_queries = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size) if cfg.tta else None
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Layout | None = None,
                 token_type_ids: torch.Tensor | None = None, num_layers: int | None = None,
@@ -305,7 +336,10 @@ class DebertaModel(nn.Module):
         may be a :class:`Packed` layout for 1-D ``input_ids``."""
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         hidden = self.embeddings(input_ids, token_type_ids, mask, word_offset)
-        return self.encoder(hidden, mask, num_layers)
+        if self.position_queries is None:
+            return self.encoder(hidden, mask, num_layers)
+        query = absolute_positions(self.position_queries, input_ids, mask).expand_as(hidden).contiguous()
+        return self.encoder(hidden, mask, num_layers, query=query)
 
 
 class EnhancedMaskDecoder(nn.Module):

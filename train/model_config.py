@@ -67,6 +67,11 @@ class ModelConfig:
     # Entropy-invariant softmax scale (Su, 2021): scores of a sequence of n real tokens are scaled by
     # log(n) / log(entropy_scale_length) on top of the usual scale; 0 = off. No HF equivalent.
     entropy_scale_length: int = 0
+    # RealFormer (He et al., 2021): each layer adds every earlier layer's pre-softmax scores to its own. No HF equivalent.
+    realformer: bool = False
+    # T-TA (Shin et al., ACL 2020): diagonal attention mask, keys/values from the embeddings at every layer,
+    # first-layer queries from positions. Set by train.objective=tta (the all-token objective). No HF equivalent.
+    tta: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.pos_att_type, str):
@@ -108,6 +113,11 @@ class ModelConfig:
         if self.entropy_scale_length < 0 or self.entropy_scale_length == 1:
             raise ConfigError(f"entropy_scale_length must be 0 (off) or a training length >= 2 (log of it divides the "
                               f"scale), got {self.entropy_scale_length}")
+        for switch in ("realformer", "tta"):
+            if getattr(self, switch) and self.emd:
+                raise ConfigError(f"{switch} with emd: the Enhanced Mask Decoder re-runs the last layer with other "
+                                  f"queries, which {switch} does not define; set emd: false (pretraining turns it on "
+                                  f"by default)")
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise ConfigError(f"pad_token_id {self.pad_token_id} is outside the vocabulary (size {self.vocab_size})")
 
