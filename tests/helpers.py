@@ -21,10 +21,10 @@ BF16_NEEDS_GPU = pytest.mark.skipif(
 TRITON_DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=BF16_NEEDS_GPU)]
 
 
-def assert_same_loss_and_grads(fused, plain, *inputs, labels) -> None:
+def assert_same_loss_and_grads(fused, plain, *inputs, labels, **options) -> None:
     """Two models with the same weights (e.g. Triton and reference attention) give the same MLM loss
-    and parameter gradients on ``inputs``."""
-    losses = [model(*inputs, labels=labels).loss for model in (fused, plain)]
+    and parameter gradients on ``inputs`` (``options``: further keywords of the forward, e.g. packing)."""
+    losses = [model(*inputs, labels=labels, **options).loss for model in (fused, plain)]
     torch.testing.assert_close(losses[0], losses[1], atol=1e-5, rtol=1e-5)
     for loss in losses:
         loss.backward()

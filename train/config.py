@@ -66,8 +66,9 @@ class TrainSection:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     grad_clip: float = 1.0              # 0 disables clipping
     max_nonfinite_steps: int = 10       # stop after this many skipped (non-finite loss) steps in a row
-    # mlm: masked-LM; rtd: DeBERTa-v3's replaced-token detection (generator + discriminator, see `rtd`)
-    objective: Literal["mlm", "rtd"] = "mlm"
+    # mlm: masked-LM; rtd: DeBERTa-v3's replaced-token detection (generator + discriminator, see `rtd`);
+    # tta: T-TA's all-token objective (unmasked input, every token a target; sets model.tta, drops EMD)
+    objective: Literal["mlm", "rtd", "tta"] = "mlm"
 
 
 @dataclass
@@ -319,6 +320,12 @@ def _check_combinations(cfg: RunConfig) -> None:
     if cfg.train.objective == "rtd" and cfg.model.init_from:
         raise ConfigError("model.init_from with train.objective=rtd: start the discriminator from an HF folder "
                           "with rtd.init_discriminator instead")
+    if cfg.train.objective == "tta" and cfg.model.init_from:
+        raise ConfigError("model.init_from with train.objective=tta: T-TA's attention and position queries do not "
+                          "start from another model's weights; train it from scratch")
+    if cfg.model.overrides.get("tta") and cfg.train.objective != "tta":
+        raise ConfigError(f"model.tta with train.objective={cfg.train.objective}: a T-TA model is trained by the "
+                          "all-token objective; set train.objective=tta (which sets model.tta itself)")
 
 
 def config_from_dict(values: dict[str, Any]) -> RunConfig:

@@ -15,6 +15,7 @@ from torch import nn
 
 from . import rtd
 from .config import ConfigError, RunConfig
+from .data.collator import MaskingConfig
 from .flops import train_flops_per_token
 from .metrics import perplexity
 from .model import DebertaForMaskedLM, MaskedLMOutput
@@ -28,6 +29,7 @@ class MaskedLMObjective:
 
     def __init__(self, cfg: RunConfig, model_cfg: ModelConfig):
         self.cfg, self.model_cfg = cfg, model_cfg
+        self.masking: MaskingConfig | None = cfg.data.masking  # what the data collator does to the input
 
     def model_configs(self) -> dict[str, ModelConfig]:
         """Each network's config, by the run-config section that sets it."""
@@ -69,6 +71,7 @@ class ReplacedTokenDetectionObjective:
         # the RTD head reads the encoder output: the discriminator has no Enhanced Mask Decoder
         self.model_cfg = model_cfg.replace(emd=False)
         self.generator_cfg = cfg.generator_config(model_cfg)
+        self.masking: MaskingConfig | None = cfg.data.masking
 
     def model_configs(self) -> dict[str, ModelConfig]:
         return {"model": self.model_cfg, "rtd.generator": self.generator_cfg}
@@ -119,7 +122,20 @@ class ReplacedTokenDetectionObjective:
         return {"generator_config": self.generator_cfg.to_dict()}
 
 
-OBJECTIVES = {"mlm": MaskedLMObjective, "rtd": ReplacedTokenDetectionObjective}
+class AllTokenObjective(MaskedLMObjective):
+    """T-TA (Shin et al., ACL 2020): a model with ``tta`` (no output depends on its own input token)
+    predicts every non-special token of the unmasked input; sums and metrics are masked-LM's."""
+
+    def __init__(self, cfg: RunConfig, model_cfg: ModelConfig):
+        # T-TA's layers take their queries from positions: the Enhanced Mask Decoder has no place in it
+        super().__init__(cfg, model_cfg.replace(emd=False, tta=True))
+        self.masking = None
+
+    def flops_per_token(self, seq_len: int) -> float:
+        return train_flops_per_token(self.model_cfg, seq_len, 1.0)  # every token goes through the head
+
+
+OBJECTIVES = {"mlm": MaskedLMObjective, "rtd": ReplacedTokenDetectionObjective, "tta": AllTokenObjective}
 
 
 def sampling_seed(seed: int, rank: int) -> int:

@@ -98,10 +98,10 @@ def build_model_config(cfg: RunConfig, tokenizer) -> ModelConfig:
 
 
 def check_data_fits_model(model_cfg: ModelConfig, seq_len: int, section: str = "model") -> None:
-    """Absolute position embeddings (``position_biased_input``, the Enhanced Mask Decoder) have
+    """Absolute position embeddings (``position_biased_input``, the Enhanced Mask Decoder, T-TA's queries) have
     ``max_position_embeddings`` rows: longer sequences would fail at the first step with a shape error."""
     users = [f"{section}.{name}" for name, on in (("position_biased_input", model_cfg.position_biased_input),
-                                                  ("emd", model_cfg.emd)) if on]
+                                                  ("emd", model_cfg.emd), ("tta", model_cfg.tta)) if on]
     if users and seq_len > model_cfg.max_position_embeddings:
         raise ConfigError(f"{section}.max_position_embeddings: {model_cfg.max_position_embeddings} is shorter than "
                           f"the data's sequences (data.dir: seq_len {seq_len}), and {' and '.join(users)} "
@@ -160,7 +160,8 @@ class Trainer:
 
     def _build_data(self, tokenizer: TokenizerInfo) -> tuple[PretrainLoader, Evaluator]:
         cfg, layout = self.cfg, self.layout
-        shared = dict(rank=layout.rank, world_size=layout.world_size, seed=cfg.run.seed, masking=cfg.data.masking)
+        shared = dict(rank=layout.rank, world_size=layout.world_size, seed=cfg.run.seed,
+                      masking=self.objective.masking)
         seq_len = self.manifest.seq_len
         loader = PretrainLoader(cfg.data.dir, self.manifest, tokenizer, batch_size=cfg.data.batch_size,
                                 num_workers=cfg.data.num_workers, token_budget=cfg.data.token_budget(seq_len),

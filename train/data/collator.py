@@ -51,7 +51,9 @@ class MaskingConfig:
 class MLMCollator:
     """Turns token arrays (``[CLS] ... [SEP]``, each at most ``seq_len``) into masked training batches."""
 
-    def __init__(self, tokenizer: TokenizerInfo, masking: MaskingConfig, seq_len: int):
+    def __init__(self, tokenizer: TokenizerInfo, masking: MaskingConfig | None, seq_len: int):
+        """``masking`` None: no input is changed and every non-special token is a target (an all-token
+        objective, T-TA's)."""
         self.masking = masking
         self.seq_len = seq_len
         self.pad_id = tokenizer.pad_id
@@ -61,9 +63,10 @@ class MLMCollator:
         self.is_special = special
         self.is_word_start = np.asarray(word_start_table(tokenizer.processor()), dtype=bool) | special
         self.random_ids = np.flatnonzero(~special)
-        lengths = np.arange(1, masking.max_ngram + 1)
-        self.ngram_lengths = lengths
-        self.ngram_probs = (1.0 / lengths) / (1.0 / lengths).sum()
+        if masking is not None:
+            lengths = np.arange(1, masking.max_ngram + 1)
+            self.ngram_lengths = lengths
+            self.ngram_probs = (1.0 / lengths) / (1.0 / lengths).sum()
 
     # -- batching -----------------------------------------------------------------------------------------
     def pad(self, samples: Sequence[np.ndarray]) -> np.ndarray:
@@ -101,6 +104,8 @@ class MLMCollator:
     # -- masking ------------------------------------------------------------------------------------------
     def mask(self, ids: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """(masked input ids, labels) for a padded ``[B, N]`` int64 array; labels are ``IGNORE_INDEX`` where not chosen."""
+        if self.masking is None:
+            return ids.copy(), np.where(self.is_special[ids], IGNORE_INDEX, ids)
         chosen = self.choose(ids, rng)
         labels = np.where(chosen, ids, IGNORE_INDEX)
         input_ids = ids.copy()

@@ -64,7 +64,7 @@ class PretrainLoader:
     """Infinite stream of masked batches for one rank (see module docstring for the guarantees)."""
 
     def __init__(self, data_dir: str | Path, manifest: Manifest, tokenizer: TokenizerInfo, *, batch_size: int,
-                 rank: int, world_size: int, num_workers: int, seed: int, masking: MaskingConfig,
+                 rank: int, world_size: int, num_workers: int, seed: int, masking: MaskingConfig | None,
                  group_shards: int = 4, token_budget: int = 0):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
@@ -182,7 +182,7 @@ class EvalLoader:
     """
 
     def __init__(self, data_dir: str | Path, manifest: Manifest, tokenizer: TokenizerInfo, *, batch_size: int,
-                 rank: int, world_size: int, seed: int, masking: MaskingConfig, token_budget: int = 0):
+                 rank: int, world_size: int, seed: int, masking: MaskingConfig | None, token_budget: int = 0):
         split = manifest.splits["heldout"]
         if split.samples == 0:
             raise DataError(f"{data_dir}: the held-out split is empty (prepare with --heldout-fraction > 0)")
@@ -221,14 +221,14 @@ def open_data_dir(data_dir: str | Path) -> tuple[Manifest, TokenizerInfo]:
 
 
 def build_train_loader(data_dir: str | Path, *, batch_size: int, rank: int, world_size: int, num_workers: int,
-                       seed: int, masking: MaskingConfig, token_budget: int = 0) -> PretrainLoader:
+                       seed: int, masking: MaskingConfig | None, token_budget: int = 0) -> PretrainLoader:
     manifest, tokenizer = open_data_dir(data_dir)
     return PretrainLoader(data_dir, manifest, tokenizer, batch_size=batch_size, rank=rank, world_size=world_size,
                           num_workers=num_workers, seed=seed, masking=masking, token_budget=token_budget)
 
 
 def build_eval_loader(data_dir: str | Path, *, batch_size: int, rank: int, world_size: int, seed: int,
-                      masking: MaskingConfig, token_budget: int = 0) -> EvalLoader:
+                      masking: MaskingConfig | None, token_budget: int = 0) -> EvalLoader:
     manifest, tokenizer = open_data_dir(data_dir)
     return EvalLoader(data_dir, manifest, tokenizer, batch_size=batch_size, rank=rank, world_size=world_size,
                       seed=seed, masking=masking, token_budget=token_budget)

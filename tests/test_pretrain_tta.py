@@ -1,0 +1,36 @@
+"""T-TA pretraining (``train.objective=tta``) with the bundled demo config (``configs/run/tiny-cpu.yaml``)
+on 2 CPU ranks under real DeepSpeed, on real text: the all-token loss is finite and falls, every
+non-special token is counted as a target, and the checkpointed model is the T-TA model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pretrain_fixtures import REPO, prepare_data, rank_logs, spawn_ranks, train_losses, wait_all
+
+from distaff.train.checkpoint import META, latest_checkpoint
+
+pytestmark = pytest.mark.integration
+
+STEPS = 16
+
+
+@pytest.mark.timeout(400)
+def test_tiny_cpu_trains_with_the_all_token_objective(sample_data, tmp_path_factory, tmp_path):
+    data = prepare_data(tmp_path_factory.getbasetemp(), sample_data)
+    out = tmp_path / "run"
+    overrides = [f"run.out_dir={out}", f"data.dir={data}", "train.objective=tta", f"train.max_steps={STEPS}",
+                 "optim.warmup_steps=2", "optim.lr=3e-3", "logging.every=1", "logging.progress_bar=false",
+                 "eval.every=0", "checkpoint.every=0", "checkpoint.keep=1", "wandb.mode=disabled"]
+    procs = spawn_ranks(REPO / "configs" / "run" / "tiny-cpu.yaml", tmp_path, *overrides)
+    assert wait_all(procs, timeout=360) == [0, 0], rank_logs(tmp_path)
+    losses = train_losses(out)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    first, last = losses[1], [losses[step] for step in range(STEPS - 3, STEPS + 1)]
+    assert all(value == value and value < 20 for value in losses.values())  # finite
+    assert max(last) < first - 0.5, losses
+    checkpoint = latest_checkpoint(out / "checkpoints")
+    assert checkpoint is not None, "the run ends with a checkpoint"
+    model_cfg = json.loads((checkpoint / META).read_text())["model_config"]
+    assert model_cfg["tta"] and not model_cfg["emd"]  # the objective's model, saved as such
