@@ -10,10 +10,13 @@ reference fallback past the widest head size.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from attention_oracle import masked_softmax_attention, naive_scores
 
+from distaff.train.ablate import load_ablation, variant_config
 from distaff.train.grow import grow_model
 from distaff.train.hf import to_hf
 from distaff.train.model import DebertaForMaskedLM, Packed
@@ -152,7 +155,6 @@ def test_widths_past_the_kernel_run_the_reference():
     fused = _model(attention_impl="triton", **wide)
     oracle = _model(**wide).double()
     oracle.load_state_dict(fused.state_dict())
-    ids, mask = _batch()
     with torch.no_grad():
         torch.testing.assert_close(_padded(fused).double(), _explicit(oracle), atol=2e-5, rtol=2e-4)
 
@@ -165,3 +167,11 @@ def test_refusals_name_both_keys(tmp_path):
     assert not (tmp_path / "hf").exists()
     with pytest.raises(ConfigError, match="model.realformer with distaff grow"):
         grow_model(_model(), 32, 4)
+
+
+def test_bundled_switches_ablation_validates(monkeypatch):
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # its paths are relative to the repository root
+    cfg = load_ablation("configs/ablation/switches-cpu.yaml")
+    models = [variant_config(cfg, variant, 1).model_config(vocab_size=4000) for variant in cfg.variants]
+    assert [(m.realformer, m.rope, m.emd) for m in models] == [(False, False, False), (True, False, False),
+                                                               (True, True, False)]

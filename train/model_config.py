@@ -67,7 +67,8 @@ class ModelConfig:
     # Entropy-invariant softmax scale (Su, 2021): scores of a sequence of n real tokens are scaled by
     # log(n) / log(entropy_scale_length) on top of the usual scale; 0 = off. No HF equivalent.
     entropy_scale_length: int = 0
-    # RealFormer (He et al., 2021): each layer adds every earlier layer's pre-softmax scores to its own. No HF equivalent.
+    # RealFormer (He et al., 2021): each layer adds every earlier layer's pre-softmax scores to its own.
+    # No HF equivalent.
     realformer: bool = False
     # T-TA (Shin et al., ACL 2020): diagonal attention mask, keys/values from the embeddings at every layer,
     # first-layer queries from positions. Set by train.objective=tta (the all-token objective). No HF equivalent.
