@@ -264,8 +264,10 @@ def test_discriminator_head_builds_nothing_of_vocabulary_size():
     m = model()
     ids, mask, labels = batch()
     seen = []
-    hooks = [mod.register_forward_hook(lambda _m, _i, out: seen.append(out.shape))
-             for mod in itertools.chain(m.discriminator.modules())]
+    def record(_module, _inputs, out):  # attention layers return (output, RealFormer history or None)
+        seen.extend(t.shape for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor))
+
+    hooks = [mod.register_forward_hook(record) for mod in itertools.chain(m.discriminator.modules())]
     m(ids, mask, labels=labels)
     for hook in hooks:
         hook.remove()
