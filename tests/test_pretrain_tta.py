@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from pretrain_fixtures import REPO, prepare_data, rank_logs, spawn_ranks, train_losses, wait_all
+from pretrain_fixtures import REPO, metrics, prepare_data, rank_logs, spawn_ranks, train_losses, wait_all
 
 from distaff.train.checkpoint import META, latest_checkpoint
 
@@ -25,7 +25,7 @@ def test_tiny_cpu_trains_with_the_all_token_objective(packing, stage, sample_dat
     overrides = [f"run.out_dir={out}", f"data.dir={data}", "train.objective=tta", f"train.max_steps={STEPS}",
                  f"data.packing={packing}", f"zero.stage={stage}",
                  "optim.warmup_steps=2", "optim.lr=3e-3", "logging.every=1", "logging.progress_bar=false",
-                 "eval.every=0", "checkpoint.every=0", "checkpoint.keep=1", "wandb.mode=disabled"]
+                 f"eval.every={STEPS // 2}", "eval.batches=2", "checkpoint.every=0", "checkpoint.keep=1", "wandb.mode=disabled"]
     procs = spawn_ranks(REPO / "configs" / "run" / "tiny-cpu.yaml", tmp_path, *overrides)
     assert wait_all(procs, timeout=360) == [0, 0], rank_logs(tmp_path)
     losses = train_losses(out)
@@ -34,6 +34,9 @@ def test_tiny_cpu_trains_with_the_all_token_objective(packing, stage, sample_dat
     assert all(value == value and value < 20 for value in losses.values())  # finite
     assert max(last) < first - 0.5, losses
     print(f"{packing}, ZeRO-{stage}: loss at step 1 {first:.3f}, steps {STEPS - 3}-{STEPS} {last}")
+    evals = [r for r in metrics(out) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [STEPS // 2, STEPS] and all(0 < r["eval_loss"] < 20 for r in evals)
+    assert evals[-1]["eval_tokens"] > 0  # held-out batches: every non-special token a target
     checkpoint = latest_checkpoint(out / "checkpoints")
     assert checkpoint is not None, "the run ends with a checkpoint"
     model_cfg = json.loads((checkpoint / META).read_text())["model_config"]
