@@ -145,3 +145,65 @@ def test_loss_weighting_config_errors_name_the_keys():
     with pytest.raises(ConfigError, match=r"rtd\.loss_weighting=initial with train\.objective=mlm"):
         config_from_dict({"data": {"dir": "x"}, "rtd": {"loss_weighting": "initial"}})
     assert config_from_dict({"data": {"dir": "x"}, "rtd": {"loss_weighting": "fixed"}}).train.objective == "mlm"
+
+
+def weighted_run(tmp, sample_data, name: str, method: str, steps: int, every: int, *overrides: str):
+    """A 2-rank ZeRO-2 RTD run with ``rtd.loss_weighting=method``; its run directory."""
+    from pretrain_fixtures import prepare_data, rank_logs, spawn_ranks, wait_all, write_config
+
+    folder, out = tmp / name, tmp / name / "run"
+    folder.mkdir()
+    config = write_config(folder / "run.yaml", prepare_data(tmp.parent, sample_data), out,
+                          train={"max_steps": steps, "objective": "rtd"}, rtd={"loss_weighting": method},
+                          zero={"stage": 2}, checkpoint={"every": every, "keep": 3}, eval={"every": 0, "batches": 2})
+    assert wait_all(spawn_ranks(config, folder, *overrides), timeout=240) == [0, 0], rank_logs(folder)
+    return out
+
+
+def train_records(run_dir) -> dict[int, dict]:
+    from pretrain_fixtures import metrics
+
+    return {r["step"]: r for r in metrics(run_dir) if "loss" in r}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_zero2_uncertainty_run_learns_and_logs_the_weights(sample_data, tmp_path):
+    from distaff.train.export import fp32_state_dict
+
+    run = weighted_run(tmp_path, sample_data, "uncertainty", "uncertainty", 4, 3)
+    records = train_records(run)
+    assert sorted(records) == [1, 2, 3, 4]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["weight_gen"]) for r in records.values())
+    assert [records[1]["weight_gen"], records[1]["weight_rtd"]] == pytest.approx([1.0, 50.0], rel=1e-6)
+    # step 4's forward used the log-variances the step-3 checkpoint holds (fp32 master weights)
+    log_variance = fp32_state_dict(run / "checkpoints" / "step-00000003")["weighting.log_variance"]
+    assert [records[4]["weight_gen"], records[4]["weight_rtd"]] == pytest.approx(torch.exp(-log_variance).tolist(),
+                                                                                 rel=1e-5)
+    assert records[4]["weight_rtd"] != pytest.approx(50.0, rel=1e-6)       # learned: it moved
+    summary = json.loads((run / "summary.json").read_text())
+    assert math.isfinite(summary["eval_loss"]) and "eval_weight_rtd" not in summary
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+def test_zero2_initial_weighting_resumes_exactly(sample_data, tmp_path):
+    full = weighted_run(tmp_path, sample_data, "initial", "initial", 4, 2)
+    records = train_records(full)
+    ranks = [json.loads((full / "checkpoints" / "step-00000002" / "distaff" / f"rank-0000{r}.json").read_text())
+             for r in (0, 1)]
+    recorded = ranks[0]["initial_losses"]["values"]
+    assert ranks[1]["initial_losses"]["values"] == recorded                  # every rank recorded the same
+    assert recorded == pytest.approx([records[1]["gen_loss"], records[1]["rtd_loss"]], rel=1e-9)
+    # from step 2 on each loss is divided by step 1's global mean
+    assert [records[3]["weight_gen"], records[3]["weight_rtd"]] == pytest.approx(
+        [1.0 / recorded[0], 50.0 / recorded[1]], rel=1e-9)
+    resumed = weighted_run(tmp_path, sample_data, "initial-resumed", "initial", 4, 2,
+                           f"checkpoint.resume={full / 'checkpoints' / 'step-00000002'}")
+    again = train_records(resumed)
+    assert sorted(again) == [3, 4]
+    assert {step: [again[step][k] for k in TRACKED] for step in (3, 4)} == \
+        {step: [records[step][k] for k in TRACKED] for step in (3, 4)}              # bit for bit
+
+
+TRACKED = ("loss", "gen_loss", "rtd_loss", "gen_accuracy", "rtd_accuracy", "rtd_auc", "weight_gen", "weight_rtd")
