@@ -130,6 +130,20 @@ def test_initial_records_the_global_means_and_resumes_from_checkpoint_json_exact
 
 
 @pytest.mark.unit
+def test_export_rebuilds_an_uncertainty_run_with_its_log_variances():
+    from distaff.train.config import config_to_dict
+    from distaff.train.export import model_from_meta
+
+    cfg = run_config(loss_weighting="uncertainty")
+    objective = objective_for(cfg, cfg.model_config(vocab_size=97))
+    trained = objective.build(rank=0)
+    meta = {"config": config_to_dict(cfg), "model_config": objective.model_cfg.to_dict(), **objective.meta()}
+    rebuilt = model_from_meta(json.loads(json.dumps(meta)), "meta.json")
+    rebuilt.load_state_dict(trained.state_dict(), strict=True)        # weighting.log_variance included
+    assert torch.equal(rebuilt.weighting.log_variance, trained.weighting.log_variance)
+
+
+@pytest.mark.unit
 def test_only_initial_adds_checkpoint_state():
     for method, extra in (("fixed", set()), ("uncertainty", set()), ("initial", {"initial_losses"})):
         cfg = run_config(loss_weighting=method)
