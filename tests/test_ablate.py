@@ -165,7 +165,8 @@ def test_parallel_runs_at_most_n_at_once_and_a_failure_leaves_the_others_going(t
 
 
 @pytest.mark.unit
-def test_sigterm_stops_the_runs_in_progress_and_keeps_finished_summaries(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_the_runs_in_progress_and_keeps_finished_summaries(tmp_path, signum):
     # the long run writes its pid, and on SIGTERM a marker (as pretrain saves a checkpoint) before exiting
     long = ("OUT.mkdir(parents=True)\n"
             "signal.signal(signal.SIGTERM, lambda *a: ((OUT / 'terminated').write_text('x'), sys.exit(75)))\n"
@@ -182,7 +183,7 @@ def test_sigterm_stops_the_runs_in_progress_and_keeps_finished_summaries(tmp_pat
     while not pid_file.is_file() and time.monotonic() < deadline:
         time.sleep(0.1)
     time.sleep(0.3)
-    parent.send_signal(signal.SIGTERM)
+    parent.send_signal(signum)
     assert parent.wait(timeout=60) == 130
     assert (tmp_path / "runs" / "long" / "terminated").is_file()                 # SIGTERM reached the run
     assert (tmp_path / "runs" / "quick" / "summary.json").is_file()              # finished run kept

@@ -325,7 +325,9 @@ def run_parallel(jobs: list[tuple[str, list[str], PlannedRun]], parallel: int, e
                 run.out_dir.parent.mkdir(parents=True, exist_ok=True)
                 print(f"distaff ablate: {label}: {run.max_steps} steps -> {run.out_dir} (log {run.log})", flush=True)
                 with open(run.log, "a") as handle:
-                    running[subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT)] = (label, run)
+                    # its own session: a terminal's Ctrl-C reaches only us, and the run gets SIGTERM (checkpoint)
+                    running[subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT,
+                                             start_new_session=True)] = (label, run)
             time.sleep(POLL_S)
             for proc, (label, run) in list(running.items()):
                 code = proc.poll()
