@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -167,32 +168,31 @@ def test_parallel_runs_at_most_n_at_once_and_a_failure_leaves_the_others_going(t
 @pytest.mark.unit
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_the_runs_in_progress_and_keeps_finished_summaries(tmp_path, signum):
-    # the long run writes its pid, and on SIGTERM a marker (as pretrain saves a checkpoint) before exiting
+    # a long run writes its pid, and on SIGTERM a marker (as pretrain saves a checkpoint) before exiting
     long = ("OUT.mkdir(parents=True)\n"
             "signal.signal(signal.SIGTERM, lambda *a: ((OUT / 'terminated').write_text('x'), sys.exit(75)))\n"
             "(OUT / 'pid').write_text(str(os.getpid())); time.sleep(120)")
+    # 2 slots: quick finishes, then the two long runs hold both until the signal, so `never` cannot start
     jobs = [_job(tmp_path, "quick", "OUT.mkdir(parents=True); (OUT / 'summary.json').write_text('{}')"),
-            _job(tmp_path, "long", long), _job(tmp_path, "never", FINISHING)]
+            _job(tmp_path, "long-1", long), _job(tmp_path, "long-2", long), _job(tmp_path, "never", FINISHING)]
     driver = (f"import sys, json\nfrom pathlib import Path\nfrom distaff.train.ablate import PlannedRun, run_parallel\n"
               f"jobs = [(l, c, PlannedRun(l, 1, Path(p), [], 1)) for l, c, p in json.loads(sys.argv[1])]\n"
               f"try:\n    run_parallel(jobs, 2, env={{}})\nexcept KeyboardInterrupt:\n    sys.exit(130)\n")
     spec = json.dumps([(label, command, str(run.out_dir)) for label, command, run in jobs])
     parent = subprocess.Popen([sys.executable, "-c", driver, spec])
-    pid_file = tmp_path / "runs" / "long" / "pid"
+    pid_files = [tmp_path / "runs" / name / "pid" for name in ("long-1", "long-2")]
     deadline = time.monotonic() + 60
-    while not pid_file.is_file() and time.monotonic() < deadline:
+    while not all(f.is_file() for f in pid_files) and time.monotonic() < deadline:
         time.sleep(0.1)
-    time.sleep(0.3)
     parent.send_signal(signum)
     assert parent.wait(timeout=60) == 130
-    assert (tmp_path / "runs" / "long" / "terminated").is_file()                 # SIGTERM reached the run
+    for name in ("long-1", "long-2"):
+        assert (tmp_path / "runs" / name / "terminated").is_file()             # SIGTERM reached the run
     assert (tmp_path / "runs" / "quick" / "summary.json").is_file()              # finished run kept
     assert not (tmp_path / "runs" / "never").exists()                            # queued run never started
-    child = int(pid_file.read_text())
-    with pytest.raises(ProcessLookupError):
-        import os
-
-        os.kill(child, 0)
+    for pid_file in pid_files:
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid_file.read_text()), 0)                                # stopped and reaped
 
 
 @pytest.mark.unit
