@@ -79,15 +79,20 @@ def test_tsv_keeps_quotes_and_skips_blank_lines(tmp_path: Path):
 
 
 # -- bad input -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name,content,fmt,regression,expected", [
+BAD_INPUTS = [
     ("missing.tsv", "sentence\tlabel\nhi\t1\n", InputFormat(), False,
      r"missing\.tsv: no column 'text' \(text_column\); the columns are \['sentence', 'label'\]"),
     ("missing.jsonl", '{"text": "a", "label": 1}\n{"txt": "b", "label": 0}\n', InputFormat(), False,
      r"missing\.jsonl:2: no column 'text' \(text_column\); this row has \['txt', 'label'\]"),
     ("short.tsv", "1\ta\n0\n", InputFormat(text_column=1, label_column=0), False,
-     r"short\.tsv:2: no column 1 \(text_column\); this row has 1 fields"),
+     r"short\.tsv:2: 1 fields, expected 2 as in line 1"),
+    ("index.tsv", "1\ta\n", InputFormat(text_column=2, label_column=0), False,
+     r"index\.tsv:1: no column 2 \(text_column\); this row has 2 fields"),
     ("width.tsv", "1\ta\n0\tb\textra\n", InputFormat(columns=("label", "text")), False,
-     r"width\.tsv:2: 3 fields, but columns names 2"),
+     r"width\.tsv:2: 3 fields, expected 2 as in columns"),
+    ("tab.tsv", "label\ttext\n1\ta\tb\n", InputFormat(), False, r"tab\.tsv:2: 3 fields, expected 2 as in the header"),
+    ("quote.csv", 'label,text\n1,"a\n0,good "q" x\n', InputFormat(), False, r"quote\.csv:3: ',' expected after"),
+    ("huge.csv", "label,text\n0," + "x" * 200_000 + "\n", InputFormat(), False, r"huge\.csv:2: field larger than"),
     ("nonnum.tsv", "label\ttext\n0.5\ta\nhigh\tb\n", InputFormat(), True,
      r"nonnum\.tsv:3: column 'label': regression label 'high' is not a finite number"),
     ("emptynum.tsv", "label\ttext\n\ta\n", InputFormat(), True,
@@ -99,7 +104,10 @@ def test_tsv_keeps_quotes_and_skips_blank_lines(tmp_path: Path):
     ("index.jsonl", '{"text": "a", "label": 1}\n', InputFormat(text_column=0, label_column=1), False,
      r"index\.jsonl: text_column 0 is an index"),
     ("data.txt", "x\n", InputFormat(), False, r"data\.txt: unknown labelled format"),
-])
+]
+
+
+@pytest.mark.parametrize("name,content,fmt,regression,expected", BAD_INPUTS, ids=[case[0] for case in BAD_INPUTS])
 def test_bad_input_names_file_line_and_column(tmp_path, name, content, fmt, regression, expected):
     path = _write(tmp_path / name, content)
     with pytest.raises(DataError, match=expected):

@@ -93,7 +93,8 @@ def regression_metrics(pred: np.ndarray, gold: np.ndarray) -> dict[str, float]:
             "mse": float(np.mean((pred - gold) ** 2))}
 
 
-def compute_metrics(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> dict[str, float]:
+def compute_metrics(logits: torch.Tensor, labels: torch.Tensor,
+                    weights: torch.Tensor | None = None) -> dict[str, float]:
     """The task's metrics over the rows of nonzero weight; classification when ``logits`` is ``[N, C]``."""
     keep = slice(None) if weights is None else (weights > 0).cpu().numpy()
     scores = logits.detach().float().cpu().numpy()[keep]

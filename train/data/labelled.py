@@ -78,7 +78,7 @@ class InputFormat:
     def __post_init__(self) -> None:
         selectors = self.selectors()
         for key, value in selectors.items():
-            if isinstance(value, bool) or not isinstance(value, (str, int)) or value in ("", -1) or \
+            if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "" or \
                     (isinstance(value, int) and value < 0):
                 raise ConfigError(f"{key} must be a column name or a 0-based index, got {value!r}")
         kinds = {isinstance(value, int) for value in selectors.values()}
@@ -154,35 +154,47 @@ def _decoded_lines(path: Path) -> Iterator[tuple[int, str]]:
 
 
 def _delimited_rows(path: Path, fmt: InputFormat) -> Iterator[tuple[int, dict[Selector, str]]]:
-    """(first line, row) of a TSV/CSV file; a row maps each column name and index to its field."""
+    """(first line, row) of a TSV/CSV file; a row maps each column name and index to its field.
+
+    Every row must have as many fields as the header, ``columns``, or (selection by index) the first row:
+    a TSV text holding a tab would otherwise lose its tail silently."""
     lines = _decoded_lines(path)
-    current = [0]
+    current = [0]  # the line the csv reader last took
 
     def text_lines() -> Iterator[str]:
         for lineno, line in lines:
             current[0] = lineno
             yield line
 
-    dialect = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if path.name.endswith(TSV_SUFFIXES) else {}
+    # strict CSV: a stray quote is an error rather than a field that swallows the rows after it
+    dialect = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if path.name.endswith(TSV_SUFFIXES) else {"strict": True}
     reader = csv.reader(text_lines(), **dialect)
-    names = fmt.columns
-    start = 1
-    for fields in reader:
+    names, start = fmt.columns, 1
+    width = None if fmt.columns is None else (len(fmt.columns), "columns")  # (fields, where that number is from)
+    for fields in _csv_rows(reader, path, current):
         row_line, start = start, current[0] + 1
         if not fields:
             continue  # a blank line
-        if names is None and fmt.has_header:
-            names = tuple(fields)
-            _check_names(path, names, fmt)
-            continue
-        if fmt.columns is not None and len(fields) != len(fmt.columns):
-            raise DataError(f"{path}:{row_line}: {len(fields)} fields, but columns names {len(fmt.columns)} "
-                            f"({list(fmt.columns)})")
+        if width is None:
+            width = (len(fields), "the header" if fmt.has_header else f"line {row_line}")
+            if fmt.has_header:
+                names = tuple(fields)
+                _check_names(path, names, fmt)
+                continue
+        if len(fields) != width[0]:
+            raise DataError(f"{path}:{row_line}: {len(fields)} fields, expected {width[0]} as in {width[1]}")
         row: dict[Selector, str] = dict(enumerate(fields))
         row.update(zip(names or (), fields))
         yield row_line, row
     if fmt.has_header and names is None:
         raise DataError(f"{path}: empty file (no header row)")
+
+
+def _csv_rows(reader: Iterator[list[str]], path: Path, current: list[int]) -> Iterator[list[str]]:
+    try:
+        yield from reader
+    except csv.Error as err:  # an unterminated quote, a field over csv.field_size_limit()
+        raise DataError(f"{path}:{current[0]}: {err}") from None
 
 
 def _check_names(path: Path, names: Sequence[str], fmt: InputFormat) -> None:
