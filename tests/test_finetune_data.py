@@ -123,6 +123,9 @@ def test_missing_file_and_config_mistakes(tmp_path: Path):
         InputFormat(text_column=-1)
     with pytest.raises(ConfigError, match="names a column twice"):
         InputFormat(columns=("text", "text"))
+    with pytest.raises(ConfigError, match="columns must list the column names"):
+        InputFormat(columns=["label", 3])
+    assert InputFormat(columns=["label", "text"]).columns == ("label", "text")
 
 
 def test_empty_texts_are_counted_and_logged(tmp_path: Path, caplog):
@@ -150,7 +153,7 @@ def test_unknown_label_and_dev_class_missing_from_train(tmp_path: Path, tokenize
         load_labelled(train, InputFormat(), tokenizer, 32, regression=False, dev_file=dev, labels=["neg", "x"])
     data = load_labelled(train, InputFormat(), tokenizer, 32, regression=False, dev_file=dev,
                          labels=["pos", "neutral", "neg"])  # explicit: the order given, a dev-only class allowed
-    assert data.label_names == ["pos", "neutral", "neg"] and data.dev.labels.tolist() == [0, 1]
+    assert data.label_names == ["pos", "neutral", "neg"] and data.num_labels == 3 and data.dev.labels.tolist() == [0, 1]
     assert data.train.labels.tolist() == [2, 0, 2]
     with pytest.raises(ConfigError, match="exactly one of dev_file and dev_fraction"):
         load_labelled(train, InputFormat(), tokenizer, 32, regression=False)
@@ -311,3 +314,21 @@ def test_eval_ranks_cover_the_dev_set_exactly_once(sample_data: Path, tokenizer,
             seen.extend(batch["example_ids"][real].tolist())
             assert batch["labels"][real].tolist() == data.labels[batch["example_ids"][real].numpy()].tolist()
     assert sorted(seen) == list(range(count))
+
+
+def test_regression_pairs_from_gzipped_jsonl_with_held_out_dev(tmp_path: Path, tokenizer):
+    rng = np.random.default_rng(0)
+    records = [{"a": f"sentence number {i}", "b": f"another {i % 7}", "score": round(float(rng.normal()), 3)}
+               for i in range(40)]
+    path = tmp_path / "sts.jsonl.gz"
+    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in records).encode()))
+    fmt = InputFormat(text_column="a", text_pair_column="b", label_column="score")
+    data = load_labelled(path, fmt, tokenizer, 32, regression=True, dev_fraction=0.25, seed=4)
+    assert data.num_labels == 1 and data.label_names is None and data.train.regression
+    assert (len(data.train), len(data.dev)) == (30, 10)
+    scores = sorted(data.train.labels.tolist() + data.dev.labels.tolist())
+    assert scores == sorted(r["score"] for r in records)
+    batch = next(iter(EvalBatches(data.dev, batch_size=4, rank=0, world_size=1, pad_id=0)))
+    assert batch["labels"].dtype == torch.float32 and "token_type_ids" in batch
+    with pytest.raises(ConfigError, match="regression task has none"):
+        load_labelled(path, fmt, tokenizer, 32, regression=True, dev_fraction=0.25, labels=["0", "1"])

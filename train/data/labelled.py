@@ -76,6 +76,10 @@ class InputFormat:
     columns: tuple[str, ...] | None = None  # names of a headerless TSV/CSV's columns, in order
 
     def __post_init__(self) -> None:
+        if self.columns is not None:  # a YAML list is welcome
+            object.__setattr__(self, "columns", tuple(self.columns))
+            if not self.columns or not all(isinstance(name, str) and name for name in self.columns):
+                raise ConfigError(f"columns must list the column names (non-empty strings), got {list(self.columns)}")
         selectors = self.selectors()
         for key, value in selectors.items():
             if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "" or \
@@ -384,6 +388,11 @@ class LabelledData:
     dev: LabelledSet
     label_names: list[str] | None  # class id -> name (id2label); None for regression
     stats: ReadStats  # skips over both files (``skipped["empty_text"]``)
+
+    @property
+    def num_labels(self) -> int:
+        """The classifier head's size: the number of classes, 1 for regression."""
+        return 1 if self.label_names is None else len(self.label_names)
 
 
 def load_labelled(train_file: str | Path, fmt: InputFormat, tokenizer: TokenizerInfo, max_len: int, *,
