@@ -332,3 +332,5 @@ def test_regression_pairs_from_gzipped_jsonl_with_held_out_dev(tmp_path: Path, t
     assert batch["labels"].dtype == torch.float32 and "token_type_ids" in batch
     with pytest.raises(ConfigError, match="regression task has none"):
         load_labelled(path, fmt, tokenizer, 32, regression=True, dev_fraction=0.25, labels=["0", "1"])
+    with pytest.raises(ConfigError, match="regression task has none"):
+        load_labelled(path, fmt, tokenizer, 32, regression=True, dev_fraction=0.25, stratify=True)

@@ -18,6 +18,8 @@ Python's ``csv`` dialect (quoted fields may hold commas and newlines).
 Bad input (every message names the file, and the line and column where there is one):
 
 * a selected column missing -> :class:`DataError` naming the file and listing the available columns;
+* a TSV/CSV row wider or narrower than the header, ``columns`` or (selection by index) the first row,
+  a stray CSV quote, invalid JSON or UTF-8, a corrupt gzip stream -> error naming ``file:line``;
 * an empty or whitespace-only text (or text pair) -> the row is skipped, counted in
   ``ReadStats.skipped["empty_text"]`` and logged with the count;
 * regression: a missing, empty, non-numeric or non-finite label -> error naming ``file:line`` and column;
@@ -25,14 +27,19 @@ Bad input (every message names the file, and the line and column where there is 
   a dev label the train set never has (labels taken from the train set) -> error naming the dev file,
   the line and the class.
 
-Typical use (what :func:`load_labelled` does)::
+The tokenizer is a :class:`~distaff.train.tokenizer.TokenizerInfo`: ``load_tokenizer_info(folder)``,
+where ``distaff.train.model_folder.load_model`` returns the folder of the model's tokenizer.
+
+Typical use: ``data = load_labelled(train_file, fmt, tokenizer, max_len, regression=False, dev_fraction=0.1,
+seed=0)`` gives ``data.train`` and ``data.dev`` (:class:`LabelledSet`), ``data.label_names`` (id2label),
+``data.num_labels`` (the head's size) and ``data.stats``. Step by step it does::
 
     stats = ReadStats()
     train = read_examples(path, fmt, regression=False, stats=stats)
     train, dev = hold_out(train, fraction=0.1, seed=0)            # or dev = read_examples(dev_path, ...)
-    names = label_names(train, explicit=None)                     # sorted unique train labels
-    train_set = tokenize(train, encode_labels(train, names, role="train"), tokenizer, max_len=128)
-    dev_set = tokenize(dev, encode_labels(dev, names, role="dev"), tokenizer, max_len=128)
+    names = label_names(train, explicit=None)                     # sorted distinct train labels
+    train_set = tokenize(train, encode_labels(train, names), tokenizer, max_len=128)
+    dev_set = tokenize(dev, encode_labels(dev, names), tokenizer, max_len=128)
 
 Classification labels are kept as strings (``label_names`` gives id -> name, for ``id2label``); without an
 explicit list they are the train set's distinct values, sorted numerically when they are all integers
@@ -402,8 +409,8 @@ def load_labelled(train_file: str | Path, fmt: InputFormat, tokenizer: Tokenizer
     ``dev_fraction`` of ``train_file`` held out with ``seed``."""
     if (dev_file is None) == (dev_fraction == 0.0):
         raise ConfigError("give exactly one of dev_file and dev_fraction (> 0) for the dev set")
-    if regression and labels is not None:
-        raise ConfigError("labels lists classes; a regression task has none")
+    if regression and (labels is not None or stratify):
+        raise ConfigError("labels and stratify are about classes; a regression task has none")
     stats = ReadStats()
     train = read_examples(train_file, fmt, regression=regression, stats=stats)
     if dev_file is not None:

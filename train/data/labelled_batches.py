@@ -25,7 +25,18 @@ size) continues with exactly the next batch.
 :class:`EvalBatches` walks the whole dev set once in file order, split across ranks so that every example
 is seen by exactly one rank; the last step is filled up with weight-0 copies of example 0 so every rank
 runs the same number of batches of the same size (collectives line up). Gather ``logits``, ``labels``,
-``weights`` (or ``example_ids``) from all ranks and keep the rows with weight 1.
+``weights`` (or ``example_ids``) from all ranks and keep the rows with weight 1
+(:func:`distaff.train.finetune_metrics.compute_metrics` takes the weights); an eval loss should be the
+weighted mean too, since the model's own ``loss`` averages over the fillers as well.
+
+Sketch of a training loop::
+
+    train = TrainBatches(data.train, batch_size=16, rank=rank, world_size=world, seed=seed, pad_id=tok.pad_id)
+    train.load_state_dict(saved)                  # on resume, before iterating
+    for step, batch in zip(range(total_steps), train):
+        loss = engine(**model_inputs(batch)).loss
+        ...
+        save(..., train.state_dict())             # the position after this batch
 """
 
 from __future__ import annotations
