@@ -11,21 +11,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import DebertaV2Config
 
-from distaff.train.classifier import DebertaForSequenceClassification
 from distaff.train.data.errors import DataError
 from distaff.train.data.labelled import (Example, InputFormat, LabelledSet, encode_labels, hold_out, label_names,
                                          load_labelled, read_examples, tokenize, truncated_lengths)
 from distaff.train.data.labelled_batches import EvalBatches, TrainBatches, model_inputs
 from distaff.train.data.sources import ReadStats
-from distaff.train.hf import model_config_from_hf
+from distaff.train.finetune_metrics import compute_metrics
 from distaff.train.model_config import ConfigError
 from distaff.train.tokenizer import load_tokenizer_info
-
-pytestmark = pytest.mark.unit
+from finetune_data_probe import EVAL_BATCH, TRAIN_BATCH, evaluate, movie_data, tiny_classifier
+from pretrain_fixtures import spawn_ranks, wait_all
 
 MOVIES = "movie-snippets.tsv.gz"  # label<TAB>text, no header
+PROBE = Path(__file__).with_name("finetune_data_probe.py")
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +43,7 @@ def _write(path: Path, text: str) -> Path:
 
 
 # -- formats -------------------------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_headerless_bundled_tsv_by_names_or_indices(sample_data: Path):
     rows = _movie_rows(sample_data)
     by_name = read_examples(sample_data / MOVIES, InputFormat(columns=("label", "text")), regression=False)
@@ -54,6 +54,7 @@ def test_headerless_bundled_tsv_by_names_or_indices(sample_data: Path):
     assert label_names(by_name) == sorted({label for label, _ in rows})
 
 
+@pytest.mark.unit
 def test_header_csv_jsonl_plain_and_gzip_read_the_same(tmp_path: Path):
     records = [{"s1": "a, quoted\nline", "s2": "second", "y": "pos"}, {"s1": "plain", "s2": "x \"y\"", "y": "neg"}]
     csv_text = 's1,s2,y\n"a, quoted\nline",second,pos\nplain,"x ""y""",neg\n'
@@ -71,6 +72,7 @@ def test_header_csv_jsonl_plain_and_gzip_read_the_same(tmp_path: Path):
     assert [e.where.rsplit(":", 1)[1] for e in read_examples(tmp_path / "d.csv", fmt, regression=False)] == ["2", "4"]
 
 
+@pytest.mark.unit
 def test_tsv_keeps_quotes_and_skips_blank_lines(tmp_path: Path):
     path = _write(tmp_path / "q.tsv", 'label\ttext\n1\t"quoted" start\n\n0\tsecond\n')
     examples = read_examples(path, InputFormat(), regression=False)
@@ -107,6 +109,7 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name,content,fmt,regression,expected", BAD_INPUTS, ids=[case[0] for case in BAD_INPUTS])
 def test_bad_input_names_file_line_and_column(tmp_path, name, content, fmt, regression, expected):
     path = _write(tmp_path / name, content)
@@ -114,6 +117,7 @@ def test_bad_input_names_file_line_and_column(tmp_path, name, content, fmt, regr
         read_examples(path, fmt, regression=regression)
 
 
+@pytest.mark.unit
 def test_missing_file_and_config_mistakes(tmp_path: Path):
     with pytest.raises(DataError, match=r"nothere\.tsv: labelled input file not found"):
         read_examples(tmp_path / "nothere.tsv", InputFormat(), regression=False)
@@ -128,6 +132,7 @@ def test_missing_file_and_config_mistakes(tmp_path: Path):
     assert InputFormat(columns=["label", "text"]).columns == ("label", "text")
 
 
+@pytest.mark.unit
 def test_empty_texts_are_counted_and_logged(tmp_path: Path, caplog):
     path = _write(tmp_path / "e.tsv", "label\ttext\tother\n1\ta\tb\n0\t  \tc\n1\td\t\n0\te\tf\n")
     stats = ReadStats()
@@ -142,6 +147,7 @@ def test_empty_texts_are_counted_and_logged(tmp_path: Path, caplog):
         read_examples(only_empty, InputFormat(), regression=False)
 
 
+@pytest.mark.integration
 def test_unknown_label_and_dev_class_missing_from_train(tmp_path: Path, tokenizer):
     train = _write(tmp_path / "train.tsv", "label\ttext\nneg\ta\npos\tb\nneg\tc\n")
     dev = _write(tmp_path / "dev.tsv", "label\ttext\npos\td\nneutral\te\n")
@@ -160,6 +166,7 @@ def test_unknown_label_and_dev_class_missing_from_train(tmp_path: Path, tokenize
 
 
 # -- labels, dev split, tokenisation -------------------------------------------------------------------------
+@pytest.mark.unit
 def test_label_order_numeric_then_string():
     make = lambda labels: [Example("t", None, label, f"f:{i}") for i, label in enumerate(labels)]  # noqa: E731
     assert label_names(make(["10", "2", "0", "2"])) == ["0", "2", "10"]
@@ -169,6 +176,7 @@ def test_label_order_numeric_then_string():
         label_names(make(["1", "1"]))
 
 
+@pytest.mark.unit
 def test_hold_out_is_seeded_disjoint_and_stratifiable():
     examples = [Example(f"t{i}", None, "a" if i % 4 else "b", f"f:{i}") for i in range(200)]
     train, dev = hold_out(examples, 0.1, seed=5)
@@ -190,6 +198,7 @@ def _brute_truncation(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
     return len_a, len_b
 
 
+@pytest.mark.unit
 def test_longest_first_truncation_matches_token_by_token():
     for budget in range(0, 12):
         for len_a in range(0, 15):
@@ -197,6 +206,7 @@ def test_longest_first_truncation_matches_token_by_token():
                 assert truncated_lengths(len_a, len_b, budget) == _brute_truncation(len_a, len_b, budget)
 
 
+@pytest.mark.integration
 def test_tokenize_single_and_pairs(sample_data: Path, tokenizer):
     processor = tokenizer.processor()
     examples = read_examples(sample_data / MOVIES, InputFormat(columns=("label", "text")), regression=False)[:300]
@@ -223,19 +233,10 @@ def _pair_set(sample_data: Path, tokenizer, count: int, max_len: int = 40) -> La
     return tokenize(pairs, encode_labels(pairs, ["0", "1"]), tokenizer, max_len)
 
 
-def _tiny_classifier(vocab_size: int) -> DebertaForSequenceClassification:
-    torch.manual_seed(0)
-    config = DebertaV2Config(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                             intermediate_size=64, max_position_embeddings=128, relative_attention=True,
-                             position_buckets=8, max_relative_positions=24, pos_att_type="p2c|c2p",
-                             norm_rel_ebd="layer_norm", share_att_key=True, position_biased_input=True,
-                             type_vocab_size=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    return DebertaForSequenceClassification(model_config_from_hf(config.to_dict()), 2).eval()
-
-
+@pytest.mark.integration
 def test_padded_and_packed_batches_give_each_example_its_own_logits(sample_data: Path, tokenizer):
     data = _pair_set(sample_data, tokenizer, 12, max_len=96)
-    model = _tiny_classifier(tokenizer.vocab_size)
+    model = tiny_classifier(tokenizer.vocab_size)
     padded = next(iter(TrainBatches(data, batch_size=6, rank=0, world_size=1, seed=3, pad_id=tokenizer.pad_id)))
     packed = next(iter(TrainBatches(data, batch_size=6, rank=0, world_size=1, seed=3, pad_id=tokenizer.pad_id,
                                     packed=True)))
@@ -263,6 +264,7 @@ def _same(a: list[dict], b: list[dict]) -> bool:
                                             for k in x) for x, y in zip(a, b)) and len(a) == len(b)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_resume_continues_with_exactly_the_same_batches(sample_data: Path, tokenizer, packed: bool):
     data = _pair_set(sample_data, tokenizer, 50)
@@ -283,6 +285,7 @@ def test_resume_continues_with_exactly_the_same_batches(sample_data: Path, token
         other.load_state_dict(state)
 
 
+@pytest.mark.integration
 def test_training_ranks_share_out_each_epoch(sample_data: Path, tokenizer):
     data = _pair_set(sample_data, tokenizer, 50)
     ranks = [TrainBatches(data, batch_size=4, rank=r, world_size=2, seed=1, pad_id=0) for r in range(2)]
@@ -298,6 +301,7 @@ def test_training_ranks_share_out_each_epoch(sample_data: Path, tokenizer):
         TrainBatches(data, batch_size=26, rank=0, world_size=2, seed=1, pad_id=0)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("count,batch_size", [(23, 4), (16, 4), (3, 4)])
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_eval_ranks_cover_the_dev_set_exactly_once(sample_data: Path, tokenizer, count, batch_size, packed):
@@ -316,6 +320,7 @@ def test_eval_ranks_cover_the_dev_set_exactly_once(sample_data: Path, tokenizer,
     assert sorted(seen) == list(range(count))
 
 
+@pytest.mark.integration
 def test_regression_pairs_from_gzipped_jsonl_with_held_out_dev(tmp_path: Path, tokenizer):
     rng = np.random.default_rng(0)
     records = [{"a": f"sentence number {i}", "b": f"another {i % 7}", "score": round(float(rng.normal()), 3)}
@@ -334,3 +339,24 @@ def test_regression_pairs_from_gzipped_jsonl_with_held_out_dev(tmp_path: Path, t
         load_labelled(path, fmt, tokenizer, 32, regression=True, dev_fraction=0.25, labels=["0", "1"])
     with pytest.raises(ConfigError, match="regression task has none"):
         load_labelled(path, fmt, tokenizer, 32, regression=True, dev_fraction=0.25, stratify=True)
+
+
+@pytest.mark.integration
+def test_two_gloo_ranks_share_the_epoch_and_gather_the_dev_set_once(tokenizer_dir: Path, tmp_path: Path):
+    (tmp_path / "spec.json").write_text(json.dumps({"tokenizer": str(tokenizer_dir), "out": str(tmp_path),
+                                                    "packed": True}))
+    codes = wait_all(spawn_ranks(tmp_path / "spec.json", tmp_path, program=(str(PROBE),)), timeout=300)
+    logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in range(2))
+    assert codes == [0, 0], logs
+    got = json.loads((tmp_path / "gathered.json").read_text())
+    # one process, padded batches: the reference
+    data = movie_data(str(tokenizer_dir))
+    logits, labels, weights, _ = evaluate(tiny_classifier(load_tokenizer_info(tokenizer_dir).vocab_size),
+                                          EvalBatches(data.dev, batch_size=EVAL_BATCH, rank=0, world_size=1, pad_id=0))
+    ids = torch.tensor(got["example_ids"])
+    real = ids >= 0
+    assert sorted(ids[real].tolist()) == list(range(len(data.dev))) and len(ids) % (2 * EVAL_BATCH) == 0
+    torch.testing.assert_close(torch.tensor(got["logits"])[real], logits[ids[real]], atol=1e-5, rtol=1e-4)
+    assert got["metrics"] == pytest.approx(compute_metrics(logits, labels, weights))
+    steps = len(data.train) // (2 * TRAIN_BATCH)
+    assert len(got["train_ids"]) == len(set(got["train_ids"])) == steps * 2 * TRAIN_BATCH

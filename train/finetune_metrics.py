@@ -104,3 +104,18 @@ def compute_metrics(logits: torch.Tensor, labels: torch.Tensor,
     if scores.ndim == 1:
         return regression_metrics(scores, gold)
     return classification_metrics(scores.argmax(-1), gold, scores.shape[-1])
+
+
+def gather_rows(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Each tensor's rows from every rank, concatenated in rank order (the tensor itself when not distributed).
+
+    Every rank must pass the same shapes, as :class:`~distaff.train.data.labelled_batches.EvalBatches`
+    guarantees (the same number of batches of the same size on every rank)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return list(tensors)
+    gathered = []
+    for tensor in tensors:
+        parts = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(parts, tensor.contiguous())
+        gathered.append(torch.cat(parts))
+    return gathered
