@@ -73,8 +73,8 @@ def test_header_csv_jsonl_plain_and_gzip_read_the_same(tmp_path: Path):
 
 
 @pytest.mark.unit
-def test_tsv_keeps_quotes_and_skips_blank_lines(tmp_path: Path):
-    path = _write(tmp_path / "q.tsv", 'label\ttext\n1\t"quoted" start\n\n0\tsecond\n')
+def test_tsv_keeps_quotes_skips_blank_lines_and_a_bom(tmp_path: Path):
+    path = _write(tmp_path / "q.tsv", '\ufefflabel\ttext\n1\t"quoted" start\n\n0\tsecond\n')  # with a BOM
     examples = read_examples(path, InputFormat(), regression=False)
     assert [(e.label, e.text, e.where) for e in examples] == [("1", '"quoted" start', f"{path}:2"),
                                                                ("0", "second", f"{path}:4")]

@@ -161,7 +161,8 @@ def check_labelled_file(path: str | Path) -> Path:
 def _decoded_lines(path: Path) -> Iterator[tuple[int, str]]:
     options, stats = ReadOptions(), ReadStats()  # no skipping: a corrupt or non-UTF-8 file is an error
     for lineno, raw in numbered_lines(path, options, stats):
-        yield lineno, decode_utf8(raw, f"{path}:{lineno}", options, stats)
+        line = decode_utf8(raw, f"{path}:{lineno}", options, stats)
+        yield lineno, line.removeprefix("\ufeff") if lineno == 1 else line  # a byte-order mark (spreadsheet exports)
 
 
 def _delimited_rows(path: Path, fmt: InputFormat) -> Iterator[tuple[int, dict[Selector, str]]]:
