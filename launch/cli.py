@@ -37,5 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     return int(module.main(argv[1:]) or 0)
 
 
+def console_main() -> None:
+    """The installed ``distaff`` script: ``main``, then :func:`distaff.train.distributed.exit_process`."""
+    code = main()
+    from distaff.train.distributed import exit_process   # after main: ``distaff --help`` needs no torch
+
+    exit_process(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

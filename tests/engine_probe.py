@@ -83,4 +83,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    dist_utils.exit_process(main(sys.argv[1:]))

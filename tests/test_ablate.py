@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
 from pretrain_fixtures import REPO, prepare_data, rank_env, wandb_runs, write_config
 
-from distaff.train.ablate import load_ablation, main, plan_runs, variant_config, write_job_scripts
+from distaff.train.ablate import (PlannedRun, load_ablation, main, paired_differences, plan_runs, run_parallel,
+                                  variant_config, write_job_scripts)
 from distaff.train.config import ConfigError
 
 VARIANTS = [{"name": "relative", "overrides": {"model.emd": False}},
@@ -43,7 +47,7 @@ def _ablate(config, tmp_path):
 
 @pytest.mark.integration
 def test_tiny_ablation_end_to_end_and_resumed(base_config, tmp_path):
-    config = _ablation(tmp_path, base_config)
+    config = _ablation(tmp_path, base_config, parallel=2)
     first = _ablate(config, tmp_path)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     root = tmp_path / "abl"
@@ -65,6 +69,13 @@ def test_tiny_ablation_end_to_end_and_resumed(base_config, tmp_path):
     assert (root / "ablation.png").stat().st_size > 5000
     report = (root / "ablation.md").read_text()
     assert "| rope | 2 |" in report and f"| rope | {summaries[0]['eval_loss']:.4f} | " in report
+    relative = [json.loads((root / "runs" / "relative" / f"seed-{s}" / "summary.json").read_text()) for s in (3, 4)]
+    diffs = [rope["eval_loss"] - rel["eval_loss"] for rope, rel in zip(summaries, relative)]
+    paired_std = abs(diffs[0] - diffs[1]) / 2 ** 0.5
+    assert f"| rope | 2 | {sum(diffs) / 2:+.4f} +- {paired_std:.4f} |" in report
+    starts = [line for line in first.stdout.splitlines() if " steps -> " in line]
+    assert [line.split("] ")[1].split(":")[0] for line in starts] == [
+        "relative seed 3", "rope seed 3", "relative seed 4", "rope seed 4"]       # seed by seed
     (run_id, _history), = wandb_runs(root / "runs" / "rope" / "seed-4")
     assert run_id
     again = _ablate(config, tmp_path)
@@ -84,7 +95,7 @@ def test_script_launcher_writes_one_job_per_run(unprepared_base, tmp_path):
     config = _ablation(tmp_path, unprepared_base, launcher="script", ranks=2, prepare=prepare)
     cfg = load_ablation(config)
     scripts = write_job_scripts(cfg, plan_runs(cfg))
-    assert [s.name for s in scripts] == ["relative-seed-3.sh", "relative-seed-4.sh", "rope-seed-3.sh", "rope-seed-4.sh"]
+    assert [s.name for s in scripts] == ["relative-seed-3.sh", "rope-seed-3.sh", "relative-seed-4.sh", "rope-seed-4.sh"]
     text = scripts[-1].read_text()
     assert "torchrun --nproc_per_node 2" in text and "train.max_steps=2" in text and "wandb.group=tiny-abl" in text
     assert plan_runs(cfg)[0].max_steps == 2   # 1000 tokens / (2 ranks x 4 x 64)
@@ -102,6 +113,9 @@ def test_script_launcher_writes_one_job_per_run(unprepared_base, tmp_path):
     ({"tokens": 0}, "tokens: must be positive"),
     ({"tokens": "many"}, "tokens: expected int"),
     ({"launcher": "slurm"}, "launcher: must be one of"),
+    ({"parallel": 0}, "parallel: must be positive"),
+    ({"parallel": 2, "ranks": 2}, r"parallel: 2 runs at once needs ranks: 1 .*got ranks: 2"),
+    ({"parallel": 2, "launcher": "script"}, r"parallel: .*launcher: sequential .*launcher: script"),
     ({"base": "nowhere.yaml"}, "base: run config not found: nowhere.yaml"),
     ({"colour": "red"}, r"unknown key\(s\) \['colour'\]"),
 ])
@@ -122,3 +136,69 @@ def test_bundled_positions_ablation_plans_equal_budgets(monkeypatch):
     assert len(runs) == 12 and {r.max_steps for r in runs} == {293} and cfg.prepare.input == ["data/austen-emma-pride.txt.gz"]
     rope = variant_config(cfg, cfg.variants[3], 1).model_config(vocab_size=4000)
     assert rope.rope and not rope.relative_attention and not rope.emd and rope.pos_att_type == []
+
+
+def _job(tmp_path, name: str, body: str) -> tuple[str, list[str], PlannedRun]:
+    """A job whose command is a small Python program; ``OUT`` in it is the run folder."""
+    run = PlannedRun(name, 1, tmp_path / "runs" / name, [], 1)
+    program = f"import json, os, signal, sys, time\nfrom pathlib import Path\nOUT = Path({str(run.out_dir)!r})\n{body}"
+    return name, [sys.executable, "-c", program], run
+
+
+# a run: notes its start and end times, then writes its summary
+FINISHING = ("OUT.mkdir(parents=True); t0 = time.time(); time.sleep(3)\n"
+             "(OUT / 'summary.json').write_text(json.dumps({'start': t0, 'end': time.time()}))")
+
+
+@pytest.mark.unit
+def test_parallel_runs_at_most_n_at_once_and_a_failure_leaves_the_others_going(tmp_path, capsys):
+    jobs = [_job(tmp_path, "a", FINISHING), _job(tmp_path, "broken", "print('boom'); sys.exit(3)"),
+            _job(tmp_path, "b", FINISHING), _job(tmp_path, "c", FINISHING)]
+    failures = run_parallel(jobs, 2, env={})
+    broken_log = tmp_path / "runs" / "broken.log"
+    assert failures == [f"broken failed (exit 3); see {broken_log}"] and "boom" in broken_log.read_text()
+    spans = [json.loads((tmp_path / "runs" / name / "summary.json").read_text()) for name in "abc"]
+    at_each_start = [sum(t["start"] <= s["start"] < t["end"] for t in spans) for s in spans]
+    assert max(at_each_start) == 2     # b started while a ran; never three at once
+    assert spans[0]["start"] < spans[1]["start"] < spans[2]["start"]        # plan order
+    no_summary = _job(tmp_path, "silent", "pass")                           # exit 0 without a summary: failed too
+    assert run_parallel([no_summary], 1, env={}) == [f"silent failed (exit 0); see {tmp_path / 'runs' / 'silent.log'}"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_the_runs_in_progress_and_keeps_finished_summaries(tmp_path, signum):
+    # a long run writes its pid, and on SIGTERM a marker (as pretrain saves a checkpoint) before exiting
+    long = ("OUT.mkdir(parents=True)\n"
+            "signal.signal(signal.SIGTERM, lambda *a: ((OUT / 'terminated').write_text('x'), sys.exit(75)))\n"
+            "(OUT / 'pid').write_text(str(os.getpid())); time.sleep(120)")
+    # 2 slots: quick finishes, then the two long runs hold both until the signal, so `never` cannot start
+    jobs = [_job(tmp_path, "quick", "OUT.mkdir(parents=True); (OUT / 'summary.json').write_text('{}')"),
+            _job(tmp_path, "long-1", long), _job(tmp_path, "long-2", long), _job(tmp_path, "never", FINISHING)]
+    driver = (f"import sys, json\nfrom pathlib import Path\nfrom distaff.train.ablate import PlannedRun, run_parallel\n"
+              f"jobs = [(l, c, PlannedRun(l, 1, Path(p), [], 1)) for l, c, p in json.loads(sys.argv[1])]\n"
+              f"try:\n    run_parallel(jobs, 2, env={{}})\nexcept KeyboardInterrupt:\n    sys.exit(130)\n")
+    spec = json.dumps([(label, command, str(run.out_dir)) for label, command, run in jobs])
+    parent = subprocess.Popen([sys.executable, "-c", driver, spec])
+    pid_files = [tmp_path / "runs" / name / "pid" for name in ("long-1", "long-2")]
+    deadline = time.monotonic() + 60
+    while not all(f.is_file() for f in pid_files) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    parent.send_signal(signum)
+    assert parent.wait(timeout=60) == 130
+    for name in ("long-1", "long-2"):
+        assert (tmp_path / "runs" / name / "terminated").is_file()             # SIGTERM reached the run
+    assert (tmp_path / "runs" / "quick" / "summary.json").is_file()              # finished run kept
+    assert not (tmp_path / "runs" / "never").exists()                            # queued run never started
+    for pid_file in pid_files:
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid_file.read_text()), 0)                                # stopped and reaped
+
+
+@pytest.mark.unit
+def test_paired_differences_use_only_seeds_both_variants_finished(unprepared_base, tmp_path):
+    cfg = load_ablation(_ablation(tmp_path, unprepared_base, seeds=[3, 4, 5]))
+    rows = [{"variant": "relative", "seed": 3, "eval_loss": 5.0}, {"variant": "rope", "seed": 3, "eval_loss": 5.5},
+            {"variant": "relative", "seed": 4, "eval_loss": 6.0}, {"variant": "rope", "seed": 4, "eval_loss": 5.75},
+            {"variant": "rope", "seed": 5, "eval_loss": 1.0}]
+    assert paired_differences(cfg, rows) == {"rope": [0.5, -0.25]}

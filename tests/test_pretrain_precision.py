@@ -2,6 +2,9 @@
 CPU accelerator: ZeRO-Offload with DeepSpeed's compiled CPU Adam, bf16 training, fp16 with dynamic loss
 scaling, and a raw DeepSpeed JSON passed through (``deepspeed.config``) taking effect.
 
+DeepSpeed's CPU accelerator has fp16 only where oneDNN does (CPUs with AVX512-FP16 or AMX-FP16): on such a
+machine the fp16 run is tested; on any other the trainer's refusal of ``train.precision=fp16`` is.
+
 ZeRO-Offload compiles DeepSpeed's ``cpu_adam`` C++ op with the machine's compiler on first use and caches it
 under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``): the first run of that test on a machine
 pays the build (measured ~7 minutes on a loaded 2-core machine), later runs load it in a second.
@@ -15,13 +18,21 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_fixtures import metrics, prepare_data, run_probe, train_losses, write_config
+from pretrain_fixtures import metrics, prepare_data, run_probe, spawn_ranks, train_losses, wait_all, write_config
 
+from distaff.train.exit_codes import EXIT_BAD_CONFIG
 from distaff.train.safe_load import safe_load
 
 pytestmark = pytest.mark.integration
 
 STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def fp16_on_this_cpu() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return bool(get_accelerator().is_fp16_supported())
 
 
 def _one_rank_run(name: str, sample_data: Path, tmp_path_factory, **sections) -> tuple[Path, dict, str]:
@@ -67,9 +78,12 @@ def test_bf16_trains_on_cpu_with_fp32_master_weights(sample_data, tmp_path_facto
 
 
 @pytest.mark.timeout(300)
-def test_fp16_dynamic_loss_scale_with_a_passthrough_initial_scale(sample_data, tmp_path_factory):
+def test_fp16_dynamic_loss_scale_with_a_passthrough_initial_scale(sample_data, tmp_path_factory, fp16_on_this_cpu):
     """The passthrough JSON starts the loss scale at 2^20 (ours would be 2^16): fp16 gradients overflow, DeepSpeed
     skips those steps and halves the scale each time (hysteresis 1, also passed through) until they fit."""
+    if not fp16_on_this_cpu:
+        pytest.skip("this CPU has no oneDNN fp16, so DeepSpeed's CPU accelerator has no fp16 "
+                    "(test_fp16_is_refused_naming_the_key_where_the_accelerator_lacks_it runs instead)")
     passthrough = tmp_path_factory.mktemp("passthrough") / "ds.json"
     passthrough.write_text(json.dumps({"fp16": {"initial_scale_power": 20, "hysteresis": 1}}))
     run, engine, _ = _one_rank_run("fp16", sample_data, tmp_path_factory, deepspeed={"config": str(passthrough)},
@@ -86,3 +100,20 @@ def test_fp16_dynamic_loss_scale_with_a_passthrough_initial_scale(sample_data, t
     for before, after, skipped in zip(scales, scales[1:], overflowed[1:]):
         assert after == (before / 2 if skipped else before)         # halved on each overflow, else kept
     assert all(math.isfinite(r["loss"]) for r in rows)
+
+
+@pytest.mark.timeout(300)
+def test_fp16_is_refused_naming_the_key_where_the_accelerator_lacks_it(sample_data, tmp_path_factory,
+                                                                       fp16_on_this_cpu):
+    """Without fp16 the rank exits with the config-error code and a message naming ``train.precision``, before
+    DeepSpeed's own error (which names no setting)."""
+    if fp16_on_this_cpu:
+        pytest.skip("this CPU has oneDNN fp16 (test_fp16_dynamic_loss_scale_with_a_passthrough_initial_scale runs)")
+    data = prepare_data(tmp_path_factory.getbasetemp(), sample_data)
+    tmp = tmp_path_factory.mktemp("fp16-refused")
+    config = write_config(tmp / "run.yaml", data, tmp / "run", train={"max_steps": STEPS, "precision": "fp16"},
+                          wandb={"mode": "disabled"})
+    assert wait_all(spawn_ranks(config, tmp, world_size=1), timeout=240) == [EXIT_BAD_CONFIG]
+    log = (tmp / "rank0.log").read_text()
+    assert "train.precision (or deepspeed.config): fp16 is not supported by DeepSpeed's cpu accelerator" in log, log
+    assert "Type fp16 is not supported on your device" not in log

@@ -105,7 +105,6 @@ def test_gdes_discriminator_reads_the_sum_of_both_tables():
 
 def test_total_loss_is_mlm_plus_weight_times_rtd_over_real_tokens():
     m = model()
-    m.weight = 50.0
     ids, mask, labels = batch()
     out = m(ids, mask, labels=labels)
     real = mask.bool()
@@ -187,9 +186,12 @@ def test_histogram_auc_matches_the_exact_auc():
     g = torch.Generator().manual_seed(0)
     pos, neg = torch.randn(300, generator=g) + 1.0, torch.randn(900, generator=g)
     logits, replaced = torch.cat([pos, neg]), torch.cat([torch.ones(300), torch.zeros(900)]).bool()
-    hist = rtd.batch_sums(fake_mlm(), torch.tensor(0.5), logits, replaced)[len(rtd.SUM_NAMES):].tolist()
+    hist = rtd.batch_sums(fake_mlm(), torch.tensor(0.5), logits, replaced, FIXED_WEIGHTS)[len(rtd.SUM_NAMES):].tolist()
     assert abs(rtd.histogram_auc(hist[:rtd.AUC_BINS], hist[rtd.AUC_BINS:]) - exact_auc(pos, neg)) < 0.01
     assert rtd.histogram_auc([1.0, 0.0], [0.0, 0.0]) is None
+
+
+FIXED_WEIGHTS = torch.tensor([1.0, 50.0], dtype=torch.float64)   # the generator's and the discriminator's
 
 
 def fake_mlm():
@@ -201,7 +203,7 @@ def fake_mlm():
 def test_report_from_sums():
     logits = torch.tensor([3.0, -2.0, 1.0, -1.0, -4.0])
     replaced = torch.tensor([True, False, False, True, False])
-    sums = rtd.batch_sums(fake_mlm(), torch.tensor(0.25), logits, replaced).tolist()
+    sums = rtd.batch_sums(fake_mlm(), torch.tensor(0.25), logits, replaced, FIXED_WEIGHTS).tolist()
     values = rtd.report(sums, weight=50.0)
     assert values["gen_loss"] == 2.0 and values["gen_accuracy"] == 0.4
     assert values["rtd_loss"] == pytest.approx(0.25) and values["loss"] == pytest.approx(2.0 + 50 * 0.25)
@@ -209,6 +211,7 @@ def test_report_from_sums():
     assert values["rtd_precision"] == 1 / 2 and values["rtd_recall"] == 1 / 2
     assert values["rtd_baseline_accuracy"] == 3 / 5 and values["masked_replaced_rate"] == 2 / 10
     assert values["rtd_auc"] == pytest.approx(exact_auc(logits[replaced], logits[~replaced]))
+    assert values["weight_gen"] == 1.0 and values["weight_rtd"] == 50.0
 
 
 def run_config(**rtd_section):
@@ -302,7 +305,8 @@ def test_progress_lines_and_plot_show_the_objectives_metrics(tmp_path):
     common = {"lr": 1e-3, "tokens_per_s": 10.0, "tokens_per_s_per_device": 5.0, "samples_per_s": 1.0,
               "peak_mem_gb": 0.1, "eta_s": 3.0}
     rtd_record = {"step": 3, **rtd.report(rtd.batch_sums(fake_mlm(), torch.tensor(0.25), torch.tensor([1.0, -1.0]),
-                                                         torch.tensor([True, False])).tolist(), 50.0), **common}
+                                                         torch.tensor([True, False]), FIXED_WEIGHTS).tolist(), 50.0),
+                  **common}
     line = format_line(rtd_record, 10)
     assert "gen 2.0000" in line and "rtd 0.2500" in line and "auc 1.0000" in line and "acc" in line
     mlm_line = format_line({"step": 3, "loss": 4.0, "accuracy": 0.25, **common}, 10)

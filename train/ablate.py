@@ -3,13 +3,18 @@
 Every variant runs on the same prepared data, for the same token budget (``train.max_steps`` is
 derived from it), once per seed, evaluating on the held-out split every few steps. Runs go one
 after another as subprocesses (``launcher: sequential``: plain ``python`` for one rank,
-``torchrun`` for more) or are written as job scripts to start elsewhere (``launcher: script``;
-``distaff ablate --config ABL.yaml --report`` then gathers them). A run whose folder already has a
-``summary.json`` is not run again, so an interrupted ablation continues where it stopped.
+``torchrun`` for more; ``parallel: N`` runs up to N single-rank runs at once, each with the cores
+split evenly between them) or are written as job scripts to start elsewhere (``launcher: script``;
+``distaff ablate --config ABL.yaml --report`` then gathers them). Runs go seed by seed (every
+variant of the first seed, then the second seed...), so a partial ablation holds paired results.
+A run whose folder already has a ``summary.json`` is not run again, so an interrupted ablation
+continues where it stopped; a failed run is reported with its log and the others go on; Ctrl-C or
+SIGTERM stops the runs in progress (SIGTERM: each saves a checkpoint it resumes from).
 
 The report, read back from each run's ``summary.json`` and ``metrics.jsonl``: ``ablation.csv``
 (one row per run and one per variant), ``ablation.md`` (held-out loss and MLM accuracy mean +- std
-over seeds, tokens/s) and ``ablation.png`` (held-out loss against tokens seen). The runs share the
+over seeds, tokens/s; each variant's per-seed difference in held-out loss against the first
+variant, mean +- std) and ``ablation.png`` (held-out loss against tokens seen). The runs share the
 W&B group ``name``. Paths in the file are relative to the working directory, like run configs.
 
 ABL.yaml::
@@ -27,6 +32,7 @@ ABL.yaml::
     evals: 8                              # held-out evaluations per run (eval.every = max_steps // evals)
     ranks: 1
     launcher: sequential                  # sequential | script
+    parallel: 1                           # sequential, ranks: 1: runs at once (cores split between them)
     overrides: {checkpoint.every: 0}      # dotted run-config keys for every variant
     variants:
       - name: relative+emd
@@ -43,8 +49,10 @@ import json
 import math
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -57,6 +65,8 @@ from .pretrain import SUMMARY_FILE
 
 LAUNCHERS = ("sequential", "script")
 REPORT_KEYS = ("eval_loss", "eval_accuracy", "tokens_per_s")
+POLL_S = 0.5                    # how often the runs in progress are checked
+STOP_TIMEOUT_S = 120            # a run sent SIGTERM has this long to save its checkpoint and exit
 
 
 @dataclass
@@ -85,6 +95,7 @@ class AblationConfig:
     evals: int = 8
     ranks: int = 1
     launcher: str = "sequential"
+    parallel: int = 1
     overrides: dict[str, Any] = field(default_factory=dict)
     prepare: PrepareSection | None = None
 
@@ -108,6 +119,10 @@ class PlannedRun:
     @property
     def done(self) -> bool:
         return (self.out_dir / SUMMARY_FILE).is_file()
+
+    @property
+    def log(self) -> Path:
+        return self.out_dir.with_name(self.out_dir.name + ".log")
 
 
 # ---------------------------------------------------------------- reading ABL.yaml
@@ -148,7 +163,7 @@ def _variants(source: str, values: Any) -> list[Variant]:
 
 
 def _check_ranges(source: str, cfg: AblationConfig) -> None:
-    for key in ("tokens", "evals", "ranks"):
+    for key in ("tokens", "evals", "ranks", "parallel"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{source}: {key}: must be positive, got {getattr(cfg, key)}")
     if not cfg.seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in cfg.seeds):
@@ -157,6 +172,9 @@ def _check_ranges(source: str, cfg: AblationConfig) -> None:
         raise ConfigError(f"{source}: seeds: repeated seed in {cfg.seeds}")
     if cfg.launcher not in LAUNCHERS:
         raise ConfigError(f"{source}: launcher: must be one of {list(LAUNCHERS)}, got {cfg.launcher!r}")
+    if cfg.parallel > 1 and (cfg.ranks > 1 or cfg.launcher != "sequential"):
+        raise ConfigError(f"{source}: parallel: {cfg.parallel} runs at once needs ranks: 1 and launcher: sequential "
+                          f"(got ranks: {cfg.ranks}, launcher: {cfg.launcher})")
     if not Path(cfg.base).is_file():
         raise ConfigError(f"{source}: base: run config not found: {cfg.base}")
 
@@ -230,12 +248,13 @@ def prepare_data(cfg: AblationConfig) -> Path:
 
 
 def plan_runs(cfg: AblationConfig) -> list[PlannedRun]:
-    """One run per variant and seed, each with the step count that spends the token budget."""
+    """One run per variant and seed, seed by seed (so unfinished ablations hold paired results), each
+    with the step count that spends the token budget."""
     from .data.manifest import read_manifest
 
     runs = []
-    for variant in cfg.variants:
-        for seed in cfg.seeds:
+    for seed in cfg.seeds:
+        for variant in cfg.variants:
             run_cfg = variant_config(cfg, variant, seed)
             seq_len = cfg.prepare.seq_len if cfg.prepare is not None else read_manifest(run_cfg.data.dir).seq_len
             per_step = run_cfg.data.batch_size * run_cfg.train.grad_accum * cfg.ranks * seq_len
@@ -259,38 +278,85 @@ def run_command(cfg: AblationConfig, run: PlannedRun, port: int) -> list[str]:
     return [torchrun, "--nproc_per_node", str(cfg.ranks), "--master_port", str(port), *target]
 
 
-def _run_env() -> dict[str, str]:
-    """CPU machines need DeepSpeed's CPU accelerator; ranks share the cores, one thread each."""
+def _run_env(parallel: int) -> dict[str, str]:
+    """CPU machines need DeepSpeed's CPU accelerator; ranks share the cores, one thread each, and
+    ``parallel`` runs at once get an even share of the cores each."""
     import torch
 
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env.setdefault("DS_ACCELERATOR", "cpu")
         env.setdefault("OMP_NUM_THREADS", "1")
+    if parallel > 1:
+        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // parallel))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "WANDB_RUN_ID"):  # each run is its own job
         env.pop(key, None)
     return env
 
 
-def run_sequentially(cfg: AblationConfig, runs: list[PlannedRun]) -> None:
-    """Each run not yet finished, one after another; its output goes to ``<run dir>.log``."""
+def run_all(cfg: AblationConfig, runs: list[PlannedRun]) -> list[str]:
+    """Each run not yet finished, ``cfg.parallel`` at a time, in plan order; the failures, each with its log."""
     from .distributed import free_port
 
-    env = _run_env()
+    jobs = []
     for i, run in enumerate(runs, 1):
         label = f"[{i}/{len(runs)}] {run.variant} seed {run.seed}"
         if run.done:
             print(f"distaff ablate: {label}: done before ({run.out_dir / SUMMARY_FILE}), skipped", flush=True)
-            continue
-        run.out_dir.parent.mkdir(parents=True, exist_ok=True)
-        log = run.out_dir.with_name(run.out_dir.name + ".log")
-        print(f"distaff ablate: {label}: {run.max_steps} steps -> {run.out_dir} (log {log})", flush=True)
-        with open(log, "a") as handle:
-            code = subprocess.run(run_command(cfg, run, free_port()), env=env, stdout=handle,
-                                  stderr=subprocess.STDOUT).returncode
-        if code != 0 or not run.done:
-            raise RuntimeError(f"distaff ablate: run {run.variant} seed {run.seed} failed (exit {code}); "
-                               f"see {log}; run the same command again to continue")
+        else:
+            jobs.append((label, run_command(cfg, run, free_port()), run))
+    return run_parallel(jobs, cfg.parallel, _run_env(cfg.parallel))
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_parallel(jobs: list[tuple[str, list[str], PlannedRun]], parallel: int, env: dict[str, str]) -> list[str]:
+    """``(label, command, run)`` jobs as subprocesses, up to ``parallel`` at once, output to ``run.log``;
+    a run failed if it exits non-zero or leaves no summary. Ctrl-C or SIGTERM stops the ones in
+    progress (:func:`_stop`) and raises KeyboardInterrupt; finished runs keep their summaries."""
+    queue, running, failures = list(jobs), {}, []
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        while queue or running:
+            while queue and len(running) < parallel:
+                label, command, run = queue.pop(0)
+                run.out_dir.parent.mkdir(parents=True, exist_ok=True)
+                print(f"distaff ablate: {label}: {run.max_steps} steps -> {run.out_dir} (log {run.log})", flush=True)
+                with open(run.log, "a") as handle:
+                    # its own session: a terminal's Ctrl-C reaches only us, and the run gets SIGTERM (checkpoint)
+                    running[subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT,
+                                             start_new_session=True)] = (label, run)
+            time.sleep(POLL_S)
+            for proc, (label, run) in list(running.items()):
+                code = proc.poll()
+                if code is None:
+                    continue
+                del running[proc]
+                if code != 0 or not run.done:
+                    failures.append(f"{label} failed (exit {code}); see {run.log}")
+                    print(f"distaff ablate: {failures[-1]}; the other runs go on", flush=True)
+    except KeyboardInterrupt:
+        _stop(running)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return failures
+
+
+def _stop(running: dict[subprocess.Popen, tuple[str, PlannedRun]]) -> None:
+    """SIGTERM to each run in progress (it saves a checkpoint and exits), SIGKILL after STOP_TIMEOUT_S."""
+    for proc in running:
+        proc.terminate()
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for proc, (label, run) in running.items():
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        print(f"distaff ablate: {label}: stopped (log {run.log})", flush=True)
 
 
 def write_job_scripts(cfg: AblationConfig, runs: list[PlannedRun]) -> list[Path]:
@@ -374,6 +440,23 @@ def _per_seed(cfg: AblationConfig, rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def paired_differences(cfg: AblationConfig, rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Per variant after the first: its held-out loss minus the first variant's, for each seed both finished."""
+    loss = {(r["variant"], r["seed"]): r["eval_loss"] for r in rows}
+    first = cfg.variants[0].name
+    return {v.name: [loss[v.name, s] - loss[first, s] for s in cfg.seeds if (v.name, s) in loss and (first, s) in loss]
+            for v in cfg.variants[1:]}
+
+
+def _paired(cfg: AblationConfig, rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["", f"Held-out loss minus `{cfg.variants[0].name}`'s, paired by seed (mean +- sample std over the "
+             "seeds both finished; negative: lower loss):", "", "| variant | pairs | difference |", "| --- | ---: | ---: |"]
+    for name, diffs in paired_differences(cfg, rows).items():
+        mean, std = _mean_std(diffs) if diffs else (math.nan, math.nan)
+        lines.append(f"| {name} | {len(diffs)} | {mean:+.4f} +- {std:.4f} |")
+    return lines
+
+
 def _markdown(cfg: AblationConfig, table: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
     lines = [f"# Ablation {cfg.name}", "",
              f"Base `{cfg.base}`, {cfg.tokens:,} tokens per run, seeds {cfg.seeds}, {cfg.ranks} rank(s) per run. "
@@ -384,7 +467,7 @@ def _markdown(cfg: AblationConfig, table: list[dict[str, Any]], rows: list[dict[
         lines.append(f"| {e['variant']} | {e['seeds']} | {e['tokens']:,} | {e['eval_loss_mean']:.4f} +- "
                      f"{e['eval_loss_std']:.4f} | {e['eval_accuracy_mean']:.4f} +- {e['eval_accuracy_std']:.4f} "
                      f"| {e['tokens_per_s_mean']:,.0f} +- {e['tokens_per_s_std']:,.0f} |")
-    return "\n".join(lines + _per_seed(cfg, rows)) + "\n"
+    return "\n".join(lines + _per_seed(cfg, rows) + _paired(cfg, rows)) + "\n"
 
 
 def eval_curve(run_dir: Path) -> list[tuple[int, float]]:
@@ -451,12 +534,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"distaff ablate: wrote {len(scripts)} job script(s) under {cfg.root / 'jobs'}; start them, then "
                   f"run `distaff ablate --config {args.config} --report`")
             return 0
-        if not args.report:
-            run_sequentially(cfg, runs)
+        failures = [] if args.report else run_all(cfg, runs)
         write_report(cfg, runs)
     except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as err:
         print(f"distaff ablate: {err}", file=sys.stderr)
         return 2 if isinstance(err, ConfigError) else 1
+    except KeyboardInterrupt:
+        print("distaff ablate: interrupted; finished runs keep their summaries: run the same command again to "
+              "continue", file=sys.stderr)
+        return 130
+    if failures:
+        print("distaff ablate: " + "\n  ".join([f"{len(failures)} run(s) failed (the report has the others):"]
+                                               + failures), file=sys.stderr)
+        return 1
     print(f"distaff ablate: report in {cfg.root / 'ablation.md'}, {cfg.root / 'ablation.csv'}, "
           f"{cfg.root / 'ablation.png'}")
     return 0

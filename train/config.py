@@ -76,6 +76,9 @@ class RTDSection:
     """``train.objective=rtd`` only. The ``model`` section is the discriminator (the model exported)."""
     weight: float = 50.0                # total loss = generator MLM loss + weight x RTD loss
     embedding_sharing: Literal["none", "es", "gdes"] = "gdes"
+    # how the two losses combine (train/loss_weighting.py): fixed (1 and `weight`), initial (each
+    # over its first-step value, times those weights), uncertainty (learned, Kendall et al. 2018)
+    loss_weighting: Literal["fixed", "initial", "uncertainty"] = "fixed"
     # the generator: ``preset`` and/or ModelConfig fields; empty = the discriminator's config with
     # half its layers (the DeBERTa-v3 paper's generator)
     generator: dict[str, Any] = field(default_factory=dict)
@@ -317,6 +320,10 @@ def _check_combinations(cfg: RunConfig) -> None:
     if cfg.train.objective == "rtd" and cfg.data.packing == "varlen":
         raise ConfigError("train.objective=rtd with data.packing=varlen: the RTD discriminator and head run on "
                           "padded [B, N] batches only; use data.packing=padded")
+    if cfg.train.objective != "rtd" and cfg.rtd.loss_weighting != "fixed":
+        raise ConfigError(f"rtd.loss_weighting={cfg.rtd.loss_weighting} with train.objective={cfg.train.objective}: "
+                          "loss weighting combines RTD's two losses; set train.objective=rtd or drop "
+                          "rtd.loss_weighting")
     if cfg.train.objective == "rtd" and cfg.model.init_from:
         raise ConfigError("model.init_from with train.objective=rtd: start the discriminator from an HF folder "
                           "with rtd.init_discriminator instead")

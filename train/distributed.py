@@ -15,9 +15,13 @@ import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+
+
+_had_process_group = False       # set by init_distributed: see exit_process
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,8 @@ def init_distributed(timeout_s: int) -> DistEnv:
         backend = "gloo"
     dist.init_process_group(backend, rank=layout.rank, world_size=layout.world_size,
                             timeout=timedelta(seconds=timeout_s))
+    global _had_process_group
+    _had_process_group = True
     return layout
 
 
@@ -117,5 +123,22 @@ def torch_distributed_initialized() -> bool:
 
 
 def shutdown() -> None:
+    """Destroy the process group once every rank is done with it (the barrier: no rank tears its
+    connections down while a peer still uses them)."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """Exit with ``code``; once this process has had a process group, without the interpreter's teardown.
+
+    gloo's threads can abort that teardown even after a clean ``destroy_process_group`` ("terminate called
+    without an active exception", exit -6: a finished run reported as a crash). Everything a run writes
+    is closed before this point, so skipping the teardown loses nothing.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if _had_process_group:
+        os._exit(code)
+    sys.exit(code)

@@ -120,6 +120,20 @@ def disable_cpu_shm_comm() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def check_precision_supported(ds_config: dict[str, Any], accelerator) -> None:
+    """Refuse a half precision the accelerator lacks before DeepSpeed does, naming the keys that chose it.
+
+    DeepSpeed's CPU accelerator has fp16 only where oneDNN reports fp16 support (CPUs with AVX512-FP16 or
+    AMX-FP16); elsewhere its own error ("Type fp16 is not supported on your device") names no setting.
+    """
+    checks = {"fp16": accelerator.is_fp16_supported, "bf16": accelerator.is_bf16_supported}
+    for precision, supported in checks.items():
+        if ds_config.get(precision, {}).get("enabled") and not supported():
+            raise ConfigError(f"train.precision (or deepspeed.config): {precision} is not supported by DeepSpeed's "
+                              f"{accelerator.device_name()} accelerator on this machine; use "
+                              f"{'bf16 or ' if precision == 'fp16' and accelerator.is_bf16_supported() else ''}fp32")
+
+
 def initialize(model: nn.Module, cfg: RunConfig, world_size: int):
     """``deepspeed.initialize`` on an already-initialised process group; returns the engine."""
     import deepspeed
@@ -128,6 +142,7 @@ def initialize(model: nn.Module, cfg: RunConfig, world_size: int):
     if get_accelerator().device_name() == "cpu" and not cfg.deepspeed.cpu_shm_comm:
         disable_cpu_shm_comm()
     ds_config = build_deepspeed_config(cfg, world_size)
+    check_precision_supported(ds_config, get_accelerator())
     if "optimizer" in ds_config:
         engine, *_ = deepspeed.initialize(model=model, config=ds_config, dist_init_required=False,
                                           model_parameters=parameter_groups(model, cfg.optim.weight_decay))

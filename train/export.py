@@ -89,7 +89,8 @@ def model_from_meta(meta: dict, source: str):
         return DebertaForMaskedLM(model_cfg)
     generator_cfg = ModelConfig.from_dict(meta["generator_config"], f"{source} generator_config")
     rtd = meta["config"]["rtd"]
-    return ReplacedTokenDetection(generator_cfg, model_cfg, sharing=rtd["embedding_sharing"], weight=rtd["weight"])
+    return ReplacedTokenDetection(generator_cfg, model_cfg, sharing=rtd["embedding_sharing"], weight=rtd["weight"],
+                                  loss_weighting=rtd.get("loss_weighting", "fixed"))
 
 
 def main(argv: list[str] | None = None) -> int:

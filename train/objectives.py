@@ -54,6 +54,9 @@ class MaskedLMObjective:
     def per_rank_state(self, model: nn.Module) -> dict[str, Any]:
         return {}
 
+    def after_step(self, model: nn.Module, sums: list[float]) -> None:
+        """Called with each finite step's global sums (the same on every rank)."""
+
     def flops_per_token(self, seq_len: int) -> float:
         return train_flops_per_token(self.model_cfg, seq_len, self.cfg.data.masking.mlm_probability)
 
@@ -80,7 +83,8 @@ class ReplacedTokenDetectionObjective:
         """Same weights on every rank (the caller seeds), a different sampling stream per rank;
         the discriminator from ``rtd.init_discriminator`` when set."""
         model = rtd.ReplacedTokenDetection(self.generator_cfg, self.model_cfg, sharing=self.cfg.rtd.embedding_sharing,
-                                           weight=self.cfg.rtd.weight, seed=sampling_seed(self.cfg.run.seed, rank))
+                                           weight=self.cfg.rtd.weight, seed=sampling_seed(self.cfg.run.seed, rank),
+                                           loss_weighting=self.cfg.rtd.loss_weighting)
         source = self.cfg.rtd.init_discriminator
         if source:
             from .hf import discriminator_hf_state
@@ -102,11 +106,17 @@ class ReplacedTokenDetectionObjective:
         return rtd.report(sums, self.cfg.rtd.weight)
 
     def eval_report(self, sums: list[float]) -> dict[str, float | None]:
-        values = {f"eval_{key}": value for key, value in self.report(sums).items()}
+        # the loss weights are the training step's: no held-out figure
+        values = {f"eval_{key}": value for key, value in self.report(sums).items() if not key.startswith("weight_")}
         return {**values, "eval_perplexity": perplexity(values["eval_gen_loss"]), "eval_tokens": int(sums[4])}
 
     def per_rank_state(self, model: nn.Module) -> dict[str, Any]:
-        return {"sampler": model.sampler}
+        initial = {"initial_losses": model.weighting.initial} if self.cfg.rtd.loss_weighting == "initial" else {}
+        return {"sampler": model.sampler, **initial}
+
+    def after_step(self, model: nn.Module, sums: list[float]) -> None:
+        """``initial`` weighting records the first finite step's global mean losses."""
+        model.weighting.record(rtd.mean_losses(sums))
 
     def flops_per_token(self, seq_len: int) -> float:
         """Both networks, forward and backward; the RTD head instead of an MLM head in the

@@ -268,6 +268,8 @@ class Trainer:
         *sums, tokens, samples, positions, signalled = dist_utils.all_reduce_sum(torch.cat([local, flag]), self.device)
         skipped = not all(map(math.isfinite, sums))
         optimizer_step(self.engine, skip=skipped)
+        if not skipped:
+            self.objective.after_step(self.engine.module, sums)
         state.step += 1
         self._count_nonfinite(skipped)
         state.tokens += int(tokens)
@@ -434,4 +436,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    dist_utils.exit_process(main())

@@ -5,7 +5,8 @@ config with half its layers) predicts the masked positions; a token is sampled f
 distribution at each of them (temperature 1, no gradient through the sampling); the
 *discriminator* reads the original sequence with those positions replaced and classifies every
 real token as original or replaced. A sampled token equal to the original counts as original.
-Loss = generator MLM loss + ``weight`` x RTD loss (binary cross-entropy over real tokens).
+Loss = generator MLM loss + ``weight`` x RTD loss (binary cross-entropy over real tokens), or the two
+combined by another ``rtd.loss_weighting`` (:mod:`distaff.train.loss_weighting`).
 
 Embedding sharing (``rtd.embedding_sharing``):
 
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distaff import kernels
+from distaff.train.loss_weighting import LossWeighting
 from distaff.train.model import (DebertaForMaskedLM, DebertaModel, LayerNorm, _dense_gelu, init_weights,
                                  labelled_positions)
 from distaff.train.model_config import ModelConfig
@@ -42,8 +44,10 @@ EMBEDDING_SHARING = ("none", "es", "gdes")
 AUC_BINS = 64
 AUC_LOGIT_RANGE = 8.0
 # The per-batch sums an RTD forward returns, in this order, then the two AUC histograms.
+# The two weight sums are each effective loss weight times ``masked`` and ``real``: additive, and
+# divided by those counts they give the weights (the same in every forward of a step).
 SUM_NAMES = ("gen_loss_sum", "masked", "gen_correct", "rtd_loss_sum", "real", "rtd_correct", "replaced",
-             "predicted_replaced", "true_positives")
+             "predicted_replaced", "true_positives", "gen_weight_sum", "rtd_weight_sum")
 NUM_SUMS = len(SUM_NAMES) + 2 * AUC_BINS
 # Rows of [rows, V] sampling logits built at once: bounds the sampling's memory at large vocabularies.
 SAMPLE_CHUNK_ELEMENTS = 1 << 26
@@ -136,7 +140,7 @@ class ReplacementSampler:
 class RTDOutput(NamedTuple):
     """A NamedTuple (ZeRO-3 finds tensors in tuples, not in dataclasses); ``sums`` is what the trainer logs."""
 
-    loss: torch.Tensor                  # generator MLM loss + weight x RTD loss
+    loss: torch.Tensor                  # generator MLM loss and RTD loss, weighted (``LossWeighting``)
     sums: torch.Tensor                  # float64 [NUM_SUMS]: SUM_NAMES then the AUC histograms
     generator_loss: torch.Tensor
     rtd_loss: torch.Tensor
@@ -149,7 +153,7 @@ class ReplacedTokenDetection(nn.Module):
     """Generator (``DebertaForMaskedLM``) + discriminator, embeddings shared per ``sharing``."""
 
     def __init__(self, generator: ModelConfig, discriminator: ModelConfig, *, sharing: str = "gdes",
-                 weight: float = 50.0, seed: int = 0):
+                 weight: float = 50.0, seed: int = 0, loss_weighting: str = "fixed"):
         super().__init__()
         if sharing not in EMBEDDING_SHARING:
             raise ValueError(f"rtd.embedding_sharing: must be one of {list(EMBEDDING_SHARING)}, got {sharing!r}")
@@ -158,12 +162,13 @@ class ReplacedTokenDetection(nn.Module):
                              f"discriminator's {discriminator.embedding_size}; shared embeddings need one width")
         self.generator = DebertaForMaskedLM(generator)
         self.discriminator = Discriminator(discriminator)
-        self.sharing, self.weight = sharing, weight
+        self.sharing = sharing
         if sharing == "es":
             self.discriminator.deberta.embeddings.word_embeddings = self.generator.word_embeddings
         elif sharing == "gdes":
             nn.init.zeros_(self.discriminator.deberta.embeddings.word_embeddings.weight)
         self.sampler = ReplacementSampler(seed)
+        self.weighting = LossWeighting(loss_weighting, (1.0, weight))
 
     def train(self, mode: bool = True) -> "ReplacedTokenDetection":
         super().train(mode)
@@ -213,22 +218,24 @@ class ReplacedTokenDetection(nn.Module):
         real_logits, real_labels = logits[real].float(), replaced[real]
         rtd_loss = F.binary_cross_entropy_with_logits(real_logits, real_labels.float(), reduction="sum") \
             / real_labels.numel()
-        sums = batch_sums(generated, rtd_loss, real_logits.detach(), real_labels)
-        return RTDOutput(generated.loss + self.weight * rtd_loss, sums, generated.loss, rtd_loss, logits,
-                         replaced, fake)
+        loss, weights = self.weighting([generated.loss, rtd_loss])
+        sums = batch_sums(generated, rtd_loss, real_logits.detach(), real_labels, weights)
+        return RTDOutput(loss, sums, generated.loss, rtd_loss, logits, replaced, fake)
 
 
 def batch_sums(generated: kernels.MaskedLMLoss, rtd_loss: torch.Tensor, logits: torch.Tensor,
-               replaced: torch.Tensor) -> torch.Tensor:
+               replaced: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """One batch's additive counts (``SUM_NAMES``, then histograms of the replaced and original
-    tokens' logits), float64 on the batch's device: they sum over micro-batches and ranks."""
+    tokens' logits), float64 on the batch's device: they sum over micro-batches and ranks.
+    ``weights``: the generator's and the discriminator's effective loss weights."""
     predicted = logits > 0
     masked = generated.num_labelled.double()
     counts = torch.stack([generated.loss.detach().double() * masked, masked, generated.num_correct.double(),
                           rtd_loss.detach().double() * replaced.numel(),
                           torch.tensor(replaced.numel(), dtype=torch.float64, device=logits.device),
                           (predicted == replaced).sum().double(), replaced.sum().double(),
-                          predicted.sum().double(), (predicted & replaced).sum().double()])
+                          predicted.sum().double(), (predicted & replaced).sum().double(),
+                          weights[0].to(logits.device) * masked, weights[1].to(logits.device) * replaced.numel()])
     clamped = logits.clamp(-AUC_LOGIT_RANGE, AUC_LOGIT_RANGE)
     hist_replaced = torch.histc(clamped[replaced], AUC_BINS, -AUC_LOGIT_RANGE, AUC_LOGIT_RANGE)
     hist_original = torch.histc(clamped[~replaced], AUC_BINS, -AUC_LOGIT_RANGE, AUC_LOGIT_RANGE)
@@ -248,14 +255,23 @@ def histogram_auc(replaced: list[float], original: list[float]) -> float | None:
     return wins / (positives * negatives)
 
 
+def mean_losses(sums: list[float]) -> tuple[float, float]:
+    """The generator's and the discriminator's mean losses from global sums."""
+    named = dict(zip(SUM_NAMES, sums))
+    return named["gen_loss_sum"] / max(named["masked"], 1.0), named["rtd_loss_sum"] / max(named["real"], 1.0)
+
+
 def report(sums: list[float], weight: float) -> dict[str, float | None]:
-    """Global sums -> the logged metrics (generator and discriminator)."""
+    """Global sums -> the logged metrics (generator and discriminator). ``loss`` is always
+    ``gen_loss + weight x rtd_loss`` (comparable whatever ``rtd.loss_weighting``); ``weight_gen`` and
+    ``weight_rtd`` are the effective weights the step's loss used."""
     named = dict(zip(SUM_NAMES, sums))
     hists = sums[len(SUM_NAMES):]
     masked, real = max(named["masked"], 1.0), max(named["real"], 1.0)
-    gen_loss, rtd_loss = named["gen_loss_sum"] / masked, named["rtd_loss_sum"] / real
+    gen_loss, rtd_loss = mean_losses(sums)
     predicted, replaced = named["predicted_replaced"], named["replaced"]
-    return {"loss": gen_loss + weight * rtd_loss, "gen_loss": gen_loss, "gen_accuracy": named["gen_correct"] / masked,
+    return {"loss": gen_loss + weight * rtd_loss,
+            "weight_gen": named["gen_weight_sum"] / masked, "weight_rtd": named["rtd_weight_sum"] / real, "gen_loss": gen_loss, "gen_accuracy": named["gen_correct"] / masked,
             "rtd_loss": rtd_loss, "rtd_accuracy": named["rtd_correct"] / real,
             "rtd_precision": named["true_positives"] / predicted if predicted else None,
             "rtd_recall": named["true_positives"] / replaced if replaced else None,

@@ -87,7 +87,7 @@ def _open_binary(path: Path) -> BinaryIO:
     return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
 
 
-def _numbered_lines(path: Path, options: ReadOptions, stats: ReadStats) -> Iterator[tuple[int, bytes]]:
+def numbered_lines(path: Path, options: ReadOptions, stats: ReadStats) -> Iterator[tuple[int, bytes]]:
     """Lines of a (possibly gzipped) file; a corrupt stream is an error naming the file and line."""
     lineno = 0
     try:
@@ -98,7 +98,7 @@ def _numbered_lines(path: Path, options: ReadOptions, stats: ReadStats) -> Itera
         stats.skip("corrupt_file", f"{path}: after line {lineno}", f"corrupt compressed stream ({err})", options.skip_bad)
 
 
-def _decode(raw: bytes, where: str, options: ReadOptions, stats: ReadStats) -> str | None:
+def decode_utf8(raw: bytes, where: str, options: ReadOptions, stats: ReadStats) -> str | None:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -107,7 +107,7 @@ def _decode(raw: bytes, where: str, options: ReadOptions, stats: ReadStats) -> s
 
 
 def _line_documents(path: Path, options: ReadOptions, stats: ReadStats) -> Iterator[Document]:
-    lines = _numbered_lines(path, options, stats)
+    lines = numbered_lines(path, options, stats)
     if path.name.endswith(JSONL_SUFFIXES):
         yield from _jsonl_documents(path, lines, options, stats)
     elif options.doc_per_file:
@@ -117,7 +117,7 @@ def _line_documents(path: Path, options: ReadOptions, stats: ReadStats) -> Itera
 
 
 def _emit(path: Path, first_line: int, raw: bytes, options: ReadOptions, stats: ReadStats) -> Iterable[Document]:
-    text = _decode(raw, f"{path}:{first_line}", options, stats)
+    text = decode_utf8(raw, f"{path}:{first_line}", options, stats)
     return () if text is None else (Document(str(path), first_line, text.strip("\n")),)
 
 
@@ -144,7 +144,7 @@ def _jsonl_documents(path: Path, lines: Iterable[tuple[int, bytes]], options: Re
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
-        decoded = _decode(line, where, options, stats)
+        decoded = decode_utf8(line, where, options, stats)
         if decoded is None:
             continue
         try:
