@@ -21,7 +21,20 @@ from .model import DebertaForMaskedLM, MaskedLMOutput
 from .model_config import ModelConfig
 
 
-class MaskedLMObjective:
+class Objective:
+    """What every objective shares: the model's inputs are the whole batch and its training loss is the
+    model's own (fine-tuning adds SiFT's adversarial term)."""
+
+    num_sums: int
+
+    def model_inputs(self, batch: dict) -> dict:
+        return batch
+
+    def training_loss(self, engine, batch: dict, out) -> torch.Tensor:
+        return out.loss
+
+
+class MaskedLMObjective(Objective):
     """Masked-LM: sums ``[loss * labelled, labelled, correct]``."""
 
     num_sums = 3
@@ -59,7 +72,7 @@ class MaskedLMObjective:
         return {}
 
 
-class ReplacedTokenDetectionObjective:
+class ReplacedTokenDetectionObjective(Objective):
     """DeBERTa-v3's RTD (:mod:`distaff.train.rtd`); ``model_cfg`` is the discriminator's."""
 
     num_sums = rtd.NUM_SUMS
