@@ -28,6 +28,7 @@ from .data.labelled import InputFormat, LabelledData, load_labelled
 from .data.labelled_batches import EvalBatches, TrainBatches, model_inputs
 from .data.errors import DataError
 from .engine import layer_decay_groups, set_lr
+from .export import BEST_DIR, CLASSIFIER_TASK
 from .finetune_config import FinetuneConfig, finetune_config_to_dict, load_finetune_config, save_finetune_config
 from .finetune_metrics import compute_metrics
 from .flops import train_flops_per_token
@@ -40,8 +41,6 @@ from .sift import SiFT
 from .steps import forward_batch, optimizer_step, to_device, train_step
 
 SUMMARY_FILE = "summary.json"
-BEST_DIR = "best"
-TASK = "sequence_classification"   # meta.json "task": export-hf builds the classifier from it
 
 
 @dataclass
@@ -90,10 +89,6 @@ def input_format(cfg: FinetuneConfig) -> InputFormat:
 def load_data(cfg: FinetuneConfig, tokenizer) -> LabelledData:
     """The train and dev sets, tokenised; a bad file is a :class:`DataError` naming it (and the line)."""
     data = cfg.data
-    for key in ("train", "dev"):
-        path = getattr(data, key)
-        if path and data.format != "auto" and not Path(path).name.removesuffix(".gz").endswith(f".{data.format}"):
-            raise ConfigError(f"data.format: {data.format} but data.{key} is {path}; name the file .{data.format}")
     return load_labelled(data.train, input_format(cfg), tokenizer, data.max_len, regression=cfg.regression,
                          dev_file=data.dev or None, dev_fraction=data.dev_fraction, seed=data.split_seed,
                          labels=data.labels or None)
@@ -159,7 +154,7 @@ class FinetuneTrainer(RunBase):
         return lambda model: layer_decay_groups(model, optim.weight_decay, optim.layer_decay)
 
     def _checkpointer(self, root: Path, every: int, keep: int) -> Checkpointer:
-        meta = {"task": TASK, "config": finetune_config_to_dict(self.cfg), "model_config": self.model_cfg.to_dict(),
+        meta = {"task": CLASSIFIER_TASK, "config": finetune_config_to_dict(self.cfg), "model_config": self.model_cfg.to_dict(),
                 "num_labels": self.num_labels, "label_names": self.data.label_names,
                 "pooler_dropout": self.cfg.model.pooler_dropout}
         per_rank = {"data": self.batches, "rng": RNGState(self.layout.rank)}

@@ -32,11 +32,10 @@ FINETUNE_FREE_FIELDS = tuple(name for name in FREE_FIELDS if not name.startswith
 
 @dataclass
 class LabelledDataSection:
-    train: str = ""                     # TSV, CSV or JSONL file (optionally .gz)
+    train: str = ""                     # .tsv, .csv or .jsonl file (optionally .gz): the extension says which
     dev: str = ""                       # "": hold out dev_fraction of train
     dev_fraction: float = 0.0
     split_seed: int = 0                 # which examples dev_fraction holds out
-    format: Literal["auto", "tsv", "csv", "jsonl"] = "auto"   # auto: by the file's extension
     columns: list[str] = field(default_factory=list)          # names of a header-less TSV/CSV's columns
     tokenizer: str = ""                 # "": the tokenizer saved with model.init_from
     text_column: str = "text"
@@ -45,10 +44,10 @@ class LabelledDataSection:
     task: Literal["classification", "regression"] = "classification"
     labels: list[str] = field(default_factory=list)           # classification: the label values, in id order
     max_len: int = 128                  # tokens per example, [CLS] and [SEP]s included
-    batch_size: int = 16                # examples per micro-batch per rank (padded); see tokens_per_batch
+    batch_size: int = 16                # examples per micro-batch per rank
     eval_batch_size: int = 0            # 0: batch_size
+    # padded: rows padded to the batch's longest example; varlen: the same examples packed end to end
     packing: Literal["padded", "varlen"] = "padded"
-    tokens_per_batch: int = 0           # varlen only; 0: batch_size x max_len
 
 
 @dataclass
@@ -136,7 +135,7 @@ def _validate(cfg: FinetuneConfig) -> None:
                   "train.max_nonfinite_steps": train.max_nonfinite_steps, "logging.every": cfg.logging.every,
                   "checkpoint.keep": cfg.checkpoint.keep, "distributed.timeout_s": cfg.distributed.timeout_s,
                   "optim.lr": optim.lr, "optim.layer_decay": optim.layer_decay},
-        non_negative={"data.eval_batch_size": data.eval_batch_size, "data.tokens_per_batch": data.tokens_per_batch,
+        non_negative={"data.eval_batch_size": data.eval_batch_size,
                       "train.epochs": train.epochs, "train.max_steps": train.max_steps,
                       "train.grad_clip": train.grad_clip, "optim.warmup_steps": optim.warmup_steps,
                       "optim.weight_decay": optim.weight_decay, "eval.every": cfg.eval.every,
@@ -160,11 +159,6 @@ def _validate(cfg: FinetuneConfig) -> None:
     if bool(data.dev) == bool(data.dev_fraction):
         raise ConfigError("data.dev and data.dev_fraction: give a dev file or a fraction of data.train to hold out "
                           "(exactly one)")
-    if data.tokens_per_batch and data.packing != "varlen":
-        raise ConfigError("data.tokens_per_batch: only packed batches (data.packing=varlen) have a token budget")
-    if data.tokens_per_batch and data.tokens_per_batch < data.max_len:
-        raise ConfigError(f"data.tokens_per_batch: {data.tokens_per_batch} is below data.max_len ({data.max_len}); "
-                          "a batch must hold the longest example")
     if cfg.regression and data.labels:
         raise ConfigError("data.labels: a regression task has numeric targets, not a list of labels")
     allowed = REGRESSION_METRICS if cfg.regression else CLASSIFICATION_METRICS
