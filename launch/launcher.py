@@ -1,4 +1,4 @@
-"""``distaff launch``: run pretraining (or with ``--task finetune`` fine-tuning) under the ``deepspeed`` launcher, on one node or many.
+"""``distaff launch``: run pretraining (``--task finetune``: fine-tuning) under the ``deepspeed`` launcher, on one or many nodes.
 
 One node (no hosts given, a single host, or a one-node Slurm allocation): ``deepspeed --num_gpus G``
 starts the ranks locally. Several nodes: the hosts come from ``--hosts`` (a Slurm hostlist expression such

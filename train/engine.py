@@ -105,8 +105,8 @@ def layer_decay_groups(model: nn.Module, weight_decay: float, layer_decay: float
     (``L`` layers): the embeddings get ``lr * layer_decay ** L``, layer ``i`` (1-based, ``deberta.encoder.layer.
     <i-1>``) ``lr * layer_decay ** (L - i)``, everything else (the encoder's relative-position embeddings and
     their norm, the task head) ``lr``: the top layer learns as fast as the head, each layer below a factor
-    ``layer_decay`` slower. Each group carries its factor as ``lr_scale``, which :func:`set_lr` applies; weight decay as in
-    :func:`parameter_groups`."""
+    ``layer_decay`` slower. Each group carries its factor as ``lr_scale``, which :func:`set_lr` applies;
+    weight decay as in :func:`parameter_groups`."""
     num_layers = len(model.deberta.encoder.layer)
     groups: dict[tuple[int, bool], dict[str, Any]] = {}
     for name, param in model.named_parameters():

@@ -12,7 +12,6 @@ evaluations without improvement stop the run early.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from .classifier_init import load_encoder, resolve_tokenizer
 from .data.labelled import InputFormat, LabelledData, load_labelled
 from .data.labelled_batches import EvalBatches, TrainBatches, model_inputs
 from .data.errors import DataError
-from .engine import layer_decay_groups, set_lr
+from .engine import layer_decay_groups
 from .export import BEST_DIR, CLASSIFIER_TASK
 from .finetune_config import FinetuneConfig, finetune_config_to_dict, load_finetune_config, save_finetune_config
 from .finetune_metrics import compute_metrics
@@ -35,10 +34,10 @@ from .flops import train_flops_per_token
 from .metrics import PLOT_FILE, Throughput, peak_memory_gb, plot_metrics
 from .model_config import ConfigError
 from .objectives import Objective
-from .runtime import RunBase, TrainState, run_main
+from .runtime import RunBase, TrainState, check_data_fits_model, run_main
 from .schedule import lr_at
 from .sift import SiFT
-from .steps import forward_batch, optimizer_step, to_device, train_step
+from .steps import forward_batch, to_device
 
 SUMMARY_FILE = "summary.json"
 
@@ -102,11 +101,13 @@ class FinetuneTrainer(RunBase):
         source = load_encoder(cfg.model.init_from, cfg.model.overrides)
         self.tokenizer = resolve_tokenizer(source, cfg.data.tokenizer, cfg.model.init_from)
         self.model_cfg = source.config
+        check_data_fits_model(self.model_cfg, cfg.data.max_len, f"data.max_len {cfg.data.max_len}",
+                              "lower data.max_len (the architecture is model.init_from's)")
         self.data = load_data(cfg, self.tokenizer)
         self.num_labels = 1 if cfg.regression else len(self.data.label_names)
-        self.batches = TrainBatches(self.data.train, batch_size=cfg.data.batch_size, rank=layout.rank,
-                                    world_size=layout.world_size, seed=cfg.run.seed, pad_id=self.tokenizer.pad_id,
-                                    packed=cfg.data.packing == "varlen")
+        self.loader = TrainBatches(self.data.train, batch_size=cfg.data.batch_size, rank=layout.rank,
+                                   world_size=layout.world_size, seed=cfg.run.seed, pad_id=self.tokenizer.pad_id,
+                                   packed=cfg.data.packing == "varlen")
         self.steps_per_epoch, self.max_steps = self._plan_steps()
         self.engine = self._initialize_engine(lambda: self._build_model(source.weights), self._param_groups())
         sift = SiFT(cfg.sift, self.engine.module) if cfg.sift.enabled else None
@@ -123,17 +124,17 @@ class FinetuneTrainer(RunBase):
                           "labels": self.data.label_names})
         self.throughput = Throughput(layout.world_size, train_flops_per_token(self.model_cfg, cfg.data.max_len, 0.0),
                                      None)
-        self.train_iter = iter(self.batches)
+        self.batches = iter(self.loader)
 
     # ---------------------------------------------------------------- building
 
     def _plan_steps(self) -> tuple[int, int]:
         """Optimizer steps per epoch and in the run (``train.max_steps``, else ``train.epochs`` epochs)."""
         cfg = self.cfg
-        per_epoch = self.batches.steps_per_epoch // cfg.train.grad_accum
+        per_epoch = self.loader.steps_per_epoch // cfg.train.grad_accum
         if per_epoch == 0:
             raise ConfigError(f"train.grad_accum: {cfg.train.grad_accum} micro-batches exceed the "
-                              f"{self.batches.steps_per_epoch} an epoch of {cfg.data.train} holds on "
+                              f"{self.loader.steps_per_epoch} an epoch of {cfg.data.train} holds on "
                               f"{self.layout.world_size} rank(s)")
         return per_epoch, cfg.train.max_steps or cfg.train.epochs * per_epoch
 
@@ -154,10 +155,11 @@ class FinetuneTrainer(RunBase):
         return lambda model: layer_decay_groups(model, optim.weight_decay, optim.layer_decay)
 
     def _checkpointer(self, root: Path, every: int, keep: int) -> Checkpointer:
-        meta = {"task": CLASSIFIER_TASK, "config": finetune_config_to_dict(self.cfg), "model_config": self.model_cfg.to_dict(),
-                "num_labels": self.num_labels, "label_names": self.data.label_names,
+        meta = {"task": CLASSIFIER_TASK, "config": finetune_config_to_dict(self.cfg),
+                "model_config": self.model_cfg.to_dict(), "num_labels": self.num_labels,
+                "label_names": self.data.label_names,
                 "pooler_dropout": self.cfg.model.pooler_dropout}
-        per_rank = {"data": self.batches, "rng": RNGState(self.layout.rank)}
+        per_rank = {"data": self.loader, "rng": RNGState(self.layout.rank)}
         return self._new_checkpointer(root, per_rank=per_rank, meta=meta, every=every, keep=keep,
                                       tokenizer_dir=self.tokenizer.path)
 
@@ -173,23 +175,6 @@ class FinetuneTrainer(RunBase):
 
     def _done(self) -> bool:
         return self.state.step >= self.max_steps or self.state.stopped_early
-
-    def _step(self) -> bool:
-        state, started = self.state, time.perf_counter()
-        set_lr(self.engine, self._lr(state.step))
-        local = train_step(self.engine, self.train_iter, self.cfg.train.grad_accum, self.device, self.objective,
-                           self.layout.world_size)
-        (*sums, tokens, samples, positions), skipped, signalled = self._reduce_step(local)
-        optimizer_step(self.engine, skip=skipped)
-        state.step += 1
-        state.tokens += int(tokens)
-        state.samples += int(samples)
-        state.positions += int(positions)
-        state.train_time_s += time.perf_counter() - started
-        self.throughput.add(int(tokens), int(samples), int(positions))
-        if state.step % self.cfg.logging.every == 0 or state.step == self.max_steps:
-            self._log_train(self.objective.report(sums))
-        return signalled
 
     def _lr(self, step: int) -> float:
         optim = self.cfg.optim
@@ -277,14 +262,6 @@ class FinetuneTrainer(RunBase):
         return {"loss": float(loss), **compute_metrics(logits, labels)}
 
     # ---------------------------------------------------------------- closing
-
-    def _close(self, exit_code: int) -> None:
-        if not self.layout.is_main:
-            return
-        summary = self._write_summary()
-        if self.metrics.wandb is not None:
-            self.metrics.wandb.summary(summary)
-            self.metrics.wandb.finish(exit_code)
 
     def _write_summary(self) -> dict[str, Any]:
         cfg, state, out_dir = self.cfg, self.state, self.cfg.out_dir

@@ -131,7 +131,8 @@ def _build_model_section(values: Any) -> FinetuneModelSection:
 def _validate(cfg: FinetuneConfig) -> None:
     data, train, optim = cfg.data, cfg.train, cfg.optim
     check_ranges(
-        positive={"data.max_len": data.max_len, "data.batch_size": data.batch_size, "train.grad_accum": train.grad_accum,
+        positive={"data.max_len": data.max_len, "data.batch_size": data.batch_size,
+                  "train.grad_accum": train.grad_accum,
                   "train.max_nonfinite_steps": train.max_nonfinite_steps, "logging.every": cfg.logging.every,
                   "checkpoint.keep": cfg.checkpoint.keep, "distributed.timeout_s": cfg.distributed.timeout_s,
                   "optim.lr": optim.lr, "optim.layer_decay": optim.layer_decay},

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +23,16 @@ from .checkpoint import Checkpointer, RNGState, latest_checkpoint
 from .config import ConfigError, RunConfig, config_to_dict, load_config, save_config
 from .data.loader import EvalLoader, PretrainLoader, open_data_dir
 from .data.manifest import Manifest
-from .engine import loss_scale, set_lr
+from .engine import loss_scale
 from .exit_codes import EXIT_BAD_CONFIG, EXIT_FAILURE, EXIT_PREEMPTED
 from .flops import peak_flops
 from .metrics import PLOT_FILE, Throughput, padding_fraction, peak_memory_gb, plot_metrics
 from .model_config import ModelConfig
 from .model_folder import load_initial_weights
 from .objectives import objective_for
-from .runtime import RunBase, TrainState, parse_args as runtime_parse_args, run_main
+from .runtime import RunBase, TrainState, check_data_fits_model, parse_args as runtime_parse_args, run_main
 from .schedule import lr_at
-from .steps import Evaluator, optimizer_step, train_step
+from .steps import Evaluator
 from .tokenizer import TokenizerInfo
 
 SUMMARY_FILE = "summary.json"
@@ -52,17 +51,6 @@ def build_model_config(cfg: RunConfig, tokenizer) -> ModelConfig:
     return cfg.model_config(**fixed)
 
 
-def check_data_fits_model(model_cfg: ModelConfig, seq_len: int, section: str = "model") -> None:
-    """Absolute position embeddings (``position_biased_input``, the Enhanced Mask Decoder) have
-    ``max_position_embeddings`` rows: longer sequences would fail at the first step with a shape error."""
-    users = [f"{section}.{name}" for name, on in (("position_biased_input", model_cfg.position_biased_input),
-                                                  ("emd", model_cfg.emd)) if on]
-    if users and seq_len > model_cfg.max_position_embeddings:
-        raise ConfigError(f"{section}.max_position_embeddings: {model_cfg.max_position_embeddings} is shorter than "
-                          f"the data's sequences (data.dir: seq_len {seq_len}), and {' and '.join(users)} "
-                          f"use absolute positions; raise it or prepare the data with a smaller --seq-len")
-
-
 class Trainer(RunBase):
     """One rank of a run: ``Trainer(cfg, layout).run()`` builds, loops, closes; returns the exit code."""
 
@@ -73,7 +61,8 @@ class Trainer(RunBase):
         self.objective = objective_for(cfg, self.model_cfg)
         self.loader, self.evaluator = self._build_data(tokenizer)
         for section, model_cfg in self.objective.model_configs().items():
-            check_data_fits_model(model_cfg, self.loader.seq_len, section)
+            check_data_fits_model(model_cfg, self.loader.seq_len, f"data.dir: seq_len {self.loader.seq_len}",
+                                  "raise it or prepare the data with a smaller --seq-len", section)
         self.engine = self._initialize_engine(self._build_model)
         self.state = TrainState()
         self.checkpointer = self._build_checkpointer(tokenizer.path)
@@ -83,6 +72,7 @@ class Trainer(RunBase):
         self.metrics = self._open_metrics(resumed_from, max_steps=cfg.train.max_steps, what="", wandb_config={
             **config_to_dict(cfg), "model_resolved": self.objective.model_cfg.to_dict(), **self.objective.meta()})
         self.throughput = self._build_throughput()
+        self.max_steps = cfg.train.max_steps
         self.batches = iter(self.loader)
 
     # ---------------------------------------------------------------- building
@@ -137,23 +127,6 @@ class Trainer(RunBase):
         self.checkpointer.maybe_save(self.state.step, last=True)
         self._evaluate()
 
-    def _step(self) -> bool:
-        state, started = self.state, time.perf_counter()
-        set_lr(self.engine, self._lr(state.step))
-        local = train_step(self.engine, self.batches, self.cfg.train.grad_accum, self.device, self.objective,
-                           self.layout.world_size)
-        (*sums, tokens, samples, positions), skipped, signalled = self._reduce_step(local)
-        optimizer_step(self.engine, skip=skipped)
-        state.step += 1
-        state.tokens += int(tokens)
-        state.samples += int(samples)
-        state.positions += int(positions)
-        state.train_time_s += time.perf_counter() - started
-        self.throughput.add(int(tokens), int(samples), int(positions))
-        if state.step % self.cfg.logging.every == 0 or state.step == self.cfg.train.max_steps:
-            self._log_train(self.objective.report(sums))
-        return signalled
-
     def _lr(self, step: int) -> float:
         optim = self.cfg.optim
         return lr_at(step, lr=optim.lr, warmup_steps=optim.warmup_steps, max_steps=self.cfg.train.max_steps,
@@ -175,14 +148,9 @@ class Trainer(RunBase):
 
     # ---------------------------------------------------------------- closing
 
-    def _close(self, exit_code: int) -> None:
-        if not self.layout.is_main:
-            return
-        summary = write_summary(self.cfg, self.state, self.manifest, latest_checkpoint(self.checkpointer.root),
-                                self.layout.world_size)
-        if self.metrics.wandb is not None:
-            self.metrics.wandb.summary(summary)
-            self.metrics.wandb.finish(exit_code)
+    def _write_summary(self) -> dict[str, Any]:
+        return write_summary(self.cfg, self.state, self.manifest, latest_checkpoint(self.checkpointer.root),
+                             self.layout.world_size)
 
 
 def unigram_baseline_accuracy(manifest: Manifest) -> float | None:

@@ -18,6 +18,7 @@ import secrets
 import signal
 import string
 import sys
+import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,10 +30,12 @@ import torch
 from . import distributed as dist_utils
 from .checkpoint import Checkpointer, Stateful, latest_checkpoint
 from .config import ConfigError
-from .engine import initialize
+from .engine import initialize, set_lr
 from .exit_codes import EXIT_BAD_CONFIG, EXIT_FAILURE, EXIT_PREEMPTED
 from .metrics import MetricsLogger, WandbSink, system_info
+from .model_config import ModelConfig
 from .runlock import DirLock
+from .steps import optimizer_step, train_step
 from .watchdog import Watchdog
 
 
@@ -46,6 +49,19 @@ class PreemptionFlag:
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.signum = signum
+
+
+def check_data_fits_model(model_cfg: ModelConfig, seq_len: int, length: str, remedy: str,
+                          section: str = "model") -> None:
+    """Absolute position embeddings (``position_biased_input``, the Enhanced Mask Decoder) have
+    ``max_position_embeddings`` rows: longer sequences (``length`` says where their length is set) would
+    fail at the first step with a shape error."""
+    users = [f"{section}.{name}" for name, on in (("position_biased_input", model_cfg.position_biased_input),
+                                                  ("emd", model_cfg.emd)) if on]
+    if users and seq_len > model_cfg.max_position_embeddings:
+        raise ConfigError(f"{section}.max_position_embeddings: {model_cfg.max_position_embeddings} is shorter than "
+                          f"the data's sequences ({length}), and {' and '.join(users)} use absolute positions; "
+                          f"{remedy}")
 
 
 def seed_everything(seed: int) -> None:
@@ -81,9 +97,10 @@ class TrainState:
 
 
 class RunBase:
-    """One rank of a run. Subclasses set ``self.state`` (with ``step``, ``nonfinite_steps`` and
-    ``wandb_run_id``), ``self.engine``, ``self.checkpointer`` and ``self.metrics``, and implement
-    :meth:`_done`, :meth:`_step`, :meth:`_after_step`, :meth:`_finish` and :meth:`_close`."""
+    """One rank of a run. Subclasses set ``self.state`` (a :class:`TrainState`), ``self.engine``,
+    ``self.objective``, ``self.batches`` (an iterator of micro-batches), ``self.max_steps``,
+    ``self.checkpointer``, ``self.metrics`` and ``self.throughput``, and implement :meth:`_done`,
+    :meth:`_lr`, :meth:`_log_train`, :meth:`_after_step`, :meth:`_finish` and :meth:`_write_summary`."""
 
     def __init__(self, cfg, layout: dist_utils.DistEnv):
         self.cfg, self.layout = cfg, layout
@@ -186,6 +203,25 @@ class RunBase:
                 return EXIT_PREEMPTED
         return 0
 
+    def _step(self) -> bool:
+        """One optimizer step over ``train.grad_accum`` micro-batches of ``self.batches`` and its bookkeeping;
+        returns whether any rank got a signal."""
+        state, started = self.state, time.perf_counter()
+        set_lr(self.engine, self._lr(state.step))
+        local = train_step(self.engine, self.batches, self.cfg.train.grad_accum, self.device, self.objective,
+                           self.layout.world_size)
+        (*sums, tokens, samples, positions), skipped, signalled = self._reduce_step(local)
+        optimizer_step(self.engine, skip=skipped)
+        state.step += 1
+        state.tokens += int(tokens)
+        state.samples += int(samples)
+        state.positions += int(positions)
+        state.train_time_s += time.perf_counter() - started
+        self.throughput.add(int(tokens), int(samples), int(positions))
+        if state.step % self.cfg.logging.every == 0 or state.step == self.max_steps:
+            self._log_train(self.objective.report(sums))
+        return signalled
+
     def _reduce_step(self, local: torch.Tensor) -> tuple[list[float], bool, bool]:
         """One small collective per step: the global sums of ``local`` plus "did any rank get a signal?";
         returns the sums, whether the step must be skipped (a non-finite sum: every rank skips the same
@@ -221,8 +257,11 @@ class RunBase:
     def _done(self) -> bool:
         raise NotImplementedError
 
-    def _step(self) -> bool:
-        """One optimizer step and its bookkeeping; returns whether any rank got a signal."""
+    def _lr(self, step: int) -> float:
+        """The base learning rate of optimizer step ``step`` (0-based)."""
+        raise NotImplementedError
+
+    def _log_train(self, objective_metrics: dict[str, float | None]) -> None:
         raise NotImplementedError
 
     def _after_step(self, signalled: bool) -> None:
@@ -233,8 +272,17 @@ class RunBase:
         """After a completed loop: the final checkpoint first, then the final evaluation."""
         raise NotImplementedError
 
-    def _close(self, exit_code: int) -> None:
+    def _write_summary(self) -> dict[str, Any]:
+        """Rank 0: ``summary.json``, the plot and a printed report; returns the summary."""
         raise NotImplementedError
+
+    def _close(self, exit_code: int) -> None:
+        if not self.layout.is_main:
+            return
+        summary = self._write_summary()
+        if self.metrics.wandb is not None:
+            self.metrics.wandb.summary(summary)
+            self.metrics.wandb.finish(exit_code)
 
 
 def parse_args(prog: str, description: str, argv: list[str]) -> argparse.Namespace:
