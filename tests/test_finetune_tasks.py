@@ -109,13 +109,22 @@ def test_sentence_pairs_with_sift(model_dir, tmp_path):
     config = write_ft_config(tmp_path / "ft.yaml", model_dir, tmp_path / "run", train={"max_steps": 4},
                              data={"train": str(pairs), "columns": [], "text_column": "premise",
                                    "text_pair_column": "hypothesis"},
-                             eval={"every": 2}, sift={"enabled": True})
+                             eval={"every": 2},
+                             # strong enough to show: at the defaults, on this barely trained model (logits near 0),
+                             # the runs with and without SiFT logged identical float32 losses
+                             sift={"enabled": True, "perturbation_size": 0.5, "step_size": 0.1, "loss_weight": 100.0})
     code, log = finetune(config, tmp_path)
     assert code == 0, log[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["labels"] == ["different", "same"] and summary["train_examples"] + summary["dev_examples"] == 201
     losses = [r["loss"] for r in metrics(tmp_path / "run") if "loss" in r]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+    # without SiFT (no dropout: the runs differ only by the adversarial term) the first step's task loss is the
+    # same and the later ones are not: SiFT's gradient reached the weights
+    code, log = finetune(config, tmp_path, "sift.enabled=false", f"run.out_dir={tmp_path / 'plain'}")
+    assert code == 0, log[-3000:]
+    plain = [r["loss"] for r in metrics(tmp_path / "plain") if "loss" in r]
+    assert plain[0] == losses[0] and plain[1:] != losses[1:]
 
 
 @pytest.mark.parametrize("case", ["unknown_label", "dev_class_missing_from_train"])
