@@ -57,3 +57,10 @@ def test_slurm_dry_run_writes_a_finetune_script(ft_config: Path, capsys) -> None
 def test_bundled_sentiment_config_loads() -> None:
     cfg = load_finetune_config(REPO / "configs" / "finetune" / "sentiment-cpu.yaml")
     assert cfg.data.columns == ["label", "text"] and cfg.optim.layer_decay == 0.9
+
+
+def test_distaff_finetune_reports_a_config_error(ft_config: Path, capsys) -> None:
+    assert cli.main(["finetune", "--config", str(ft_config), "optim.warmup_ratio=2"]) == 2
+    assert "distaff finetune: config error: optim.warmup_ratio" in capsys.readouterr().err
+    assert cli.main(["--help"]) == 0
+    assert "finetune" in capsys.readouterr().out
