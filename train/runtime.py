@@ -3,8 +3,8 @@
 :class:`RunBase` is one rank of a run: it locks ``run.out_dir``, catches SIGTERM/SIGUSR1, builds
 the DeepSpeed engine and the checkpointer, opens the metrics, and runs the loop skeleton (a step,
 then evaluation and checkpointing with the watchdog paused, until the subclass says it is done or
-a signal arrives: then a checkpoint and :data:`EXIT_PREEMPTED`). Subclasses supply the steps, the
-evaluation and the summary. :func:`run_main` is the command-line entry with the shared error handling.
+a signal arrives: then a checkpoint and :data:`EXIT_PREEMPTED`) around one optimizer step over the
+subclass's micro-batches and objective. Subclasses supply their data, model, evaluation and summary. :func:`run_main` is the command-line entry with the shared error handling.
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ import torch
 
 from . import distributed as dist_utils
 from .checkpoint import Checkpointer, Stateful, latest_checkpoint
-from .config import ConfigError
+from .config import ConfigError, RunConfig
 from .engine import initialize, set_lr
 from .exit_codes import EXIT_BAD_CONFIG, EXIT_FAILURE, EXIT_PREEMPTED
+from .finetune_config import FinetuneConfig
 from .metrics import MetricsLogger, WandbSink, system_info
 from .model_config import ModelConfig
 from .runlock import DirLock
@@ -102,7 +103,7 @@ class RunBase:
     ``self.checkpointer``, ``self.metrics`` and ``self.throughput``, and implement :meth:`_done`,
     :meth:`_lr`, :meth:`_log_train`, :meth:`_after_step`, :meth:`_finish` and :meth:`_write_summary`."""
 
-    def __init__(self, cfg, layout: dist_utils.DistEnv):
+    def __init__(self, cfg: RunConfig | FinetuneConfig, layout: dist_utils.DistEnv):
         self.cfg, self.layout = cfg, layout
         self.device = dist_utils.device_for(layout)
         self.out_dir_lock = self._lock_out_dir()
