@@ -123,3 +123,28 @@ def test_export_latest_takes_the_last_checkpoint(full_run, tmp_path):
     written = load_file(out / "model.safetensors")
     for name, tensor in last.items():
         torch.testing.assert_close(written[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_zero3_bf16_with_sift_runs_and_exports(model_dir, tmp_path):
+    """ZeRO-3 (partitioned weights: SiFT's extra forwards and the dev evaluation gather them on every rank) in
+    bf16; the export reassembles the fp32 master weights and transformers computes distaff's logits."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = write_ft_config(tmp_path / "ft.yaml", model_dir, tmp_path / "run", train={"max_steps": 4,
+                                                                                       "precision": "bf16"},
+                             eval={"every": 2}, zero={"stage": 3}, sift={"enabled": True})
+    proc = torchrun(config, tmp_path, module=FT_MODULE)
+    assert proc.returncode == 0, run_log(proc)
+    evals = eval_records(tmp_path / "run")
+    assert [r["step"] for r in evals] == [2, 4] and all(math.isfinite(r["eval_loss"]) for r in evals)
+    out = tmp_path / "hf"
+    proc = subprocess.run([PYTHON, "-m", "distaff.launch.cli", "export-hf", "--latest", str(tmp_path / "run"),
+                           str(out)], env=rank_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, run_log(proc)
+    ours, _ = classifier_from_checkpoint(tmp_path / "run" / "checkpoints" / "step-00000004")
+    theirs = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    ids = torch.tensor([[1, 30, 31, 32, 2, 0, 0], [1, 60, 61, 62, 63, 64, 2]])
+    mask = (ids != 0).long()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(input_ids=ids, attention_mask=mask).logits,
+                                   ours(ids, attention_mask=mask).logits, rtol=1e-5, atol=1e-5)
