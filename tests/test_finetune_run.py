@@ -20,7 +20,8 @@ from distaff.train.export import fp32_state_dict, model_from_meta
 pytestmark = pytest.mark.integration
 
 FT_MODULE = "distaff.train.finetune"
-LAYER_DECAY = 0.8
+# warmup 0.25 of 8 steps = 2 steps, then linear decay to 0 at step 8
+FULL_RUN_OPTIM = {"lr": 1e-3, "warmup_steps": 0, "warmup_ratio": 0.25, "layer_decay": 0.8}
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +33,7 @@ def model_dir(tmp_path_factory) -> Path:
 def full_run(model_dir, tmp_path_factory) -> Path:
     """8 steps on 2 ranks, dev evaluated at steps 4 and 8, layer-wise lr decay on."""
     tmp = tmp_path_factory.mktemp("ft-full")
-    config = write_ft_config(tmp / "ft.yaml", model_dir, tmp / "run", optim={"lr": 1e-3, "warmup_steps": 2,
-                                                                             "layer_decay": LAYER_DECAY})
+    config = write_ft_config(tmp / "ft.yaml", model_dir, tmp / "run", optim=FULL_RUN_OPTIM)
     proc = torchrun(config, tmp, module=FT_MODULE)
     assert proc.returncode == 0, run_log(proc)
     return tmp / "run"
@@ -61,10 +61,17 @@ def test_run_reports_dev_metrics_and_keeps_the_best_checkpoint(full_run):
     assert any((full_run / "wandb").glob("offline-run-*"))
 
 
+def test_schedule_is_warmup_then_linear_decay(full_run):
+    """The logged lr of step s (1-based) is the one step s-1 ran with: s/2 x lr while warming up over 2 steps,
+    then lr x (1 - (s - 3) / 6)."""
+    logged = {r["step"]: r["lr"] for r in metrics(full_run) if "lr" in r}
+    expected = {s: 1e-3 * (s / 2 if s <= 2 else 1 - (s - 3) / 6) for s in range(1, 9)}
+    assert logged == pytest.approx(expected)
+
+
 def test_resume_after_preemption_is_exact(full_run, model_dir, tmp_path):
     """Stopped at step 3 (checkpoint, exit 75) and resumed: the same losses, dev metrics and final weights."""
-    config = write_ft_config(tmp_path / "ft.yaml", model_dir, tmp_path / "run",
-                             optim={"lr": 1e-3, "warmup_steps": 2, "layer_decay": LAYER_DECAY})
+    config = write_ft_config(tmp_path / "ft.yaml", model_dir, tmp_path / "run", optim=FULL_RUN_OPTIM)
     probe = (str(Path(__file__).with_name("finetune_probe.py")),)
     first = spawn_ranks(config, tmp_path, program=probe, env={"PROBE_STOP_AT": "3"})
     assert wait_all(first, timeout=300) == [75, 75], (tmp_path / "rank0.log").read_text()[-3000:]
