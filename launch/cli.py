@@ -10,12 +10,13 @@ COMMANDS = {
     "tokenizer": ("distaff.train.tokenizer", "train a SentencePiece tokenizer (distaff tokenizer train ...)"),
     "data": ("distaff.train.data.cli", "prepare and verify webdataset shards (distaff data prepare|verify ...)"),
     "pretrain": ("distaff.train.pretrain", "pretrain a DeBERTa model (--config CONFIG.yaml [key=value ...])"),
+    "finetune": ("distaff.train.finetune", "fine-tune a classifier/regressor (--config FT.yaml [key=value ...])"),
     "export-hf": ("distaff.train.export", "export a checkpoint to a Hugging Face folder"),
     "ablate": ("distaff.train.ablate", "run config variants on equal budgets and seeds, compare them"),
     "grow": ("distaff.train.grow", "widen/deepen a trained model, outputs unchanged (distaff grow CKPT OUT ...)"),
     "embed": ("distaff.train.embed", "sentence embeddings of a text file, optional whitening (distaff embed ...)"),
-    "launch": ("distaff.launch.launcher", "run pretraining under the deepspeed launcher"),
-    "slurm": ("distaff.launch.slurm", "write and submit a Slurm job for pretraining"),
+    "launch": ("distaff.launch.launcher", "run pretraining (or --task finetune) under the deepspeed launcher"),
+    "slurm": ("distaff.launch.slurm", "write and submit a Slurm job for pretraining (or --task finetune)"),
 }
 
 

@@ -1,4 +1,4 @@
-"""``distaff launch``: run pretraining under the ``deepspeed`` launcher, on one node or many.
+"""``distaff launch``: run pretraining (``--task finetune``: fine-tuning) under the ``deepspeed`` launcher, on one or many nodes.
 
 One node (no hosts given, a single host, or a one-node Slurm allocation): ``deepspeed --num_gpus G``
 starts the ranks locally. Several nodes: the hosts come from ``--hosts`` (a Slurm hostlist expression such
@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distaff.launch.hostlist import expand_hostlist
-from distaff.launch.run_config import LaunchTarget, resolve_or_exit
+from distaff.launch.run_config import LaunchTarget, add_task_argument, resolve_or_exit
 
-TRAINER_MODULE = "distaff.train.pretrain"
 DEFAULT_MASTER_PORT = 29500
 
 # Variables copied into .deepspeed_env when set: exact names, and whole families by prefix.
@@ -92,7 +91,7 @@ def deepspeed_command(target: LaunchTarget, *, gpus_per_node: int | None, master
     if gpus_per_node is not None:
         cmd += ["--num_gpus", str(gpus_per_node)]
     # The trainer reads LOCAL_RANK from the environment; deepspeed would also append --local_rank.
-    cmd += ["--master_port", str(master_port), "--no_local_rank", "--module", TRAINER_MODULE]
+    cmd += ["--master_port", str(master_port), "--no_local_rank", "--module", target.module]
     return cmd + target.trainer_args()
 
 
@@ -108,9 +107,10 @@ def _parse_env_pairs(pairs: list[str]) -> dict[str, str]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="distaff launch", description="Run pretraining under the deepspeed launcher.",
+        prog="distaff launch", description="Run pretraining or fine-tuning under the deepspeed launcher.",
         epilog="Remaining key=value arguments are config overrides, e.g. optim.lr=3e-4.")
     parser.add_argument("--config", required=True, help="run config YAML")
+    add_task_argument(parser)
     parser.add_argument("--hosts", help="hostlist, e.g. 'gpu[01-03,07]' or 'a,b' (default: the Slurm "
                         "allocation, else this node only)")
     parser.add_argument("--gpus-per-node", type=int, help="ranks per node (default: every local GPU; "
@@ -150,7 +150,7 @@ def plan_launch(target: LaunchTarget, *, hosts: list[str], gpus_per_node: int | 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    target = resolve_or_exit(args.config, args.overrides, "distaff launch")
+    target = resolve_or_exit(args.config, args.overrides, "distaff launch", args.task)
     try:
         env = {**os.environ, **_parse_env_pairs(args.env)}
         hosts = hosts_from_environment(args.hosts, env)

@@ -11,6 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distaff.train.config import ConfigError, load_config
+from distaff.train.finetune_config import load_finetune_config
+
+# ``--task``: the trainer module each launcher runs, and the loader that validates its config
+TASKS = {"pretrain": ("distaff.train.pretrain", load_config),
+         "finetune": ("distaff.train.finetune", load_finetune_config)}
 
 
 @dataclass(frozen=True)
@@ -19,30 +24,41 @@ class LaunchTarget:
     out_dir: Path                # absolute run directory (checkpoints, metrics, launcher files)
     name: str                    # run.name
     overrides: tuple[str, ...]   # the user's overrides plus run.out_dir pinned to ``out_dir``
+    task: str = "pretrain"       # a key of TASKS
+
+    @property
+    def module(self) -> str:
+        """The trainer module the ranks run (``python -m``)."""
+        return TASKS[self.task][0]
 
     def trainer_args(self) -> list[str]:
-        """Arguments of ``python -m distaff.train.pretrain`` for this run."""
+        """Arguments of ``python -m <module>`` for this run."""
         return ["--config", str(self.config), *self.overrides]
 
 
-def resolve_launch_target(config: str | Path, overrides: list[str]) -> LaunchTarget:
+def add_task_argument(parser) -> None:
+    parser.add_argument("--task", choices=sorted(TASKS), default="pretrain",
+                        help="what the ranks run: pretraining (default) or fine-tuning (distaff finetune)")
+
+
+def resolve_launch_target(config: str | Path, overrides: list[str], task: str = "pretrain") -> LaunchTarget:
     """Load and validate ``config`` + ``overrides``; pin the output dir to an absolute path.
 
     A relative ``run.out_dir`` is resolved against the current directory now, so ranks started
     elsewhere (another node's home, a Slurm job's cwd) still write to the same run directory.
     """
     config = Path(config).resolve()
-    cfg = load_config(config, overrides)
+    cfg = TASKS[task][1](config, overrides)
     out_dir = Path(cfg.run.out_dir).resolve()
     pinned = [item for item in overrides if not item.startswith("run.out_dir=")]
     pinned.append(f"run.out_dir={out_dir}")
-    return LaunchTarget(config=config, out_dir=out_dir, name=cfg.run.name, overrides=tuple(pinned))
+    return LaunchTarget(config=config, out_dir=out_dir, name=cfg.run.name, overrides=tuple(pinned), task=task)
 
 
-def resolve_or_exit(config: str | Path, overrides: list[str], prog: str) -> LaunchTarget:
+def resolve_or_exit(config: str | Path, overrides: list[str], prog: str, task: str = "pretrain") -> LaunchTarget:
     """:func:`resolve_launch_target` for a command line: a config error is one message, exit 2."""
     try:
-        return resolve_launch_target(config, overrides)
+        return resolve_launch_target(config, overrides, task)
     except ConfigError as err:
         print(f"{prog}: {err}", file=sys.stderr)
         raise SystemExit(2) from None

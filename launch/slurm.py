@@ -24,8 +24,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from distaff.launch.launcher import TRAINER_MODULE
-from distaff.launch.run_config import LaunchTarget, resolve_or_exit
+from distaff.launch.run_config import LaunchTarget, add_task_argument, resolve_or_exit
 from distaff.train.exit_codes import EXIT_PREEMPTED
 
 DEFAULT_SIGNAL_LEAD_S = 300
@@ -52,7 +51,7 @@ class SlurmJobSpec:
 
     @property
     def script_path(self) -> Path:
-        return self.log_dir / "pretrain.sbatch"
+        return self.log_dir / f"{self.target.task}.sbatch"
 
 
 def _validate(spec: SlurmJobSpec) -> None:
@@ -92,7 +91,7 @@ def _torchrun_command(spec: SlurmJobSpec) -> str:
                         f"--nproc-per-node={spec.ranks_per_node}", "--max-restarts=0", "--rdzv-backend=c10d"])
     per_job = ('--nnodes="$SLURM_JOB_NUM_NODES" --rdzv-id="$SLURM_JOB_ID" '
                '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-conf="is_host=$is_host"')
-    trainer = shlex.join(["--module", TRAINER_MODULE, *spec.target.trainer_args()])
+    trainer = shlex.join(["--module", spec.target.module, *spec.target.trainer_args()])
     return f'{fixed} {per_job} {trainer} "${{resume[@]}}"'
 
 
@@ -164,13 +163,14 @@ def submit(spec: SlurmJobSpec) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="distaff slurm", description="Run pretraining as a Slurm job.")
+    parser = argparse.ArgumentParser(prog="distaff slurm", description="Run pretraining or fine-tuning as a Slurm job.")
     commands = parser.add_subparsers(dest="command", required=True)
     sub = commands.add_parser(
         "submit", help="write the sbatch script into the run dir and submit it",
         epilog="Remaining key=value arguments are config overrides. Extra sbatch options need '=': "
                "--sbatch=--qos=high.")
     sub.add_argument("--config", required=True, help="run config YAML")
+    add_task_argument(sub)
     sub.add_argument("--nodes", type=int, required=True)
     sub.add_argument("--gpus-per-node", type=int, required=True, help="ranks per node (one per GPU)")
     sub.add_argument("--cpu", action="store_true", help="CPU ranks: request no GPUs, set DS_ACCELERATOR=cpu")
@@ -188,7 +188,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    target = resolve_or_exit(args.config, args.overrides, "distaff slurm")
+    target = resolve_or_exit(args.config, args.overrides, "distaff slurm", args.task)
     spec = SlurmJobSpec(
         target=target, nodes=args.nodes, ranks_per_node=args.gpus_per_node, cpu=args.cpu,
         partition=args.partition, account=args.account, time=args.time, job_name=args.job_name,

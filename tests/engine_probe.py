@@ -74,7 +74,7 @@ def main(argv: list[str]) -> int:
     stop_at = int(os.environ.get("PROBE_STOP_AT", "0"))
     if stop_at:  # as if preempted at that step: every rank saves a checkpoint there and exits 75
         take_step = trainer._step
-        trainer._step = lambda batches: take_step(batches) or trainer.state.step >= stop_at
+        trainer._step = lambda: take_step() or trainer.state.step >= stop_at
     code = trainer.run()
     if dump_state:
         dump(trainer, "end")

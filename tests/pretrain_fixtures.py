@@ -85,10 +85,10 @@ def write_config(path: Path, data_dir: Path, out_dir: Path, **sections) -> Path:
     return path
 
 
-def torchrun(config: Path, tmp: Path, *overrides: str, timeout: float = 240,
-             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """2 CPU ranks under torchrun; returns the finished process (stdout and stderr captured)."""
-    cmd = [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "distaff.train.pretrain",
+def torchrun(config: Path, tmp: Path, *overrides: str, timeout: float = 240, env: dict[str, str] | None = None,
+             module: str = "distaff.train.pretrain") -> subprocess.CompletedProcess:
+    """2 CPU ranks of ``module`` under torchrun; returns the finished process (stdout and stderr captured)."""
+    cmd = [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", module,
            "--config", str(config), *overrides]
     return subprocess.run(cmd, env={**rank_env(tmp), **(env or {})}, capture_output=True, text=True,
                           timeout=timeout, cwd=tmp)

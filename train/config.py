@@ -278,24 +278,18 @@ def _build_model_section(values: Any) -> ModelSection:
     return ModelSection(preset=preset, init_from=init_from, overrides=values)
 
 
-def _validate(cfg: RunConfig) -> None:
-    positive = {"data.batch_size": cfg.data.batch_size, "train.max_steps": cfg.train.max_steps,
-                "train.grad_accum": cfg.train.grad_accum, "train.max_nonfinite_steps": cfg.train.max_nonfinite_steps,
-                "logging.every": cfg.logging.every,
-                "checkpoint.keep": cfg.checkpoint.keep, "distributed.timeout_s": cfg.distributed.timeout_s,
-                "optim.lr": cfg.optim.lr, "rtd.weight": cfg.rtd.weight}
-    non_negative = {"data.num_workers": cfg.data.num_workers, "data.eval_batch_size": cfg.data.eval_batch_size,
-                    "data.tokens_per_batch": cfg.data.tokens_per_batch,
-                    "optim.warmup_steps": cfg.optim.warmup_steps, "optim.weight_decay": cfg.optim.weight_decay,
-                    "train.grad_clip": cfg.train.grad_clip, "eval.every": cfg.eval.every,
-                    "eval.batches": cfg.eval.batches, "checkpoint.every": cfg.checkpoint.every,
-                    "distributed.watchdog_s": cfg.distributed.watchdog_s}
+def check_ranges(positive: dict[str, float], non_negative: dict[str, float]) -> None:
+    """Each dotted key's value must be > 0 (``positive``) or >= 0 (``non_negative``)."""
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key}: must be positive, got {value}")
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"{key}: must be >= 0, got {value}")
+
+
+def check_engine_sections(cfg: Any) -> None:
+    """The ``zero``, ``optim`` and ``run`` settings every DeepSpeed run shares (pretraining, fine-tuning)."""
     if cfg.zero.stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero.stage: must be 0, 1, 2 or 3, got {cfg.zero.stage}")
     if cfg.zero.offload_param and cfg.zero.stage != 3:
@@ -306,10 +300,26 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError(f"optim.min_lr_ratio: must be in [0, 1], got {cfg.optim.min_lr_ratio}")
     if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
         raise ConfigError(f"optim.betas: must be two values in [0, 1), got {cfg.optim.betas}")
-    if not cfg.data.dir:
-        raise ConfigError("data.dir: required (a folder written by `distaff data prepare`)")
     if not cfg.run.out_dir:
         raise ConfigError("run.out_dir: required")
+
+
+def _validate(cfg: RunConfig) -> None:
+    check_ranges(
+        positive={"data.batch_size": cfg.data.batch_size, "train.max_steps": cfg.train.max_steps,
+                  "train.grad_accum": cfg.train.grad_accum, "train.max_nonfinite_steps": cfg.train.max_nonfinite_steps,
+                  "logging.every": cfg.logging.every,
+                  "checkpoint.keep": cfg.checkpoint.keep, "distributed.timeout_s": cfg.distributed.timeout_s,
+                  "optim.lr": cfg.optim.lr, "rtd.weight": cfg.rtd.weight},
+        non_negative={"data.num_workers": cfg.data.num_workers, "data.eval_batch_size": cfg.data.eval_batch_size,
+                      "data.tokens_per_batch": cfg.data.tokens_per_batch,
+                      "optim.warmup_steps": cfg.optim.warmup_steps, "optim.weight_decay": cfg.optim.weight_decay,
+                      "train.grad_clip": cfg.train.grad_clip, "eval.every": cfg.eval.every,
+                      "eval.batches": cfg.eval.batches, "checkpoint.every": cfg.checkpoint.every,
+                      "distributed.watchdog_s": cfg.distributed.watchdog_s})
+    check_engine_sections(cfg)
+    if not cfg.data.dir:
+        raise ConfigError("data.dir: required (a folder written by `distaff data prepare`)")
     _check_combinations(cfg)
 
 
@@ -375,8 +385,8 @@ def _apply_override(values: dict[str, Any], path: list[str], value: Any) -> None
     node[path[-1]] = value
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
-    """Read a YAML run config (or start from the defaults when ``path`` is None) and apply overrides."""
+def read_config_values(path: str | Path | None, overrides: list[str] = ()) -> dict[str, Any]:
+    """The YAML file's nested values (empty when ``path`` is None) with the dotted overrides applied."""
     values: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -390,7 +400,12 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
             raise ConfigError(f"{path}: expected a mapping of sections")
     for keys, value in parse_overrides(list(overrides)):
         _apply_override(values, keys, value)
-    return config_from_dict(values)
+    return values
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Read a YAML run config (or start from the defaults when ``path`` is None) and apply overrides."""
+    return config_from_dict(read_config_values(path, overrides))
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, Any]:

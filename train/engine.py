@@ -100,10 +100,43 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
-    """torch AdamW: fused kernels on CUDA, foreach on CPU (DeepSpeed's FusedAdam would JIT-compile)."""
+def layer_decay_groups(model: nn.Module, weight_decay: float, layer_decay: float) -> list[dict[str, Any]]:
+    """Layer-wise learning-rate decay for an encoder with ``deberta.embeddings`` and ``deberta.encoder.layer.<i>``
+    (``L`` layers): the embeddings get ``lr * layer_decay ** L``, layer ``i`` (1-based, ``deberta.encoder.layer.
+    <i-1>``) ``lr * layer_decay ** (L - i)``, everything else (the encoder's relative-position embeddings and
+    their norm, the task head) ``lr``: the top layer learns as fast as the head, each layer below a factor
+    ``layer_decay`` slower. Each group carries its factor as ``lr_scale``, which :func:`set_lr` applies;
+    weight decay as in :func:`parameter_groups`."""
+    num_layers = len(model.deberta.encoder.layer)
+    groups: dict[tuple[int, bool], dict[str, Any]] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        depth = _layer_depth(name, num_layers)
+        decays = param.ndim >= 2
+        group = groups.setdefault((depth, decays), {"params": [], "weight_decay": weight_decay if decays else 0.0,
+                                                    "lr_scale": layer_decay ** (num_layers - depth)})
+        group["params"].append(param)
+    return [groups[key] for key in sorted(groups)]
+
+
+def _layer_depth(name: str, num_layers: int) -> int:
+    """0 for the embeddings, i for encoder layer i (1-based), num_layers for everything else."""
+    if name.startswith("deberta.embeddings."):
+        return 0
+    prefix = "deberta.encoder.layer."
+    if name.startswith(prefix):
+        return int(name[len(prefix):].split(".", 1)[0]) + 1
+    return num_layers
+
+
+def build_optimizer(model: nn.Module, cfg: RunConfig, param_groups: list[dict[str, Any]] | None = None
+                    ) -> torch.optim.Optimizer:
+    """torch AdamW: fused kernels on CUDA, foreach on CPU (DeepSpeed's FusedAdam would JIT-compile).
+    ``param_groups`` default to :func:`parameter_groups`."""
     fused = torch.cuda.is_available()
-    return torch.optim.AdamW(parameter_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
+    groups = param_groups if param_groups is not None else parameter_groups(model, cfg.optim.weight_decay)
+    return torch.optim.AdamW(groups, lr=cfg.optim.lr,
                              betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
                              fused=fused, foreach=None if fused else True)
 
@@ -134,8 +167,9 @@ def check_precision_supported(ds_config: dict[str, Any], accelerator) -> None:
                               f"{'bf16 or ' if precision == 'fp16' and accelerator.is_bf16_supported() else ''}fp32")
 
 
-def initialize(model: nn.Module, cfg: RunConfig, world_size: int):
-    """``deepspeed.initialize`` on an already-initialised process group; returns the engine."""
+def initialize(model: nn.Module, cfg: RunConfig, world_size: int, param_groups: list[dict[str, Any]] | None = None):
+    """``deepspeed.initialize`` on an already-initialised process group; returns the engine. ``param_groups``
+    (default :func:`parameter_groups`) may carry an ``lr_scale`` each (layer-wise decay)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -143,18 +177,20 @@ def initialize(model: nn.Module, cfg: RunConfig, world_size: int):
         disable_cpu_shm_comm()
     ds_config = build_deepspeed_config(cfg, world_size)
     check_precision_supported(ds_config, get_accelerator())
+    groups = param_groups if param_groups is not None else parameter_groups(model, cfg.optim.weight_decay)
     if "optimizer" in ds_config:
         engine, *_ = deepspeed.initialize(model=model, config=ds_config, dist_init_required=False,
-                                          model_parameters=parameter_groups(model, cfg.optim.weight_decay))
+                                          model_parameters=groups)
     else:
-        engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, cfg), config=ds_config,
-                                          dist_init_required=False)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, cfg, groups),
+                                          config=ds_config, dist_init_required=False)
     return engine
 
 
 def set_lr(engine, lr: float) -> None:
+    """``lr`` times each group's ``lr_scale`` (1 when it has none)."""
     for group in engine.optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
 def loss_scale(engine) -> float | None:

@@ -1,11 +1,14 @@
 """``distaff export-hf CHECKPOINT OUT``: a training checkpoint (any ZeRO stage) to a Hugging Face folder.
 
 CHECKPOINT is a checkpoint folder (``.../checkpoints/step-00001000``), a ``checkpoints`` folder or a
-run directory (the latest complete checkpoint is used). The folder written loads with
+run directory (the latest complete checkpoint is used; for a fine-tuning run the best one, under
+``best/``, unless ``--latest``). The folder written loads with
 ``AutoModelForMaskedLM`` and ``AutoTokenizer``; the Enhanced Mask Decoder is not exported. From an
 RTD run (``train.objective=rtd``) the discriminator is written, as a ``DebertaV2Model`` folder
 (``AutoModel``) with its RTD head kept as ``mask_predictions.*``; ``--generator`` writes the
-generator as a ``DebertaV2ForMaskedLM`` folder instead.
+generator as a ``DebertaV2ForMaskedLM`` folder instead. A fine-tuning run's checkpoint is written as a
+``DebertaV2ForSequenceClassification`` folder (``AutoModelForSequenceClassification``, the
+``text-classification`` pipeline) with its labels as ``id2label``/``label2id`` and its ``problem_type``.
 """
 
 from __future__ import annotations
@@ -21,14 +24,22 @@ from .checkpoint import META, is_complete, latest_checkpoint
 from .safe_load import safe_load, weights_only_loads
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
+CLASSIFIER_TASK = "sequence_classification"   # meta.json "task" of a fine-tuning checkpoint
 
 
-def find_checkpoint(path: str | Path) -> Path:
-    """The checkpoint folder ``path`` names: itself, or the latest complete one under it."""
+BEST_DIR = "best"   # where a fine-tuning run keeps its best checkpoint (train/finetune.py)
+
+
+def find_checkpoint(path: str | Path, latest: bool = False) -> Path:
+    """The checkpoint folder ``path`` names: itself, or the latest complete one under it; in a
+    fine-tuning run directory the best checkpoint, unless ``latest``."""
     path = Path(path)
     if is_complete(path):
         return path
-    for root in (path, path / "checkpoints"):
+    roots = [path, path / "checkpoints"]
+    if not latest:
+        roots.insert(0, path / BEST_DIR)
+    for root in roots:
         latest = latest_checkpoint(root)
         if latest is not None:
             return latest
@@ -55,19 +66,24 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
 
 
 def export(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | None = None,
-           overwrite: bool = False, generator: bool = False) -> Path:
+           overwrite: bool = False, generator: bool = False, latest: bool = False) -> Path:
     """Write the HF folder for ``checkpoint`` into ``out`` (an RTD run's discriminator, or with
-    ``generator`` its generator); returns ``out``."""
-    from .hf import discriminator_to_hf, to_hf
+    ``generator`` its generator; a fine-tuning run's best checkpoint, or with ``latest`` its latest);
+    returns ``out``."""
+    from .hf import classifier_to_hf, discriminator_to_hf, to_hf
 
     check_out_dir(Path(out), overwrite)
-    folder = find_checkpoint(checkpoint)
+    folder = find_checkpoint(checkpoint, latest)
     meta = json.loads((folder / META).read_text())
     tokenizer = tokenizer or (folder / "tokenizer" if (folder / "tokenizer").is_dir() else None)
     if tokenizer is None:
         raise FileNotFoundError(f"{folder}: no tokenizer copy in the checkpoint; pass --tokenizer DIR")
     model = model_from_meta(meta, f"{folder / META}")
     model.load_state_dict(fp32_state_dict(folder), strict=True)
+    if meta.get("task") == CLASSIFIER_TASK:
+        if generator:
+            raise ValueError(f"{folder}: --generator needs a checkpoint of an RTD run, not a fine-tuning run")
+        return classifier_to_hf(model, out, tokenizer, meta["label_names"])
     if not hasattr(model, "discriminator"):
         if generator:
             raise ValueError(f"{folder}: --generator needs a checkpoint of an RTD run (train.objective=rtd)")
@@ -78,13 +94,17 @@ def export(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | None
 
 
 def model_from_meta(meta: dict, source: str):
-    """The model a checkpoint's ``meta.json`` describes: ``DebertaForMaskedLM``, or for an RTD run
-    ``ReplacedTokenDetection`` (generator and discriminator, embeddings shared as in training)."""
+    """The model a checkpoint's ``meta.json`` describes: ``DebertaForMaskedLM``, for an RTD run
+    ``ReplacedTokenDetection`` (generator and discriminator, embeddings shared as in training), for a
+    fine-tuning run ``DebertaForSequenceClassification``."""
+    from .classifier import DebertaForSequenceClassification
     from .model import DebertaForMaskedLM
     from .model_config import ModelConfig
     from .rtd import ReplacedTokenDetection
 
     model_cfg = ModelConfig.from_dict(meta["model_config"], f"{source} model_config")
+    if meta.get("task") == CLASSIFIER_TASK:
+        return DebertaForSequenceClassification(model_cfg, meta["num_labels"], meta["pooler_dropout"])
     if meta["config"]["train"].get("objective", "mlm") != "rtd":
         return DebertaForMaskedLM(model_cfg)
     generator_cfg = ModelConfig.from_dict(meta["generator_config"], f"{source} generator_config")
@@ -101,14 +121,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="write into OUT even if it already holds files")
     parser.add_argument("--generator", action="store_true",
                         help="RTD runs: write the generator (DebertaV2ForMaskedLM) instead of the discriminator")
+    parser.add_argument("--latest", action="store_true",
+                        help="fine-tuning runs: the latest checkpoint instead of the best one (best/)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        out = export(args.checkpoint, args.out, args.tokenizer, args.overwrite, args.generator)
+        out = export(args.checkpoint, args.out, args.tokenizer, args.overwrite, args.generator, args.latest)
     except (FileNotFoundError, FileExistsError, ValueError, RuntimeError, KeyError) as err:
         print(f"distaff export-hf: {err}", file=sys.stderr)
         return 1
     architecture = json.loads((out / "config.json").read_text())["architectures"][0]
-    loader = "AutoModel" if architecture == "DebertaV2Model" else "AutoModelForMaskedLM"
+    loader = {"DebertaV2Model": "AutoModel", "DebertaV2ForSequenceClassification":
+              "AutoModelForSequenceClassification"}.get(architecture, "AutoModelForMaskedLM")
     print(f"distaff export-hf: wrote {out} ({architecture}: load with {loader} / AutoTokenizer)")
     return 0
 

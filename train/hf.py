@@ -238,6 +238,21 @@ def discriminator_to_hf(model: Discriminator, path: str | Path, tokenizer: str |
     return write_hf_folder(state, hf_config_dict(model.config, "DebertaV2Model"), path, tokenizer)
 
 
+def classifier_to_hf(model, path: str | Path, tokenizer: str | Path | None, label_names: list[str] | None) -> Path:
+    """Write a ``DebertaV2ForSequenceClassification`` folder (``AutoModelForSequenceClassification``, the
+    ``text-classification`` pipeline) for a :class:`~distaff.train.classifier.DebertaForSequenceClassification`,
+    whose parameters already carry HF's names; ``label_names`` (None: regression) become id2label/label2id."""
+    config = hf_config_dict(model.config, "DebertaV2ForSequenceClassification")
+    names = label_names or ["LABEL_0"]
+    config.update(num_labels=model.num_labels, id2label={str(i): name for i, name in enumerate(names)},
+                  label2id={name: i for i, name in enumerate(names)},
+                  problem_type="regression" if model.regression else "single_label_classification",
+                  pooler_hidden_size=model.config.hidden_size, pooler_dropout=model.pooler_dropout,
+                  pooler_hidden_act="gelu", cls_dropout=model.cls_dropout)
+    state = {key: tensor.detach().cpu().contiguous().clone() for key, tensor in model.state_dict().items()}
+    return write_hf_folder(state, config, path, tokenizer)
+
+
 def write_hf_folder(state: dict[str, torch.Tensor], config: dict[str, Any], path: str | Path,
                     tokenizer: str | Path | None) -> Path:
     """``model.safetensors``, ``config.json`` and a copy of the ``tokenizer`` folder's files."""

@@ -95,7 +95,8 @@ def _format_duration(seconds: float) -> str:
 
 # (key, label) of the objective's metrics a line shows when the record has them (MLM or RTD).
 QUALITY_KEYS = (("loss", "loss"), ("accuracy", "acc"), ("gen_loss", "gen"), ("gen_accuracy", "gen acc"),
-                ("rtd_loss", "rtd"), ("rtd_accuracy", "rtd acc"), ("rtd_auc", "auc"), ("replaced_rate", "replaced"))
+                ("rtd_loss", "rtd"), ("rtd_accuracy", "rtd acc"), ("rtd_auc", "auc"), ("replaced_rate", "replaced"),
+                ("f1", "f1"), ("mcc", "mcc"), ("pearson", "pearson"), ("spearman", "spearman"))
 
 
 def _quality(record: dict[str, Any], prefix: str) -> list[str]:
@@ -106,8 +107,10 @@ def _quality(record: dict[str, Any], prefix: str) -> list[str]:
 def format_line(record: dict[str, Any], max_steps: int) -> str:
     """One human-readable line for a train or eval record."""
     if "eval_loss" in record:
-        return " | ".join([f"eval step {record['step']}", *_quality(record, "eval_"),
-                           f"ppl {record['eval_perplexity']:.2f}", f"{record['eval_tokens']} tokens"])
+        parts = [f"eval step {record['step']}", *_quality(record, "eval_")]
+        if "eval_perplexity" in record:  # pretraining
+            parts += [f"ppl {record['eval_perplexity']:.2f}", f"{record['eval_tokens']} tokens"]
+        return " | ".join(parts)
     parts = [f"step {record['step']}/{max_steps}", *_quality(record, ""), f"lr {record['lr']:.2e}"]
     if record.get("grad_norm") is not None:
         parts.append(f"gnorm {record['grad_norm']:.3f}")
@@ -219,9 +222,9 @@ def peak_memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-# (title, keys): what each panel shows, for whichever keys the run logged (MLM or RTD).
+# (title, keys): what each panel shows, for whichever keys the run logged (MLM, RTD or fine-tuning).
 PLOT_PANELS = (("loss", ("loss", "gen_loss", "rtd_loss")),
-               ("accuracy", ("accuracy", "gen_accuracy", "rtd_accuracy", "rtd_auc")))
+               ("accuracy", ("accuracy", "gen_accuracy", "rtd_accuracy", "rtd_auc", "f1", "mcc", "pearson", "spearman")))
 
 
 def _plot_series(ax, key: str, train: list[dict], evals: list[dict]) -> None:

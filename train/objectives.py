@@ -22,7 +22,23 @@ from .model import DebertaForMaskedLM, MaskedLMOutput
 from .model_config import ModelConfig
 
 
-class MaskedLMObjective:
+class Objective:
+    """What every objective shares: the model's inputs are the whole batch and its training loss is the
+    model's own (fine-tuning adds SiFT's adversarial term)."""
+
+    num_sums: int
+
+    def model_inputs(self, batch: dict) -> dict:
+        return batch
+
+    def training_loss(self, engine, batch: dict, out) -> torch.Tensor:
+        return out.loss
+
+    def after_step(self, model: nn.Module, sums: list[float]) -> None:
+        """Called with each finite step's global sums (the same on every rank)."""
+
+
+class MaskedLMObjective(Objective):
     """Masked-LM: sums ``[loss * labelled, labelled, correct]``."""
 
     num_sums = 3
@@ -54,9 +70,6 @@ class MaskedLMObjective:
     def per_rank_state(self, model: nn.Module) -> dict[str, Any]:
         return {}
 
-    def after_step(self, model: nn.Module, sums: list[float]) -> None:
-        """Called with each finite step's global sums (the same on every rank)."""
-
     def flops_per_token(self, seq_len: int) -> float:
         return train_flops_per_token(self.model_cfg, seq_len, self.cfg.data.masking.mlm_probability)
 
@@ -64,7 +77,7 @@ class MaskedLMObjective:
         return {}
 
 
-class ReplacedTokenDetectionObjective:
+class ReplacedTokenDetectionObjective(Objective):
     """DeBERTa-v3's RTD (:mod:`distaff.train.rtd`); ``model_cfg`` is the discriminator's."""
 
     num_sums = rtd.NUM_SUMS

@@ -14,13 +14,15 @@ from distaff.kernels import IGNORE_INDEX
 
 from . import distributed as dist_utils
 from .data.loader import EvalLoader
-from .objectives import MaskedLMObjective, ReplacedTokenDetectionObjective
+from .objectives import Objective
 
-Objective = MaskedLMObjective | ReplacedTokenDetectionObjective
+
+def to_device(batch: dict[str, torch.Tensor | int], device: torch.device) -> dict[str, torch.Tensor | int]:
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def forward_batch(engine, batch: dict[str, torch.Tensor | int], device: torch.device):
-    batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+    batch = to_device(batch, device)
     return engine(batch.pop("input_ids"), **batch)
 
 
@@ -60,8 +62,10 @@ def train_step(engine, batches: Iterator[dict], grad_accum: int, device: torch.d
     sums = torch.zeros(objective.num_sums + 3, dtype=torch.float64, device=device)
     for micro, batch in enumerate(micro_batches):
         counts = batch_counts(batch)
-        out = forward_batch(engine, batch, device)
-        engine.backward(out.loss if weights is None else out.loss * weights[micro])
+        batch = to_device(batch, device)
+        out = forward_batch(engine, objective.model_inputs(batch), device)
+        loss = objective.training_loss(engine, batch, out)
+        engine.backward(loss if weights is None else loss * weights[micro])
         if micro < grad_accum - 1:
             engine.step()   # below the accumulation boundary DeepSpeed only counts the micro-step
         sums[:-3] += objective.sums(out)
