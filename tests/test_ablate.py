@@ -133,7 +133,7 @@ def test_bundled_positions_ablation_plans_equal_budgets(monkeypatch):
     cfg = load_ablation("configs/ablation/positions-cpu.yaml")
     runs = plan_runs(cfg)
     assert [v.name for v in cfg.variants] == ["relative+emd", "relative", "absolute", "rope"]
-    assert len(runs) == 12 and {r.max_steps for r in runs} == {293} and cfg.prepare.input == ["data/austen-emma-pride.txt.gz"]
+    assert len(runs) == 12 and {r.max_steps for r in runs} == {1563} and cfg.prepare.input == ["data/austen-emma-pride.txt.gz"]
     rope = variant_config(cfg, cfg.variants[3], 1).model_config(vocab_size=4000)
     assert rope.rope and not rope.relative_attention and not rope.emd and rope.pos_att_type == []
 
