@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from .files import chmod_default
 from .model import DebertaForMaskedLM
 from .model_config import ModelConfig
-from .tokenizer import METADATA_FILE
+from .tokenizer import METADATA_FILE, MODEL_FILE
 
 MODEL_CONFIG_FILE = "distaff_model.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -44,7 +44,8 @@ def read_model_config(folder: str | Path) -> ModelConfig:
 
 def _tokenizer_beside(folder: Path) -> Path | None:
     for candidate in (folder / "tokenizer", folder):
-        if (candidate / METADATA_FILE).is_file():
+        # ours (with its metadata), or a Hugging Face folder's own spm.model (tokenizer.hf_tokenizer_info)
+        if (candidate / METADATA_FILE).is_file() or (candidate / MODEL_FILE).is_file():
             return candidate
     return None
 

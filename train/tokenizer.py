@@ -61,6 +61,8 @@ def load_tokenizer_info(path: str | Path) -> TokenizerInfo:
     path = Path(path)
     meta_path = path / METADATA_FILE
     if not meta_path.is_file():
+        if (path / MODEL_FILE).is_file():
+            return hf_tokenizer_info(path)
         raise FileNotFoundError(f"{meta_path}: tokenizer metadata not found (train one with `distaff tokenizer train`)")
     meta = json.loads(meta_path.read_text())
     fingerprint = file_sha256(path / MODEL_FILE)
@@ -69,6 +71,38 @@ def load_tokenizer_info(path: str | Path) -> TokenizerInfo:
     ids = meta["special_ids"]
     return TokenizerInfo(path=path, vocab_size=int(meta["vocab_size"]), pad_id=ids["pad"], cls_id=ids["cls"],
                          sep_id=ids["sep"], unk_id=ids["unk"], mask_id=ids["mask"], fingerprint=fingerprint)
+
+
+def hf_tokenizer_info(path: Path) -> TokenizerInfo:
+    """A Hugging Face DeBERTa-v2/v3 folder's own ``spm.model``, without our metadata (as the public checkpoints
+    ship it). Special ids are the model's pieces, except a token the model lacks: DeBERTa-v3 appends ``[MASK]``
+    after the last piece and records its id in ``added_tokens.json``, ``tokenizer_config.json`` or
+    ``tokenizer.json``, which are read for it."""
+    processor = spm.SentencePieceProcessor(model_file=str(path / MODEL_FILE))
+    ids = {}
+    for name, piece in SPECIAL_TOKENS.items():
+        piece_id = processor.piece_to_id(piece)
+        found = piece_id != processor.unk_id() or piece == SPECIAL_TOKENS["unk"]
+        ids[name] = piece_id if found else _added_token_id(path, piece)
+    return TokenizerInfo(path=path, vocab_size=max(processor.get_piece_size(), max(ids.values()) + 1),
+                         pad_id=ids["pad"], cls_id=ids["cls"], sep_id=ids["sep"], unk_id=ids["unk"],
+                         mask_id=ids["mask"], fingerprint=file_sha256(path / MODEL_FILE))
+
+
+def _added_token_id(path: Path, token: str) -> int:
+    """The id Hugging Face's files beside ``spm.model`` give ``token`` (a token added after the model's pieces)."""
+    def read(name: str) -> dict:
+        file = path / name
+        return json.loads(file.read_text()) if file.is_file() else {}
+
+    added = dict(read("added_tokens.json"))
+    added.update({entry["content"]: int(key) for key, entry in read("tokenizer_config.json")
+                  .get("added_tokens_decoder", {}).items()})
+    added.update({entry["content"]: int(entry["id"]) for entry in read("tokenizer.json").get("added_tokens", [])})
+    if token not in added:
+        raise ValueError(f"{path / MODEL_FILE}: no {token} piece, and neither added_tokens.json, tokenizer_config.json "
+                         f"nor tokenizer.json in {path} gives its id (is this a DeBERTa-v2/v3 tokenizer?)")
+    return int(added[token])
 
 
 def word_start_table(processor: spm.SentencePieceProcessor) -> list[bool]:
