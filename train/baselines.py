@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from distaff.train.data.errors import DataError
@@ -60,12 +61,15 @@ def read_labelled(path: Path) -> tuple[list[int], list[str]]:
 
 
 def dev_split(n_examples: int, dev_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """Train and dev row indices: a seeded permutation, its first ``dev_fraction`` the dev split."""
+    """Train and dev row indices, each in file order: ``round(dev_fraction * n)`` rows drawn for dev by
+    numpy's ``default_rng(seed).permutation``, the draw the fine-tuning trainer makes for its
+    ``data.dev_fraction`` / ``data.split_seed``, so that both are scored on the same rows."""
     if not 0 < dev_fraction < 1:
         raise ValueError(f"dev_fraction must be in (0, 1), got {dev_fraction}")
-    order = torch.randperm(n_examples, generator=torch.Generator().manual_seed(seed)).tolist()
-    n_dev = max(1, round(n_examples * dev_fraction))
-    return sorted(order[n_dev:]), sorted(order[:n_dev])
+    dev = set(np.random.default_rng(seed).permutation(n_examples)[:round(n_examples * dev_fraction)].tolist())
+    if not dev or len(dev) == n_examples:
+        raise ValueError(f"dev_fraction {dev_fraction} of {n_examples} rows leaves {len(dev)} for dev")
+    return [i for i in range(n_examples) if i not in dev], sorted(dev)
 
 
 def ngrams(text: str) -> list[str]:
