@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from distaff.train.baselines import dev_split, read_labelled
 from distaff.train.classifier import DebertaForSequenceClassification
@@ -56,17 +55,6 @@ def batches(rows: list[int], ids: list[list[int]], labels: list[int], size: int,
         yield tokens, (tokens != pad_id).long(), torch.tensor([labels[i] for i in chunk])
 
 
-def logits_of(model: DebertaForSequenceClassification, tokens: torch.Tensor, mask: torch.Tensor,
-              pooling: str) -> torch.Tensor:
-    hidden = model.deberta(tokens, mask)
-    if pooling == "cls":
-        pooled = hidden[:, 0]
-    else:  # the mean of the real tokens' final states
-        weights = mask.unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * weights).sum(1) / weights.sum(1)
-    return model.classifier(model.dropout(model.pooler(pooled)))
-
-
 def param_groups(model: DebertaForSequenceClassification, lr: float, decay: float, weight_decay: float):
     """Layer-wise learning-rate decay: the head at ``lr``, layer k of L at ``lr * decay**(L-k)``, the
     embeddings at ``lr * decay**(L+1)``; no weight decay on biases and LayerNorm weights."""
@@ -91,7 +79,7 @@ def build(args, arm: str, seed: int) -> DebertaForSequenceClassification:
     mlm, _ = load_model(args.init)
     cfg = mlm.config.replace(emd=False, hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=args.dropout)
     torch.manual_seed(seed)
-    model = DebertaForSequenceClassification(cfg, 2, pooler_dropout=args.dropout)
+    model = DebertaForSequenceClassification(cfg, 2, pooler_dropout=args.dropout, pooling=args.pooling)
     if arm == "pretrained":
         model.deberta.load_state_dict(mlm.deberta.state_dict(), strict=True)
     return model
@@ -112,7 +100,7 @@ def run(args, arm: str, seed: int, ids, labels) -> dict:
     for _ in range(args.epochs):
         model.train()
         for tokens, mask, target in batches(train_rows, ids, labels, args.batch, pad, generator):
-            loss = F.cross_entropy(logits_of(model, tokens, mask, args.pooling), target)
+            loss = model(tokens, mask, labels=target).loss
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -128,7 +116,7 @@ def evaluate(model, dev_rows, ids, labels, args) -> float:
     model.eval()
     right = 0
     for tokens, mask, target in batches(dev_rows, ids, labels, 128, model.config.pad_token_id, None):
-        right += int((logits_of(model, tokens, mask, args.pooling).argmax(1) == target).sum())
+        right += int((model(tokens, mask).logits.argmax(1) == target).sum())
     return right / len(dev_rows)
 
 
