@@ -10,7 +10,9 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 OUT="${DISTAFF_DEMO_DIR:-runs/demo}"
-SAMPLE=data/austen-emma-pride.txt.gz
+# Austen, and movie-review sentences that share none with the fine-tuning sample (data/README.md):
+# scripts/finetune-demo.sh fine-tunes this model on movie-review sentiment.
+SAMPLE=(data/austen-emma-pride.txt.gz data/movie-unlabelled.txt.gz)
 SECONDS=0
 
 bash scripts/setup-env.sh
@@ -29,10 +31,10 @@ export WANDB_MODE="${WANDB_MODE:-offline}" WANDB_SILENT=true TOKENIZERS_PARALLEL
 
 rm -rf "$OUT"
 mkdir -p "$OUT"
-echo "== distaff demo: tokenizer (SentencePiece, 4000 pieces) on $SAMPLE"
-"$BIN/distaff" tokenizer train --input "$SAMPLE" --vocab-size 4000 --out "$OUT/tokenizer"
+echo "== distaff demo: tokenizer (SentencePiece, 4000 pieces) on ${SAMPLE[*]}"
+"$BIN/distaff" tokenizer train --input "${SAMPLE[@]}" --vocab-size 4000 --out "$OUT/tokenizer"
 echo "== shards: 128-token sequences, 2% of the documents held out"
-"$BIN/distaff" data prepare --input "$SAMPLE" --tokenizer "$OUT/tokenizer" --seq-len 128 --pack-documents \
+"$BIN/distaff" data prepare --input "${SAMPLE[@]}" --tokenizer "$OUT/tokenizer" --seq-len 128 --pack-documents \
     --heldout-fraction 0.02 --shard-mb 0.2 --out "$OUT/data" --no-progress
 echo "== pretraining the tiny preset on $RANKS rank(s) under the deepspeed launcher"
 PORT=$("$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")

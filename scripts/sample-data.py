@@ -52,6 +52,11 @@ def main() -> None:
     rows = _read(source / "labelled" / "movie-snippets.tsv.gz").splitlines()
     keep = sorted(random.Random(MOVIE_SEED).sample(range(len(rows)), MOVIE_ROWS))
     _write("movie-snippets.tsv.gz", "".join(rows[i] + "\n" for i in keep))
+    # The other sentences, labels dropped: in-domain text for pretraining that shares no sentence with the
+    # labelled sample. One per paragraph (blank-line separated), so each is a document to `distaff data prepare`.
+    labelled = {rows[i].split("\t", 1)[1] for i in keep}
+    unlabelled = dict.fromkeys(text for row in rows if (text := row.split("\t", 1)[1]) not in labelled)
+    _write("movie-unlabelled.txt.gz", "".join(text + "\n\n" for text in unlabelled))
 
 
 if __name__ == "__main__":

@@ -74,3 +74,26 @@ def test_bad_heads_are_refused():
         DebertaForSequenceClassification(ours.config, 0)
     with pytest.raises(ConfigError, match="emd"):
         DebertaForSequenceClassification(ours.config.replace(emd=True), 2)
+
+
+def test_mean_pooling_averages_each_sequence_real_tokens_padded_and_packed():
+    _, cls_model = _pair(3)
+    model = DebertaForSequenceClassification(cls_model.config, 3, pooling="mean").eval()
+    model.load_state_dict(cls_model.state_dict())
+    ids, mask, labels = _batch(3)
+    with torch.no_grad():
+        hidden = model.deberta(ids, mask)
+        # independent: a per-sequence loop over the unpadded positions
+        means = torch.stack([hidden[b, : int(mask[b].sum())].mean(0) for b in range(len(ids))])
+        expected = model.classifier(model.pooler(means))
+        padded = model(ids, mask, labels=labels)
+        lengths = mask.sum(1)
+        packed = model(ids[mask.bool()], labels=labels, position_ids=torch.cat([torch.arange(int(n)) for n in lengths]),
+                       cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).int()]),
+                       max_seqlen=int(lengths.max()))
+        first_token = cls_model(ids, mask).logits
+    torch.testing.assert_close(padded.logits, expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(packed.logits, expected, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(padded.logits, first_token, atol=1e-3)   # it is not the first token's head
+    with pytest.raises(ConfigError, match="pooling must be one of"):
+        DebertaForSequenceClassification(cls_model.config, 2, pooling="max")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import re
 from pathlib import Path
@@ -56,3 +57,13 @@ def test_every_bundled_file_has_its_provenance_and_checksum(sample_data: Path) -
     assert {name: digest for digest, name in listed.items()} == files
     for name in files:
         assert f"| `{name}` |" in readme, f"{name} has no row in data/README.md"
+
+
+def test_unlabelled_movie_text_shares_no_sentence_with_the_labelled_sample(sample_data: Path) -> None:
+    with gzip.open(sample_data / "movie-snippets.tsv.gz", "rt", encoding="utf-8") as f:
+        labelled = [line.split("\t", 1)[1] for line in f.read().splitlines()]
+    with gzip.open(sample_data / "movie-unlabelled.txt.gz", "rt", encoding="utf-8") as f:
+        unlabelled = [line for line in f.read().split("\n") if line]
+    assert len(labelled) == 3000 and len(unlabelled) == 7566
+    assert len(set(unlabelled)) == len(unlabelled), "a sentence appears twice"
+    assert not set(unlabelled) & set(labelled)

@@ -1,0 +1,174 @@
+"""A bag-of-words baseline for text classification: what a fine-tuned encoder has to beat.
+
+Unigrams and bigrams of lower-cased words, weighted by tf-idf (``1 + log(count)`` times
+``log((1 + n_docs) / (1 + doc_freq)) + 1``, each row scaled to unit length), feed a multinomial
+logistic regression with an L2 penalty, fitted full-batch by L-BFGS in float64. The vocabulary and
+the idf come from the training split only. Nothing is random but the split, so a seed gives one
+answer::
+
+    python -m distaff.train.baselines --train data/movie-snippets.tsv.gz --dev-fraction 0.2 --seed 1
+
+The input is ``label<TAB>text`` per line (``.tsv`` or ``.tsv.gz``, no header), labels 0..K-1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import re
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from distaff.train.data.errors import DataError
+
+WORD = re.compile(r"[a-z0-9]+(?:'[a-z]+)?|[^\sa-z0-9]")
+
+
+@dataclass(frozen=True)
+class BaselineResult:
+    dev_accuracy: float
+    majority_accuracy: float  # always the training split's most common label, on the dev split
+    train_examples: int
+    dev_examples: int
+    features: int
+    seed: int
+
+
+def read_labelled(path: Path) -> tuple[list[int], list[str]]:
+    """Labels and texts of a ``label<TAB>text`` file; a bad line is a DataError naming ``file:line``."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    labels, texts = [], []
+    with opener(path, "rt", encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            label, tab, text = line.rstrip("\n").partition("\t")
+            if not tab or not text.strip():
+                raise DataError(f"{path}:{number}: expected label<TAB>text, got {line[:60]!r}")
+            if not label.isdigit():
+                raise DataError(f"{path}:{number}: label must be an integer >= 0, got {label!r}")
+            labels.append(int(label))
+            texts.append(text)
+    if len(set(labels)) < 2:
+        raise DataError(f"{path}: needs at least 2 labels, found {sorted(set(labels))}")
+    return labels, texts
+
+
+def dev_split(n_examples: int, dev_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Train and dev row indices, each in file order: ``round(dev_fraction * n)`` rows drawn for dev by
+    numpy's ``default_rng(seed).permutation``, the draw the fine-tuning trainer makes for its
+    ``data.dev_fraction`` / ``data.split_seed``, so that both are scored on the same rows."""
+    if not 0 < dev_fraction < 1:
+        raise ValueError(f"dev_fraction must be in (0, 1), got {dev_fraction}")
+    dev = set(np.random.default_rng(seed).permutation(n_examples)[:round(n_examples * dev_fraction)].tolist())
+    if not dev or len(dev) == n_examples:
+        raise ValueError(f"dev_fraction {dev_fraction} of {n_examples} rows leaves {len(dev)} for dev")
+    return [i for i in range(n_examples) if i not in dev], sorted(dev)
+
+
+def ngrams(text: str) -> list[str]:
+    """The text's lower-cased words and adjacent word pairs."""
+    words = WORD.findall(text.lower())
+    return words + [f"{a} {b}" for a, b in zip(words, words[1:])]
+
+
+class TfIdf:
+    """tf-idf vectors over the n-grams seen in at least ``min_count`` training documents."""
+
+    def __init__(self, train_texts: Sequence[str], min_count: int = 2):
+        doc_freq = Counter(gram for text in train_texts for gram in set(ngrams(text)))
+        kept = sorted(gram for gram, count in doc_freq.items() if count >= min_count)
+        self.index = {gram: i for i, gram in enumerate(kept)}
+        n_docs = len(train_texts)
+        self.idf = torch.tensor([math.log((1 + n_docs) / (1 + doc_freq[g])) + 1 for g in kept], dtype=torch.float64)
+
+    def __call__(self, texts: Sequence[str]) -> torch.Tensor:
+        """A sparse ``[len(texts), n_grams]`` float64 matrix, rows of unit length (or zero)."""
+        rows, cols, tf = [], [], []
+        for row, text in enumerate(texts):
+            for gram, count in Counter(ngrams(text)).items():
+                if gram in self.index:
+                    rows.append(row)
+                    cols.append(self.index[gram])
+                    tf.append(1 + math.log(count))
+        cols_t = torch.tensor(cols, dtype=torch.long)
+        rows_t = torch.tensor(rows, dtype=torch.long)
+        values = torch.tensor(tf, dtype=torch.float64) * self.idf[cols_t]
+        norms = torch.zeros(len(texts), dtype=torch.float64).index_add_(0, rows_t, values.square()).sqrt()
+        return torch.sparse_coo_tensor(torch.stack([rows_t, cols_t]), values / norms[rows_t],
+                                       (len(texts), len(self.index)), check_invariants=True).coalesce()
+
+
+class LogisticRegression(torch.nn.Module):
+    """Multinomial logistic regression on sparse features."""
+
+    def __init__(self, n_features: int, n_classes: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(n_features, n_classes, dtype=torch.float64))
+        self.bias = torch.nn.Parameter(torch.zeros(n_classes, dtype=torch.float64))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return torch.sparse.mm(features, self.weight) + self.bias
+
+
+def fit_logistic(features: torch.Tensor, labels: torch.Tensor, l2: float, steps: int = 200) -> LogisticRegression:
+    """Minimises mean cross-entropy + ``l2/2 * |W|^2`` (bias free) from zero weights."""
+    model = LogisticRegression(features.shape[1], int(labels.max()) + 1)
+    optimizer = torch.optim.LBFGS(model.parameters(), max_iter=steps, history_size=20,
+                                  tolerance_grad=1e-9, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(features), labels) + 0.5 * l2 * model.weight.square().sum()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    return model
+
+
+def run_baseline(path: Path, dev_fraction: float, seed: int, l2: float = 1e-4) -> BaselineResult:
+    """Split ``path``, fit on the training rows, score the dev rows."""
+    labels, texts = read_labelled(path)
+    train_rows, dev_rows = dev_split(len(texts), dev_fraction, seed)
+    vectorise = TfIdf([texts[i] for i in train_rows])
+    train_y = torch.tensor([labels[i] for i in train_rows])
+    dev_y = torch.tensor([labels[i] for i in dev_rows])
+    model = fit_logistic(vectorise([texts[i] for i in train_rows]), train_y, l2)
+    with torch.no_grad():
+        predicted = model(vectorise([texts[i] for i in dev_rows])).argmax(1)
+    majority = int(torch.bincount(train_y).argmax())
+    return BaselineResult(dev_accuracy=(predicted == dev_y).double().mean().item(),
+                          majority_accuracy=(dev_y == majority).double().mean().item(),
+                          train_examples=len(train_rows), dev_examples=len(dev_rows),
+                          features=len(vectorise.index), seed=seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--train", type=Path, required=True, help="label<TAB>text per line (.tsv or .tsv.gz)")
+    parser.add_argument("--dev-fraction", type=float, default=0.2, help="share of the rows held out for scoring")
+    parser.add_argument("--seed", type=int, default=1, help="seeds the train/dev split")
+    parser.add_argument("--l2", type=float, default=1e-4, help="L2 penalty on the weights")
+    parser.add_argument("--json", type=Path, help="also write the result here")
+    args = parser.parse_args(argv)
+    try:
+        result = run_baseline(args.train, args.dev_fraction, args.seed, args.l2)
+    except (DataError, ValueError, OSError) as err:
+        print(f"distaff baselines: {err}", file=sys.stderr)
+        return 2
+    print(f"bag-of-words dev accuracy {result.dev_accuracy:.4f} (majority class {result.majority_accuracy:.4f}; "
+          f"{result.train_examples} train / {result.dev_examples} dev rows, {result.features} n-grams, seed {result.seed})")
+    if args.json:
+        args.json.write_text(json.dumps(asdict(result), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
