@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from distaff.train.baselines import TfIdf, dev_split, main, ngrams, read_labelled, run_baseline
-from distaff.train.data.errors import DataError
+from distaff.train.baselines import BUNDLED_COLUMNS, TfIdf, main, ngrams, run_baseline
+from distaff.train.data.labelled import hold_out, read_examples
 
 pytestmark = pytest.mark.unit
 
@@ -58,25 +58,34 @@ def test_beats_the_majority_class_on_the_movie_sample(sample_data: Path):
 
 
 def test_a_seed_gives_one_answer_and_seeds_give_different_splits(tmp_path: Path, sample_data: Path):
-    train, dev = dev_split(3000, 0.2, seed=1)
-    assert len(dev) == 600 and sorted(train + dev) == list(range(3000))
-    assert dev_split(3000, 0.2, seed=1) == (train, dev) and dev_split(3000, 0.2, seed=2)[1] != dev
-    rows = list(zip(*read_labelled(sample_data / "movie-snippets.tsv.gz")))[:400]
-    small = _write_tsv(tmp_path / "small.tsv.gz", rows)
+    examples = read_examples(sample_data / "movie-snippets.tsv.gz", BUNDLED_COLUMNS, regression=False)
+    small = _write_tsv(tmp_path / "small.tsv.gz", [(e.label, e.text) for e in examples[:400]])
     assert run_baseline(small, 0.25, seed=5) == run_baseline(small, 0.25, seed=5)
+    assert run_baseline(small, 0.25, seed=5) != run_baseline(small, 0.25, seed=6)
+
+
+def test_scores_the_dev_rows_fine_tuning_holds_out(tmp_path: Path):
+    """The rows fine-tuning holds out (``hold_out``, seed 4) get the opposite word-label rule to all others: a
+    baseline fitted and scored on exactly that split is wrong on every dev row, any other split would not be."""
+    rows = [(i % 2, ("dull", "superb")[i % 2]) for i in range(80)]
+    first = _write_tsv(tmp_path / "first.tsv.gz", rows)
+    _, dev = hold_out(read_examples(first, BUNDLED_COLUMNS, regression=False), 0.25, seed=4)
+    dev_lines = {int(e.where.rsplit(":", 1)[1]) for e in dev}
+    flipped = [(label, ("superb", "dull")[label] if line in dev_lines else text)
+               for line, (label, text) in enumerate(rows, 1)]
+    result = run_baseline(_write_tsv(tmp_path / "flipped.tsv.gz", flipped), 0.25, seed=4)
+    assert result.dev_examples == len(dev) == 20 and result.dev_accuracy == 0.0
 
 
 def test_bad_rows_name_the_file_and_line(tmp_path: Path, capsys):
     no_tab = tmp_path / "no-tab.tsv"
     no_tab.write_text("1\tfine\n0 awful\n")
-    with pytest.raises(DataError, match=r"no-tab.tsv:2: expected label<TAB>text"):
-        read_labelled(no_tab)
-    bad_label = tmp_path / "bad-label.tsv"
-    bad_label.write_text("1\tfine\npositive\tgreat\n")
-    assert main(["--train", str(bad_label)]) == 2
-    assert "bad-label.tsv:2: label must be an integer >= 0, got 'positive'" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="dev_fraction"):
-        dev_split(10, 1.0, seed=0)
+    assert main(["--train", str(no_tab)]) == 2
+    assert "no-tab.tsv:2" in capsys.readouterr().err
+    assert main(["--train", str(tmp_path / "missing.tsv")]) == 2
+    assert "missing.tsv" in capsys.readouterr().err
+    assert main(["--train", str(_write_tsv(tmp_path / "ok.tsv.gz", [(0, "a"), (1, "b")])), "--dev-fraction", "1"]) == 2
+    assert "dev_fraction" in capsys.readouterr().err
 
 
 def test_cli_prints_and_writes_the_result(tmp_path: Path, sample_data: Path):

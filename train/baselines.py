@@ -8,13 +8,14 @@ answer::
 
     python -m distaff.train.baselines --train data/movie-snippets.tsv.gz --dev-fraction 0.2 --seed 1
 
-The input is ``label<TAB>text`` per line (``.tsv`` or ``.tsv.gz``, no header), labels 0..K-1.
+The file is read and split by the fine-tuning data module (``distaff.train.data.labelled``: the same
+formats, checks and errors, and the same dev rows as ``distaff finetune`` with ``data.dev_fraction`` and
+``data.split_seed``); the default columns are the bundled sample's, a headerless ``label<TAB>text``.
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import re
@@ -27,7 +28,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from distaff.train.config import ConfigError
 from distaff.train.data.errors import DataError
+from distaff.train.data.labelled import InputFormat, encode_labels, hold_out, label_names, read_examples
+
+BUNDLED_COLUMNS = InputFormat(columns=("label", "text"))   # data/movie-snippets.tsv.gz
 
 WORD = re.compile(r"[a-z0-9]+(?:'[a-z]+)?|[^\sa-z0-9]")
 
@@ -40,36 +45,6 @@ class BaselineResult:
     dev_examples: int
     features: int
     seed: int
-
-
-def read_labelled(path: Path) -> tuple[list[int], list[str]]:
-    """Labels and texts of a ``label<TAB>text`` file; a bad line is a DataError naming ``file:line``."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    labels, texts = [], []
-    with opener(path, "rt", encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            label, tab, text = line.rstrip("\n").partition("\t")
-            if not tab or not text.strip():
-                raise DataError(f"{path}:{number}: expected label<TAB>text, got {line[:60]!r}")
-            if not label.isdigit():
-                raise DataError(f"{path}:{number}: label must be an integer >= 0, got {label!r}")
-            labels.append(int(label))
-            texts.append(text)
-    if len(set(labels)) < 2:
-        raise DataError(f"{path}: needs at least 2 labels, found {sorted(set(labels))}")
-    return labels, texts
-
-
-def dev_split(n_examples: int, dev_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """Train and dev row indices, each in file order: ``round(dev_fraction * n)`` rows drawn for dev by
-    numpy's ``default_rng(seed).permutation``, the draw the fine-tuning trainer makes for its
-    ``data.dev_fraction`` / ``data.split_seed``, so that both are scored on the same rows."""
-    if not 0 < dev_fraction < 1:
-        raise ValueError(f"dev_fraction must be in (0, 1), got {dev_fraction}")
-    dev = set(np.random.default_rng(seed).permutation(n_examples)[:round(n_examples * dev_fraction)].tolist())
-    if not dev or len(dev) == n_examples:
-        raise ValueError(f"dev_fraction {dev_fraction} of {n_examples} rows leaves {len(dev)} for dev")
-    return [i for i in range(n_examples) if i not in dev], sorted(dev)
 
 
 def ngrams(text: str) -> list[str]:
@@ -133,34 +108,35 @@ def fit_logistic(features: torch.Tensor, labels: torch.Tensor, l2: float, steps:
     return model
 
 
-def run_baseline(path: Path, dev_fraction: float, seed: int, l2: float = 1e-4) -> BaselineResult:
-    """Split ``path``, fit on the training rows, score the dev rows."""
-    labels, texts = read_labelled(path)
-    train_rows, dev_rows = dev_split(len(texts), dev_fraction, seed)
-    vectorise = TfIdf([texts[i] for i in train_rows])
-    train_y = torch.tensor([labels[i] for i in train_rows])
-    dev_y = torch.tensor([labels[i] for i in dev_rows])
-    model = fit_logistic(vectorise([texts[i] for i in train_rows]), train_y, l2)
+def run_baseline(path: Path, dev_fraction: float, seed: int, l2: float = 1e-4,
+                 fmt: InputFormat = BUNDLED_COLUMNS) -> BaselineResult:
+    """Split ``path`` as fine-tuning does, fit on the training rows, score the dev rows."""
+    train, dev = hold_out(read_examples(path, fmt, regression=False), dev_fraction, seed)
+    names = label_names(train)
+    train_y, dev_y = (torch.from_numpy(encode_labels(part, names)) for part in (train, dev))
+    vectorise = TfIdf([e.text for e in train])
+    model = fit_logistic(vectorise([e.text for e in train]), train_y, l2)
     with torch.no_grad():
-        predicted = model(vectorise([texts[i] for i in dev_rows])).argmax(1)
+        predicted = model(vectorise([e.text for e in dev])).argmax(1)
     majority = int(torch.bincount(train_y).argmax())
     return BaselineResult(dev_accuracy=(predicted == dev_y).double().mean().item(),
                           majority_accuracy=(dev_y == majority).double().mean().item(),
-                          train_examples=len(train_rows), dev_examples=len(dev_rows),
+                          train_examples=len(train), dev_examples=len(dev),
                           features=len(vectorise.index), seed=seed)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--train", type=Path, required=True, help="label<TAB>text per line (.tsv or .tsv.gz)")
+    parser.add_argument("--train", type=Path, required=True,
+                        help="a headerless label<TAB>text file (.tsv or .tsv.gz), like data/movie-snippets.tsv.gz")
     parser.add_argument("--dev-fraction", type=float, default=0.2, help="share of the rows held out for scoring")
-    parser.add_argument("--seed", type=int, default=1, help="seeds the train/dev split")
+    parser.add_argument("--seed", type=int, default=1, help="seeds the train/dev split (as data.split_seed)")
     parser.add_argument("--l2", type=float, default=1e-4, help="L2 penalty on the weights")
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args(argv)
     try:
         result = run_baseline(args.train, args.dev_fraction, args.seed, args.l2)
-    except (DataError, ValueError, OSError) as err:
+    except (ConfigError, DataError, OSError) as err:
         print(f"distaff baselines: {err}", file=sys.stderr)
         return 2
     print(f"bag-of-words dev accuracy {result.dev_accuracy:.4f} (majority class {result.majority_accuracy:.4f}; "
