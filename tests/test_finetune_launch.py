@@ -56,7 +56,8 @@ def test_slurm_dry_run_writes_a_finetune_script(ft_config: Path, capsys) -> None
 
 def test_bundled_sentiment_config_loads() -> None:
     cfg = load_finetune_config(REPO / "configs" / "finetune" / "sentiment-cpu.yaml")
-    assert cfg.data.columns == ["label", "text"] and cfg.optim.layer_decay == 0.9
+    assert cfg.data.columns == ["label", "text"] and cfg.optim.layer_decay == 0.8 and cfg.data.dev_fraction == 0.2
+    assert cfg.model.init_from == "runs/demo/run"    # what scripts/demo.sh writes
 
 
 def test_distaff_finetune_reports_a_config_error(ft_config: Path, capsys) -> None:
