@@ -11,12 +11,12 @@ import gzip
 from pathlib import Path
 
 import torch
-import yaml
 
 from distaff.train.model import DebertaForMaskedLM
 from distaff.train.model_config import load_model_config
 from distaff.train.model_folder import save_model_folder
 from distaff.train.tokenizer import train_tokenizer
+from pretrain_fixtures import write_sections
 
 REPO = Path(__file__).resolve().parents[1]
 MOVIES = REPO / "data" / "movie-snippets.tsv.gz"
@@ -50,13 +50,5 @@ def write_ft_config(path: Path, model_dir: Path, out_dir: Path, **sections) -> P
         "train": {"max_steps": 8},
         "optim": {"lr": 1e-3, "warmup_steps": 2},
         "eval": {"every": 4},
-        "zero": {"stage": 2},
-        "logging": {"every": 1, "progress_bar": False},
-        "wandb": {"mode": "offline", "project": "distaff-tests"},
-        "checkpoint": {"every": 0, "keep": 2},
-        "distributed": {"timeout_s": 60},
     }
-    for name, update in sections.items():
-        values[name] = {**values.get(name, {}), **update}
-    path.write_text(yaml.safe_dump(values))
-    return path
+    return write_sections(path, values, sections)

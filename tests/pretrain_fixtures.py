@@ -72,16 +72,27 @@ def write_config(path: Path, data_dir: Path, out_dir: Path, **sections) -> Path:
         "data": {"dir": str(data_dir), "batch_size": 4},
         "train": {"max_steps": 12, "precision": "fp32"},
         "optim": {"lr": 3e-3, "warmup_steps": 2},
-        "zero": {"stage": 2},
-        "logging": {"every": 1, "progress_bar": False},
-        "wandb": {"mode": "offline", "project": "distaff-tests"},
         "eval": {"every": 0, "batches": 4},
-        "checkpoint": {"every": 0, "keep": 2},
-        "distributed": {"timeout_s": 60},
     }
+    return write_sections(path, values, sections)
+
+
+# What every test run config shares: ZeRO-2, a log line per step, offline W&B, no periodic checkpoint.
+RUN_DEFAULTS = {
+    "zero": {"stage": 2},
+    "logging": {"every": 1, "progress_bar": False},
+    "wandb": {"mode": "offline", "project": "distaff-tests"},
+    "checkpoint": {"every": 0, "keep": 2},
+    "distributed": {"timeout_s": 60},
+}
+
+
+def write_sections(path: Path, values: dict, sections: dict) -> Path:
+    """``RUN_DEFAULTS``, then ``values``, each section updated by ``sections``, written as YAML to ``path``."""
+    merged = {**RUN_DEFAULTS, **values}
     for name, update in sections.items():
-        values[name] = {**values.get(name, {}), **update}
-    path.write_text(yaml.safe_dump(values))
+        merged[name] = {**merged.get(name, {}), **update}
+    path.write_text(yaml.safe_dump(merged))
     return path
 
 
