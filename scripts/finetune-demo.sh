@@ -2,8 +2,9 @@
 # Does the demo's pretraining help a downstream task? Fine-tunes the model scripts/demo.sh pretrained
 # (Austen + unlabelled movie-review sentences) on the bundled sentiment sample (data/movie-snippets.tsv.gz,
 # 20% held out for dev), beside the same architecture fine-tuned from random weights and a bag-of-words
-# logistic regression, each with seeds 1-3 (seed S: dev split S, run seed S); prints a table and writes
-# results.json. Run scripts/demo.sh first.
+# logistic regression, each with seeds 1-3 (seed S: dev split S, run seed S), and linear probes of both frozen
+# encoders (did pretraining put sentiment into the features?); prints a table and writes results.json.
+# Run scripts/demo.sh first.
 #
 #   bash scripts/finetune-demo.sh                          # writes runs/finetune-demo/ (replaced on each run)
 #   SEEDS="1 2" DISTAFF_FT_DIR=/tmp/ft bash scripts/finetune-demo.sh train.epochs=2   # extra args: config overrides
@@ -50,8 +51,15 @@ PYEOF
             run.out_dir="$OUT/$arm-$seed" logging.progress_bar=false "$@" > "$OUT/$arm-$seed.log" 2>&1 \
             || { tail -20 "$OUT/$arm-$seed.log" >&2; exit 1; }
     done
-    echo "== bag-of-words baseline, seed $seed"
+    echo "== bag-of-words baseline and linear probes of the frozen pretrained and random encoders, seed $seed"
     "$PY" -m distaff.train.baselines --train "$DATA" --dev-fraction "$DEV_FRACTION" --seed "$seed" --json "$OUT/bow-$seed.json"
+    for arm in pretrained random; do
+        init="$PRETRAINED"
+        [ "$arm" = random ] && init="$OUT/random-init-$seed"
+        "$PY" -m distaff.train.baselines --train "$DATA" --dev-fraction "$DEV_FRACTION" --seed "$seed" \
+            --probe "$init" --json "$OUT/probe-$arm-$seed.json" 2> "$OUT/probe-$arm-$seed.log" \
+            || { tail -20 "$OUT/probe-$arm-$seed.log" >&2; exit 1; }
+    done
 done
 
 "$PY" - "$OUT" "$SECONDS" $SEEDS <<'PYEOF'
@@ -63,6 +71,8 @@ runs = {
     "pretrained": [json.loads((out / f"pretrained-{s}" / "summary.json").read_text())["eval_accuracy"] for s in seeds],
     "random init": [json.loads((out / f"random-{s}" / "summary.json").read_text())["eval_accuracy"] for s in seeds],
     "bag of words": [json.loads((out / f"bow-{s}.json").read_text())["dev_accuracy"] for s in seeds],
+    "probe of pretrained": [json.loads((out / f"probe-pretrained-{s}.json").read_text())["dev_accuracy"] for s in seeds],
+    "probe of random": [json.loads((out / f"probe-random-{s}.json").read_text())["dev_accuracy"] for s in seeds],
 }
 std = lambda values: statistics.stdev(values) if len(values) > 1 else 0.0
 results = {name: {"seeds": seeds, "dev_accuracy": values, "mean": statistics.mean(values), "std": std(values)}
@@ -73,6 +83,6 @@ results["pretrained_minus_random"] = {"per_seed": margin, "mean": statistics.mea
 print(f"\n== sentiment fine-tuning, dev accuracy over seeds {seeds} ({seconds // 60}m{seconds % 60:02d}s in all)")
 for name, values in runs.items():
     cells = "  ".join(f"{v:.3f}" for v in values)
-    print(f"  {name:<13} {results[name]['mean']:.3f} +- {results[name]['std']:.3f}   ({cells})")
+    print(f"  {name:<19} {results[name]['mean']:.3f} +- {results[name]['std']:.3f}   ({cells})")
 print(f"  pretrained - random: {statistics.mean(margin):+.3f} +- {std(margin):.3f} per seed    {out / 'results.json'}")
 PYEOF

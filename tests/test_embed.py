@@ -105,7 +105,23 @@ def test_bad_input_files_are_named(model_dir, tmp_path, capsys):
     assert "--input: file not found" in capsys.readouterr().err
     blank.write_text("one line\n")
     assert main(["--model", str(tmp_path / "nomodel"), "--input", str(blank), "--out", str(tmp_path / "o")]) == 1
-    assert "nomodel: not a model" in capsys.readouterr().err
+    assert "--model: " + str(tmp_path / "nomodel") + " does not exist" in capsys.readouterr().err
+
+
+def test_a_bare_hugging_face_encoder_folder_embeds_like_its_source(model_dir, sentences, tmp_path):
+    """Public DeBERTa-v3 checkpoints and distaff's RTD export are ``DebertaV2Model`` folders, with no MLM head."""
+    from transformers import DebertaV2Model
+
+    from distaff.train.hf import to_hf
+    from distaff.train.model_folder import load_model
+
+    model, tokenizer_dir = load_model(model_dir)
+    bare = to_hf(model, tmp_path / "hf", tokenizer_dir)
+    DebertaV2Model.from_pretrained(bare).save_pretrained(bare)   # the encoder alone replaces the MLM folder's weights
+    for name, source in (("source", model_dir), ("bare", bare)):
+        assert main(["--model", str(source), "--input", str(sentences), "--out", str(tmp_path / name)]) == 0
+    np.testing.assert_allclose(np.load(tmp_path / "bare" / "embeddings.npy"),
+                               np.load(tmp_path / "source" / "embeddings.npy"), atol=1e-5)
 
 
 def test_transform_with_other_pooling_is_refused(model_dir, sentences, tmp_path, capsys):

@@ -1,5 +1,6 @@
-"""A bag-of-words baseline for text classification: what a fine-tuned encoder has to beat.
+"""Baselines for text classification: what a fine-tuned encoder has to beat, and what its pretraining put in it.
 
+**Bag of words.** 
 Unigrams and bigrams of lower-cased words, weighted by tf-idf (``1 + log(count)`` times
 ``log((1 + n_docs) / (1 + doc_freq)) + 1``, each row scaled to unit length), feed a multinomial
 logistic regression with an L2 penalty, fitted full-batch by L-BFGS in float64. The vocabulary and
@@ -7,6 +8,13 @@ the idf come from the training split only. Nothing is random but the split, so a
 answer::
 
     python -m distaff.train.baselines --train data/movie-snippets.tsv.gz --dev-fraction 0.2 --seed 1
+
+**Linear probe** (``--probe MODEL``). The same logistic regression on an encoder's frozen features: each
+text encoded as ``[CLS] pieces [SEP]`` by the full encoder (``distaff embed``'s pass), its final hidden
+states averaged over its tokens, each feature standardised with the training rows' mean and standard
+deviation. Probing the pretrained weights and the same architecture with random weights tells whether
+pretraining put information about the task into the features, separately from whether fine-tuning
+finds it.
 
 The file is read and split by the fine-tuning data module (``distaff.train.data.labelled``: the same
 formats, checks and errors, and the same dev rows as ``distaff finetune`` with ``data.dev_fraction`` and
@@ -23,7 +31,7 @@ import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -31,6 +39,7 @@ import torch
 from distaff.train.config import ConfigError
 from distaff.train.data.errors import DataError
 from distaff.train.data.labelled import InputFormat, encode_labels, hold_out, label_names, read_examples
+from distaff.train.embed import embed_ids, encode, model_and_tokenizer
 
 BUNDLED_COLUMNS = InputFormat(columns=("label", "text"))   # data/movie-snippets.tsv.gz
 
@@ -81,7 +90,7 @@ class TfIdf:
 
 
 class LogisticRegression(torch.nn.Module):
-    """Multinomial logistic regression on sparse features."""
+    """Multinomial logistic regression."""
 
     def __init__(self, n_features: int, n_classes: int):
         super().__init__()
@@ -89,7 +98,7 @@ class LogisticRegression(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.zeros(n_classes, dtype=torch.float64))
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return torch.sparse.mm(features, self.weight) + self.bias
+        return features @ self.weight + self.bias   # sparse (tf-idf) or dense (probe) features
 
 
 def fit_logistic(features: torch.Tensor, labels: torch.Tensor, l2: float, steps: int = 200) -> LogisticRegression:
@@ -108,21 +117,50 @@ def fit_logistic(features: torch.Tensor, labels: torch.Tensor, l2: float, steps:
     return model
 
 
+PROBE_L2 = 1e-2   # on standardised features; the bag of words' 1e-4 suits unit-length sparse rows
+
+
 def run_baseline(path: Path, dev_fraction: float, seed: int, l2: float = 1e-4,
                  fmt: InputFormat = BUNDLED_COLUMNS) -> BaselineResult:
-    """Split ``path`` as fine-tuning does, fit on the training rows, score the dev rows."""
+    """The bag of words: split ``path`` as fine-tuning does, fit on the training rows, score the dev rows."""
+    def tfidf(train_texts: list[str], dev_texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        vectorise = TfIdf(train_texts)
+        return vectorise(train_texts), vectorise(dev_texts)
+
+    return _fit_and_score(path, dev_fraction, seed, l2, fmt, tfidf)
+
+
+def run_probe(model_path: str | Path, path: Path, dev_fraction: float, seed: int, l2: float = PROBE_L2,
+              fmt: InputFormat = BUNDLED_COLUMNS, max_length: int = 128) -> BaselineResult:
+    """The linear probe of ``model_path``'s frozen encoder (a distaff run, checkpoint or model folder, or an
+    HF DeBERTa-v2/v3 folder, with its tokenizer beside it), on the same split as the bag of words."""
+    encoder, _, tokenizer = model_and_tokenizer(model_path, field="--probe")
+
+    def frozen_features(train_texts: list[str], dev_texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        train_x, dev_x = (torch.from_numpy(embed_ids(encoder, encode(texts, tokenizer, max_length), "mean"))
+                          for texts in (train_texts, dev_texts))
+        mean, std = train_x.mean(0), train_x.std(0).clamp_min(1e-12)
+        return (train_x - mean) / std, (dev_x - mean) / std
+
+    return _fit_and_score(path, dev_fraction, seed, l2, fmt, frozen_features)
+
+
+Featurise = Callable[[list[str], list[str]], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _fit_and_score(path: Path, dev_fraction: float, seed: int, l2: float, fmt: InputFormat,
+                   featurise: Featurise) -> BaselineResult:
     train, dev = hold_out(read_examples(path, fmt, regression=False), dev_fraction, seed)
     names = label_names(train)
     train_y, dev_y = (torch.from_numpy(encode_labels(part, names)) for part in (train, dev))
-    vectorise = TfIdf([e.text for e in train])
-    model = fit_logistic(vectorise([e.text for e in train]), train_y, l2)
+    train_x, dev_x = featurise([e.text for e in train], [e.text for e in dev])
+    model = fit_logistic(train_x, train_y, l2)
     with torch.no_grad():
-        predicted = model(vectorise([e.text for e in dev])).argmax(1)
+        predicted = model(dev_x).argmax(1)
     majority = int(torch.bincount(train_y).argmax())
     return BaselineResult(dev_accuracy=(predicted == dev_y).double().mean().item(),
                           majority_accuracy=(dev_y == majority).double().mean().item(),
-                          train_examples=len(train), dev_examples=len(dev),
-                          features=len(vectorise.index), seed=seed)
+                          train_examples=len(train), dev_examples=len(dev), features=train_x.shape[1], seed=seed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,16 +169,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="a headerless label<TAB>text file (.tsv or .tsv.gz), like data/movie-snippets.tsv.gz")
     parser.add_argument("--dev-fraction", type=float, default=0.2, help="share of the rows held out for scoring")
     parser.add_argument("--seed", type=int, default=1, help="seeds the train/dev split (as data.split_seed)")
-    parser.add_argument("--l2", type=float, default=1e-4, help="L2 penalty on the weights")
+    parser.add_argument("--l2", type=float, help=f"L2 penalty on the weights (default 1e-4; {PROBE_L2:g} with --probe)")
+    parser.add_argument("--probe", metavar="MODEL",
+                        help="a linear probe of this model's frozen encoder instead of the bag of words")
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args(argv)
     try:
-        result = run_baseline(args.train, args.dev_fraction, args.seed, args.l2)
-    except (ConfigError, DataError, OSError) as err:
+        if args.probe:
+            result = run_probe(args.probe, args.train, args.dev_fraction, args.seed, args.l2 or PROBE_L2)
+        else:
+            result = run_baseline(args.train, args.dev_fraction, args.seed, args.l2 or 1e-4)
+    except (ConfigError, DataError, OSError, ValueError) as err:
         print(f"distaff baselines: {err}", file=sys.stderr)
         return 2
-    print(f"bag-of-words dev accuracy {result.dev_accuracy:.4f} (majority class {result.majority_accuracy:.4f}; "
-          f"{result.train_examples} train / {result.dev_examples} dev rows, {result.features} n-grams, seed {result.seed})")
+    what = (f"linear probe of {args.probe}: dev accuracy", f"{result.features} frozen features") if args.probe \
+        else ("bag-of-words dev accuracy", f"{result.features} n-grams")
+    print(f"{what[0]} {result.dev_accuracy:.4f} (majority class {result.majority_accuracy:.4f}; "
+          f"{result.train_examples} train / {result.dev_examples} dev rows, {what[1]}, seed {result.seed})")
     if args.json:
         args.json.write_text(json.dumps(asdict(result), indent=1) + "\n")
     return 0

@@ -33,11 +33,12 @@ class EncoderSource:
     tokenizer_dir: Path | None              # the tokenizer saved with the weights
 
 
-def load_encoder(path: str | Path, overrides: dict) -> EncoderSource:
-    """The encoder at ``path`` (see the module doc) with the free ``overrides`` (dropouts, kernels) applied."""
+def load_encoder(path: str | Path, overrides: dict, field: str = "model.init_from") -> EncoderSource:
+    """The encoder at ``path`` (see the module doc) with the free ``overrides`` (dropouts, kernels) applied;
+    errors name ``field``, where the path came from."""
     folder = Path(path)
     if not folder.exists():
-        raise ConfigError(f"model.init_from: {folder} does not exist")
+        raise ConfigError(f"{field}: {folder} does not exist")
     try:
         if (folder / "config.json").is_file() and not (folder / MODEL_CONFIG_FILE).is_file():
             source = _hf_encoder(folder)
@@ -46,7 +47,7 @@ def load_encoder(path: str | Path, overrides: dict) -> EncoderSource:
             weights = {ENCODER_PREFIX + key: t for key, t in model.deberta.state_dict().items()}
             source = EncoderSource(model.config.replace(emd=False), weights, tokenizer_dir)
     except (FileNotFoundError, ValueError, KeyError, RuntimeError) as err:  # RuntimeError: load_state_dict's
-        raise ConfigError(f"model.init_from: {err}") from None
+        raise ConfigError(f"{field}: {err}") from None
     source.config = source.config.replace(**overrides)
     return source
 

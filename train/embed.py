@@ -26,8 +26,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .files import chmod_default
-from .model import DebertaForMaskedLM
-from .model_folder import load_model
+from .classifier_init import ENCODER_PREFIX, load_encoder
+from .model import DebertaModel
+from .model_config import ModelConfig
 from .tokenizer import TokenizerInfo, load_tokenizer_info
 
 POOLINGS = ("mean", "cls")
@@ -59,20 +60,19 @@ def encode(texts: list[str], tokenizer: TokenizerInfo, max_length: int) -> list[
 
 
 @torch.no_grad()
-def embed_ids(model: DebertaForMaskedLM, sequences: list[list[int]], pooling: str, batch_size: int = 32
-              ) -> np.ndarray:
+def embed_ids(encoder: DebertaModel, sequences: list[list[int]], pooling: str, batch_size: int = 32) -> np.ndarray:
     """``[len(sequences), hidden_size]`` float64 pooled encoder outputs (padding never pooled)."""
-    device = next(model.parameters()).device
-    model.eval()
+    device = next(encoder.parameters()).device
+    encoder.eval()
     rows = []
     for start in range(0, len(sequences), batch_size):
         batch = sequences[start:start + batch_size]
         width = max(len(s) for s in batch)
-        ids = torch.full((len(batch), width), model.config.pad_token_id, dtype=torch.long)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)   # padding: masked, its id is never read
         mask = torch.zeros_like(ids)
         for i, seq in enumerate(batch):
             ids[i, : len(seq)], mask[i, : len(seq)] = torch.tensor(seq), 1
-        hidden = model.deberta(ids.to(device), mask.to(device)).double()
+        hidden = encoder(ids.to(device), mask.to(device)).double()
         weights = mask.to(device).double().unsqueeze(-1)
         pooled = hidden[:, 0] if pooling == "cls" else (hidden * weights).sum(1) / weights.sum(1)
         rows.append(pooled.cpu().numpy())
@@ -110,13 +110,20 @@ def load_transform(folder: str | Path) -> tuple[np.ndarray, np.ndarray, dict]:
     return tensors["mean"].numpy(), tensors["W"].numpy(), json.loads((folder / TRANSFORM_META).read_text())
 
 
-def _model_and_tokenizer(args: argparse.Namespace) -> tuple[DebertaForMaskedLM, TokenizerInfo]:
-    model, tokenizer_dir = load_model(args.model)
-    tokenizer_dir = args.tokenizer or tokenizer_dir
+def model_and_tokenizer(path: str | Path, tokenizer_dir: str | Path | None = None, field: str = "--model"
+                        ) -> tuple[DebertaModel, ModelConfig, TokenizerInfo]:
+    """The encoder at ``path`` (on the GPU when there is one), its config, and ``tokenizer_dir`` or the tokenizer
+    saved beside it. ``path`` is anything fine-tuning starts from (:func:`load_encoder`): a distaff run,
+    checkpoint or model folder, or an HF DeBERTa-v2/v3 folder with or without a head (public v3 checkpoints
+    and distaff's RTD export are bare ``DebertaV2Model`` folders)."""
+    source = load_encoder(path, {}, field)
+    encoder = DebertaModel(source.config)
+    encoder.load_state_dict({key.removeprefix(ENCODER_PREFIX): t for key, t in source.weights.items()}, strict=True)
+    tokenizer_dir = tokenizer_dir or source.tokenizer_dir
     if tokenizer_dir is None:
-        raise FileNotFoundError(f"--model {args.model}: no tokenizer beside the weights; pass --tokenizer DIR")
+        raise FileNotFoundError(f"{field} {path}: no tokenizer beside the weights; pass --tokenizer DIR")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return model.to(device), load_tokenizer_info(tokenizer_dir)
+    return encoder.to(device), source.config, load_tokenizer_info(tokenizer_dir)
 
 
 def _pooling(args: argparse.Namespace, saved: dict | None) -> str:
@@ -155,9 +162,9 @@ def embed(args: argparse.Namespace) -> Path:
     saved = load_transform(args.transform) if args.transform else None
     pooling = _pooling(args, saved[2] if saved else None)
     texts = read_lines(args.input)
-    model, tokenizer = _model_and_tokenizer(args)
-    max_length = args.max_length or model.config.max_position_embeddings
-    x = embed_ids(model, encode(texts, tokenizer, max_length), pooling, args.batch_size)
+    encoder, config, tokenizer = model_and_tokenizer(args.model, args.tokenizer)
+    max_length = args.max_length or config.max_position_embeddings
+    x = embed_ids(encoder, encode(texts, tokenizer, max_length), pooling, args.batch_size)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     whitening = _whitening(args, x, out, saved)
