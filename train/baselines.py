@@ -1,8 +1,7 @@
 """Baselines for text classification: what a fine-tuned encoder has to beat, and what its pretraining put in it.
 
-**Bag of words.** 
-Unigrams and bigrams of lower-cased words, weighted by tf-idf (``1 + log(count)`` times
-``log((1 + n_docs) / (1 + doc_freq)) + 1``, each row scaled to unit length), feed a multinomial
+**Bag of words.** Unigrams and bigrams of lower-cased words, weighted by tf-idf (``1 + log(count)``
+times ``log((1 + n_docs) / (1 + doc_freq)) + 1``, each row scaled to unit length), feed a multinomial
 logistic regression with an L2 penalty, fitted full-batch by L-BFGS in float64. The vocabulary and
 the idf come from the training split only. Nothing is random but the split, so a seed gives one
 answer::
@@ -176,9 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.probe:
-            result = run_probe(args.probe, args.train, args.dev_fraction, args.seed, args.l2 or PROBE_L2)
+            l2 = PROBE_L2 if args.l2 is None else args.l2
+            result = run_probe(args.probe, args.train, args.dev_fraction, args.seed, l2)
         else:
-            result = run_baseline(args.train, args.dev_fraction, args.seed, args.l2 or 1e-4)
+            result = run_baseline(args.train, args.dev_fraction, args.seed, 1e-4 if args.l2 is None else args.l2)
     except (ConfigError, DataError, OSError, ValueError) as err:
         print(f"distaff baselines: {err}", file=sys.stderr)
         return 2

@@ -68,7 +68,7 @@ def embed_ids(encoder: DebertaModel, sequences: list[list[int]], pooling: str, b
     for start in range(0, len(sequences), batch_size):
         batch = sequences[start:start + batch_size]
         width = max(len(s) for s in batch)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)   # padding: masked, its id is never read
+        ids = torch.zeros((len(batch), width), dtype=torch.long)   # padding: masked, so its id changes nothing
         mask = torch.zeros_like(ids)
         for i, seq in enumerate(batch):
             ids[i, : len(seq)], mask[i, : len(seq)] = torch.tensor(seq), 1
@@ -180,7 +180,7 @@ def embed(args: argparse.Namespace) -> Path:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="distaff embed", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="distaff model folder, checkpoint / run directory or HF folder")
+    parser.add_argument("--model", required=True, help="distaff model folder, checkpoint / run directory, or HF DeBERTa-v2/v3 folder (with or without a head)")
     parser.add_argument("--input", required=True, help="text file (.txt or .txt.gz), one text per line")
     parser.add_argument("--out", required=True, help="output folder (embeddings.npy, embeddings.json, transform)")
     parser.add_argument("--pooling", choices=POOLINGS, help="mean over tokens (default) or the [CLS] vector")
