@@ -180,7 +180,8 @@ def embed(args: argparse.Namespace) -> Path:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="distaff embed", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="distaff model folder, checkpoint / run directory, or HF DeBERTa-v2/v3 folder (with or without a head)")
+    parser.add_argument("--model", required=True, help="distaff model folder, checkpoint / run directory, "
+                        "or HF DeBERTa-v2/v3 folder (with or without a head)")
     parser.add_argument("--input", required=True, help="text file (.txt or .txt.gz), one text per line")
     parser.add_argument("--out", required=True, help="output folder (embeddings.npy, embeddings.json, transform)")
     parser.add_argument("--pooling", choices=POOLINGS, help="mean over tokens (default) or the [CLS] vector")
