@@ -76,3 +76,21 @@ def data_dir(corpus_files: list[Path], tokenizer_dir: Path, tmp_path_factory: py
 def copy_data_dir(data_dir: Path, target: Path) -> Path:
     shutil.copytree(data_dir, target)
     return target
+
+
+@pytest.fixture(scope="session")
+def small_model_dir(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small model with random weights (seed 0, EMD on) and the real tokenizer, saved as a distaff model folder."""
+    import torch
+
+    from distaff.train.model import DebertaForMaskedLM
+    from distaff.train.model_config import ModelConfig
+    from distaff.train.model_folder import save_model_folder
+    from distaff.train.tokenizer import load_tokenizer_info
+
+    tokenizer = load_tokenizer_info(tokenizer_dir)
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, pad_token_id=tokenizer.pad_id, hidden_size=32,
+                      num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, max_position_embeddings=32,
+                      position_buckets=16, emd=True)
+    return save_model_folder(DebertaForMaskedLM(cfg), tmp_path_factory.mktemp("model"), tokenizer_dir)

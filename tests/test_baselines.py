@@ -96,22 +96,6 @@ def test_cli_prints_and_writes_the_result(tmp_path: Path, sample_data: Path):
     assert written["seed"] == 2 and written["dev_examples"] == 600 and 0.6 < written["dev_accuracy"] < 0.9
 
 
-@pytest.fixture(scope="module")
-def random_model_dir(tokenizer_dir, tmp_path_factory) -> Path:
-    """A small model with random weights and a real tokenizer, saved as a distaff model folder."""
-    from distaff.train.model import DebertaForMaskedLM
-    from distaff.train.model_config import ModelConfig
-    from distaff.train.model_folder import save_model_folder
-    from distaff.train.tokenizer import load_tokenizer_info
-
-    tokenizer = load_tokenizer_info(tokenizer_dir)
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, pad_token_id=tokenizer.pad_id, hidden_size=32,
-                      num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, max_position_embeddings=32,
-                      position_buckets=16)
-    return save_model_folder(DebertaForMaskedLM(cfg), tmp_path_factory.mktemp("model"), tokenizer_dir)
-
-
 def _word_rule_rows(labels: list[int]) -> list[tuple[int, str]]:
     """Sentences of shuffled filler around one word, "dull" on even rows and "superb" on odd ones."""
     rng = random.Random(0)
@@ -120,22 +104,22 @@ def _word_rule_rows(labels: list[int]) -> list[tuple[int, str]]:
             for i, label in enumerate(labels)]
 
 
-def test_probe_finds_a_word_the_frozen_features_carry(random_model_dir: Path, tmp_path: Path):
+def test_probe_finds_a_word_the_frozen_features_carry(small_model_dir: Path, tmp_path: Path):
     """Random-weight features still carry which word a sentence holds: the probe must read the rule off them,
     and must not when the labels ignore the words (same sentences, labels drawn at random)."""
     rule = _write_tsv(tmp_path / "rule.tsv.gz", _word_rule_rows([i % 2 for i in range(120)]))
-    result = run_probe(random_model_dir, rule, dev_fraction=0.25, seed=3)
+    result = run_probe(small_model_dir, rule, dev_fraction=0.25, seed=3)
     assert (result.train_examples, result.dev_examples, result.features) == (90, 30, 32)
     assert result.dev_accuracy >= 0.9, result
     coin = random.Random(1)
     noise = _write_tsv(tmp_path / "noise.tsv.gz", _word_rule_rows([coin.randrange(2) for _ in range(120)]))
-    assert run_probe(random_model_dir, noise, dev_fraction=0.25, seed=3).dev_accuracy < 0.75
+    assert run_probe(small_model_dir, noise, dev_fraction=0.25, seed=3).dev_accuracy < 0.75
 
 
-def test_probe_cli_prints_writes_and_names_a_missing_model(random_model_dir: Path, tmp_path: Path, capsys):
+def test_probe_cli_prints_writes_and_names_a_missing_model(small_model_dir: Path, tmp_path: Path, capsys):
     data = _write_tsv(tmp_path / "rule.tsv.gz", _word_rule_rows([i % 2 for i in range(80)]))
     out = tmp_path / "probe.json"
-    assert main(["--train", str(data), "--probe", str(random_model_dir), "--seed", "2", "--json", str(out)]) == 0
+    assert main(["--train", str(data), "--probe", str(small_model_dir), "--seed", "2", "--json", str(out)]) == 0
     assert "linear probe of" in capsys.readouterr().out
     written = json.loads(out.read_text())
     assert written["features"] == 32 and written["dev_examples"] == 16

@@ -12,23 +12,9 @@ import torch
 from data_fixtures import read_sample
 
 from distaff.train.embed import fit_whitening, main
-from distaff.train.model import DebertaForMaskedLM
-from distaff.train.model_config import ModelConfig
-from distaff.train.model_folder import save_model_folder
 from distaff.train.tokenizer import load_tokenizer_info
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(scope="module")
-def model_dir(tokenizer_dir, tmp_path_factory):
-    """A small random model with a real tokenizer, saved as a distaff model folder."""
-    tokenizer = load_tokenizer_info(tokenizer_dir)
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, pad_token_id=tokenizer.pad_id, hidden_size=32,
-                      num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, max_position_embeddings=32,
-                      position_buckets=16, emd=True)
-    return save_model_folder(DebertaForMaskedLM(cfg), tmp_path_factory.mktemp("model"), tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +27,13 @@ def sentences(sample_data, tmp_path_factory):
     return path
 
 
-def test_mean_and_cls_pooling_equal_a_direct_encoder_pass(model_dir, sentences, tmp_path):
+def test_mean_and_cls_pooling_equal_a_direct_encoder_pass(small_model_dir, sentences, tmp_path):
     from distaff.train.model_folder import load_model
 
     for pooling in ("mean", "cls"):
-        assert main(["--model", str(model_dir), "--input", str(sentences), "--out", str(tmp_path / pooling),
+        assert main(["--model", str(small_model_dir), "--input", str(sentences), "--out", str(tmp_path / pooling),
                      "--pooling", pooling, "--batch-size", "7"]) == 0
-    model, tokenizer_dir = load_model(model_dir)
+    model, tokenizer_dir = load_model(small_model_dir)
     tokenizer = load_tokenizer_info(tokenizer_dir)
     text = sentences.read_text().splitlines()[10]
     ids = torch.tensor([[tokenizer.cls_id, *tokenizer.processor().encode(text)[:30], tokenizer.sep_id]])
@@ -57,9 +43,9 @@ def test_mean_and_cls_pooling_equal_a_direct_encoder_pass(model_dir, sentences, 
     np.testing.assert_allclose(np.load(tmp_path / "cls" / "embeddings.npy")[10], hidden[0].numpy(), atol=1e-5)
 
 
-def test_whitened_sample_has_zero_mean_and_identity_covariance(model_dir, sentences, tmp_path):
+def test_whitened_sample_has_zero_mean_and_identity_covariance(small_model_dir, sentences, tmp_path):
     out = tmp_path / "fit"
-    assert main(["--model", str(model_dir), "--input", str(sentences), "--out", str(out), "--whiten", "8",
+    assert main(["--model", str(small_model_dir), "--input", str(sentences), "--out", str(out), "--whiten", "8",
                  "--fit-sample", "80"]) == 0
     x, rows = np.load(out / "embeddings.npy").astype(np.float64), np.load(out / "fit_rows.npy")
     assert x.shape == (120, 8) and len(rows) == 80 and len(set(rows.tolist())) == 80
@@ -70,7 +56,7 @@ def test_whitened_sample_has_zero_mean_and_identity_covariance(model_dir, senten
     assert meta["k"] == 8 and meta["fit_rows"] == 80 and meta["pooling"] == "mean"
     # the saved transform, applied to the same text by a new run, gives the same rows
     again = tmp_path / "apply"
-    assert main(["--model", str(model_dir), "--input", str(sentences), "--out", str(again),
+    assert main(["--model", str(small_model_dir), "--input", str(sentences), "--out", str(again),
                  "--transform", str(out)]) == 0
     np.testing.assert_array_equal(np.load(again / "embeddings.npy"), np.load(out / "embeddings.npy"))
     assert not (again / "whitening.safetensors").exists()
@@ -90,43 +76,43 @@ def test_fit_whitening_matches_the_definition():
     (["--whiten", "20", "--fit-sample", "10"], "--whiten 20: the fitting sample \\(10 texts\\) spans only"),
     (["--transform", "{tmp}/none"], "--transform: .*none/whitening.safetensors not found"),
 ])
-def test_bad_requests_are_named(model_dir, sentences, tmp_path, capsys, args, message):
+def test_bad_requests_are_named(small_model_dir, sentences, tmp_path, capsys, args, message):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    assert main(["--model", str(model_dir), "--input", str(sentences), "--out", str(tmp_path / "o"), *args]) == 1
+    assert main(["--model", str(small_model_dir), "--input", str(sentences), "--out", str(tmp_path / "o"), *args]) == 1
     assert re.search(message, capsys.readouterr().err)
 
 
-def test_bad_input_files_are_named(model_dir, tmp_path, capsys):
+def test_bad_input_files_are_named(small_model_dir, tmp_path, capsys):
     blank = tmp_path / "blank.txt"
     blank.write_text("one line\n\nthird line\n")
-    assert main(["--model", str(model_dir), "--input", str(blank), "--out", str(tmp_path / "o")]) == 1
+    assert main(["--model", str(small_model_dir), "--input", str(blank), "--out", str(tmp_path / "o")]) == 1
     assert f"{blank}:2: blank line" in capsys.readouterr().err
-    assert main(["--model", str(model_dir), "--input", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")]) == 1
+    assert main(["--model", str(small_model_dir), "--input", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")]) == 1
     assert "--input: file not found" in capsys.readouterr().err
     blank.write_text("one line\n")
     assert main(["--model", str(tmp_path / "nomodel"), "--input", str(blank), "--out", str(tmp_path / "o")]) == 1
     assert "--model: " + str(tmp_path / "nomodel") + " does not exist" in capsys.readouterr().err
 
 
-def test_a_bare_hugging_face_encoder_folder_embeds_like_its_source(model_dir, sentences, tmp_path):
+def test_a_bare_hugging_face_encoder_folder_embeds_like_its_source(small_model_dir, sentences, tmp_path):
     """Public DeBERTa-v3 checkpoints and distaff's RTD export are ``DebertaV2Model`` folders, with no MLM head."""
     from transformers import DebertaV2Model
 
     from distaff.train.hf import to_hf
     from distaff.train.model_folder import load_model
 
-    model, tokenizer_dir = load_model(model_dir)
+    model, tokenizer_dir = load_model(small_model_dir)
     bare = to_hf(model, tmp_path / "hf", tokenizer_dir)
     DebertaV2Model.from_pretrained(bare).save_pretrained(bare)   # the encoder alone replaces the MLM folder's weights
-    for name, source in (("source", model_dir), ("bare", bare)):
+    for name, source in (("source", small_model_dir), ("bare", bare)):
         assert main(["--model", str(source), "--input", str(sentences), "--out", str(tmp_path / name)]) == 0
     np.testing.assert_allclose(np.load(tmp_path / "bare" / "embeddings.npy"),
                                np.load(tmp_path / "source" / "embeddings.npy"), atol=1e-5)
 
 
-def test_transform_with_other_pooling_is_refused(model_dir, sentences, tmp_path, capsys):
-    assert main(["--model", str(model_dir), "--input", str(sentences), "--out", str(tmp_path / "t"), "--whiten", "4",
+def test_transform_with_other_pooling_is_refused(small_model_dir, sentences, tmp_path, capsys):
+    assert main(["--model", str(small_model_dir), "--input", str(sentences), "--out", str(tmp_path / "t"), "--whiten", "4",
                  "--pooling", "cls"]) == 0
-    assert main(["--model", str(model_dir), "--input", str(sentences), "--out", str(tmp_path / "u"),
+    assert main(["--model", str(small_model_dir), "--input", str(sentences), "--out", str(tmp_path / "u"),
                  "--transform", str(tmp_path / "t"), "--pooling", "mean"]) == 1
     assert "fitted on 'cls' pooling" in capsys.readouterr().err

@@ -35,8 +35,6 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from distaff.train.config import ConfigError
-from distaff.train.data.errors import DataError
 from distaff.train.data.labelled import InputFormat, encode_labels, hold_out, label_names, read_examples
 from distaff.train.embed import embed_ids, encode, model_and_tokenizer
 
@@ -179,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_probe(args.probe, args.train, args.dev_fraction, args.seed, l2)
         else:
             result = run_baseline(args.train, args.dev_fraction, args.seed, 1e-4 if args.l2 is None else args.l2)
-    except (ConfigError, DataError, OSError, ValueError) as err:
+    except (OSError, ValueError) as err:   # ValueError: ConfigError and DataError among them
         print(f"distaff baselines: {err}", file=sys.stderr)
         return 2
     what = (f"linear probe of {args.probe}: dev accuracy", f"{result.features} frozen features") if args.probe \
