@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from distaff.train.errors import take_debug_flag
+
 # subcommand -> (module with a ``main(argv)``, one-line help)
 COMMANDS = {
     "tokenizer": ("distaff.train.tokenizer", "train a SentencePiece tokenizer (distaff tokenizer train ...)"),
@@ -21,13 +23,14 @@ COMMANDS = {
 
 
 def _usage() -> str:
-    lines = ["usage: distaff COMMAND [ARGS ...]", "", "commands:"]
+    lines = ["usage: distaff COMMAND [ARGS ...] [--debug]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Bad input is one line and exit status 2; --debug (anywhere) adds the traceback of any error."]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = take_debug_flag(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0

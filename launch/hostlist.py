@@ -10,10 +10,12 @@ from __future__ import annotations
 import itertools
 import re
 
+from distaff.train.errors import UserError
+
 _RANGE = re.compile(r"(\d+)(?:-(\d+))?")
 
 
-class HostlistError(ValueError):
+class HostlistError(UserError):
     """A malformed hostlist expression; the message quotes it."""
 
 

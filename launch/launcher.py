@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distaff.launch.hostlist import expand_hostlist
-from distaff.launch.run_config import LaunchTarget, add_task_argument, resolve_or_exit
+from distaff.launch.run_config import LaunchTarget, add_task_argument, resolve_launch_target
+from distaff.train.errors import command_main
+from distaff.train.model_config import ConfigError
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -59,10 +61,10 @@ def format_deepspeed_env(variables: Mapping[str, str]) -> str:
     lines = []
     for name, value in variables.items():
         if not name.isidentifier():
-            raise ValueError(f".deepspeed_env: {name!r} is not a valid variable name")
+            raise ConfigError(f".deepspeed_env: {name!r} is not a valid variable name")
         bad = sorted({char for char in value if char in '\n\r"$`\\'})
         if bad:
-            raise ValueError(f".deepspeed_env: value of {name} contains {bad}, which cannot be passed to other nodes")
+            raise ConfigError(f".deepspeed_env: value of {name} contains {bad}, which cannot be passed to other nodes")
         lines.append(f"{name}={value}\n")
     return "".join(lines)
 
@@ -70,9 +72,9 @@ def format_deepspeed_env(variables: Mapping[str, str]) -> str:
 def format_hostfile(hosts: list[str], slots: int) -> str:
     """A deepspeed (MPI-style) hostfile: ``host slots=N`` per line."""
     if len(set(hosts)) != len(hosts):
-        raise ValueError(f"hostfile: duplicate hosts in {hosts}")
+        raise ConfigError(f"hostfile: duplicate hosts in {hosts}")
     if slots < 1:
-        raise ValueError(f"hostfile: slots per host must be >= 1, got {slots}")
+        raise ConfigError(f"hostfile: slots per host must be >= 1, got {slots}")
     return "".join(f"{host} slots={slots}\n" for host in hosts)
 
 
@@ -100,7 +102,7 @@ def _parse_env_pairs(pairs: list[str]) -> dict[str, str]:
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or not name:
-            raise ValueError(f"--env {pair!r}: expected NAME=VALUE")
+            raise ConfigError(f"--env {pair!r}: expected NAME=VALUE")
         extra[name] = value
     return extra
 
@@ -149,16 +151,15 @@ def plan_launch(target: LaunchTarget, *, hosts: list[str], gpus_per_node: int | 
 
 
 def main(argv: list[str] | None = None) -> int:
+    return command_main("distaff launch", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    target = resolve_or_exit(args.config, args.overrides, "distaff launch", args.task)
-    try:
-        env = {**os.environ, **_parse_env_pairs(args.env)}
-        hosts = hosts_from_environment(args.hosts, env)
-        plan = plan_launch(target, hosts=hosts, gpus_per_node=args.gpus_per_node,
-                           master_port=args.master_port, env=env)
-    except ValueError as err:  # HostlistError included: bad --hosts, --env, or a value nodes cannot get
-        print(f"distaff launch: {err}", file=sys.stderr)
-        return 2
+    target = resolve_launch_target(args.config, args.overrides, args.task)
+    env = {**os.environ, **_parse_env_pairs(args.env)}
+    hosts = hosts_from_environment(args.hosts, env)
+    plan = plan_launch(target, hosts=hosts, gpus_per_node=args.gpus_per_node, master_port=args.master_port, env=env)
     shown = (f"DS_ENV_FILE={shlex.quote(plan.env['DS_ENV_FILE'])} " if plan.files else "") + shlex.join(plan.command)
     if args.dry_run:
         for path, text in plan.files.items():

@@ -6,11 +6,11 @@ submit time on the login node instead of minutes later on the compute nodes.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from distaff.train.config import ConfigError, load_config
+from distaff.train.config import load_config
+from distaff.train.errors import report
 from distaff.train.finetune_config import load_finetune_config
 
 # ``--task``: the trainer module each launcher runs, and the loader that validates its config
@@ -56,9 +56,9 @@ def resolve_launch_target(config: str | Path, overrides: list[str], task: str = 
 
 
 def resolve_or_exit(config: str | Path, overrides: list[str], prog: str, task: str = "pretrain") -> LaunchTarget:
-    """:func:`resolve_launch_target` for a command line: a config error is one message, exit 2."""
+    """:func:`resolve_launch_target` for a command line that reports its own errors: a bad config is
+    reported as every command reports one (:mod:`distaff.train.errors`), then ``SystemExit``."""
     try:
         return resolve_launch_target(config, overrides, task)
-    except ConfigError as err:
-        print(f"{prog}: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except Exception as err:  # noqa: BLE001 - reported in the one style
+        raise SystemExit(report(prog, err)) from None

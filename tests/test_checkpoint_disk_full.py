@@ -103,7 +103,7 @@ def test_full_filesystem_during_a_real_save(sample_data, tmp_path_factory):
     log = proc.stdout + proc.stderr
     assert proc.returncode == EXIT_FAILURE, log[-6000:]
     where = re.escape(str(run / "checkpoints"))
-    assert re.search("CheckpointSaveError: " + MESSAGE.format(where=where, step=4, prev=2), log), log[-6000:]
+    assert re.search("distaff pretrain: " + MESSAGE.format(where=where, step=4, prev=2), log), log[-6000:]
 
     checkpoints = copy / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == tag_for_step(2)

@@ -90,7 +90,7 @@ def test_export_refuses_a_pickled_payload(sample_data, tmp_path_factory, tmp_pat
     newest = shutil.copytree(run / "checkpoints" / "step-00000008", tmp_path / "checkpoints" / "step-00000008")
     marker = tmp_path / "code-ran"
     torch.save({"optimizer_state_dict": _CreatesMarker(marker)}, newest / OPTIM_STATES)
-    assert export_main([str(newest), str(tmp_path / "hf")]) == 1
+    assert export_main([str(newest), str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert "refusing to load" in err and OPTIM_STATES in err
     assert not marker.exists()
@@ -102,7 +102,7 @@ def test_export_keeps_a_non_empty_folder_unless_overwrite(sample_data, tmp_path_
     out = tmp_path / "hf"
     out.mkdir()
     (out / "config.json").write_text("the user's own\n")
-    assert export_main([str(run), str(out)]) == 1
+    assert export_main([str(run), str(out)]) == 2
     assert f"{out}: exists and is not an empty folder; pass --overwrite" in capsys.readouterr().err
     assert (out / "config.json").read_text() == "the user's own\n"
     umask = os.umask(0o022)

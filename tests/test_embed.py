@@ -78,19 +78,19 @@ def test_fit_whitening_matches_the_definition():
 ])
 def test_bad_requests_are_named(small_model_dir, sentences, tmp_path, capsys, args, message):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    assert main(["--model", str(small_model_dir), "--input", str(sentences), "--out", str(tmp_path / "o"), *args]) == 1
+    assert main(["--model", str(small_model_dir), "--input", str(sentences), "--out", str(tmp_path / "o"), *args]) == 2
     assert re.search(message, capsys.readouterr().err)
 
 
 def test_bad_input_files_are_named(small_model_dir, tmp_path, capsys):
     blank = tmp_path / "blank.txt"
     blank.write_text("one line\n\nthird line\n")
-    assert main(["--model", str(small_model_dir), "--input", str(blank), "--out", str(tmp_path / "o")]) == 1
+    assert main(["--model", str(small_model_dir), "--input", str(blank), "--out", str(tmp_path / "o")]) == 2
     assert f"{blank}:2: blank line" in capsys.readouterr().err
-    assert main(["--model", str(small_model_dir), "--input", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")]) == 1
+    assert main(["--model", str(small_model_dir), "--input", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")]) == 2
     assert "--input: file not found" in capsys.readouterr().err
     blank.write_text("one line\n")
-    assert main(["--model", str(tmp_path / "nomodel"), "--input", str(blank), "--out", str(tmp_path / "o")]) == 1
+    assert main(["--model", str(tmp_path / "nomodel"), "--input", str(blank), "--out", str(tmp_path / "o")]) == 2
     assert "--model: " + str(tmp_path / "nomodel") + " does not exist" in capsys.readouterr().err
 
 
@@ -114,5 +114,5 @@ def test_transform_with_other_pooling_is_refused(small_model_dir, sentences, tmp
     assert main(["--model", str(small_model_dir), "--input", str(sentences), "--out", str(tmp_path / "t"), "--whiten", "4",
                  "--pooling", "cls"]) == 0
     assert main(["--model", str(small_model_dir), "--input", str(sentences), "--out", str(tmp_path / "u"),
-                 "--transform", str(tmp_path / "t"), "--pooling", "mean"]) == 1
+                 "--transform", str(tmp_path / "t"), "--pooling", "mean"]) == 2
     assert "fitted on 'cls' pooling" in capsys.readouterr().err

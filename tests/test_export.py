@@ -50,5 +50,5 @@ def test_export_loads_in_transformers_with_identical_logits(stage, sample_data, 
 
 
 def test_export_names_a_missing_checkpoint(tmp_path, capsys):
-    assert export_main([str(tmp_path), str(tmp_path / "out")]) == 1
+    assert export_main([str(tmp_path), str(tmp_path / "out")]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err

@@ -36,13 +36,10 @@ def test_launch_runs_the_finetune_module(ft_config: Path) -> None:
 
 def test_a_finetune_config_is_checked_by_its_own_loader(ft_config: Path, capsys) -> None:
     argv = ["launch", "--task", "finetune", "--config", str(ft_config), "--dry-run", "optim.layer_decay=2"]
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(argv)
-    assert exit_info.value.code == 2
+    assert cli.main(argv) == 2
     assert "optim.layer_decay" in capsys.readouterr().err
     # as a pretraining config it is refused for what pretraining lacks
-    with pytest.raises(SystemExit):
-        cli.main(["launch", "--config", str(ft_config), "--dry-run"])
+    assert cli.main(["launch", "--config", str(ft_config), "--dry-run"]) == 2
 
 
 def test_slurm_dry_run_writes_a_finetune_script(ft_config: Path, capsys) -> None:
@@ -62,6 +59,6 @@ def test_bundled_sentiment_config_loads() -> None:
 
 def test_distaff_finetune_reports_a_config_error(ft_config: Path, capsys) -> None:
     assert cli.main(["finetune", "--config", str(ft_config), "optim.warmup_ratio=2"]) == 2
-    assert "distaff finetune: config error: optim.warmup_ratio" in capsys.readouterr().err
+    assert "distaff finetune: optim.warmup_ratio" in capsys.readouterr().err
     assert cli.main(["--help"]) == 0
     assert "finetune" in capsys.readouterr().out

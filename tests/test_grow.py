@@ -132,5 +132,5 @@ def test_grow_a_checkpoint_and_continue_pretraining(sample_data, tmp_path_factor
 
 @pytest.mark.integration
 def test_grow_cli_names_a_bad_model(tmp_path, capsys):
-    assert main([str(tmp_path / "nowhere"), str(tmp_path / "out"), "--num-layers", "4"]) == 1
+    assert main([str(tmp_path / "nowhere"), str(tmp_path / "out"), "--num-layers", "4"]) == 2
     assert "nowhere: not a model" in capsys.readouterr().err

@@ -118,9 +118,7 @@ def test_launch_dry_run_prints_files_and_command_and_writes_nothing(target, caps
 def test_launch_rejects_bad_input_with_a_clear_message(run_config: Path, capsys) -> None:
     assert cli.main(["launch", "--config", str(run_config), "--hosts", "gpu[1-", "--dry-run"]) == 2
     assert "hostlist 'gpu[1-'" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as info:
-        cli.main(["launch", "--config", str(run_config), "--dry-run", "optim.lrr=1"])
-    assert info.value.code == 2
+    assert cli.main(["launch", "--config", str(run_config), "--dry-run", "optim.lrr=1"]) == 2
     assert "optim.lrr" in capsys.readouterr().err
 
 

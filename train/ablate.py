@@ -60,6 +60,7 @@ from typing import Any
 import yaml
 
 from .config import ConfigError, RunConfig, load_config
+from .errors import RunFailure, command_main
 from .metrics import save_figure
 from .pretrain import SUMMARY_FILE
 
@@ -243,7 +244,7 @@ def prepare_data(cfg: AblationConfig) -> Path:
     for step in steps:
         print(f"distaff ablate: {shlex.join(['distaff', *step])}", flush=True)
         if subprocess.run(cli + step).returncode != 0:
-            raise RuntimeError(f"distaff ablate: data preparation failed: distaff {' '.join(step[:2])}")
+            raise RunFailure(f"data preparation failed: distaff {' '.join(step[:2])} (its error is above)")
     return data
 
 
@@ -516,33 +517,38 @@ def write_report(cfg: AblationConfig, runs: list[PlannedRun]) -> list[dict[str, 
 # ---------------------------------------------------------------- command line
 
 def main(argv: list[str] | None = None) -> int:
+    return command_main("distaff ablate", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="distaff ablate", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="ablation YAML (see configs/ablation/)")
     parser.add_argument("--report", action="store_true", help="only gather finished runs into the report")
     parser.add_argument("--dry-run", action="store_true", help="print the planned runs' commands, run nothing")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    cfg = load_ablation(args.config)
     try:
-        cfg = load_ablation(args.config)
-        if not args.report and not args.dry_run:
-            prepare_data(cfg)
-        runs = plan_runs(cfg)
-        if args.dry_run:
-            print("\n".join(shlex.join(run_command(cfg, run, 29500)) for run in runs))
-            return 0
-        if not args.report and cfg.launcher == "script":
-            scripts = write_job_scripts(cfg, runs)
-            print(f"distaff ablate: wrote {len(scripts)} job script(s) under {cfg.root / 'jobs'}; start them, then "
-                  f"run `distaff ablate --config {args.config} --report`")
-            return 0
-        failures = [] if args.report else run_all(cfg, runs)
-        write_report(cfg, runs)
-    except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as err:
-        print(f"distaff ablate: {err}", file=sys.stderr)
-        return 2 if isinstance(err, ConfigError) else 1
+        return _ablate(cfg, args)
     except KeyboardInterrupt:
         print("distaff ablate: interrupted; finished runs keep their summaries: run the same command again to "
               "continue", file=sys.stderr)
         return 130
+
+
+def _ablate(cfg: AblationConfig, args: argparse.Namespace) -> int:
+    if not args.report and not args.dry_run:
+        prepare_data(cfg)
+    runs = plan_runs(cfg)
+    if args.dry_run:
+        print("\n".join(shlex.join(run_command(cfg, run, 29500)) for run in runs))
+        return 0
+    if not args.report and cfg.launcher == "script":
+        scripts = write_job_scripts(cfg, runs)
+        print(f"distaff ablate: wrote {len(scripts)} job script(s) under {cfg.root / 'jobs'}; start them, then "
+              f"run `distaff ablate --config {args.config} --report`")
+        return 0
+    failures = [] if args.report else run_all(cfg, runs)
+    write_report(cfg, runs)
     if failures:
         print("distaff ablate: " + "\n  ".join([f"{len(failures)} run(s) failed (the report has the others):"]
                                                + failures), file=sys.stderr)

@@ -26,7 +26,6 @@ import argparse
 import json
 import math
 import re
-import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ import torch
 
 from distaff.train.data.labelled import InputFormat, encode_labels, hold_out, label_names, read_examples
 from distaff.train.embed import embed_ids, encode, model_and_tokenizer
+from distaff.train.errors import command_main
 
 BUNDLED_COLUMNS = InputFormat(columns=("label", "text"))   # data/movie-snippets.tsv.gz
 
@@ -161,7 +161,11 @@ def _fit_and_score(path: Path, dev_fraction: float, seed: int, l2: float, fmt: I
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    return command_main("distaff baselines", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="distaff baselines", description=__doc__.split("\n\n")[0])
     parser.add_argument("--train", type=Path, required=True,
                         help="a headerless label<TAB>text file (.tsv or .tsv.gz), like data/movie-snippets.tsv.gz")
     parser.add_argument("--dev-fraction", type=float, default=0.2, help="share of the rows held out for scoring")
@@ -171,15 +175,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="a linear probe of this model's frozen encoder instead of the bag of words")
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args(argv)
-    try:
-        if args.probe:
-            l2 = PROBE_L2 if args.l2 is None else args.l2
-            result = run_probe(args.probe, args.train, args.dev_fraction, args.seed, l2)
-        else:
-            result = run_baseline(args.train, args.dev_fraction, args.seed, 1e-4 if args.l2 is None else args.l2)
-    except (OSError, ValueError) as err:   # ValueError: ConfigError and DataError among them
-        print(f"distaff baselines: {err}", file=sys.stderr)
-        return 2
+    if args.probe:
+        result = run_probe(args.probe, args.train, args.dev_fraction, args.seed, PROBE_L2 if args.l2 is None else args.l2)
+    else:
+        result = run_baseline(args.train, args.dev_fraction, args.seed, 1e-4 if args.l2 is None else args.l2)
     what = (f"linear probe of {args.probe}: dev accuracy", f"{result.features} frozen features") if args.probe \
         else ("bag-of-words dev accuracy", f"{result.features} n-grams")
     print(f"{what[0]} {result.dev_accuracy:.4f} (majority class {result.majority_accuracy:.4f}; "

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from .checkpoint_files import FIRST_FORMAT_WITH_FILES, META, checkpoint_problem, write_file_list
+from .errors import RunFailure
 from .files import atomic_write_text, fsync_dir
 from .resize import global_batch_notice, has_partitioned_state, universal_folder, universal_loading
 from .safe_load import weights_only_loads
@@ -175,7 +176,7 @@ def prune(root: Path, keep: int, published: Path | None = None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-class CheckpointSaveError(RuntimeError):
+class CheckpointSaveError(RunFailure):
     """A checkpoint could not be written; the message names the cause and the intact previous checkpoint."""
 
 

@@ -25,10 +25,12 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from .files import chmod_default
 from .classifier_init import ENCODER_PREFIX, load_encoder
+from .data.errors import DataError
+from .errors import command_main
+from .files import chmod_default
 from .model import DebertaModel
-from .model_config import ModelConfig
+from .model_config import ConfigError, ModelConfig
 from .tokenizer import TokenizerInfo, load_tokenizer_info
 
 POOLINGS = ("mean", "cls")
@@ -45,12 +47,12 @@ def read_lines(path: str | Path) -> list[str]:
         with opener(path, "rt", encoding="utf-8") as handle:
             lines = handle.read().splitlines()
     except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not UTF-8 text ({err})") from None
+        raise DataError(f"{path}: not UTF-8 text ({err})") from None
     blank = next((i for i, line in enumerate(lines, 1) if not line.strip()), None)
     if blank is not None:
-        raise ValueError(f"{path}:{blank}: blank line (each line is one text and one row of the output)")
+        raise DataError(f"{path}:{blank}: blank line (each line is one text and one row of the output)")
     if not lines:
-        raise ValueError(f"{path}: no lines to embed")
+        raise DataError(f"{path}: no lines to embed")
     return lines
 
 
@@ -83,12 +85,12 @@ def fit_whitening(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """``mean [D]`` and ``W [D, k]`` such that ``(x - mean) @ W`` has mean 0 and identity covariance."""
     n, d = x.shape
     if not 0 < k <= d:
-        raise ValueError(f"--whiten {k}: must be between 1 and the embedding size {d}")
+        raise ConfigError(f"--whiten {k}: must be between 1 and the embedding size {d}")
     mean = x.mean(0)
     cov = (x - mean).T @ (x - mean) / n
     u, s, _ = np.linalg.svd(cov)
     if s[k - 1] <= 1e-10 * s[0]:
-        raise ValueError(f"--whiten {k}: the fitting sample ({n} texts) spans only {int((s > 1e-10 * s[0]).sum())} "
+        raise ConfigError(f"--whiten {k}: the fitting sample ({n} texts) spans only {int((s > 1e-10 * s[0]).sum())} "
                          f"directions; lower --whiten or raise --fit-sample")
     return mean, u[:, :k] / np.sqrt(s[:k])
 
@@ -131,7 +133,7 @@ def _pooling(args: argparse.Namespace, saved: dict | None) -> str:
     if saved is None:
         return args.pooling or "mean"
     if args.pooling and args.pooling != saved["pooling"]:
-        raise ValueError(f"--pooling {args.pooling}: the transform in {args.transform} was fitted on "
+        raise ConfigError(f"--pooling {args.pooling}: the transform in {args.transform} was fitted on "
                          f"{saved['pooling']!r} pooling (--transform); drop --pooling or use the same one")
     return saved["pooling"]
 
@@ -141,7 +143,7 @@ def _whitening(args: argparse.Namespace, x: np.ndarray, out: Path, saved) -> tup
     if saved is not None:
         mean, w, meta = saved
         if w.shape[0] != x.shape[1]:
-            raise ValueError(f"--transform {args.transform}: fitted on {w.shape[0]}-dim embeddings, but "
+            raise ConfigError(f"--transform {args.transform}: fitted on {w.shape[0]}-dim embeddings, but "
                              f"--model {args.model} gives {x.shape[1]}")
         return mean, w
     if not args.whiten:
@@ -194,7 +196,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(default: the model's max_position_embeddings)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0, help="seed of the fitting sample")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
     if args.whiten and args.transform:
         parser.error("--whiten and --transform: fit a new transform or apply a saved one, not both")
     if args.max_length and args.max_length < 3:
@@ -203,12 +205,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        out = embed(args)
-    except (FileNotFoundError, ValueError) as err:
-        print(f"distaff embed: {err}", file=sys.stderr)
-        return 1
+    return command_main("distaff embed", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    out = embed(parse_args(argv))
     meta = json.loads((out / "embeddings.json").read_text())
     print(f"distaff embed: wrote {out / 'embeddings.npy'} ({meta['rows']} x {meta['dim']}, {meta['pooling']} pooling"
           f"{', whitened' if meta['whitened'] else ''})")

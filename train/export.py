@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 
 from .checkpoint import META, is_complete, latest_checkpoint
+from .errors import command_main
+from .model_config import ConfigError
 from .safe_load import safe_load, weights_only_loads
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -82,11 +84,11 @@ def export(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | None
     model.load_state_dict(fp32_state_dict(folder), strict=True)
     if meta.get("task") == CLASSIFIER_TASK:
         if generator:
-            raise ValueError(f"{folder}: --generator needs a checkpoint of an RTD run, not a fine-tuning run")
+            raise ConfigError(f"{folder}: --generator needs a checkpoint of an RTD run, not a fine-tuning run")
         return classifier_to_hf(model, out, tokenizer, meta["label_names"])
     if not hasattr(model, "discriminator"):
         if generator:
-            raise ValueError(f"{folder}: --generator needs a checkpoint of an RTD run (train.objective=rtd)")
+            raise ConfigError(f"{folder}: --generator needs a checkpoint of an RTD run (train.objective=rtd)")
         return to_hf(model, out, tokenizer=tokenizer)
     if generator:
         return to_hf(model.generator, out, tokenizer=tokenizer)
@@ -114,6 +116,10 @@ def model_from_meta(meta: dict, source: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    return command_main("distaff export-hf", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="distaff export-hf", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="checkpoint folder, checkpoints folder or run directory")
     parser.add_argument("out", help="output folder for the Hugging Face model")
@@ -123,12 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="RTD runs: write the generator (DebertaV2ForMaskedLM) instead of the discriminator")
     parser.add_argument("--latest", action="store_true",
                         help="fine-tuning runs: the latest checkpoint instead of the best one (best/)")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        out = export(args.checkpoint, args.out, args.tokenizer, args.overwrite, args.generator, args.latest)
-    except (FileNotFoundError, FileExistsError, ValueError, RuntimeError, KeyError) as err:
-        print(f"distaff export-hf: {err}", file=sys.stderr)
-        return 1
+    args = parser.parse_args(argv)
+    out = export(args.checkpoint, args.out, args.tokenizer, args.overwrite, args.generator, args.latest)
     architecture = json.loads((out / "config.json").read_text())["architectures"][0]
     loader = {"DebertaV2Model": "AutoModel", "DebertaV2ForSequenceClassification":
               "AutoModelForSequenceClassification"}.get(architecture, "AutoModelForMaskedLM")

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from .errors import command_main
 from .export import check_out_dir
 from .model import DebertaForMaskedLM, Layer
 from .model_config import ConfigError, ModelConfig
@@ -177,6 +178,10 @@ def grow_model(model: DebertaForMaskedLM, hidden_size: int, num_layers: int, int
 
 
 def main(argv: list[str] | None = None) -> int:
+    return command_main("distaff grow", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="distaff grow", description=__doc__.splitlines()[0])
     parser.add_argument("model", help="checkpoint, run directory, distaff model folder or HF folder")
     parser.add_argument("out", help="output distaff model folder (start a run from it with model.init_from=OUT)")
@@ -186,17 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, help="attention heads (must be heads x width factor: head size kept)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the new weights and the weight shares")
     parser.add_argument("--overwrite", action="store_true", help="write into OUT even if it already holds files")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        check_out_dir(Path(args.out), args.overwrite)
-        model, tokenizer = load_model(args.model)
-        small = model.config
-        grown = grow_model(model, args.hidden_size or small.hidden_size, args.num_layers or small.num_hidden_layers,
-                           args.intermediate_size, args.heads, args.seed)
-        save_model_folder(grown, args.out, tokenizer)
-    except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as err:
-        print(f"distaff grow: {err}", file=sys.stderr)
-        return 1
+    args = parser.parse_args(argv)
+    check_out_dir(Path(args.out), args.overwrite)
+    model, tokenizer = load_model(args.model)
+    small = model.config
+    grown = grow_model(model, args.hidden_size or small.hidden_size, args.num_layers or small.num_hidden_layers,
+                       args.intermediate_size, args.heads, args.seed)
+    save_model_folder(grown, args.out, tokenizer)
     before, after = (sum(p.numel() for p in m.parameters()) / 1e6 for m in (model, grown))
     c = grown.config
     print(f"distaff grow: wrote {args.out}: {before:.2f}M -> {after:.2f}M parameters (hidden {c.hidden_size}, "

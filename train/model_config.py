@@ -17,11 +17,12 @@ from typing import Any, Iterable
 import yaml
 
 from distaff.kernels import IMPLS, attention_span
+from distaff.train.errors import UserError
 
 POSITION_TERMS = ("c2p", "p2c")
 
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field."""
+class ConfigError(UserError):
+    """A configuration value is invalid; the message names the field (or key) and what to do."""
 
 
 def reject_unknown_keys(values: Iterable[str], known: Iterable[str], what: str, prefix: str = "",

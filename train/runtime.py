@@ -19,7 +19,6 @@ import signal
 import string
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -31,7 +30,8 @@ from . import distributed as dist_utils
 from .checkpoint import Checkpointer, Stateful, latest_checkpoint
 from .config import ConfigError, RunConfig
 from .engine import initialize, set_lr
-from .exit_codes import EXIT_BAD_CONFIG, EXIT_FAILURE, EXIT_PREEMPTED
+from .errors import DEBUG_FLAG, RunFailure, report, take_debug_flag
+from .exit_codes import EXIT_PREEMPTED
 from .finetune_config import FinetuneConfig
 from .metrics import MetricsLogger, WandbSink, system_info
 from .model_config import ModelConfig
@@ -289,26 +289,27 @@ class RunBase:
 
 
 def parse_args(prog: str, description: str, argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     epilog=f"{DEBUG_FLAG}: print the traceback of any error")
     parser.add_argument("--config", help="run config YAML")
     # the deepspeed launcher appends --local_rank unless run with --no_local_rank; LOCAL_RANK is read from the env
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=3e-4")
-    return parser.parse_args(argv)
+    return parser.parse_args(take_debug_flag(argv))
 
 
 def run_main(prog: str, description: str, argv: list[str] | None, load: Callable[[str | None, list[str]], Any],
              train: Callable[[Any, dist_utils.DistEnv], int]) -> int:
     """Parse the command line, load the config with ``load``, run ``train`` on this rank; the exit code.
 
-    A config error is :data:`EXIT_BAD_CONFIG` (on every rank together); any other failure names the
-    rank and exits :data:`EXIT_FAILURE` at once (its peers may be mid-collective)."""
+    Errors are reported as every command reports them (:mod:`distaff.train.errors`), naming the rank when
+    there are several. A config error is raised by every rank together, so the process group is shut
+    down in step; any other failure leaves at once (its peers may be mid-collective)."""
     args = parse_args(prog, description, sys.argv[1:] if argv is None else argv)
     try:
         cfg = load(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"{prog}: config error: {err}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
+    except Exception as err:  # noqa: BLE001 - reported in the one style
+        return report(prog, err)
     dist_utils.die_with_launcher()
     layout = dist_utils.env_from_environ()
     try:
@@ -316,25 +317,28 @@ def run_main(prog: str, description: str, argv: list[str] | None, load: Callable
         code = train(cfg, layout)
         dist_utils.shutdown()
         return code
-    except ConfigError as err:
-        print(f"{prog}: rank {layout.rank}: config error: {err}", file=sys.stderr, flush=True)
+    except Exception as err:  # noqa: BLE001 - report which rank failed and why, then exit
+        return _rank_failed(prog, err, layout, cfg.distributed.timeout_s)
+    finally:
+        sys.stdout.flush()
+
+
+def _rank_failed(prog: str, err: Exception, layout: dist_utils.DistEnv, timeout_s: int) -> int:
+    where, hint = f"rank {layout.rank}: " if layout.world_size > 1 else "", ""
+    if isinstance(err, (torch.distributed.DistError, RuntimeError)) and layout.world_size > 1 \
+            and not isinstance(err, RunFailure):
+        hint = (f"if a collective failed: another rank probably died, or a collective waited longer than "
+                f"distributed.timeout_s={timeout_s}")
+    code = report(prog, err, where, hint)
+    if isinstance(err, ConfigError):
         # every rank refuses together, so no collective is pending: a live process group left to the
         # interpreter's exit aborts the process ("terminate called without an active exception")
         dist_utils.shutdown()
-        return EXIT_BAD_CONFIG
-    except Exception as err:  # noqa: BLE001 - report which rank failed and why, then exit non-zero
-        traceback.print_exc()
-        hint = ""
-        if isinstance(err, (torch.distributed.DistError, RuntimeError)) and layout.world_size > 1:
-            hint = (f" (if a collective failed: another rank probably died, or a collective waited longer than "
-                    f"distributed.timeout_s={cfg.distributed.timeout_s})")
-        print(f"{prog}: rank {layout.rank}: failed: {type(err).__name__}: {err}{hint}",
-              file=sys.stderr, flush=True)
-        # its peers may be gone or mid-collective, so the process group can be neither destroyed (that
-        # may wait) nor left to the interpreter's teardown (gloo's threads abort it with -6): leave now
-        if dist_utils.torch_distributed_initialized():
-            sys.stdout.flush()
-            os._exit(EXIT_FAILURE)
-        return EXIT_FAILURE
-    finally:
+        return code
+    # its peers may be gone or mid-collective, so the process group can be neither destroyed (that
+    # may wait) nor left to the interpreter's teardown (gloo's threads abort it with -6): leave now
+    if dist_utils.torch_distributed_initialized():
         sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

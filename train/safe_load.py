@@ -15,11 +15,13 @@ from typing import Any, Iterator
 
 import torch
 
+from .errors import UserError
+
 
 _TORCH_LOAD = torch.load  # the real one, kept while weights_only_loads replaces torch.load
 
 
-class UnsafeCheckpointError(RuntimeError):
+class UnsafeCheckpointError(UserError):
     """A checkpoint file holds something other than tensors and plain (allow-listed) values."""
 
 

@@ -26,7 +26,7 @@ import sentencepiece as spm
 
 from distaff.train.data.errors import DataError
 from distaff.train.data.sources import ReadOptions, ReadStats, check_inputs, iter_documents
-from distaff.train.exit_codes import EXIT_BAD_CONFIG, EXIT_FAILURE
+from distaff.train.errors import command_main
 from distaff.train.files import file_sha256
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def load_tokenizer_info(path: str | Path) -> TokenizerInfo:
     meta = json.loads(meta_path.read_text())
     fingerprint = file_sha256(path / MODEL_FILE)
     if fingerprint != meta["fingerprint"]:
-        raise ValueError(f"{path / MODEL_FILE}: sha256 {fingerprint} does not match {meta_path} ({meta['fingerprint']})")
+        raise DataError(f"{path / MODEL_FILE}: sha256 {fingerprint} does not match {meta_path} ({meta['fingerprint']})")
     ids = meta["special_ids"]
     return TokenizerInfo(path=path, vocab_size=int(meta["vocab_size"]), pad_id=ids["pad"], cls_id=ids["cls"],
                          sep_id=ids["sep"], unk_id=ids["unk"], mask_id=ids["mask"], fingerprint=fingerprint)
@@ -100,7 +100,7 @@ def _added_token_id(path: Path, token: str) -> int:
                   .get("added_tokens_decoder", {}).items()})
     added.update({entry["content"]: int(entry["id"]) for entry in read("tokenizer.json").get("added_tokens", [])})
     if token not in added:
-        raise ValueError(f"{path / MODEL_FILE}: no {token} piece, and neither added_tokens.json, tokenizer_config.json "
+        raise DataError(f"{path / MODEL_FILE}: no {token} piece, and neither added_tokens.json, tokenizer_config.json "
                          f"nor tokenizer.json in {path} gives its id (is this a DeBERTa-v2/v3 tokenizer?)")
     return int(added[token])
 
@@ -186,7 +186,11 @@ def _write_hf_files(out_dir: Path, model_max_length: int) -> None:
     AutoTokenizer.from_pretrained(str(out_dir)).save_pretrained(str(out_dir))
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    return command_main("distaff tokenizer", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="distaff tokenizer", description="train a SentencePiece unigram tokenizer")
     sub = parser.add_subparsers(dest="action", required=True)
     train = sub.add_parser("train", help="train spm.model + a Hugging Face tokenizer folder")
@@ -200,15 +204,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     max_bytes = None if args.max_input_mb is None else int(args.max_input_mb * 1e6)
-    try:
-        info = train_tokenizer(args.input, args.vocab_size, args.out, character_coverage=args.character_coverage,
-                               max_input_bytes=max_bytes, num_threads=args.threads,
-                               read=ReadOptions(skip_bad=args.skip_bad))
-    except ValueError as err:  # DataError included: bad input
-        print(f"distaff tokenizer: {err}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
-    except (OSError, RuntimeError) as err:
-        print(f"distaff tokenizer: {err}", file=sys.stderr)
-        return EXIT_FAILURE
+    info = train_tokenizer(args.input, args.vocab_size, args.out, character_coverage=args.character_coverage,
+                           max_input_bytes=max_bytes, num_threads=args.threads, read=ReadOptions(skip_bad=args.skip_bad))
     print(f"wrote {info.path}: vocab {info.vocab_size}, sha256 {info.fingerprint[:12]}")
     return 0

@@ -11,7 +11,7 @@ from distaff.train.data.errors import DataError
 from distaff.train.data.prepare import PrepareConfig, prepare
 from distaff.train.data.sources import ReadOptions
 from distaff.train.data.verify import verify
-from distaff.train.exit_codes import EXIT_BAD_CONFIG, EXIT_FAILURE
+from distaff.train.errors import command_main
 from distaff.train.runlock import DirLock
 
 
@@ -56,20 +56,19 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    action = argv[0] if argv and argv[0] in ("prepare", "verify") else ""
+    return command_main(f"distaff data {action}".strip(), _main, argv)
+
+
+def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    if args.action == "verify":
-        problems = verify(args.data_dir)
-        for problem in problems:
-            print(problem)
-        print(f"{args.data_dir}: {len(problems)} problem(s)" if problems else f"{args.data_dir}: ok")
-        return 1 if problems else 0
-    try:
+    if args.action == "prepare":
         return _prepare(args)
-    except ValueError as err:  # DataError, and a tokenizer folder that fails its own checks: bad input
-        print(f"distaff data prepare: {err}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
-    except OSError as err:
-        print(f"distaff data prepare: {err}", file=sys.stderr)
-        return EXIT_FAILURE
+    problems = verify(args.data_dir)
+    for problem in problems:
+        print(problem)
+    print(f"{args.data_dir}: {len(problems)} problem(s)" if problems else f"{args.data_dir}: ok")
+    return 1 if problems else 0

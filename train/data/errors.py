@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from distaff.train.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError):
     """Bad input data; the message names the file (and line or member)."""
 
 
