@@ -149,3 +149,53 @@ def test_rtd_refuses_settings_it_cannot_run_naming_both_keys(tmp_path, setting, 
     with pytest.raises(ConfigError, match=first) as err:
         load_config(None, ["data.dir=/d", "train.objective=rtd", override])
     assert re.search(second, str(err.value)), err.value
+
+
+def _alias_bomb(depth: int) -> str:
+    """The red-team's shape: ``[&a0 [x x10], &a1 [*a0 x10], ...]``, a few hundred bytes for 10^depth values."""
+    levels = ["&a0 [" + ", ".join(["x"] * 10) + "]"]
+    levels += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, depth + 1)]
+    return "[" + ", ".join(levels) + "]"
+
+
+@pytest.mark.timeout(30)
+def test_a_yaml_alias_bomb_is_refused_at_once_from_a_file_and_an_override(tmp_path, capsys):
+    from distaff.train.pretrain import EXIT_BAD_CONFIG, main
+
+    bomb = _alias_bomb(8)                                   # 10^8 values once expanded
+    assert len(bomb) < 1000
+    config = tmp_path / "bomb.yaml"
+    config.write_text(f"data:\n  dir: /d\nrun:\n  name: {bomb}\n")
+    for argv, source in ((["--config", str(config)], str(config)), (["data.dir=/d", f"run.name={bomb}"], "override run.name")):
+        assert main(argv) == EXIT_BAD_CONFIG
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and len(err) < 300, err[:500]
+        assert f"distaff pretrain: {source}: its YAML aliases expand to more than 10,000 values" in err
+
+
+def test_anchors_and_merge_keys_within_the_bound_still_work(tmp_path):
+    config = tmp_path / "anchors.yaml"
+    config.write_text("data: {dir: /d}\nwandb:\n  tags: &tags [a, b]\n  group: g\n"
+                      "rtd:\n  generator: &gen {num_hidden_layers: 1}\n")
+    cfg = load_config(config)
+    assert cfg.wandb.tags == ["a", "b"] and cfg.rtd.generator == {"num_hidden_layers": 1}
+
+
+@pytest.mark.parametrize("text,line,key", [
+    ("optim:\n  lr: 1.0e-3\n  lr: 1.0e-2\ndata: {dir: /d}\n", 3, "lr"),
+    ("optim:\n  lr: 1.0e-3\ndata: {dir: /d}\noptim:\n  warmup_steps: 2\n", 4, "optim"),
+    ("data: {dir: /d, dir: /e}\n", 1, "dir"),
+])
+def test_a_key_written_twice_is_refused_naming_both_lines(tmp_path, text, line, key):
+    config = tmp_path / "twice.yaml"
+    config.write_text(text)
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(config))}, line {line}: key '{key}' is written twice"):
+        load_config(config)
+
+
+def test_a_yaml_syntax_error_is_one_line_naming_the_line(tmp_path):
+    config = tmp_path / "broken.yaml"
+    config.write_text("data:\n  dir: /d\noptim: [1, 2\ntrain: {}\n")
+    with pytest.raises(ConfigError) as raised:
+        load_config(config)
+    assert len(str(raised.value).splitlines()) == 1 and f"{config}, line 4" in str(raised.value)

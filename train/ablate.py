@@ -60,7 +60,8 @@ from typing import Any
 import yaml
 
 from .config import ConfigError, RunConfig, load_config
-from .errors import RunFailure, command_main
+from .config_yaml import load_yaml
+from .errors import RunFailure, command_main, shown
 from .metrics import save_figure
 from .pretrain import SUMMARY_FILE
 
@@ -130,7 +131,7 @@ class PlannedRun:
 
 def _typed(source: str, key: str, value: Any, kind: type | tuple[type, ...]) -> Any:
     if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
-        raise ConfigError(f"{source}: {key}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+        raise ConfigError(f"{source}: {key}: expected {getattr(kind, '__name__', kind)}, got {shown(value)}")
     return value
 
 
@@ -153,7 +154,7 @@ def _section(source: str, key: str, values: Any, cls: type) -> dict[str, Any]:
 
 def _variants(source: str, values: Any) -> list[Variant]:
     if not isinstance(values, list) or not values:
-        raise ConfigError(f"{source}: variants: expected a non-empty list of {{name, overrides}}, got {values!r}")
+        raise ConfigError(f"{source}: variants: expected a non-empty list of {{name, overrides}}, got {shown(values)}")
     variants = [Variant(**_section(source, f"variants[{i}]", v, Variant)) for i, v in enumerate(values)]
     for i, variant in enumerate(variants):
         if not variant.name or "/" in variant.name or variant.name.startswith("."):
@@ -168,7 +169,7 @@ def _check_ranges(source: str, cfg: AblationConfig) -> None:
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{source}: {key}: must be positive, got {getattr(cfg, key)}")
     if not cfg.seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in cfg.seeds):
-        raise ConfigError(f"{source}: seeds: expected a non-empty list of integers, got {cfg.seeds!r}")
+        raise ConfigError(f"{source}: seeds: expected a non-empty list of integers, got {shown(cfg.seeds)}")
     if len(set(cfg.seeds)) != len(cfg.seeds):
         raise ConfigError(f"{source}: seeds: repeated seed in {cfg.seeds}")
     if cfg.launcher not in LAUNCHERS:
@@ -185,10 +186,7 @@ def load_ablation(path: str | Path) -> AblationConfig:
     source = str(path)
     if not Path(path).is_file():
         raise ConfigError(f"ablation config not found: {path}")
-    try:
-        values = yaml.safe_load(Path(path).read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{source}: not valid YAML: {err}") from None
+    values = load_yaml(Path(path).read_text(), source) or {}
     values = dict(_section(source, "", values, AblationConfig))
     missing = [f.name for f in fields(AblationConfig) if f.name not in values and f.name in
                ("name", "base", "out_dir", "tokens", "variants")]

@@ -16,7 +16,9 @@ from typing import Any, Literal
 
 import yaml
 
+from .config_yaml import load_yaml
 from .data.collator import MaskingConfig
+from .errors import shown
 from .model_config import ConfigError, ModelConfig, load_model_config, reject_unknown_keys
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "parse_overrides", "save_config", "config_to_dict"]
@@ -216,15 +218,15 @@ def _check_value(key: str, value: Any, annotation: Any) -> Any:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is Literal:
         if value not in args:
-            raise ConfigError(f"{key}: must be one of {list(args)}, got {value!r}")
+            raise ConfigError(f"{key}: must be one of {list(args)}, got {shown(value)}")
         return value
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{key}: must be a mapping, got {value!r} ({type(value).__name__})")
+            raise ConfigError(f"{key}: must be a mapping, got {shown(value)} ({type(value).__name__})")
         return value
     if origin is list:
         if not isinstance(value, list):
-            raise ConfigError(f"{key}: must be a list, got {value!r} ({type(value).__name__})")
+            raise ConfigError(f"{key}: must be a list, got {shown(value)} ({type(value).__name__})")
         return [_check_value(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
     if annotation is float:
         if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
@@ -243,12 +245,12 @@ def _check_value(key: str, value: Any, annotation: Any) -> Any:
             return value
     elif isinstance(value, annotation):
         return value
-    raise ConfigError(f"{key}: must be of type {annotation.__name__}, got {value!r} ({type(value).__name__})")
+    raise ConfigError(f"{key}: must be of type {annotation.__name__}, got {shown(value)} ({type(value).__name__})")
 
 
 def _build(cls: type, values: Any, prefix: str) -> Any:
     if not isinstance(values, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {values!r}")
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {shown(values)}")
     hints = typing.get_type_hints(cls)
     known = sorted(f.name for f in fields(cls))
     reject_unknown_keys(values, known, "unknown config key(s)", prefix, f" (known keys: {known})")
@@ -269,7 +271,7 @@ def _build(cls: type, values: Any, prefix: str) -> Any:
 
 def _build_model_section(values: Any) -> ModelSection:
     if not isinstance(values, dict):
-        raise ConfigError(f"model: expected a mapping, got {values!r}")
+        raise ConfigError(f"model: expected a mapping, got {shown(values)}")
     values = dict(values)
     preset = _check_value("model.preset", values.pop("preset", ModelSection.preset), str)
     init_from = _check_value("model.init_from", values.pop("init_from", ModelSection.init_from), str)
@@ -367,10 +369,7 @@ def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
         key, sep, text = item.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override {item!r}: expected dotted.key=value")
-        try:
-            value = yaml.safe_load(text) if text else ""
-        except yaml.YAMLError as err:
-            raise ConfigError(f"override {key}: cannot parse value {text!r}: {err}") from None
+        value = load_yaml(text, f"override {key}") if text else ""
         parsed.append((key.split("."), value))
     return parsed
 
@@ -392,10 +391,7 @@ def read_config_values(path: str | Path | None, overrides: list[str] = ()) -> di
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
-        try:
-            values = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        values = load_yaml(path.read_text(), str(path)) or {}
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: expected a mapping of sections")
     for keys, value in parse_overrides(list(overrides)):

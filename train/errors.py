@@ -3,7 +3,7 @@
 Bad input is one line on stderr, ``distaff <command>: <what>, <where>; <what to do>``, and exit status
 :data:`EXIT_BAD_INPUT` (2), without a traceback. Bad input is a :class:`UserError` (``ConfigError`` and
 ``DataError`` are its subclasses: raise those, with a message that names the file, line, key or value
-and says what to do) or a path the user named that cannot be used (missing, not a folder, not
+and says what to do; ``ConfigError`` is also importable from ``model_config``) or a path the user named that cannot be used (missing, not a folder, not
 writable). A :class:`RunFailure` (a full disk during a save, say) is one line and exit 1. Anything
 else is a bug or a broken machine: its traceback, then one line naming the exception, exit 1.
 ``--debug`` anywhere on a command line (or ``DISTAFF_DEBUG=1``, which ``--debug`` sets for the
@@ -39,6 +39,10 @@ _repr.maxlist = _repr.maxtuple = _repr.maxdict = _repr.maxset = 8
 
 class UserError(ValueError):
     """Bad input the user can fix; the message names where it is and what to do."""
+
+
+class ConfigError(UserError):
+    """A configuration value is invalid; the message names the field (or key) and what to do."""
 
 
 class RunFailure(RuntimeError):

@@ -18,6 +18,7 @@ import yaml
 from .config import (CheckpointSection, DeepSpeedSection, DistributedSection, LoggingSection, OptimSection,
                      RunSection, WandbSection, ZeroSection, _build, _check_value, check_engine_sections, check_ranges,
                      read_config_values)
+from .errors import shown
 from .model_config import ConfigError, ModelConfig, reject_unknown_keys
 from .model_folder import FREE_FIELDS
 from .sift import SiftConfig
@@ -115,7 +116,7 @@ class FinetuneConfig:
 
 def _build_model_section(values: Any) -> FinetuneModelSection:
     if not isinstance(values, dict):
-        raise ConfigError(f"model: expected a mapping, got {values!r}")
+        raise ConfigError(f"model: expected a mapping, got {shown(values)}")
     values = dict(values)
     init_from = _check_value("model.init_from", values.pop("init_from", ""), str)
     pooler_dropout = _check_value("model.pooler_dropout", values.pop("pooler_dropout", 0.0), float)

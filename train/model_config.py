@@ -14,16 +14,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
-import yaml
 
 from distaff.kernels import IMPLS, attention_span
-from distaff.train.errors import UserError
+from distaff.train.config_yaml import load_yaml
+from distaff.train.errors import ConfigError, shown
 
 POSITION_TERMS = ("c2p", "p2c")
-
-class ConfigError(UserError):
-    """A configuration value is invalid; the message names the field (or key) and what to do."""
-
 
 def reject_unknown_keys(values: Iterable[str], known: Iterable[str], what: str, prefix: str = "",
                         hint: str = "") -> None:
@@ -162,7 +158,7 @@ _TYPE_CHECKS = {
 
 def _check_type(name: str, value: Any, annotation: str) -> None:
     if not _TYPE_CHECKS[str(annotation)](value):
-        raise ConfigError(f"{name} must be of type {annotation}, got {value!r} ({type(value).__name__})")
+        raise ConfigError(f"{name} must be of type {annotation}, got {shown(value)} ({type(value).__name__})")
 
 
 def preset_names() -> list[str]:
@@ -182,7 +178,7 @@ def load_model_config(preset_or_path: str | Path, **overrides: Any) -> ModelConf
         if not resource.is_file():
             raise ConfigError(f"unknown model preset {str(preset_or_path)!r}; available: {preset_names()}")
         text, source = resource.read_text(), f"preset {preset_or_path}"
-    values = yaml.safe_load(text) or {}
+    values = load_yaml(text, source) or {}
     if not isinstance(values, dict):
         raise ConfigError(f"{source}: expected a mapping of fields, got {type(values).__name__}")
     return ModelConfig.from_dict({**values, **overrides}, source)

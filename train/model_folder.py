@@ -15,6 +15,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
+from .errors import shown
 from .files import chmod_default
 from .model import DebertaForMaskedLM
 from .model_config import ModelConfig
@@ -103,7 +104,7 @@ def init_model_config(path: str | Path, overrides: dict, fixed: dict) -> ModelCo
         if name not in FREE_FIELDS and values.get(name) != value:
             source = "the data's tokenizer" if name in fixed else f"model.{name}"
             raise ConfigError(f"model.init_from: {folder} has {name}={values.get(name)!r} but {source} asks for "
-                              f"{value!r}; a run that starts from existing weights keeps their architecture")
+                              f"{shown(value)}; a run that starts from existing weights keeps their architecture")
         values[name] = value
     return ModelConfig.from_dict(values, f"model.init_from {folder}")
 

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distaff.train.errors import shown
 from distaff.train.model_config import ConfigError
 
 __all__ = ["SiftConfig", "SiFT", "divergence", "symmetric_kl"]
@@ -57,7 +58,7 @@ class SiftConfig:
             value = getattr(self, name)
             if type(value) not in (int, float) or not math.isfinite(value) or value < 0 or (positive and value == 0):
                 bound = "> 0" if positive else ">= 0"
-                raise ConfigError(f"sift.{name} must be a finite number {bound}, got {value!r}")
+                raise ConfigError(f"sift.{name} must be a finite number {bound}, got {shown(value)}")
             setattr(self, name, float(value))
 
 

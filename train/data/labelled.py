@@ -60,6 +60,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from distaff.train.data.errors import DataError
+from distaff.train.errors import shown
 from distaff.train.data.sources import JSONL_SUFFIXES, ReadOptions, ReadStats, decode_utf8, numbered_lines
 from distaff.train.model_config import ConfigError
 from distaff.train.tokenizer import TokenizerInfo
@@ -91,7 +92,7 @@ class InputFormat:
         for key, value in selectors.items():
             if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "" or \
                     (isinstance(value, int) and value < 0):
-                raise ConfigError(f"{key} must be a column name or a 0-based index, got {value!r}")
+                raise ConfigError(f"{key} must be a column name or a 0-based index, got {shown(value)}")
         kinds = {isinstance(value, int) for value in selectors.values()}
         if self.columns is None and len(kinds) == 2:
             raise ConfigError(f"columns selected partly by name and partly by index ({selectors}): use all names "
@@ -250,7 +251,7 @@ def _text(value: object, selector: Selector, where: str) -> str:
     if value is None:
         return ""
     if not isinstance(value, str):
-        raise DataError(f"{where}: column {selector!r} holds {type(value).__name__} {value!r}, not text")
+        raise DataError(f"{where}: column {selector!r} holds {type(value).__name__} {shown(value)}, not text")
     return value
 
 
@@ -261,7 +262,7 @@ def _label(value: object, selector: Selector, where: str, regression: bool) -> s
         except ValueError:
             target = None
         if target is None or not math.isfinite(target):
-            raise DataError(f"{where}: column {selector!r}: regression label {value!r} is not a finite number")
+            raise DataError(f"{where}: column {selector!r}: regression label {shown(value)} is not a finite number")
         return target
     if value is None or (isinstance(value, str) and not value.strip()):
         raise DataError(f"{where}: column {selector!r}: empty label")
