@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import numpy as np
 import pytest
 import torch
 
-from distaff.train.checkpoint import META, Checkpointer, RNGState, prune, remove_partial, resolve_resume, tag_for_step
+from distaff.train.checkpoint import (META, Checkpointer, RNGState, latest_checkpoint, prune, remove_partial, resolve_resume,
+                                      tag_for_step)
+from distaff.train.data.errors import DataError
 from distaff.train.files import atomic_write_text
 
 pytestmark = pytest.mark.unit
@@ -68,6 +71,21 @@ def test_latest_follows_the_marker_and_falls_back_to_the_newest_complete(tmp_pat
     _fake_complete(tmp_path, 8)
     prune(tmp_path, keep=2)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000004", "step-00000008"]
+
+
+@pytest.mark.parametrize("marker", ["../../other/checkpoints/step-00000040", "step-00000040"])
+def test_latest_naming_a_checkpoint_outside_the_run_is_refused(tmp_path, marker):
+    """A ``latest`` that leads out of the run (a path, or a step-* link to another run) is refused, not resumed."""
+    root = tmp_path / "run" / "checkpoints"
+    _fake_complete(root, 8)
+    outside = _fake_complete(tmp_path / "other" / "checkpoints", 40)
+    if "/" not in marker:
+        (root / marker).symlink_to(outside, target_is_directory=True)
+    (root / "latest").write_text(marker + "\n")
+    for find in (lambda: latest_checkpoint(root), lambda: resolve_resume("auto", root)):
+        with pytest.raises(DataError, match=rf"{re.escape(str(root / 'latest'))}: names {re.escape(repr(marker))}, "
+                                            rf"which is not a checkpoint folder inside {re.escape(str(root))}"):
+            find()
 
 
 class _FakeEngine:

@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from .checkpoint_files import FIRST_FORMAT_WITH_FILES, META, checkpoint_problem, write_file_list
-from .errors import RunFailure
+from .data.errors import DataError
+from .errors import RunFailure, shown
 from .files import atomic_write_text, fsync_dir
 from .resize import global_batch_notice, has_partitioned_state, universal_folder, universal_loading
 from .safe_load import weights_only_loads
@@ -66,12 +67,19 @@ def is_complete(folder: Path) -> bool:
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """The checkpoint under ``root`` named by ``latest``, else the highest complete ``step-*``, else None."""
+    """The checkpoint under ``root`` named by ``latest``, else the highest complete ``step-*``, else None.
+    A ``latest`` that leads out of ``root`` (a path, or a link to another run's checkpoint) is a DataError:
+    a run resumes from its own checkpoints only."""
     root = Path(root)
     marker = root / LATEST
     if marker.is_file():
-        candidate = root / marker.read_text().strip()
-        if candidate.name.startswith("step-") and is_complete(candidate):
+        name = marker.read_text().strip()
+        candidate = root / name
+        if candidate.resolve().parent != root.resolve() or not name.startswith("step-"):
+            raise DataError(f"{marker}: names {shown(name)}, which is not a checkpoint folder inside {root}; a run "
+                            f"resumes from its own checkpoints only: delete {marker} (the newest complete step-* "
+                            "is then used) or set checkpoint.resume to a checkpoint folder")
+        if is_complete(candidate):
             return candidate
     complete = [p for p in root.glob("step-*") if is_complete(p)]
     return max(complete, key=lambda p: p.name) if complete else None
