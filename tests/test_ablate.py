@@ -83,6 +83,36 @@ def test_tiny_ablation_end_to_end_and_resumed(base_config, tmp_path):
     assert list(csv.DictReader(open(root / "ablation.csv"))) == rows
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+def test_an_interrupted_ablation_resumes_the_stopped_run_to_its_budget(base_config, tmp_path):
+    """The red-team repro: SIGTERM once the second run has a checkpoint; the stopped run (which writes a summary
+    on its way out) is not 'done': the next ablate resumes it to the planned steps, and only then compares."""
+    config = _ablation(tmp_path, base_config, tokens=40 * 4 * 64, seeds=[3], evals=2,
+                       overrides={"checkpoint.every": 5, "checkpoint.keep": 2})
+    root = tmp_path / "abl"
+    second = root / "runs" / "rope" / "seed-3"
+    ablate = subprocess.Popen([sys.executable, "-m", "distaff.launch.cli", "ablate", "--config", str(config)],
+                              env=rank_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while not (second / "checkpoints" / "step-00000005").is_dir() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ablate.send_signal(signal.SIGTERM)
+    output = ablate.communicate(timeout=200)[0]
+    assert ablate.returncode == 130, output[-3000:]
+    stopped = json.loads((second / "summary.json").read_text())
+    assert stopped.get("finished") is not True and 5 <= stopped["steps"] < 40, stopped
+
+    again = _ablate(config, tmp_path)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert again.stdout.count("done before") == 1 and "rope seed 3 (not finished before: resuming)" in again.stdout
+    assert f"resuming from {second / 'checkpoints'}" in (second.parent / "seed-3.log").read_text()
+    resumed = json.loads((second / "summary.json").read_text())
+    assert resumed["finished"] is True and resumed["steps"] == 40
+    rows = list(csv.DictReader(open(root / "ablation.csv")))
+    assert {r["variant"]: r["steps"] for r in rows if r["seed"] == "3"} == {"relative": "40", "rope": "40"}
+
+
 @pytest.fixture()
 def unprepared_base(tmp_path):
     """A run config whose data dir does not exist yet: enough for planning (seq_len from ``prepare``)."""
@@ -145,9 +175,10 @@ def _job(tmp_path, name: str, body: str) -> tuple[str, list[str], PlannedRun]:
     return name, [sys.executable, "-c", program], run
 
 
-# a run: notes its start and end times, then writes its summary
+# a run: notes its start and end times, then writes its summary, finished after the 1 step planned
 FINISHING = ("OUT.mkdir(parents=True); t0 = time.time(); time.sleep(3)\n"
-             "(OUT / 'summary.json').write_text(json.dumps({'start': t0, 'end': time.time()}))")
+             "(OUT / 'summary.json').write_text(json.dumps({'start': t0, 'end': time.time(), 'finished': True, "
+             "'steps': 1}))")
 
 
 @pytest.mark.unit
@@ -173,7 +204,8 @@ def test_a_signal_stops_the_runs_in_progress_and_keeps_finished_summaries(tmp_pa
             "signal.signal(signal.SIGTERM, lambda *a: ((OUT / 'terminated').write_text('x'), sys.exit(75)))\n"
             "(OUT / 'pid').write_text(str(os.getpid())); time.sleep(120)")
     # 2 slots: quick finishes, then the two long runs hold both until the signal, so `never` cannot start
-    jobs = [_job(tmp_path, "quick", "OUT.mkdir(parents=True); (OUT / 'summary.json').write_text('{}')"),
+    jobs = [_job(tmp_path, "quick", "OUT.mkdir(parents=True); (OUT / 'summary.json').write_text("
+                            "'{\"finished\": true, \"steps\": 1}')"),
             _job(tmp_path, "long-1", long), _job(tmp_path, "long-2", long), _job(tmp_path, "never", FINISHING)]
     # SIGINT as a terminal delivers it: a background shell (CI under nohup, `cmd &`) starts us with SIGINT
     # ignored, and Python then never turns it into KeyboardInterrupt

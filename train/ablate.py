@@ -7,9 +7,11 @@ after another as subprocesses (``launcher: sequential``: plain ``python`` for on
 split evenly between them) or are written as job scripts to start elsewhere (``launcher: script``;
 ``distaff ablate --config ABL.yaml --report`` then gathers them). Runs go seed by seed (every
 variant of the first seed, then the second seed...), so a partial ablation holds paired results.
-A run whose folder already has a ``summary.json`` is not run again, so an interrupted ablation
-continues where it stopped; a failed run is reported with its log and the others go on; Ctrl-C or
-SIGTERM stops the runs in progress (SIGTERM: each saves a checkpoint it resumes from).
+A run whose ``summary.json`` says it finished the planned number of steps is not run again; any other
+run is started again and resumes from its latest checkpoint, so an interrupted ablation continues where
+it stopped and only runs of the planned length are compared. A failed run is reported with its log and
+the others go on; Ctrl-C or SIGTERM stops the runs in progress (SIGTERM: each saves a checkpoint it
+resumes from).
 
 The report, read back from each run's ``summary.json`` and ``metrics.jsonl``: ``ablation.csv``
 (one row per run and one per variant), ``ablation.md`` (held-out loss and MLM accuracy mean +- std
@@ -61,9 +63,10 @@ import yaml
 
 from .config import ConfigError, RunConfig, load_config
 from .config_yaml import load_yaml
+from .data.errors import DataError
 from .errors import RunFailure, command_main, shown
 from .metrics import save_figure
-from .pretrain import SUMMARY_FILE
+from .runtime import SUMMARY_FILE
 
 LAUNCHERS = ("sequential", "script")
 REPORT_KEYS = ("eval_loss", "eval_accuracy", "tokens_per_s")
@@ -119,8 +122,31 @@ class PlannedRun:
     max_steps: int
 
     @property
+    def summary_path(self) -> Path:
+        return self.out_dir / SUMMARY_FILE
+
+    def summary(self) -> dict[str, Any] | None:
+        """The run's ``summary.json``, if it has written one (a run stopped by a signal writes one too)."""
+        if not self.summary_path.is_file():
+            return None
+        try:
+            return json.loads(self.summary_path.read_text())
+        except ValueError:
+            raise DataError(f"{self.summary_path}: not valid JSON; delete it to run {self.out_dir} again") from None
+
+    @property
     def done(self) -> bool:
-        return (self.out_dir / SUMMARY_FILE).is_file()
+        """Finished, and with the step count the plan gives it: only such runs are compared."""
+        summary = self.summary()
+        return summary is not None and summary.get("finished") is True and summary.get("steps") == self.max_steps
+
+    def check_plan(self) -> None:
+        """A run that finished more steps than the plan gives it cannot be brought to the plan's length."""
+        summary = self.summary() or {}
+        if summary.get("finished") is True and summary.get("steps", 0) > self.max_steps:
+            raise ConfigError(f"{self.summary_path}: the run finished {summary['steps']} steps but the ablation now "
+                              f"gives it {self.max_steps} (were tokens, the batch size or ranks changed?); restore "
+                              f"them, or delete {self.out_dir} to run it again")
 
     @property
     def log(self) -> Path:
@@ -297,13 +323,16 @@ def run_all(cfg: AblationConfig, runs: list[PlannedRun]) -> list[str]:
     """Each run not yet finished, ``cfg.parallel`` at a time, in plan order; the failures, each with its log."""
     from .distributed import free_port
 
+    for run in runs:
+        run.check_plan()
     jobs = []
     for i, run in enumerate(runs, 1):
         label = f"[{i}/{len(runs)}] {run.variant} seed {run.seed}"
         if run.done:
-            print(f"distaff ablate: {label}: done before ({run.out_dir / SUMMARY_FILE}), skipped", flush=True)
+            print(f"distaff ablate: {label}: done before ({run.summary_path}), skipped", flush=True)
         else:
-            jobs.append((label, run_command(cfg, run, free_port()), run))
+            resumed = " (not finished before: resuming)" if run.summary() is not None else ""
+            jobs.append((label + resumed, run_command(cfg, run, free_port()), run))
     return run_parallel(jobs, cfg.parallel, _run_env(cfg.parallel))
 
 
@@ -387,15 +416,15 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def collect(runs: list[PlannedRun]) -> list[dict[str, Any]]:
-    """Each finished run's summary figures (runs without a summary are left out)."""
+    """Each finished run's summary figures (unfinished runs, and runs of another length, are left out)."""
     rows = []
     for run in runs:
         if not run.done:
             continue
-        summary = json.loads((run.out_dir / SUMMARY_FILE).read_text())
+        summary = run.summary()
         missing = [k for k in REPORT_KEYS if summary.get(k) is None]
         if missing:
-            raise ValueError(f"{run.out_dir / SUMMARY_FILE}: no {missing} (did the run evaluate?)")
+            raise DataError(f"{run.summary_path}: no {missing} (did the run evaluate?)")
         rows.append({"variant": run.variant, "seed": run.seed, "steps": summary["steps"],
                      "tokens": summary["tokens"], **{k: summary[k] for k in REPORT_KEYS}})
     return rows
@@ -547,6 +576,10 @@ def _ablate(cfg: AblationConfig, args: argparse.Namespace) -> int:
         return 0
     failures = [] if args.report else run_all(cfg, runs)
     write_report(cfg, runs)
+    unfinished = [str(run.out_dir) for run in runs if not run.done]
+    if args.report and unfinished:
+        print(f"distaff ablate: {len(unfinished)} run(s) not finished, left out of the report: "
+              f"{', '.join(unfinished)}", flush=True)
     if failures:
         print("distaff ablate: " + "\n  ".join([f"{len(failures)} run(s) failed (the report has the others):"]
                                                + failures), file=sys.stderr)

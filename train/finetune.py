@@ -11,7 +11,6 @@ evaluations without improvement stop the run early.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,6 @@ from .schedule import lr_at
 from .sift import SiFT
 from .steps import forward_batch, to_device
 
-SUMMARY_FILE = "summary.json"
 
 
 @dataclass
@@ -263,7 +261,7 @@ class FinetuneTrainer(RunBase):
 
     # ---------------------------------------------------------------- closing
 
-    def _write_summary(self) -> dict[str, Any]:
+    def _summary(self) -> dict[str, Any]:
         cfg, state, out_dir = self.cfg, self.state, self.cfg.out_dir
         plot = plot_metrics(out_dir / "metrics.jsonl", out_dir / PLOT_FILE) if cfg.logging.plot else None
         best = latest_checkpoint(out_dir / BEST_DIR)
@@ -276,7 +274,6 @@ class FinetuneTrainer(RunBase):
                    "world_size": self.layout.world_size, "train_time_s": round(state.train_time_s, 2),
                    "checkpoint": str(latest_checkpoint(self.checkpointer.root)), "run_dir": str(out_dir),
                    "metrics": str(out_dir / "metrics.jsonl"), "plot": str(plot) if plot else None}
-        (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
         best_text = "n/a" if state.best_metric is None else f"{state.best_metric:.4f}"
         print(f"distaff: summary\n  steps {state.step}/{self.max_steps}"
               f"{' (stopped early)' if state.stopped_early else ''} on {self.layout.world_size} rank(s) in "

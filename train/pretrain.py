@@ -11,7 +11,6 @@ continues from there.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,6 @@ from .schedule import lr_at
 from .steps import Evaluator
 from .tokenizer import TokenizerInfo
 
-SUMMARY_FILE = "summary.json"
 
 __all__ = ["EXIT_BAD_CONFIG", "EXIT_FAILURE", "EXIT_PREEMPTED", "TrainState", "Trainer", "main", "train"]
 
@@ -149,8 +147,8 @@ class Trainer(RunBase):
 
     # ---------------------------------------------------------------- closing
 
-    def _write_summary(self) -> dict[str, Any]:
-        return write_summary(self.cfg, self.state, self.manifest, latest_checkpoint(self.checkpointer.root),
+    def _summary(self) -> dict[str, Any]:
+        return summarize(self.cfg, self.state, self.manifest, latest_checkpoint(self.checkpointer.root),
                              self.layout.world_size)
 
 
@@ -162,9 +160,9 @@ def unigram_baseline_accuracy(manifest: Manifest) -> float | None:
     return split.top_tokens[0][1] / split.non_special_tokens
 
 
-def write_summary(cfg: RunConfig, state: TrainState, manifest: Manifest, checkpoint: Path | None,
-                  world_size: int) -> dict[str, Any]:
-    """``summary.json`` and a short printed report; the plot is drawn here too."""
+def summarize(cfg: RunConfig, state: TrainState, manifest: Manifest, checkpoint: Path | None,
+              world_size: int) -> dict[str, Any]:
+    """The figures of ``summary.json``, and a short printed report; the plot is drawn here too."""
     out_dir = cfg.out_dir
     plot = plot_metrics(out_dir / "metrics.jsonl", out_dir / PLOT_FILE) if cfg.logging.plot else None
     summary = {"steps": state.step, "tokens": state.tokens, "samples": state.samples, "positions": state.positions,
@@ -175,7 +173,6 @@ def write_summary(cfg: RunConfig, state: TrainState, manifest: Manifest, checkpo
                "unigram_baseline_accuracy": unigram_baseline_accuracy(manifest),
                "run_dir": str(out_dir), "checkpoint": str(checkpoint) if checkpoint else None,
                "metrics": str(out_dir / "metrics.jsonl"), "plot": str(plot) if plot else None}
-    (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
     lines = [f"steps {state.step}, {state.tokens:,} tokens on {world_size} rank(s) in {state.train_time_s:.0f} s"
              + (f" ({summary['tokens_per_s']:,.0f} tokens/s)" if summary["tokens_per_s"] else "")
              + (f", {100 * summary['padding_fraction']:.1f}% padding ({cfg.data.packing})"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import random
@@ -38,6 +39,8 @@ from .model_config import ModelConfig
 from .runlock import DirLock
 from .steps import optimizer_step, train_step
 from .watchdog import Watchdog
+
+SUMMARY_FILE = "summary.json"       # written by rank 0 when a run ends, "finished": true once it is complete
 
 
 class PreemptionFlag:
@@ -101,7 +104,7 @@ class RunBase:
     """One rank of a run. Subclasses set ``self.state`` (a :class:`TrainState`), ``self.engine``,
     ``self.objective``, ``self.batches`` (an iterator of micro-batches), ``self.max_steps``,
     ``self.checkpointer``, ``self.metrics`` and ``self.throughput``, and implement :meth:`_done`,
-    :meth:`_lr`, :meth:`_log_train`, :meth:`_after_step`, :meth:`_finish` and :meth:`_write_summary`."""
+    :meth:`_lr`, :meth:`_log_train`, :meth:`_after_step`, :meth:`_finish` and :meth:`_summary`."""
 
     def __init__(self, cfg: RunConfig | FinetuneConfig, layout: dist_utils.DistEnv):
         self.cfg, self.layout = cfg, layout
@@ -275,14 +278,17 @@ class RunBase:
         """After a completed loop: the final checkpoint first, then the final evaluation."""
         raise NotImplementedError
 
-    def _write_summary(self) -> dict[str, Any]:
-        """Rank 0: ``summary.json``, the plot and a printed report; returns the summary."""
+    def _summary(self) -> dict[str, Any]:
+        """Rank 0: the run's figures for ``summary.json``; draws the plot and prints a report."""
         raise NotImplementedError
 
     def _close(self, exit_code: int) -> None:
+        """Rank 0 writes ``summary.json``; ``finished`` says whether the run is complete (a run stopped by a
+        signal writes one too, to be resumed: its step count alone does not say so)."""
         if not self.layout.is_main:
             return
-        summary = self._write_summary()
+        summary = {**self._summary(), "finished": exit_code == 0}
+        (self.cfg.out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
         if self.metrics.wandb is not None:
             self.metrics.wandb.summary(summary)
             self.metrics.wandb.finish(exit_code)
