@@ -18,6 +18,7 @@ from pretrain_fixtures import REPO, prepare_data, rank_env, wandb_runs, write_co
 from distaff.train.ablate import (PlannedRun, load_ablation, main, paired_differences, plan_runs, run_parallel,
                                   variant_config, write_job_scripts)
 from distaff.train.config import ConfigError
+from distaff.train.runlock import DirLock
 
 VARIANTS = [{"name": "relative", "overrides": {"model.emd": False}},
             {"name": "rope", "overrides": {"model.emd": False, "model.relative_attention": False,
@@ -155,6 +156,21 @@ def test_config_errors_name_the_key(unprepared_base, tmp_path, change, message, 
         load_ablation(config)
     assert main(["--config", str(config)]) == 2
     assert str(config) in capsys.readouterr().err
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("mode", [[], ["--report"]])
+def test_a_second_ablation_on_one_out_dir_is_refused_naming_the_first(unprepared_base, tmp_path, capsys, mode):
+    config = _ablation(tmp_path, unprepared_base, prepare={"input": str(tmp_path / "corpus.txt")})
+    (tmp_path / "abl" / "runs").mkdir(parents=True)
+    log = tmp_path / "abl" / "runs" / "relative" / "seed-3.log"
+    log.parent.mkdir()
+    log.write_text("the first ablation's run log\n")
+    with DirLock(tmp_path / "abl", "out_dir"):               # the first ablation, running
+        assert main(["--config", str(config), *mode]) == 2
+    err = capsys.readouterr().err
+    assert f"distaff ablate: {config}: out_dir: {tmp_path / 'abl'} is in use by pid {os.getpid()}" in err
+    assert log.read_text() == "the first ablation's run log\n" and not (tmp_path / "abl" / "ablation.csv").exists()
 
 
 @pytest.mark.unit

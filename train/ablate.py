@@ -11,7 +11,8 @@ A run whose ``summary.json`` says it finished the planned number of steps is not
 run is started again and resumes from its latest checkpoint, so an interrupted ablation continues where
 it stopped and only runs of the planned length are compared. A failed run is reported with its log and
 the others go on; Ctrl-C or SIGTERM stops the runs in progress (SIGTERM: each saves a checkpoint it
-resumes from).
+resumes from). One ablation at a time per ``out_dir``: a second is refused, naming the first (the lock
+runs take, ``runlock.py``).
 
 The report, read back from each run's ``summary.json`` and ``metrics.jsonl``: ``ablation.csv``
 (one row per run and one per variant), ``ablation.md`` (held-out loss and MLM accuracy mean +- std
@@ -66,6 +67,7 @@ from .config_yaml import load_yaml
 from .data.errors import DataError
 from .errors import RunFailure, command_main, shown
 from .metrics import save_figure
+from .runlock import DirLock
 from .runtime import SUMMARY_FILE
 
 LAUNCHERS = ("sequential", "script")
@@ -555,7 +557,11 @@ def _main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     cfg = load_ablation(args.config)
     try:
-        return _ablate(cfg, args)
+        if args.dry_run:
+            return _ablate(cfg, args)
+        # one ablation per out_dir, by the lock runs take: two would run, report and log over each other
+        with DirLock(cfg.root, f"{args.config}: out_dir"):
+            return _ablate(cfg, args)
     except KeyboardInterrupt:
         print("distaff ablate: interrupted; finished runs keep their summaries: run the same command again to "
               "continue", file=sys.stderr)
