@@ -281,8 +281,43 @@ def test_resume_continues_with_exactly_the_same_batches(sample_data: Path, token
         resumed.load_state_dict(state)
         assert _same(_take(resumed, 5), straight[stop:]), stop
     other = TrainBatches(data, batch_size=4, rank=1, world_size=2, seed=10, pad_id=0)
-    with pytest.raises(ValueError, match="seed 9 differs from this run's 10"):
+    with pytest.raises(ConfigError, match="run.seed: seed 9 in the checkpoint, 10 in this run; .* restore run.seed"):
         other.load_state_dict(state)
+    wider = TrainBatches(data, batch_size=8, rank=1, world_size=2, seed=9, pad_id=0)
+    with pytest.raises(ConfigError, match="data.batch_size: batch_size 4 in the checkpoint, 8 in this run"):
+        wider.load_state_dict(state)
+    old = {key: value for key, value in state.items() if key != "offset"}   # saved before re-dealing existed
+    before_offsets = make()
+    before_offsets.load_state_dict(old)
+    assert before_offsets.state_dict() == state
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("saved_world,new_world,stop", [(2, 1, 2), (1, 3, 5), (3, 2, 1), (2, 3, 5)])
+def test_resizing_re_deals_the_rest_of_the_epoch(sample_data: Path, tokenizer, saved_world, new_world, stop):
+    """States of every rank of a ``saved_world`` run, after ``stop`` steps, continue on ``new_world`` ranks: the
+    epoch's examples nobody read are dealt out once (but the few that no longer fill a step), then the next
+    epoch starts as it would have."""
+    data = _pair_set(sample_data, tokenizer, 50)
+    make = lambda rank, world: TrainBatches(data, batch_size=4, rank=rank, world_size=world, seed=5,  # noqa: E731
+                                            pad_id=0)
+    old = [make(r, saved_world) for r in range(saved_world)]
+    read = [i for r in old for batch in _take(r, stop) for i in batch["example_ids"].tolist()]
+    states = [json.loads(json.dumps(r.state_dict())) for r in old]
+    new = [make(r, new_world) for r in range(new_world)]
+    for r in new:
+        r.load_resized_state_dict(states)
+    rest_steps = (50 - len(read)) // (new_world * 4)
+    rest = [i for r in new for batch in _take(r, rest_steps) for i in batch["example_ids"].tolist()]
+    epoch = old[0].order(0).tolist()
+    assert sorted(read + rest) == sorted(epoch[:len(read) + len(rest)]) and len(set(read + rest)) == len(read + rest)
+    assert 50 - len(read + rest) < new_world * 4                           # only what cannot fill a step is left
+    assert [r.state_dict()["epoch"] for r in new] == [0] * new_world
+    next_epoch = [_take(r, 1)[0]["example_ids"].tolist() for r in new]
+    assert next_epoch == [make(r, new_world).order(1)[r * 4:(r + 1) * 4].tolist() for r in range(new_world)]
+    assert all(r.state_dict()["epoch"] == 1 and r.state_dict()["offset"] == 0 for r in new)
+    with pytest.raises(ConfigError, match="stand at different positions"):
+        make(0, new_world).load_resized_state_dict([states[0], {**states[0], "step": states[0]["step"] + 1}])
 
 
 @pytest.mark.integration

@@ -8,6 +8,7 @@ import math
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -155,3 +156,42 @@ def test_zero3_bf16_with_sift_runs_and_exports(model_dir, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(theirs(input_ids=ids, attention_mask=mask).logits,
                                    ours(ids, attention_mask=mask).logits, rtol=1e-5, atol=1e-5)
+
+
+def _examples(path: Path) -> list[int]:
+    return [i for line in path.read_text().splitlines() for i in json.loads(line)]
+
+
+@pytest.mark.timeout(600)
+def test_a_two_rank_checkpoint_resumes_on_one_rank_with_the_epoch_re_dealt(model_dir, tmp_path):
+    """The red-team repro (2 ranks stopped at step 3, resumed on 1 rank) runs to the end: the ZeRO-2 state
+    goes through the universal checkpoint and the epoch's unread examples are re-dealt, none read twice or
+    skipped. Resuming with a changed data.batch_size is refused, naming the key, before any engine is built."""
+    config = write_ft_config(tmp_path / "ft.yaml", model_dir, tmp_path / "run", optim=FULL_RUN_OPTIM)
+    probe, record = (str(Path(__file__).with_name("finetune_probe.py")),), tmp_path / "record"
+    for part in ("first", "refused", "resumed"):
+        (record / part).mkdir(parents=True)
+    first = spawn_ranks(config, tmp_path, program=probe, env={"PROBE_STOP_AT": "3", "PROBE_RECORD": str(record / "first")})
+    log = lambda: (tmp_path / "rank0.log").read_text()   # noqa: E731
+    assert wait_all(first, timeout=300) == [75, 75], log()[-3000:]
+
+    resumed = spawn_ranks(config, tmp_path, world_size=1, program=probe, env={"PROBE_RECORD": str(record / "resumed")})
+    assert wait_all(resumed, timeout=300) == [0], log()[-3000:]
+    assert "to a universal checkpoint" in log() and "resuming a 2-rank checkpoint on 1 rank(s)" in log()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["finished"] is True and summary["world_size"] == 1
+    before = [_examples(record / "first" / f"examples-rank{r}.jsonl") for r in (0, 1)]
+    after = _examples(record / "resumed" / "examples-rank0.jsonl")
+    epoch = np.random.default_rng([3, 0]).permutation(summary["train_examples"])   # run.seed 3, epoch 0
+    assert sorted(before[0] + before[1]) == sorted(epoch[:3 * 2 * 8])            # 3 steps x 2 ranks x 8
+    assert after == epoch[3 * 2 * 8:3 * 2 * 8 + 5 * 8].tolist()                   # then steps 4-8 x 1 rank x 8
+
+    refused = spawn_ranks(config, tmp_path, "data.batch_size=16", world_size=1, program=probe,
+                          env={"PROBE_RECORD": str(record / "refused")})
+    assert wait_all(refused, timeout=120) == [2], log()[-3000:]
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000008"
+    assert log().strip().splitlines()[-1] == (
+        f"finetune_probe: data.batch_size: batch_size 8 in checkpoint {checkpoint}, 16 in this run; a fine-tuning "
+        "run resumes only with the settings it started with: restore data.batch_size, or start over with "
+        "checkpoint.resume=none (or another run.out_dir)")
+    assert not list((record / "refused").iterdir())                       # no engine was built

@@ -85,6 +85,23 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return max(complete, key=lambda p: p.name) if complete else None
 
 
+def resume_candidate(resume: str, root: Path) -> Path | None:
+    """The checkpoint ``checkpoint.resume`` would most likely resume from, found without hashing anything
+    (for checks before the engine is built; :func:`resolve_resume` makes the choice)."""
+    if resume == "none":
+        return None
+    folder = latest_checkpoint(root) if resume == "auto" else Path(resume)
+    return folder if folder is not None and is_complete(folder) else None
+
+
+def rank_state(folder: Path, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s per-rank components (data stream position, RNG) saved in checkpoint ``folder``."""
+    path = _rank_file(folder, rank)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: rank {rank}'s state is missing from the checkpoint")
+    return json.loads(path.read_text())
+
+
 def newest_sound_checkpoint(root: Path, report: Callable[[str], None]) -> Path | None:
     """The latest checkpoint if its files match their record, else the newest complete one that does;
     each checkpoint passed over is reported with the reason."""
@@ -351,13 +368,10 @@ class Checkpointer:
         self.saved_step = meta["step"]
 
     def _rank_state(self, folder: Path, rank: int) -> dict[str, Any]:
-        path = _rank_file(folder, rank)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: rank {rank}'s state is missing from the checkpoint")
-        state = json.loads(path.read_text())
+        state = rank_state(folder, rank)
         missing = sorted(set(self.per_rank) - set(state))
         if missing:
-            raise KeyError(f"{path}: no state for {missing}")
+            raise DataError(f"{_rank_file(folder, rank)}: no state for {missing}")
         return state
 
     def _load_engine(self, folder: Path, resized: bool) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import distributed as dist_utils
-from .checkpoint import Checkpointer, RNGState, latest_checkpoint
+from .checkpoint import Checkpointer, RNGState, latest_checkpoint, rank_state, resume_candidate
 from .classifier import DebertaForSequenceClassification
 from .classifier_init import load_encoder, resolve_tokenizer
 from .data.labelled import InputFormat, LabelledData, load_labelled
@@ -107,6 +107,7 @@ class FinetuneTrainer(RunBase):
                                    world_size=layout.world_size, seed=cfg.run.seed, pad_id=self.tokenizer.pad_id,
                                    packed=cfg.data.packing == "varlen")
         self.steps_per_epoch, self.max_steps = self._plan_steps()
+        self._check_resumable()
         self.engine = self._initialize_engine(lambda: self._build_model(source.weights), self._param_groups())
         sift = SiFT(cfg.sift, self.engine.module) if cfg.sift.enabled else None
         self.objective = ClassificationObjective(sift)
@@ -135,6 +136,15 @@ class FinetuneTrainer(RunBase):
                               f"{self.loader.steps_per_epoch} an epoch of {cfg.data.train} holds on "
                               f"{self.layout.world_size} rank(s)")
         return per_epoch, cfg.train.max_steps or cfg.train.epochs * per_epoch
+
+    def _check_resumable(self) -> None:
+        """A checkpoint this run would resume from whose batches were dealt otherwise (another batch size, seed
+        or data) is refused now, before the engine is built, naming the key."""
+        folder = resume_candidate(self.cfg.checkpoint.resume, self.cfg.out_dir / "checkpoints")
+        if folder is not None:
+            problem = self.loader.resume_problem(rank_state(folder, 0).get("data", {}), f"checkpoint {folder}")
+            if problem:
+                raise ConfigError(problem)
 
     def _build_model(self, weights: dict[str, torch.Tensor]) -> DebertaForSequenceClassification:
         model = DebertaForSequenceClassification(self.model_cfg, self.num_labels, self.cfg.model.pooler_dropout)

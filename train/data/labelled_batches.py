@@ -20,7 +20,10 @@ epoch is a permutation of all examples drawn from ``(seed, epoch)``; step s of t
 ``batch_size`` of those, so the ranks never share an example and ``steps_per_epoch = len(data) //
 (world_size * batch_size)`` (the few left over differ every epoch). ``state_dict()`` taken after a batch
 was consumed and given to ``load_state_dict()`` of a new iterator (same data, seed, batch size, world
-size) continues with exactly the next batch.
+size) continues with exactly the next batch. ``load_resized_state_dict()`` takes the states of all ranks
+of a run with another world size and re-deals the rest of the epoch: the positions nobody has read are
+dealt from an ``offset`` in steps of ``world_size * batch_size``, so no example of the epoch is read twice
+or skipped (but the few that no longer fill a step, as at the end of any epoch).
 
 :class:`EvalBatches` walks the whole dev set once in file order, split across ranks so that every example
 is seen by exactly one rank; the last step is filled up with weight-0 copies of example 0 so every rank
@@ -48,9 +51,13 @@ import numpy as np
 import torch
 
 from distaff.train.data.labelled import LabelledSet
+from distaff.train.errors import shown
 from distaff.train.model_config import ConfigError
 
 STATE_FORMAT = "distaff-labelled-batches/1"
+# what a saved state must share with this run to continue it, and the config key that sets each
+RESUME_KEYS = {"seed": "run.seed", "batch_size": "data.batch_size", "examples": "data.train",
+               "fingerprint": "data.train"}
 MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "cu_seqlens", "max_seqlen", "labels")
 
 
@@ -114,40 +121,70 @@ class TrainBatches:
         if self.steps_per_epoch == 0:
             raise ConfigError(f"{data.source}: {len(data)} training examples do not fill one step of batch_size "
                               f"{batch_size} x {world_size} ranks")
-        self.epoch, self.step = 0, 0  # the next batch to yield
+        # the next batch: step ``step`` of the deal that starts at position ``offset`` of epoch ``epoch``
+        self.epoch, self.step, self.offset = 0, 0, 0
         self._fingerprint = data.fingerprint()
 
     def order(self, epoch: int) -> np.ndarray:
         """The epoch's permutation of all examples (the same on every rank)."""
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.data))
 
+    def _steps_in_deal(self) -> int:
+        return (len(self.data) - self.offset) // (self.world_size * self.batch_size)
+
     def __iter__(self) -> Iterator[dict]:
         weights = np.ones(self.batch_size)
         while True:
             order = self.order(self.epoch)
-            while self.step < self.steps_per_epoch:
-                start = (self.step * self.world_size + self.rank) * self.batch_size
+            while self.step < self._steps_in_deal():
+                start = self.offset + (self.step * self.world_size + self.rank) * self.batch_size
                 indices = order[start:start + self.batch_size]
                 self.step += 1  # counted before the caller sees the batch: state_dict() is "after it"
                 yield collate(self.data, indices, weights, self.pad_id, self.packed)
-            self.epoch, self.step = self.epoch + 1, 0
+            self.epoch, self.step, self.offset = self.epoch + 1, 0, 0
 
     def state_dict(self) -> dict:
-        return {"format": STATE_FORMAT, "epoch": self.epoch, "step": self.step, **self._identity()}
+        return {"format": STATE_FORMAT, "epoch": self.epoch, "step": self.step, "offset": self.offset,
+                **self._identity()}
 
     def _identity(self) -> dict:
         return {"seed": self.seed, "batch_size": self.batch_size, "world_size": self.world_size,
                 "examples": len(self.data), "fingerprint": self._fingerprint}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Continue after the batch ``state`` was taken at; call before iterating."""
+    def resume_problem(self, state: dict, checkpoint: str = "the checkpoint") -> str | None:
+        """Why ``state`` (any rank's, from any world size) cannot continue in this iterator, naming the config
+        key that differs and what to do; None if it can."""
         if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a {STATE_FORMAT} state: format {state.get('format')!r}")
-        for key, value in self._identity().items():
-            if state.get(key) != value:
-                raise ValueError(f"saved batch state {key} {state.get(key)!r} differs from this run's {value!r}: "
-                                 "the batches would not continue where they stopped")
-        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+            return f"not a {STATE_FORMAT} state (format {shown(state.get('format'))})"
+        for key, setting in RESUME_KEYS.items():
+            saved, mine = state.get(key), self._identity()[key]
+            if saved != mine:
+                what = (f"{key} {shown(saved)} in {checkpoint}, {mine} in this run" if key != "fingerprint" else
+                        f"the examples of {checkpoint} differ from this run's (another file, tokenizer, max_len or "
+                        "split)")
+                return (f"{setting}: {what}; a fine-tuning run resumes only with the settings it started with: "
+                        f"restore {setting}, or start over with checkpoint.resume=none (or another run.out_dir)")
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue after the batch ``state`` was taken at (same world size); call before iterating."""
+        problem = self.resume_problem(state) or (None if state.get("world_size") == self.world_size else
+                                                 f"saved on {state.get('world_size')} ranks, not {self.world_size}")
+        if problem:
+            raise ConfigError(problem)
+        self.epoch, self.step, self.offset = int(state["epoch"]), int(state["step"]), int(state.get("offset", 0))
+
+    def load_resized_state_dict(self, states: list[dict]) -> None:
+        """Continue from the states of all ranks of a run with another world size: they stand at one position
+        of the epoch (every rank reads one batch per step), whose unread rest is re-dealt to this world size."""
+        positions = {(s.get("epoch"), s.get("step"), s.get("offset", 0)) for s in states}
+        problem = next(filter(None, map(self.resume_problem, states)), None)
+        if problem or len(positions) != 1:
+            raise ConfigError(problem or f"the {len(states)} saved ranks stand at different positions "
+                                         f"{sorted(positions)}; they cannot be re-dealt")
+        (epoch, step, offset), = positions
+        self.epoch, self.step = int(epoch), 0
+        self.offset = int(offset) + int(step) * int(states[0]["world_size"]) * self.batch_size
 
 
 class EvalBatches:
