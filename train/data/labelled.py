@@ -60,6 +60,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from distaff.train.data.errors import DataError
+from distaff.train.data.prepare import split_long_text
 from distaff.train.errors import shown
 from distaff.train.data.sources import JSONL_SUFFIXES, ReadOptions, ReadStats, decode_utf8, numbered_lines
 from distaff.train.model_config import ConfigError
@@ -70,6 +71,11 @@ log = logging.getLogger(__name__)
 TSV_SUFFIXES = (".tsv", ".tsv.gz")
 CSV_SUFFIXES = (".csv", ".csv.gz")
 LABELLED_SUFFIXES = TSV_SUFFIXES + CSV_SUFFIXES + (".jsonl", ".jsonl.gz")
+MAX_LINE_BYTES = 64 << 20   # one line (or CSV row) of a labelled file at most; longer is an error naming it
+# a text is tokenized from a prefix of about this many characters per token of data.max_len, grown while it
+# gives too few tokens, up to MAX_TEXT_CHARS: the tokenizer's memory (~30 bytes per character) stays bounded
+CHARS_PER_TOKEN = 8
+MAX_TEXT_CHARS = 1 << 20
 
 Selector = str | int  # a column's name, or its 0-based index in a headerless TSV/CSV
 
@@ -161,7 +167,7 @@ def check_labelled_file(path: str | Path) -> Path:
 
 def _decoded_lines(path: Path) -> Iterator[tuple[int, str]]:
     options, stats = ReadOptions(), ReadStats()  # no skipping: a corrupt or non-UTF-8 file is an error
-    for lineno, raw in numbered_lines(path, options, stats):
+    for lineno, raw in numbered_lines(path, options, stats, MAX_LINE_BYTES):
         line = decode_utf8(raw, f"{path}:{lineno}", options, stats)
         yield lineno, line.removeprefix("\ufeff") if lineno == 1 else line  # a byte-order mark (spreadsheet exports)
 
@@ -172,7 +178,7 @@ def _delimited_rows(path: Path, fmt: InputFormat) -> Iterator[tuple[int, dict[Se
     Every row must have as many fields as the header, ``columns``, or (selection by index) the first row:
     a TSV text holding a tab would otherwise lose its tail silently."""
     lines = _decoded_lines(path)
-    current = [0]  # the line the csv reader last took
+    current = [0, 1]  # the line the csv reader last took, and the first line of the row it reads
 
     def text_lines() -> Iterator[str]:
         for lineno, line in lines:
@@ -181,11 +187,12 @@ def _delimited_rows(path: Path, fmt: InputFormat) -> Iterator[tuple[int, dict[Se
 
     # strict CSV: a stray quote is an error rather than a field that swallows the rows after it
     dialect = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if path.name.endswith(TSV_SUFFIXES) else {"strict": True}
+    csv.field_size_limit(max(csv.field_size_limit(), MAX_LINE_BYTES))  # the default, 131,072, refuses long texts
     reader = csv.reader(text_lines(), **dialect)
-    names, start = fmt.columns, 1
+    names = fmt.columns
     width = None if fmt.columns is None else (len(fmt.columns), "columns")  # (fields, where that number is from)
     for fields in _csv_rows(reader, path, current):
-        row_line, start = start, current[0] + 1
+        row_line, current[1] = current[1], current[0] + 1
         if not fields:
             continue  # a blank line
         if width is None:
@@ -204,9 +211,14 @@ def _delimited_rows(path: Path, fmt: InputFormat) -> Iterator[tuple[int, dict[Se
 
 
 def _csv_rows(reader: Iterator[list[str]], path: Path, current: list[int]) -> Iterator[list[str]]:
+    """The reader's rows; an error names the line where the row it was reading starts."""
     try:
         yield from reader
-    except csv.Error as err:  # an unterminated quote, a field over csv.field_size_limit()
+    except csv.Error as err:
+        if "end of data" in str(err) or "field limit" in str(err):   # a quote that is never closed
+            raise DataError(f"{path}:{current[1]}: a quoted field starts in this row and is not closed before "
+                            f"{'the end of the file' if 'end of data' in str(err) else f'line {current[0]}'} "
+                            f"(csv: {err}); close the quote, or double a quote inside a field (\"\")") from None
         raise DataError(f"{path}:{current[0]}: {err}") from None
 
 
@@ -366,21 +378,40 @@ def truncated_lengths(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
     return half_a, half_b
 
 
+def leading_ids(processor, texts: Sequence[str], budget: int) -> list[tuple[list[int], bool]]:
+    """Each text's first ``budget + 1`` token ids (all of them when it has fewer) and whether those are all of
+    its tokens. Only a prefix of a long text is tokenized, cut before a whitespace (so its tokens are those of
+    the whole): ``CHARS_PER_TOKEN`` characters per token at first, four times more while that gives too few
+    tokens, up to ``MAX_TEXT_CHARS``. The tokenizer's memory is thus bounded whatever a text's length."""
+    result: list[tuple[list[int], bool] | None] = [None] * len(texts)
+    pending, chars = list(range(len(texts))), CHARS_PER_TOKEN * (budget + 1)
+    while pending:
+        pieces = [next(split_long_text(texts[i], chars)) for i in pending]
+        for i, piece, ids in zip(pending, pieces, processor.encode(pieces)):
+            whole = len(piece) == len(texts[i])
+            if whole or len(ids) > budget or chars >= MAX_TEXT_CHARS:
+                result[i] = (ids[:budget + 1], whole and len(ids) <= budget + 1)
+        pending, chars = [i for i in pending if result[i] is None], min(4 * chars, MAX_TEXT_CHARS)
+    return result
+
+
 def tokenize(examples: Sequence[Example], labels: np.ndarray, tokenizer: TokenizerInfo, max_len: int,
              source: str = "") -> LabelledSet:
-    """``[CLS] a [SEP] (b [SEP])`` ids per example, cut longest-first to ``max_len``; truncations counted."""
+    """``[CLS] a [SEP] (b [SEP])`` ids per example, cut longest-first to ``max_len``; truncations counted.
+    Long texts are cut before they are tokenized (:func:`leading_ids`)."""
     pairs = examples[0].text_pair is not None if examples else False
     if max_len < (5 if pairs else 3):
         raise ConfigError(f"max_len {max_len} leaves no room for text between the special tokens")
     processor = tokenizer.processor()
-    first = processor.encode([e.text for e in examples])
-    second = processor.encode([e.text_pair for e in examples]) if pairs else [[] for _ in examples]
     budget = max_len - (3 if pairs else 2)
+    first = leading_ids(processor, [e.text for e in examples], budget)
+    second = leading_ids(processor, [e.text_pair for e in examples], budget) if pairs else [([], True)] * len(examples)
     cls, sep = [tokenizer.cls_id], [tokenizer.sep_id]
     ids, types, truncated = [], [], 0
-    for a, b in zip(first, second):
+    for (a, whole_a), (b, whole_b) in zip(first, second):
+        # lengths capped at budget + 1 give the cut of the whole lengths (truncated_lengths needs no more)
         keep_a, keep_b = truncated_lengths(len(a), len(b), budget)
-        truncated += (keep_a, keep_b) != (len(a), len(b))
+        truncated += (keep_a, keep_b) != (len(a), len(b)) or not (whole_a and whole_b)
         head = cls + a[:keep_a] + sep
         tail = b[:keep_b] + sep if pairs else []
         ids.append(np.array(head + tail, dtype=np.int32))

@@ -87,12 +87,18 @@ def _open_binary(path: Path) -> BinaryIO:
     return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
 
 
-def numbered_lines(path: Path, options: ReadOptions, stats: ReadStats) -> Iterator[tuple[int, bytes]]:
-    """Lines of a (possibly gzipped) file; a corrupt stream is an error naming the file and line."""
+def numbered_lines(path: Path, options: ReadOptions, stats: ReadStats,
+                   max_line_bytes: int | None = None) -> Iterator[tuple[int, bytes]]:
+    """Lines of a (possibly gzipped) file; a corrupt stream is an error naming the file and line. With
+    ``max_line_bytes`` no more than that is read for one line (memory bound): a longer line is an error."""
     lineno = 0
     try:
         with _open_binary(path) as f:
-            for lineno, line in enumerate(f, start=1):
+            lines = iter(f) if max_line_bytes is None else iter(lambda: f.readline(max_line_bytes + 1), b"")
+            for lineno, line in enumerate(lines, start=1):
+                if max_line_bytes is not None and len(line) > max_line_bytes:
+                    raise DataError(f"{path}:{lineno}: a line longer than {max_line_bytes:,} bytes (the limit of a "
+                                    "labelled example; its text is cut to data.max_len tokens anyway): shorten it")
                 yield lineno, line
     except (EOFError, zlib.error, gzip.BadGzipFile) as err:
         stats.skip("corrupt_file", f"{path}: after line {lineno}", f"corrupt compressed stream ({err})", options.skip_bad)
