@@ -178,6 +178,57 @@ def test_label_order_numeric_then_string():
 
 
 @pytest.mark.unit
+def test_one_class_written_several_ways_is_one_class(tmp_path):
+    tsv = _write(tmp_path / "t.tsv", "label\ttext\n1\ta\n1.0\tb\n01\tc\n 1 \td\n0\te\n0.0\tf\n1e0\tg\n")
+    examples = read_examples(tsv, InputFormat(), regression=False)
+    assert label_names(examples) == ["0", "1"] and encode_labels(examples, ["0", "1"]).tolist() == [1, 1, 1, 1, 0, 0, 1]
+    jsonl = _write(tmp_path / "t.jsonl", "".join(json.dumps({"text": t, "label": v}) + "\n"
+                                                 for t, v in [("a", 1), ("b", 1.0), ("c", "1"), ("d", 0)]))
+    assert [e.label for e in read_examples(jsonl, InputFormat(), regression=False)] == ["1", "1", "1", "0"]
+    booleans = _write(tmp_path / "b.jsonl", "".join(json.dumps({"text": t, "label": v}) + "\n"
+                                                    for t, v in [("a", True), ("b", "false"), ("c", False)]))
+    assert label_names(read_examples(booleans, InputFormat(), regression=False)) == ["false", "true"]
+    assert label_names(examples, ["1.0", "0"]) == ["1", "0"]                  # data.labels in the same form
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("rows,expected", [
+    ([("a", False), ("b", 1), ("c", 0)], r"b\.jsonl:1: label false beside numeric labels \(.*b\.jsonl:2: 1\) is "
+                                         r"ambiguous \(is false a class of its own, or 0\?\)"),
+    ([("a", [1, 0]), ("b", 1)], r"b\.jsonl:1: column 'label': the label is a JSON list \[1, 0\]; a label is one "
+                                r"class name or number"),
+    ([("a", {"y": 1}), ("b", 1)], r"the label is a JSON object \{'y': 1\}"),
+    ([("a", 0.37), ("b", 0.5), ("c", 1)], r"b\.jsonl:1: label 0\.37 is a fractional number: .* set data\.task="
+                                          r"regression \(or list the classes in data\.labels\)"),
+])
+def test_labels_that_cannot_be_classes_as_written_are_refused(tmp_path, rows, expected):
+    path = _write(tmp_path / "b.jsonl", "".join(json.dumps({"text": t, "label": v}) + "\n" for t, v in rows))
+    with pytest.raises(DataError, match=expected):
+        label_names(read_examples(path, InputFormat(), regression=False))
+
+
+@pytest.mark.unit
+def test_regression_targets_are_numbers_as_people_write_them(tmp_path):
+    good = _write(tmp_path / "g.tsv", "label\ttext\n 2.5 \ta\n1e-3\tb\n-4\tc\n")
+    assert [e.label for e in read_examples(good, InputFormat(), regression=True)] == [2.5, 0.001, -4.0]
+    for bad in ("1_000", "0x10", "nan", "1,5"):
+        path = _write(tmp_path / "b.tsv", f"label\ttext\n{bad}\ta\n")
+        with pytest.raises(DataError, match=rf"b\.tsv:2: column 'label': regression label '{bad}' is not a finite"):
+            read_examples(path, InputFormat(), regression=True)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("labels,expected", [
+    (["pos", "neg", "pos"], r"data\.labels: 'pos' is listed twice; list each class once"),
+    (["1", "1.0"], r"data\.labels: '1' and '1\.0' name the same class"),
+    (["only"], r"data\.labels: \['only'\] lists 1 class\(es\); classification needs two or more"),
+])
+def test_data_labels_mistakes_are_named(labels, expected):
+    with pytest.raises(ConfigError, match=expected):
+        label_names([Example("t", None, "pos", "f:1")], labels)
+
+
+@pytest.mark.unit
 def test_hold_out_is_seeded_disjoint_and_stratifiable():
     examples = [Example(f"t{i}", None, "a" if i % 4 else "b", f"f:{i}") for i in range(200)]
     train, dev = hold_out(examples, 0.1, seed=5)

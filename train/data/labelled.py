@@ -22,10 +22,14 @@ Bad input (every message names the file, and the line and column where there is 
   a stray CSV quote, invalid JSON or UTF-8, a corrupt gzip stream -> error naming ``file:line``;
 * an empty or whitespace-only text (or text pair) -> the row is skipped, counted in
   ``ReadStats.skipped["empty_text"]`` and logged with the count;
-* regression: a missing, empty, non-numeric or non-finite label -> error naming ``file:line`` and column;
-* classification: a label not in the explicit ``labels`` list -> error naming ``file:line`` and the value;
-  a dev label the train set never has (labels taken from the train set) -> error naming the dev file,
-  the line and the class.
+* regression: a missing, empty, non-numeric (``1_000`` included) or non-finite label -> error naming
+  ``file:line`` and column;
+* classification: a JSON list or object as a label, fractional numbers as labels (a regression's targets),
+  ``true``/``false`` beside numbers (ambiguous) -> error naming ``file:line``; a label not in the explicit
+  ``labels`` list -> error naming ``file:line`` and the value; a dev label the train set never has (labels
+  taken from the train set) -> error naming the dev file, the line and the class;
+* a line longer than :data:`MAX_LINE_BYTES` -> error naming ``file:line`` (long texts are fine: each is cut
+  to ``max_len`` tokens, and only a bounded prefix of it is tokenized).
 
 The tokenizer is a :class:`~distaff.train.tokenizer.TokenizerInfo`: ``load_tokenizer_info(folder)``,
 where ``distaff.train.model_folder.load_model`` returns the folder of the model's tokenizer.
@@ -41,7 +45,8 @@ seed=0)`` gives ``data.train`` and ``data.dev`` (:class:`LabelledSet`), ``data.l
     train_set = tokenize(train, encode_labels(train, names), tokenizer, max_len=128)
     dev_set = tokenize(dev, encode_labels(dev, names), tokenizer, max_len=128)
 
-Classification labels are kept as strings (``label_names`` gives id -> name, for ``id2label``); without an
+Classification labels are canonical strings (:func:`class_name`: ``1``, ``1.0``, ``01`` and JSON ``1`` are
+all ``"1"``; JSON ``true`` is ``"true"``); ``label_names`` gives id -> name, for ``id2label``. Without an
 explicit list they are the train set's distinct values, sorted numerically when they are all integers
 (so ``0, 1, 2, 10``) and as strings otherwise. For binary F1 the positive class is label id 1.
 """
@@ -53,6 +58,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -78,6 +84,8 @@ CHARS_PER_TOKEN = 8
 MAX_TEXT_CHARS = 1 << 20
 
 Selector = str | int  # a column's name, or its 0-based index in a headerless TSV/CSV
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")   # a number as people write one: no 1_000, inf
+_INTEGER = re.compile(r"[+-]?\d+")
 
 
 @dataclass(frozen=True)
@@ -267,18 +275,49 @@ def _text(value: object, selector: Selector, where: str) -> str:
     return value
 
 
+def parse_number(text: str) -> float | None:
+    """``text`` as a number when it is written as one (``1``, ``-0.5``, ``1e-3``, spaces around allowed); None
+    for anything else, ``1_000``, ``inf``, ``nan`` and ``0x10`` included (Python's ``float`` takes some of them)."""
+    text = text.strip()
+    return float(text) if _NUMBER.fullmatch(text) else None
+
+
 def _label(value: object, selector: Selector, where: str, regression: bool) -> str | float:
     if regression:
-        try:
-            target = float(value) if isinstance(value, (str, int, float)) and not isinstance(value, bool) else None
-        except ValueError:
-            target = None
+        target = parse_number(value) if isinstance(value, str) else \
+            float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
         if target is None or not math.isfinite(target):
             raise DataError(f"{where}: column {selector!r}: regression label {shown(value)} is not a finite number")
         return target
     if value is None or (isinstance(value, str) and not value.strip()):
         raise DataError(f"{where}: column {selector!r}: empty label")
-    return value.strip() if isinstance(value, str) else json.dumps(value)
+    return class_name(value, f"{where}: column {selector!r}")
+
+
+def class_name(value: object, where: str) -> str:
+    """A classification label as one canonical string, so that one class is never two: numbers written
+    differently are one (``1``, ``1.0``, ``01`` and JSON ``1`` -> ``"1"``; ``0.50`` -> ``"0.5"``), JSON
+    ``true``/``false`` are ``"true"``/``"false"``, other text is kept (stripped). A JSON list or object, or a
+    non-finite number, is an error naming ``where``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        text = value.strip()
+        if _INTEGER.fullmatch(text):
+            return str(int(text))
+        number = parse_number(text)
+        if number is None:
+            return text
+    elif isinstance(value, int):
+        return str(value)
+    elif isinstance(value, float):
+        number = value
+    else:
+        raise DataError(f"{where}: the label is a JSON {'list' if isinstance(value, list) else 'object'} "
+                        f"{shown(value)}; a label is one class name or number")
+    if not math.isfinite(number):
+        raise DataError(f"{where}: label {shown(value)} is not a finite number")
+    return str(int(number)) if number.is_integer() else repr(number)
 
 
 def read_examples(path: str | Path, fmt: InputFormat, *, regression: bool,
@@ -309,12 +348,11 @@ def read_examples(path: str | Path, fmt: InputFormat, *, regression: bool,
 
 # -- labels and splits ---------------------------------------------------------------------------------------
 def label_names(train: Sequence[Example], explicit: Sequence[str] | None = None) -> list[str]:
-    """Class names by id: ``explicit`` as given, else the train set's distinct labels, sorted."""
+    """Class names by id: ``explicit`` (``data.labels``) as given, else the train set's distinct labels, sorted;
+    names are canonical (:func:`class_name`)."""
     if explicit is not None:
-        names = [str(name) for name in explicit]
-        if len(set(names)) != len(names) or len(names) < 2:
-            raise ConfigError(f"labels {names} must list at least two distinct classes")
-        return names
+        return _explicit_names(explicit)
+    _check_label_kinds(train)
     found = {str(example.label) for example in train}
     numeric = all(name.lstrip("-").isdigit() for name in found)
     names = sorted(found, key=int if numeric else str)
@@ -322,6 +360,36 @@ def label_names(train: Sequence[Example], explicit: Sequence[str] | None = None)
         raise DataError(f"{train[0].where.rsplit(':', 1)[0]}: only one label value {names} in the train set; "
                         "classification needs two or more (or list them in `labels`)")
     return names
+
+
+def _explicit_names(explicit: Sequence[str]) -> list[str]:
+    names = [class_name(name, "data.labels") for name in explicit]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            first = explicit[names.index(name)]
+            twice = (f"{shown(explicit[i])} is listed twice" if first == explicit[i] else
+                     f"{shown(first)} and {shown(explicit[i])} name the same class")
+            raise ConfigError(f"data.labels: {twice}; list each class once")
+    if len(names) < 2:
+        raise ConfigError(f"data.labels: {shown(list(explicit))} lists {len(names)} class(es); classification needs "
+                          "two or more")
+    return names
+
+
+def _check_label_kinds(train: Sequence[Example]) -> None:
+    """Labels that cannot be classes as written: fractional numbers (targets of a regression), or true/false
+    beside numbers (is ``true`` the class ``1``?)."""
+    numeric = [e for e in train if parse_number(str(e.label)) is not None]
+    fractional = next((e for e in numeric if not float(str(e.label)).is_integer()), None)
+    if fractional is not None:
+        raise DataError(f"{fractional.where}: label {fractional.label} is a fractional number: classes need names "
+                        "or whole numbers; for real-valued targets set data.task=regression (or list the classes "
+                        "in data.labels)")
+    boolean = next((e for e in train if e.label in ("true", "false")), None)
+    if boolean is not None and numeric:
+        raise DataError(f"{boolean.where}: label {boolean.label} beside numeric labels ({numeric[0].where}: "
+                        f"{numeric[0].label}) is ambiguous (is {boolean.label} a class of its own, or "
+                        f"{int(boolean.label == 'true')}?); write every label one way")
 
 
 def encode_labels(examples: Sequence[Example], names: Sequence[str] | None, *, explicit: bool = False) -> np.ndarray:
