@@ -1,4 +1,4 @@
-"""Helpers shared by the kernel tests: the device they run on, the bf16 rule, float64 comparisons."""
+"""Helpers shared by the tests: the device kernel tests run on, the bf16 rule, comparisons, a crafted pickle."""
 
 from __future__ import annotations
 
@@ -36,3 +36,13 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol
     """``actual`` (any dtype) against a float64 reference, elementwise; ``what`` names the tensor on failure."""
     torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol,
                                msg=(lambda m: f"{what}: {m}") if what else None)
+
+
+class CreatesMarker:
+    """A crafted pickle payload: unpickling it calls ``open(marker, "w")``, so the file appearing means code ran."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return open, (str(self.marker), "w")

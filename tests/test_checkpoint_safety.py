@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import CreatesMarker
 from pretrain_fixtures import prepare_data, run_log, torchrun, train_losses, write_config
 
 from distaff.train.checkpoint_files import write_file_list
@@ -21,16 +22,6 @@ pytestmark = pytest.mark.integration
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 OPTIM_STATES = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-
-
-class _CreatesMarker:
-    """Unpickling this calls ``open(marker, "w")``: the file appearing means code ran."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self) -> tuple:
-        return open, (str(self.marker), "w")
 
 
 def _two_checkpoints(base: Path, sample_data: Path) -> Path:
@@ -76,7 +67,7 @@ def test_resume_refuses_a_pickled_payload(sample_data, tmp_path_factory, tmp_pat
     run = _two_checkpoints(tmp_path_factory.getbasetemp(), sample_data)
     copy, config = _copy(run, tmp_path, sample_data)
     newest, marker = copy / "checkpoints" / "step-00000008", tmp_path / "code-ran"
-    torch.save({"module": _CreatesMarker(marker)}, newest / MODEL_STATES)
+    torch.save({"module": CreatesMarker(marker)}, newest / MODEL_STATES)
     write_file_list(newest)                     # a crafted checkpoint can carry a matching file list
     proc = torchrun(config, tmp_path)
     assert proc.returncode != 0
@@ -89,7 +80,7 @@ def test_export_refuses_a_pickled_payload(sample_data, tmp_path_factory, tmp_pat
     run = _two_checkpoints(tmp_path_factory.getbasetemp(), sample_data)
     newest = shutil.copytree(run / "checkpoints" / "step-00000008", tmp_path / "checkpoints" / "step-00000008")
     marker = tmp_path / "code-ran"
-    torch.save({"optimizer_state_dict": _CreatesMarker(marker)}, newest / OPTIM_STATES)
+    torch.save({"optimizer_state_dict": CreatesMarker(marker)}, newest / OPTIM_STATES)
     assert export_main([str(newest), str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert "refusing to load" in err and OPTIM_STATES in err

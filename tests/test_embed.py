@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from data_fixtures import read_sample
+from helpers import CreatesMarker
 
 from distaff.train.embed import fit_whitening, main
 from distaff.train.tokenizer import load_tokenizer_info
@@ -116,3 +117,26 @@ def test_transform_with_other_pooling_is_refused(small_model_dir, sentences, tmp
     assert main(["--model", str(small_model_dir), "--input", str(sentences), "--out", str(tmp_path / "u"),
                  "--transform", str(tmp_path / "t"), "--pooling", "mean"]) == 2
     assert "fitted on 'cls' pooling" in capsys.readouterr().err
+
+
+def test_an_hf_folder_with_only_a_pickled_bin_is_refused_naming_the_file(small_model_dir, sentences, tmp_path, capsys):
+    """An HF folder whose weights are a pytorch_model.bin holding more than tensors: nothing runs, and the error
+    names the file and the folder and says what to do."""
+    from distaff.train.classifier_init import load_encoder
+    from distaff.train.hf import to_hf
+    from distaff.train.model_config import ConfigError
+    from distaff.train.model_folder import load_model
+
+    model, tokenizer_dir = load_model(small_model_dir)
+    folder = to_hf(model, tmp_path / "hf", tokenizer_dir)
+    (folder / "model.safetensors").unlink()
+    marker = tmp_path / "code-ran"
+    torch.save({"deberta.embeddings.word_embeddings.weight": CreatesMarker(marker)}, folder / "pytorch_model.bin")
+    assert main(["--model", str(folder), "--input", str(sentences), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert f"{folder / 'pytorch_model.bin'}: refusing to load, the file holds objects that are not plain weights" in err
+    assert f"{folder} has no model.safetensors: where you trust the file, convert it" in err
+    with pytest.raises(ConfigError, match=re.escape(f"model.init_from: {folder / 'pytorch_model.bin'}: refusing")):
+        load_encoder(folder, {})
+    assert not marker.exists()

@@ -56,5 +56,6 @@ def test_conflicts_with_the_folder_are_named(tmp_path):
     cfg = load_config(None, ["data.dir=x", f"model.init_from={tmp_path / 'm'}"])
     with pytest.raises(ConfigError, match="has vocab_size=80 but the data's tokenizer asks for 1000"):
         cfg.model_config(vocab_size=1000, pad_token_id=0)
-    with pytest.raises(ConfigError, match="is not a model folder"):
+    with pytest.raises(ConfigError, match="is not a model folder .*; for a run directory or checkpoint, make one "
+                                          "first: `distaff grow RUN OUT`"):
         load_config(None, ["data.dir=x", f"model.init_from={tmp_path}"])

@@ -5,6 +5,7 @@ export: the discriminator as a ``DebertaV2Model`` folder, the generator as ``Deb
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,35 @@ def test_rtd_export_loads_in_transformers(sample_data, tmp_path_factory, tmp_pat
         expected_logits = generator.eval()(ids, mask).logits
         torch.testing.assert_close(hf_gen(input_ids=ids, attention_mask=mask).logits[keep], expected_logits[keep],
                                    rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.timeout(300)
+def test_using_an_rtd_run_as_one_model_says_what_to_export(sample_data, tmp_path_factory, tmp_path, capsys):
+    """grow, embed and fine-tuning given an RTD run (two networks) name the export that gives them one model,
+    instead of dumping the state dict's keys; the export named works."""
+    from distaff.train.classifier_init import load_encoder
+    from distaff.train.embed import main as embed_main
+    from distaff.train.grow import main as grow_main
+    from distaff.train.model_config import ConfigError
+
+    run = rtd_run(tmp_path_factory.getbasetemp(), sample_data)
+    checkpoint = run / "checkpoints" / f"step-{STEPS:08d}"
+    hint = (f"{checkpoint}: a checkpoint of an RTD run holds a generator and a discriminator, not one model; export "
+            f"the one you want and use that folder: `distaff export-hf {checkpoint} OUT` writes the discriminator")
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(TEXT) + "\n")
+    for command, argv in ((grow_main, [str(run), str(tmp_path / "grown")]),
+                          (embed_main, ["--model", str(run), "--input", str(texts), "--out", str(tmp_path / "e")])):
+        assert command(argv) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and hint in err, err[-2000:]
+    with pytest.raises(ConfigError, match=re.escape(f"model.init_from: {hint}")):
+        load_encoder(run, {})
+    assert export_main([str(run), str(tmp_path / "disc")]) == 0 and export_main([str(run), str(tmp_path / "gen"),
+                                                                                 "--generator"]) == 0
+    assert embed_main(["--model", str(tmp_path / "disc"), "--input", str(texts), "--out", str(tmp_path / "e")]) == 0
+    assert load_encoder(tmp_path / "disc", {}).config.hidden_size > 0
+    assert grow_main([str(tmp_path / "gen"), str(tmp_path / "grown")]) == 0
 
 
 @pytest.mark.timeout(300)

@@ -30,6 +30,7 @@ from distaff.train.files import chmod_default
 from distaff.train.model import DebertaForMaskedLM
 from distaff.train.model_config import ConfigError, ModelConfig
 from distaff.train.rtd import Discriminator
+from distaff.train.safe_load import UnsafeCheckpointError, safe_load
 
 # DebertaV2Config's defaults, used for fields a config.json leaves out (they differ from ours).
 HF_DEFAULTS: dict[str, Any] = dict(
@@ -126,7 +127,12 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
             state.update(load_file(folder / shard))
         return state
     if legacy_bin.is_file():
-        return torch.load(legacy_bin, map_location="cpu", weights_only=True)
+        try:
+            return safe_load(legacy_bin)
+        except UnsafeCheckpointError as err:
+            raise UnsafeCheckpointError(f"{err}; {folder} has no model.safetensors: where you trust the file, convert "
+                                        "it (transformers: from_pretrained, then save_pretrained) and use that "
+                                        "folder") from None
     raise FileNotFoundError(f"no weights in {folder}: expected model.safetensors, model.safetensors.index.json "
                             "or pytorch_model.bin")
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from .errors import shown
 from .files import chmod_default
 from .model import DebertaForMaskedLM
-from .model_config import ModelConfig
+from .model_config import ConfigError, ModelConfig
 from .tokenizer import METADATA_FILE, MODEL_FILE
 
 MODEL_CONFIG_FILE = "distaff_model.json"
@@ -72,10 +72,26 @@ def load_model(path: str | Path, **overrides) -> tuple[DebertaForMaskedLM, Path 
         raise FileNotFoundError(f"{folder}: not a model: expected a distaff model folder ({MODEL_CONFIG_FILE}), "
                                 "a Hugging Face folder (config.json) or a checkpoint / run directory") from None
     meta = json.loads((checkpoint / META).read_text())
+    _check_one_model(checkpoint, meta)
     cfg = ModelConfig.from_dict(meta["model_config"], f"{checkpoint / META} model_config").replace(**overrides)
     model = DebertaForMaskedLM(cfg)
     model.load_state_dict(fp32_state_dict(checkpoint), strict=True)
     return model, _tokenizer_beside(checkpoint)
+
+
+def _check_one_model(checkpoint: Path, meta: dict) -> None:
+    """A checkpoint of an RTD run (two networks) or of a fine-tuning run (a classifier) is not one masked-LM
+    model: say which folder to export instead of failing on its weights' names."""
+    from .export import CLASSIFIER_TASK
+
+    if meta.get("config", {}).get("train", {}).get("objective") == "rtd":
+        raise ConfigError(f"{checkpoint}: a checkpoint of an RTD run holds a generator and a discriminator, not one "
+                          f"model; export the one you want and use that folder: `distaff export-hf {checkpoint} OUT` "
+                          "writes the discriminator (an encoder: fine-tuning, embed), with --generator the generator "
+                          "(a masked-LM model: grow, model.init_from)")
+    if meta.get("task") == CLASSIFIER_TASK:
+        raise ConfigError(f"{checkpoint}: a checkpoint of a fine-tuning run (a classifier), not a pretrained "
+                          f"model; export it (`distaff export-hf {checkpoint} OUT`) and use that folder")
 
 
 # Fields a run may change when it starts from existing weights: they change neither the weights'
@@ -87,8 +103,6 @@ FREE_FIELDS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "attention
 def init_model_config(path: str | Path, overrides: dict, fixed: dict) -> ModelConfig:
     """``model.init_from``'s architecture with the run's ``overrides`` (free fields only, or the same
     value) and ``fixed`` values the data imposes (vocabulary size, padding id), which must agree."""
-    from .model_config import ConfigError
-
     folder = Path(path)
     if (folder / MODEL_CONFIG_FILE).is_file():
         base = read_model_config(folder)
@@ -98,7 +112,9 @@ def init_model_config(path: str | Path, overrides: dict, fixed: dict) -> ModelCo
         base = model_config_from_hf(json.loads((folder / "config.json").read_text()), str(folder / "config.json"),
                                     emd=True)
     else:
-        raise ConfigError(f"model.init_from: {folder} is not a model folder (no {MODEL_CONFIG_FILE} or config.json)")
+        raise ConfigError(f"model.init_from: {folder} is not a model folder (no {MODEL_CONFIG_FILE} or config.json); "
+                          "for a run directory or checkpoint, make one first: `distaff grow RUN OUT` (same size with "
+                          "no size options) or `distaff export-hf RUN OUT`")
     values = base.to_dict()
     for name, value in {**overrides, **fixed}.items():
         if name not in FREE_FIELDS and values.get(name) != value:
