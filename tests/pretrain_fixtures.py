@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -239,3 +240,12 @@ def preempted_run(config: Path, tmp: Path, run_dir: Path, *, after_step: int, si
     assert wait_all(procs, timeout=120) == [EXIT_PREEMPTED, EXIT_PREEMPTED], rank_logs(tmp)
     checkpoints = run_dir / "checkpoints"
     return max(train_losses(run_dir)), checkpoints / (checkpoints / "latest").read_text().strip()
+
+
+def namespaces_permitted() -> bool:
+    """Whether ``unshare -rm`` (user + mount namespace) works here, so a test can mount a private tmpfs."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return False
+    probe = subprocess.run([unshare, "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"], capture_output=True)
+    return probe.returncode == 0

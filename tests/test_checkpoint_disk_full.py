@@ -13,13 +13,12 @@ from __future__ import annotations
 import errno
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from pretrain_fixtures import PYTHON, prepare_data, rank_env, write_config
+from pretrain_fixtures import PYTHON, namespaces_permitted, prepare_data, rank_env, write_config
 
 from distaff.train.checkpoint import META, Checkpointer, CheckpointSaveError, tag_for_step
 from distaff.train.checkpoint_files import checkpoint_problem
@@ -27,14 +26,6 @@ from distaff.train.distributed import free_port
 from distaff.train.pretrain import EXIT_FAILURE
 
 MESSAGE = r"no space left on {where} \([\d,]+ bytes free\) while saving step {step}; previous checkpoint step {prev} is intact"
-
-
-def _namespaces_permitted() -> bool:
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return False
-    probe = subprocess.run([unshare, "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"], capture_output=True)
-    return probe.returncode == 0
 
 
 class _FullDiskEngine:
@@ -83,7 +74,7 @@ def test_enospc_during_a_save_names_the_intact_previous_checkpoint(tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(not _namespaces_permitted(), reason="unshare -rm (user + mount namespace) is not permitted "
+@pytest.mark.skipif(not namespaces_permitted(), reason="unshare -rm (user + mount namespace) is not permitted "
                     "here, so no private tmpfs can be mounted; the /dev/full test covers the save path")
 def test_full_filesystem_during_a_real_save(sample_data, tmp_path_factory):
     data = prepare_data(tmp_path_factory.getbasetemp(), sample_data)

@@ -75,6 +75,8 @@ def test_resolved_config_round_trips(tmp_path):
     ("data.packing=packed", "data.packing"),             # padded | varlen
     ("data.tokens_per_batch=4096", "data.tokens_per_batch"),  # a token budget needs packing=varlen
     ("data.tokens_per_batch=-1", "data.tokens_per_batch"),
+    ("run.seed=18446744073709551617", "run.seed: must be a whole number from 0 to 4294967295"),
+    ("run.seed=-1", "run.seed: must be a whole number"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -45,6 +45,8 @@ REQUIRED = ["data.train=train.tsv", "data.dev_fraction=0.1", "model.init_from=mo
     (["sift.step_size=-1"], "sift.step_size"),
     (["zero.stage=4"], "zero.stage"),
     (["data.batch_size=0"], "data.batch_size"),
+    (["run.seed=18446744073709551617"], "run.seed: must be a whole number from 0 to 4294967295"),
+    (["data.split_seed=-1"], "data.split_seed: must be a whole number from 0 to 4294967295"),
 ])
 def test_bad_values_name_their_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_fixtures import (TORCHRUN, metrics, prepare_data, rank_env, spawn_ranks, wait_all, wait_for_step,
-                               write_config)
+from pretrain_fixtures import (TORCHRUN, metrics, namespaces_permitted, prepare_data, rank_env, spawn_ranks,
+                               wait_all, wait_for_step, write_config)
 
 from distaff.train.checkpoint import latest_checkpoint
 from distaff.train.distributed import free_port
@@ -180,3 +180,26 @@ def test_a_second_data_prepare_into_the_same_folder_is_refused(sample_data, tmp_
     assert second.returncode == EXIT_BAD_CONFIG, second.stderr
     assert f"--out: {out} is in use by pid {first.pid} on {socket.gethostname()}" in second.stderr
     assert first.wait(timeout=90) == 0, first.stderr.read()
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.skipif(not namespaces_permitted(), reason="unshare -rm (user + mount namespace) is not permitted here, "
+                    "so no read-only filesystem can be mounted; tests/test_runlock.py covers unwritable folders")
+def test_a_run_dir_on_a_read_only_filesystem_is_one_line_on_every_rank(sample_data, tmp_path_factory, tmp_path):
+    data = prepare_data(tmp_path_factory.getbasetemp(), sample_data)
+    readonly = tmp_path / "readonly"
+    readonly.mkdir()
+    config = write_config(tmp_path / "run.yaml", data, readonly / "run")
+    # two ranks in a mount namespace where the run's parent folder is a read-only filesystem
+    script = ('mount -t tmpfs -o ro,size=1m tmpfs "$RO" || exit 99; for r in 0 1; do RANK=$r LOCAL_RANK=$r '
+              'WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 "$PY" -m distaff.train.pretrain --config "$CFG" '
+              '>"$LOGS/rank$r.log" 2>&1 & eval "p$r=$!"; done; wait $p0; c0=$?; wait $p1; echo "$c0 $?"')
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=180,
+                          cwd=tmp_path, env={**rank_env(tmp_path), "RO": str(readonly), "PY": sys.executable,
+                                             "MASTER_PORT": str(free_port()), "CFG": str(config), "LOGS": str(tmp_path)})
+    assert proc.stdout.split() == ["2", "2"], proc.stdout + proc.stderr + _log(tmp_path)
+    for rank in (0, 1):
+        log = (tmp_path / f"rank{rank}.log").read_text()
+        assert "Traceback" not in log and log.strip().splitlines()[-1] == (
+            f"distaff pretrain: rank {rank}: run.out_dir: {readonly / 'run'} cannot be written (read-only file "
+            "system); choose a folder this user can write"), log[-3000:]

@@ -22,3 +22,16 @@ def test_a_held_directory_is_refused_naming_the_holder_and_freed_after(tmp_path,
             DirLock(tmp_path / "out", "run.out_dir")
     with DirLock(tmp_path / "out", "run.out_dir"):       # released: the next holder takes it over
         pass
+
+
+@pytest.mark.parametrize("where", ["file", "sys"])
+def test_a_folder_that_cannot_be_written_is_a_config_error_naming_it(tmp_path, where):
+    """A path under a regular file, or in a filesystem that refuses even root (sysfs), is refused by name."""
+    if where == "file":
+        (tmp_path / "a-file").write_text("x")
+        folder, reason = tmp_path / "a-file" / "run", "not a directory"
+    else:
+        folder, reason = __import__("pathlib").Path("/sys/distaff-test-run"), "operation not permitted"
+    with pytest.raises(ConfigError, match=rf"run.out_dir: {folder} cannot be written \({reason}\); choose a folder "
+                                          "this user can write"):
+        DirLock(folder, "run.out_dir")

@@ -24,6 +24,9 @@ from .model_config import ConfigError, ModelConfig, load_model_config, reject_un
 __all__ = ["ConfigError", "RunConfig", "load_config", "parse_overrides", "save_config", "config_to_dict"]
 
 
+MAX_SEED = 2**32 - 1      # numpy's generators take seeds up to this; torch's up to 2^64 - 1, the rank's offset included
+
+
 @dataclass
 class RunSection:
     out_dir: str = "runs/distaff"
@@ -290,6 +293,11 @@ def check_ranges(positive: dict[str, float], non_negative: dict[str, float]) -> 
             raise ConfigError(f"{key}: must be >= 0, got {value}")
 
 
+def check_seed(key: str, seed: int) -> None:
+    if not 0 <= seed <= MAX_SEED:
+        raise ConfigError(f"{key}: must be a whole number from 0 to {MAX_SEED} (2^32 - 1), got {shown(seed)}")
+
+
 def check_engine_sections(cfg: Any) -> None:
     """The ``zero``, ``optim`` and ``run`` settings every DeepSpeed run shares (pretraining, fine-tuning)."""
     if cfg.zero.stage not in (0, 1, 2, 3):
@@ -304,6 +312,7 @@ def check_engine_sections(cfg: Any) -> None:
         raise ConfigError(f"optim.betas: must be two values in [0, 1), got {cfg.optim.betas}")
     if not cfg.run.out_dir:
         raise ConfigError("run.out_dir: required")
+    check_seed("run.seed", cfg.run.seed)
 
 
 def _validate(cfg: RunConfig) -> None:

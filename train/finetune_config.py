@@ -17,7 +17,7 @@ import yaml
 
 from .config import (CheckpointSection, DeepSpeedSection, DistributedSection, LoggingSection, OptimSection,
                      RunSection, WandbSection, ZeroSection, _build, _check_value, check_engine_sections, check_ranges,
-                     read_config_values)
+                     check_seed, read_config_values)
 from .errors import shown
 from .model_config import ConfigError, ModelConfig, reject_unknown_keys
 from .model_folder import FREE_FIELDS
@@ -144,6 +144,7 @@ def _validate(cfg: FinetuneConfig) -> None:
                       "eval.patience": cfg.eval.patience, "checkpoint.every": cfg.checkpoint.every,
                       "distributed.watchdog_s": cfg.distributed.watchdog_s})
     check_engine_sections(cfg)
+    check_seed("data.split_seed", data.split_seed)
     for key in ("train", "init_from"):
         section = "data" if key == "train" else "model"
         if not getattr(getattr(cfg, section), key):

@@ -46,9 +46,14 @@ class DirLock:
     life), or for a ``with`` block."""
 
     def __init__(self, folder: Path, what: str):
-        folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / LOCK_FILE
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:   # read-only, not ours, a file where a folder should be: the user's to choose again
+            at = f" at {err.filename}" if err.filename and Path(err.filename) not in (folder, self.path) else ""
+            raise ConfigError(f"{what}: {folder} cannot be written ({(err.strerror or str(err)).lower()}{at}); "
+                              "choose a folder this user can write") from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -117,15 +117,16 @@ class RunBase:
     # ---------------------------------------------------------------- building
 
     def _lock_out_dir(self) -> DirLock | None:
-        """Rank 0 holds ``run.out_dir``'s lock for the run's life; every rank learns of a refusal."""
+        """Rank 0 holds ``run.out_dir``'s lock for the run's life; every rank learns of a refusal, and why."""
         lock, refusal = None, ""
         if self.layout.is_main:
             try:
                 lock = DirLock(self.cfg.out_dir, "run.out_dir")
             except ConfigError as err:
                 refusal = str(err)
-        if dist_utils.all_reduce_sum([float(bool(refusal))], self.device)[0]:
-            raise ConfigError(refusal or f"run.out_dir: {self.cfg.out_dir} is in use by another run (see rank 0)")
+        refusal = dist_utils.broadcast_text(refusal, self.device)
+        if refusal:
+            raise ConfigError(refusal)
         return lock
 
     def _initialize_engine(self, build_model: Callable[[], torch.nn.Module],
