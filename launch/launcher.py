@@ -133,16 +133,24 @@ class LaunchPlan:
 
 
 def plan_launch(target: LaunchTarget, *, hosts: list[str], gpus_per_node: int | None, master_port: int,
-                env: Mapping[str, str]) -> LaunchPlan:
-    """The command, environment and files for a launch on ``hosts`` (none or one: this node)."""
-    env = dict(env)
+                env: Mapping[str, str], extra: Mapping[str, str] | None = None) -> LaunchPlan:
+    """The command, environment and files for a launch on ``hosts`` (none or one: this node); ``extra``, the
+    user's ``--env`` variables, reach every rank: in the environment on one node, through ``.deepspeed_env``
+    on several, where a credential is refused (it would be written into the run directory)."""
+    env = {**env, **(extra or {})}
     if len(hosts) <= 1:  # this node only: deepspeed starts the ranks without ssh
         command = deepspeed_command(target, gpus_per_node=gpus_per_node, master_port=master_port)
         return LaunchPlan(command, env, {})
     slots = gpus_per_node or int(env.get("SLURM_GPUS_ON_NODE", "1"))
     launch_dir = target.out_dir / "launch"
     hostfile, env_file = launch_dir / "hostfile", launch_dir / ".deepspeed_env"
-    files = {hostfile: format_hostfile(hosts, slots), env_file: format_deepspeed_env(node_environment(env))}
+    for name in extra or {}:
+        if is_secret(name):
+            raise ConfigError(f"--env {name}: a credential (by its name) is never written to {env_file}, the file "
+                              "that carries variables to the other nodes; set it in each node's own environment "
+                              "(its shell profile) or ~/.netrc instead")
+    files = {hostfile: format_hostfile(hosts, slots),
+             env_file: format_deepspeed_env({**node_environment(env), **(extra or {})})}
     # deepspeed looks for .deepspeed_env in ~ and the cwd; an absolute DS_ENV_FILE points it at ours.
     env["DS_ENV_FILE"] = str(env_file)
     command = deepspeed_command(target, gpus_per_node=slots, master_port=master_port,
@@ -157,9 +165,10 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     target = resolve_launch_target(args.config, args.overrides, args.task)
-    env = {**os.environ, **_parse_env_pairs(args.env)}
-    hosts = hosts_from_environment(args.hosts, env)
-    plan = plan_launch(target, hosts=hosts, gpus_per_node=args.gpus_per_node, master_port=args.master_port, env=env)
+    extra = _parse_env_pairs(args.env)
+    hosts = hosts_from_environment(args.hosts, {**os.environ, **extra})
+    plan = plan_launch(target, hosts=hosts, gpus_per_node=args.gpus_per_node, master_port=args.master_port,
+                       env=os.environ, extra=extra)
     shown = (f"DS_ENV_FILE={shlex.quote(plan.env['DS_ENV_FILE'])} " if plan.files else "") + shlex.join(plan.command)
     if args.dry_run:
         for path, text in plan.files.items():

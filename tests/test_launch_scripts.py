@@ -96,6 +96,22 @@ def test_every_credential_like_name_stays_out_of_deepspeed_env(name: str) -> Non
     assert node_environment({**NODE_ENV, "HF_HOME": "/x"})["HF_HOME"] == "/x"  # families still travel
 
 
+def test_explicit_env_variables_reach_every_node_and_a_credential_is_refused_by_name(target, capsys) -> None:
+    """An explicit --env FOO=bar always travels (not only the listed families); an explicit credential on several
+    nodes is refused with what to do instead of being dropped silently; on one node it stays in the environment."""
+    assert cli.main(["launch", "--config", str(target.config), "--hosts", "gpu[01-02]", "--dry-run",
+                     "--env", "MY_SETTING=1", "--env", "NCCL_DEBUG=INFO"]) == 0
+    out = capsys.readouterr().out
+    assert "MY_SETTING=1\n" in out and "NCCL_DEBUG=INFO\n" in out
+    assert cli.main(["launch", "--config", str(target.config), "--hosts", "gpu[01-02]", "--dry-run",
+                     "--env", "EXTRA_API_KEY=s3cret"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("distaff launch: --env EXTRA_API_KEY: a credential (by its name) is never written to "
+                          f"{target.out_dir}/launch/.deepspeed_env") and "s3cret" not in err
+    single = plan_launch(target, hosts=[], gpus_per_node=1, master_port=1, env={}, extra={"EXTRA_API_KEY": "s3cret"})
+    assert single.env["EXTRA_API_KEY"] == "s3cret" and single.files == {}
+
+
 def test_single_node_needs_no_hostfile(target) -> None:
     plan = plan_launch(target, hosts=[], gpus_per_node=2, master_port=29500, env=NODE_ENV)
     assert plan.files == {} and "DS_ENV_FILE" not in plan.env
