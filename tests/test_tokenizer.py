@@ -97,10 +97,18 @@ def test_directory_empty_and_bad_inputs_are_named(corpus_files: list[Path], tmp_
     empty.write_text("\n\n")
     bad.write_bytes(b"bad \xff\xfe text\n")
     assert train(empty) == 2
-    assert f"no text to train on in {empty} (every line empty or skipped" in capsys.readouterr().err
+    assert f"no text to train on in {empty} (skipped: nothing): every line is empty or skipped" in capsys.readouterr().err
     assert train(bad) == 2
     assert f"{bad}:1: invalid UTF-8" in capsys.readouterr().err
     assert train(bad, skip_bad=True) == 2
     err = capsys.readouterr().err
     assert f"no text to train on in {bad}" in err and "'invalid_utf8': 1" in err
     assert train(bad, corpus_files[3], skip_bad=True) == 0
+    # a binary file with --skip-bad: most of it skipped, a few printable stretches too little for the vocabulary
+    binary = tmp_path / "program.txt"
+    binary.write_bytes(b"\n\n".join(b"\x7fELF\x02\x01\xff\xfe" * 20 if i % 2 else b"usage: ls [OPTION]" for i in range(60)))
+    assert train(binary, skip_bad=True) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"distaff tokenizer: --vocab-size 200: the text of {binary} (skipped: {{'invalid_utf8': "
+                              "30}) supports at most ") and "give more text (are the inputs text files?)" in err[-1]
+    assert not any("Traceback" in line or "INTERNAL" in line for line in err)

@@ -17,6 +17,7 @@ import argparse
 import io
 import json
 import logging
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,6 +138,19 @@ def _train_spm(lines: Iterator[str], model: io.BytesIO, vocab_size: int, charact
         shuffle_input_sentence=True, minloglevel=2)
 
 
+def _training_error(err: RuntimeError, inputs: Sequence[str | Path], vocab_size: int, stats: ReadStats) -> Exception:
+    """SentencePiece's internal message about too little text as a DataError naming the inputs, what was
+    skipped (a binary file's documents are, with --skip-bad) and what to do; any other error as it is."""
+    where = f"{', '.join(map(str, inputs))} (skipped: {dict(stats.skipped) or 'nothing'})"
+    if "sentences_.empty()" in str(err):
+        return DataError(f"no text to train on in {where}: every line is empty or skipped; give text files")
+    most = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", str(err))
+    if most:
+        return DataError(f"--vocab-size {vocab_size}: the text of {where} supports at most {most.group(1)} pieces; "
+                         f"give more text (are the inputs text files?) or a --vocab-size of at most {most.group(1)}")
+    return err
+
+
 def train_tokenizer(inputs: Sequence[str | Path], vocab_size: int, out_dir: str | Path, *,
                     character_coverage: float = 0.9995, max_input_bytes: int | None = None,
                     num_threads: int = 2, max_sentence_length: int = 16384, seed_sentences: int = 2_000_000,
@@ -150,11 +164,7 @@ def train_tokenizer(inputs: Sequence[str | Path], vocab_size: int, out_dir: str 
         _train_spm(_training_lines(inputs, max_input_bytes, read or ReadOptions(), stats), model, vocab_size, character_coverage,
                    num_threads, max_sentence_length, seed_sentences)
     except RuntimeError as err:
-        if "sentences_.empty()" not in str(err):
-            raise
-        # SentencePiece only says "[!sentences_.empty()]": name the inputs and what was skipped
-        raise DataError(f"no text to train on in {', '.join(map(str, inputs))} (every line empty or skipped; "
-                        f"skipped: {dict(stats.skipped) or 'none'})") from None
+        raise _training_error(err, inputs, vocab_size, stats) from None
     (out_dir / MODEL_FILE).write_bytes(model.getvalue())
     _write_hf_files(out_dir, model_max_length)
     processor = spm.SentencePieceProcessor(model_file=str(out_dir / MODEL_FILE))
