@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from pretrain_fixtures import metrics, prepare_data, run_probe, write_config
+from pretrain_fixtures import SEQ_LEN, metrics, prepare_data, run_probe, write_config
 
+from distaff.train.data.loader import PretrainLoader, open_data_dir
 from distaff.train.data.stream import Plan
 from distaff.train.pretrain import EXIT_PREEMPTED
 from distaff.train.schedule import lr_at
@@ -40,9 +41,11 @@ def _assert_same_state(resumed: dict, saved: dict) -> None:
     assert resumed["train_state"]["samples"] == saved["train_state"]["samples"]
 
 
-def _plan(state: dict) -> Plan:
+def _plan(state: dict, lengths: np.ndarray | None = None) -> Plan:
+    """The saved plan; a packed one (token budget) needs the epoch's sample lengths to say who read what."""
     plan = state["plan"]
-    return Plan(tuple(tuple(p) for p in plan["pending"]), plan["world_size"], plan["slots"], plan["batch_size"])
+    return Plan(tuple(tuple(p) for p in plan["pending"]), plan["world_size"], plan["slots"], plan["batch_size"],
+                plan.get("token_budget", 0), lengths)
 
 
 def _read(plan: Plan, batches: int) -> list[int]:
@@ -54,9 +57,9 @@ def _positions(intervals) -> set[int]:
     return {p for a, b in intervals for p in range(a, b)}
 
 
-def _assert_redealt(saved: dict, resumed: dict, later: dict) -> None:
+def _assert_redealt(saved: dict, resumed: dict, later: dict, lengths: np.ndarray | None = None) -> None:
     """The resumed plan holds exactly the saved plan's positions nobody read; what is read after comes from it."""
-    old, new = _plan(saved), _plan(resumed)
+    old, new = _plan(saved, lengths), _plan(resumed, lengths)
     read_before = _read(old, saved["batch_in_plan"])
     assert len(read_before) == len(set(read_before))
     assert resumed["epoch"] == saved["epoch"] and resumed["batch_in_plan"] == 0
@@ -134,3 +137,54 @@ def test_rank0_alone_checks_the_checkpoint_and_tells_the_others(sample_data, tmp
     assert "FileNotFoundError: checkpoint.resume=" in (tmp / "rank0.log").read_text()
     assert "rank 0 could not choose a checkpoint to resume from: FileNotFoundError: checkpoint.resume=" \
         in (tmp / "rank1.log").read_text()
+
+
+@pytest.mark.timeout(1000)
+def test_zero_offload_resumes_on_fewer_ranks(sample_data, tmp_path_factory):
+    """ZeRO-2 with the optimizer offloaded to DeepSpeed's CPU Adam, 2 -> 1 ranks: the fp32 masters and Adam moments
+    (kept on the CPU) come back exactly through the universal checkpoint, and the epoch is re-dealt."""
+    data = prepare_data(tmp_path_factory.getbasetemp(), sample_data)
+    tmp = tmp_path_factory.mktemp("resize-offload")
+    config = write_config(tmp / "run.yaml", data, tmp / "run", train={"max_steps": 5},
+                          optim={"lr": LR, "warmup_steps": WARMUP}, zero={"stage": 2, "offload_optimizer": True},
+                          eval={"every": 0, "batches": 1})
+    codes, logs = run_probe(config, tmp, 2, tmp / "p2", stop_at=3, timeout=900)
+    assert codes == [EXIT_PREEMPTED] * 2, logs
+    _run(config, tmp, 1, tmp / "p1")
+    engine = json.loads((tmp / "p1" / "engine-rank0.json").read_text())
+    assert engine["optimizer"] == "DeepSpeedCPUAdam" and engine["cpu_offload"], engine
+    saved, resumed = _dump(tmp / "p2", "end"), _dump(tmp / "p1", "start")
+    _assert_same_state(resumed, saved)
+    _assert_redealt(saved["data"], resumed["data"], _dump(tmp / "p1", "end")["data"])
+    _assert_counters_continue(tmp / "run", steps=5)
+    assert "to a universal checkpoint" in (tmp / "rank0.log").read_text()
+
+
+def _epoch_lengths(data: Path, seed: int) -> np.ndarray:
+    """Every epoch-0 position's token count, as the loaders of the run compute it."""
+    manifest, tokenizer = open_data_dir(data)
+    loader = PretrainLoader(data, manifest, tokenizer, batch_size=4, rank=0, world_size=1, num_workers=0, seed=seed,
+                            masking=None, token_budget=4 * SEQ_LEN)
+    return loader._epoch_lengths(0)
+
+
+@pytest.mark.timeout(600)
+def test_packed_plans_resume_on_fewer_then_more_ranks(sample_data, tmp_path_factory):
+    """Packed batches (data.packing=varlen: whole samples up to a token budget) under ZeRO-2, 2 -> 1 -> 2 ranks: the
+    rest of the epoch is re-cut and re-dealt by tokens, no sample read twice or skipped; the state comes back exact."""
+    data = prepare_data(tmp_path_factory.getbasetemp(), sample_data, pack_documents=False)
+    tmp = tmp_path_factory.mktemp("resize-packed")
+    config = write_config(tmp / "run.yaml", data, tmp / "run", train={"max_steps": 7},
+                          optim={"lr": LR, "warmup_steps": WARMUP}, zero={"stage": 2}, eval={"every": 0, "batches": 1},
+                          data={"packing": "varlen"})
+    _run(config, tmp, 2, tmp / "p2", stop_at=3)
+    _run(config, tmp, 1, tmp / "p1", stop_at=5)
+    _run(config, tmp, 2, tmp / "p2b")
+    lengths = _epoch_lengths(data, seed=7)                                       # write_config's run.seed
+    saved2, resumed1, end1 = _dump(tmp / "p2", "end"), _dump(tmp / "p1", "start"), _dump(tmp / "p1", "end")
+    assert saved2["data"]["plan"]["token_budget"] == 4 * SEQ_LEN
+    _assert_same_state(resumed1, saved2)
+    _assert_redealt(saved2["data"], resumed1["data"], end1["data"], lengths)
+    _assert_same_state(_dump(tmp / "p2b", "start", 1), end1)
+    _assert_redealt(end1["data"], _dump(tmp / "p2b", "start")["data"], _dump(tmp / "p2b", "end")["data"], lengths)
+    _assert_counters_continue(tmp / "run", steps=7)
