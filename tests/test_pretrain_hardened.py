@@ -73,8 +73,9 @@ def test_a_failing_final_evaluation_keeps_the_final_checkpoint(sample_data, tmp_
     config = write_config(tmp_path / "run.yaml", data, run_dir, train={"max_steps": 25})
     procs = spawn_ranks(config, tmp_path)
     wait_for_step(run_dir, 2, procs)
-    shutil.rmtree(data / "heldout")             # the final evaluation will find its shards gone
-    assert wait_all(procs, timeout=180) == [EXIT_FAILURE] * 2, _log(tmp_path)
+    shutil.rmtree(data / "heldout")             # the final evaluation will find its shards gone: bad input, exit 2
+    assert wait_all(procs, timeout=180) == [EXIT_BAD_CONFIG] * 2, _log(tmp_path)
+    assert "heldout/shard-000000.tar: file not found" in (tmp_path / "rank0.log").read_text()
     assert latest_checkpoint(run_dir / "checkpoints").name == "step-00000025", _log(tmp_path)
 
 

@@ -3,8 +3,8 @@
 Bad input is one line on stderr, ``distaff <command>: <what>, <where>; <what to do>``, and exit status
 :data:`EXIT_BAD_INPUT` (2), without a traceback. Bad input is a :class:`UserError` (``ConfigError`` and
 ``DataError`` are its subclasses: raise those, with a message that names the file, line, key or value
-and says what to do; ``ConfigError`` is also importable from ``model_config``) or a path the user named that cannot be used (missing, not a folder, not
-writable). A :class:`RunFailure` (a full disk during a save, say) is one line and exit 1. Anything
+and says what to do; ``ConfigError`` is also importable from ``model_config``) or a path the user named
+that cannot be used (missing, not a folder, not writable). A :class:`RunFailure` (a full disk during a save, say) is one line and exit 1. Anything
 else is a bug or a broken machine: its traceback, then one line naming the exception, exit 1.
 ``--debug`` anywhere on a command line (or ``DISTAFF_DEBUG=1``, which ``--debug`` sets for the
 processes a command starts) prints the traceback of every error.
@@ -27,7 +27,7 @@ EXIT_BAD_INPUT = EXIT_BAD_CONFIG
 DEBUG_FLAG = "--debug"
 DEBUG_ENV = "DISTAFF_DEBUG"
 MAX_MESSAGE_CHARS = 2000        # a message longer than this is cut in the middle (a value can be huge)
-# errnos of a path the user named that cannot be used as asked: bad input, not a failure
+# a path the user named that cannot be used as asked (by class, or by errno for a plain OSError): bad input
 _PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError)
 _PATH_ERRNOS = {errno.ENOENT, errno.EEXIST, errno.EISDIR, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS,
                 errno.ENAMETOOLONG}

@@ -296,8 +296,8 @@ def train(cfg: FinetuneConfig, layout: dist_utils.DistEnv) -> int:
     """Run (or resume) fine-tuning on this rank; the exit code."""
     try:
         return FinetuneTrainer(cfg, layout).run()
-    except DataError as err:    # a bad data file is the user's to fix, like a bad config value
-        raise ConfigError(f"data: {err}") from None
+    except DataError as err:    # every rank reads the files: they refuse together, as for a bad config value
+        raise ConfigError(str(err)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
