@@ -13,17 +13,6 @@ from distaff.train.runlock import LOCK_FILE, DirLock
 pytestmark = pytest.mark.unit
 
 
-def test_a_held_directory_is_refused_naming_the_holder_and_freed_after(tmp_path, monkeypatch):
-    monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    with DirLock(tmp_path / "out", "run.out_dir"):
-        assert (tmp_path / "out" / LOCK_FILE).is_file()
-        with pytest.raises(ConfigError, match=f"run.out_dir: .* is in use by pid {os.getpid()} on "
-                                              f"{socket.gethostname()}, Slurm job 4242, started 20"):
-            DirLock(tmp_path / "out", "run.out_dir")
-    with DirLock(tmp_path / "out", "run.out_dir"):       # released: the next holder takes it over
-        pass
-
-
 def test_a_requeued_slurm_job_takes_over_the_lock_its_hung_earlier_attempt_still_holds(tmp_path, monkeypatch,
                                                                                       capsys):
     """A node that hangs keeps its rank's lock; the job's next attempt (same job id, higher restart count)
@@ -46,3 +35,15 @@ def test_a_requeued_slurm_job_takes_over_the_lock_its_hung_earlier_attempt_still
         with pytest.raises(ConfigError, match="is in use by pid .* Slurm job 4242"):
             DirLock(tmp_path / "out", "run.out_dir")
     del hung
+
+
+def test_a_held_directory_is_refused_naming_the_holder_and_freed_after(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    with DirLock(tmp_path / "out", "run.out_dir"):
+        assert (tmp_path / "out" / LOCK_FILE).is_file()
+        with pytest.raises(ConfigError, match=f"run.out_dir: .* is in use by pid {os.getpid()} on "
+                                              f"{socket.gethostname()}, Slurm job 4242, started 20"):
+            DirLock(tmp_path / "out", "run.out_dir")
+    with DirLock(tmp_path / "out", "run.out_dir"):       # released: the next holder takes it over
+        pass
+
