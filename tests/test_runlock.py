@@ -46,4 +46,3 @@ def test_a_held_directory_is_refused_naming_the_holder_and_freed_after(tmp_path,
             DirLock(tmp_path / "out", "run.out_dir")
     with DirLock(tmp_path / "out", "run.out_dir"):       # released: the next holder takes it over
         pass
-
