@@ -25,6 +25,7 @@ class LaunchTarget:
     name: str                    # run.name
     overrides: tuple[str, ...]   # the user's overrides plus run.out_dir pinned to ``out_dir``
     task: str = "pretrain"       # a key of TASKS
+    data_workers: int = 0        # DataLoader worker processes per rank (data.num_workers; none in fine-tuning)
 
     @property
     def module(self) -> str:
@@ -52,7 +53,8 @@ def resolve_launch_target(config: str | Path, overrides: list[str], task: str = 
     out_dir = Path(cfg.run.out_dir).resolve()
     pinned = [item for item in overrides if not item.startswith("run.out_dir=")]
     pinned.append(f"run.out_dir={out_dir}")
-    return LaunchTarget(config=config, out_dir=out_dir, name=cfg.run.name, overrides=tuple(pinned), task=task)
+    return LaunchTarget(config=config, out_dir=out_dir, name=cfg.run.name, overrides=tuple(pinned), task=task,
+                        data_workers=getattr(cfg.data, "num_workers", 0))
 
 
 def resolve_or_exit(config: str | Path, overrides: list[str], prog: str, task: str = "pretrain") -> LaunchTarget:

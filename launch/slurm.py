@@ -12,11 +12,17 @@ The job survives preemption and time limits by itself:
 - On 75 the batch script requeues the job (``--requeue``, logs opened with
   ``--open-mode=append``); the next attempt keeps the job id, hence the rendezvous port, the log
   files and the W&B run id, and resumes from the latest checkpoint (``checkpoint.resume=auto``).
+- A node that dies ends the job as NODE_FAIL, which ``--requeue`` also requeues (docs/launch.md).
+
+It also requests what it starts: ``--cpus-per-task`` (the ranks and their DataLoader workers, one
+CPU each) and memory per CPU, both passed on to the ``srun`` step as well (since Slurm 22.05 a step
+does not inherit the job's ``--cpus-per-task``).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import shutil
 import subprocess
@@ -28,6 +34,9 @@ from distaff.launch.run_config import LaunchTarget, add_task_argument, resolve_o
 from distaff.train.exit_codes import EXIT_PREEMPTED
 
 DEFAULT_SIGNAL_LEAD_S = 300
+DEFAULT_MEM_PER_CPU = "4G"   # the rank and each DataLoader worker get one CPU, hence this much memory each
+_MEMORY = re.compile(r"\d+[KMGTkmgt]?")  # Slurm's sizes: a number of MB, or with a K/M/G/T suffix
+_NO_KILL = ("--no-kill", "-k")
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,10 @@ class SlurmJobSpec:
     nodes: int
     ranks_per_node: int
     cpu: bool = False                    # CPU ranks: no GPU request, DS_ACCELERATOR=cpu
+    cpus_per_task: int | None = None     # per node; None: ranks_per_node x (1 + data workers)
+    mem: str | None = None               # per node, Slurm syntax ("64G"; "0": all of it)
+    mem_per_cpu: str | None = None       # default DEFAULT_MEM_PER_CPU, unless mem is given or exclusive
+    exclusive: bool = False              # whole nodes (and all their memory unless a memory option is given)
     partition: str | None = None
     account: str | None = None
     time: str | None = None
@@ -44,6 +57,19 @@ class SlurmJobSpec:
     sbatch_lines: tuple[str, ...] = ()   # extra "#SBATCH" options, e.g. "--qos=high"
     workdir: Path = field(default_factory=Path.cwd)  # job cwd: relative config paths resolve as here
     python: str = sys.executable
+
+    @property
+    def cpus(self) -> int:
+        """CPUs per node: one for every rank and for each of its DataLoader workers, unless given."""
+        return self.cpus_per_task or self.ranks_per_node * (1 + self.target.data_workers)
+
+    def memory_option(self) -> str:
+        """The sbatch memory request: what was given, else all of exclusive nodes, else per CPU."""
+        if self.mem is not None:
+            return f"--mem={self.mem}"
+        if self.mem_per_cpu is None and self.exclusive:
+            return "--mem=0"
+        return f"--mem-per-cpu={self.mem_per_cpu or DEFAULT_MEM_PER_CPU}"
 
     @property
     def log_dir(self) -> Path:
@@ -61,9 +87,19 @@ def _validate(spec: SlurmJobSpec) -> None:
         raise ValueError(f"--gpus-per-node must be >= 1, got {spec.ranks_per_node}")
     if spec.signal_lead_s < 1:
         raise ValueError(f"--signal-lead must be >= 1 second, got {spec.signal_lead_s}")
+    if spec.cpus_per_task is not None and spec.cpus_per_task < 1:
+        raise ValueError(f"--cpus-per-task must be >= 1, got {spec.cpus_per_task}")
+    if spec.mem is not None and spec.mem_per_cpu is not None:
+        raise ValueError("--mem and --mem-per-cpu exclude each other: give one")
+    for name, size in (("--mem", spec.mem), ("--mem-per-cpu", spec.mem_per_cpu)):
+        if size is not None and not _MEMORY.fullmatch(size):
+            raise ValueError(f"{name} {size!r}: expected a Slurm size such as 64G, 4000M or 4000 (MB)")
     for line in spec.sbatch_lines:
         if "\n" in line or not line.startswith("-"):
             raise ValueError(f"--sbatch {line!r}: expected one sbatch option such as --qos=high")
+        if line.split("=")[0] in _NO_KILL:
+            raise ValueError(f"--sbatch {line!r}: with it a node failure leaves the job running without that "
+                             "node's ranks, and it fails instead of being requeued; leave it out")
 
 
 def _sbatch_header(spec: SlurmJobSpec) -> list[str]:
@@ -71,6 +107,8 @@ def _sbatch_header(spec: SlurmJobSpec) -> list[str]:
         f"--job-name={spec.job_name or spec.target.name}",
         f"--nodes={spec.nodes}",
         "--ntasks-per-node=1",
+        f"--cpus-per-task={spec.cpus}",
+        spec.memory_option(),
         f"--output={spec.log_dir}/%x-%j.out",
         "--open-mode=append",
         "--requeue",
@@ -78,7 +116,9 @@ def _sbatch_header(spec: SlurmJobSpec) -> list[str]:
         f"--chdir={spec.workdir}",
     ]
     if not spec.cpu:
-        options.append(f"--gpus-per-node={spec.ranks_per_node}")
+        options.append(f"--gpus-per-node={spec.ranks_per_node}")  # a step gets the job's GPUs by default
+    if spec.exclusive:
+        options.append("--exclusive")
     options += [f"--{name}={value}" for name, value in
                 (("partition", spec.partition), ("account", spec.account), ("time", spec.time)) if value]
     options += spec.sbatch_lines
@@ -100,6 +140,8 @@ def render_sbatch_script(spec: SlurmJobSpec) -> str:
     _validate(spec)
     header = "\n".join(_sbatch_header(spec))
     cpu_env = "export DS_ACCELERATOR=cpu\n" if spec.cpu else ""
+    # what the ranks inherit (nproc would answer OMP_NUM_THREADS instead)
+    affinity = shlex.join([spec.python, "-c", "import os; print(len(os.sched_getaffinity(0)))"])
     node_log = f"{spec.log_dir}/%x-%j-node%n.out"
     return f"""#!/bin/bash
 # Written by `distaff slurm submit` for run {spec.target.name!r} ({spec.target.out_dir}).
@@ -116,6 +158,7 @@ read -r -d '' node_script <<'NODE'
 stop_requested=0
 trap 'stop_requested=1' USR1 TERM
 is_host=$([ "$SLURM_NODEID" = 0 ] && echo true || echo false)
+echo "distaff: node $SLURM_NODEID ($SLURMD_NODENAME): $({affinity}) CPUs for its ranks"
 resume=()
 [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ] && resume=(checkpoint.resume=auto)
 # torchrun would die of SIGUSR1: it ignores it; the ranks install their own handler.
@@ -131,7 +174,11 @@ NODE
 
 # A signal sent to the batch shell only (scancel --batch, --signal=B:...) goes on to the ranks.
 trap 'scancel --signal=USR1 "$SLURM_JOB_ID"' USR1
-srun --ntasks-per-node=1 --kill-on-bad-exit=0 --open-mode=append --output={shlex.quote(node_log)} \\
+# One task per node of this attempt's allocation (SLURM_NTASKS keeps the submitted count, which a job
+# shrunk after a lost node no longer has). Slurm >= 22.05: a step does not inherit the job's
+# --cpus-per-task; it is asked for again.
+srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task={spec.cpus} \\
+    --kill-on-bad-exit=0 --open-mode=append --output={shlex.quote(node_log)} \\
     bash -c "$node_script" &
 srun_pid=$!
 while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid"; done
@@ -174,6 +221,13 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--nodes", type=int, required=True)
     sub.add_argument("--gpus-per-node", type=int, required=True, help="ranks per node (one per GPU)")
     sub.add_argument("--cpu", action="store_true", help="CPU ranks: request no GPUs, set DS_ACCELERATOR=cpu")
+    sub.add_argument("--cpus-per-task", type=int,
+                     help="CPUs per node (default: ranks per node x (1 + data.num_workers))")
+    memory = sub.add_mutually_exclusive_group()
+    memory.add_argument("--mem", help="memory per node, e.g. 256G (0: all of it)")
+    memory.add_argument("--mem-per-cpu", help=f"memory per CPU (default {DEFAULT_MEM_PER_CPU}; with --exclusive: "
+                                              "--mem=0)")
+    sub.add_argument("--exclusive", action="store_true", help="whole nodes: share them with no other job")
     sub.add_argument("--partition")
     sub.add_argument("--account")
     sub.add_argument("--time", help="time limit, e.g. 1-00:00:00")
@@ -191,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     target = resolve_or_exit(args.config, args.overrides, "distaff slurm", args.task)
     spec = SlurmJobSpec(
         target=target, nodes=args.nodes, ranks_per_node=args.gpus_per_node, cpu=args.cpu,
+        cpus_per_task=args.cpus_per_task, mem=args.mem, mem_per_cpu=args.mem_per_cpu, exclusive=args.exclusive,
         partition=args.partition, account=args.account, time=args.time, job_name=args.job_name,
         signal_lead_s=args.signal_lead, sbatch_lines=tuple(args.sbatch))
     try:
@@ -199,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# submit with:\n{shlex.join(sbatch_command(spec.script_path))}")
             return 0
         job_id = submit(spec)
-    except (ValueError, RuntimeError) as err:
+    except ValueError as err:  # a bad option
+        print(f"distaff slurm: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:  # no sbatch here, or sbatch refused the job
         print(f"distaff slurm: {err}", file=sys.stderr)
         return 1
     print(job_id)

@@ -16,8 +16,10 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import yaml
 
+from distaff.train.data.stream import Plan
 from distaff.train.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,6 +148,40 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
                 p.kill()
             raise
     return codes
+
+
+# ---------------------------------------------------------------- the data stream across a resize
+
+def stream_plan(state: dict, lengths: np.ndarray | None = None) -> Plan:
+    """The epoch plan of a loader state (``PretrainLoader.state_dict()``, as a checkpoint holds it per rank); a
+    packed one (token budget) needs the epoch's sample lengths to say who read what."""
+    plan = state["plan"]
+    return Plan(tuple(tuple(p) for p in plan["pending"]), plan["world_size"], plan["slots"], plan["batch_size"],
+                plan.get("token_budget", 0), lengths)
+
+
+def positions_read(plan: Plan, batches: int) -> list[int]:
+    """Epoch positions every rank of ``plan`` read in its first ``batches`` batches."""
+    return [int(p) for r in range(plan.world_size) for b in range(batches) for p in plan.positions(r, b)]
+
+
+def interval_positions(intervals) -> set[int]:
+    return {p for a, b in intervals for p in range(a, b)}
+
+
+def assert_redealt(saved: dict, later: dict, lengths: np.ndarray | None = None) -> None:
+    """``later`` (a loader state of a run resumed from ``saved`` on another world size, in the same epoch) reads
+    from a plan that holds exactly the positions of ``saved``'s plan nobody had read: no sample of the epoch
+    is read twice or skipped."""
+    old, new = stream_plan(saved, lengths), stream_plan(later, lengths)
+    read_before = positions_read(old, saved["batch_in_plan"])
+    assert len(read_before) == len(set(read_before))
+    assert later["epoch"] == saved["epoch"] and later["plan_index"] == saved["plan_index"] + 1
+    pending = interval_positions(new.pending)
+    assert not pending & set(read_before)                                       # nothing read twice
+    assert pending | set(read_before) == interval_positions(old.pending)        # nothing skipped
+    read_after = positions_read(new, later["batch_in_plan"])
+    assert set(read_after) <= pending and len(read_after) == len(set(read_after))
 
 
 def metrics(run_dir: Path) -> list[dict]:

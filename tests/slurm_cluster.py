@@ -23,11 +23,13 @@ from pathlib import Path
 
 import pytest
 
+from distaff.train.data.loader import WORKER_SIGTERM_GRACE_S
 from distaff.train.distributed import free_port
 
 NODE_NAMES = ("n1", "n2")
 DAEMON_BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "unshare")
 # Job states after which a job never runs again (REQUEUED and PREEMPTED are not among them).
+NODE_FAIL_TIMEOUT_S = 10  # SlurmdTimeout of the cluster for node-failure tests
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
@@ -42,20 +44,27 @@ def slurm_unavailable_reason() -> str | None:
 
 
 def _node_hardware() -> str:
-    """The CPU layout fields of ``slurmd -C`` (RealMemory left out, so memory is never checked)."""
+    """The CPU layout fields of ``slurmd -C``, and half its RealMemory: both "nodes" share this machine's
+    memory, and a node that registers with less than its configured memory is drained. Memory is not
+    a consumable resource here (``CR_Core``): a job's ``--mem`` only has to fit one node's RealMemory."""
     out = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, check=True).stdout.split("\n")[0]
     keep = ("CPUs", "Boards", "SocketsPerBoard", "CoresPerSocket", "ThreadsPerCore")
-    return " ".join(item for item in out.split() if item.split("=")[0] in keep)
+    fields = dict(item.split("=", 1) for item in out.split() if "=" in item)
+    return " ".join([f"{key}={fields[key]}" for key in keep] + [f"RealMemory={int(fields['RealMemory']) // 2}"])
 
 
 @dataclass
 class SlurmCluster:
-    """A running local cluster: run client commands against it with :meth:`run`."""
+    """A running local cluster: run client commands against it with :meth:`run`; crash and restart a
+    node with :meth:`freeze_node`, :meth:`kill_node` and :meth:`start_node`."""
 
     root: Path
     conf: Path
     env: dict[str, str]
     daemons: dict[str, subprocess.Popen] = field(default_factory=dict)
+    stack: ExitStack | None = None       # stops what :meth:`start_node` starts, with the rest
+    hosts: Path | None = None            # the private /etc/hosts
+    _node_ns: dict[str, str] = field(default_factory=dict)  # node -> its mount namespace
 
     def run(self, *args: str, check: bool = True, timeout: float = 60,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -86,6 +95,57 @@ class SlurmCluster:
                 raise TimeoutError(f"job {job_id} still {state} after {timeout:.0f}s (wanted {sorted(states)})")
             time.sleep(0.5)
 
+    def node_processes(self, name: str) -> list[int]:
+        """Every process of node ``name``: its slurmd and all it started (job steps, ranks) share the
+        slurmd's private mount namespace, which no other process on the machine has. The namespace is
+        remembered until :meth:`kill_node`, so a node's processes are found after its slurmd is gone."""
+        namespace = self._node_ns.get(name) or os.readlink(f"/proc/{self.daemons[f'slurmd-{name}'].pid}/ns/mnt")
+        self._node_ns[name] = namespace
+        pids = []
+        for pid_dir in Path("/proc").iterdir():
+            try:
+                if pid_dir.name.isdigit() and os.readlink(pid_dir / "ns" / "mnt") == namespace:
+                    pids.append(int(pid_dir.name))
+            except OSError:  # gone meanwhile
+                continue
+        return pids
+
+    def freeze_node(self, name: str) -> int:
+        """A host that hangs: SIGSTOP every process of the node (repeated until no running one is left, as
+        processes may fork meanwhile). Its sockets stay open, so peers see silence, not a closed
+        connection, and its slurmd answers no ping. Returns how many processes were stopped.
+        Whatever a test leaves frozen is killed when the cluster stops."""
+        if self.stack is not None and name not in self._node_ns:
+            self.stack.callback(lambda: self.kill_node(name) if name in self._node_ns else None)
+        while True:
+            running = [pid for pid in self.node_processes(name) if _state(pid) not in ("T", "Z", "")]
+            if not running:
+                return len(self.node_processes(name))
+            for pid in running:
+                _signal(pid, signal.SIGSTOP)
+
+    def kill_node(self, name: str, timeout: float = 30) -> None:
+        """The host is gone: SIGKILL every process of the node (stopped ones too) and wait until none is left."""
+        deadline = time.monotonic() + timeout
+        while pids := self.node_processes(name):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"node {name}: processes {pids} survive SIGKILL")
+            for pid in pids:
+                _signal(pid, signal.SIGKILL)
+            time.sleep(0.1)
+        self.daemons[f"slurmd-{name}"].wait(timeout=timeout)
+        del self._node_ns[name]
+
+    def start_node(self, name: str) -> None:
+        """(Re)start node ``name``'s slurmd; with ``ReturnToService=2`` a DOWN node returns once it registers."""
+        assert self.stack is not None and self.hosts is not None
+        _start(self.stack, self, f"slurmd-{name}",
+               _in_private_hosts(self.hosts, ["slurmd", "-D", "-N", name, "-f", str(self.conf)]))
+
+    def wait_for_nodes(self, state: str, timeout: float = 60) -> None:
+        """Until every node is in ``state`` (sinfo's word: idle, down, ...)."""
+        _wait_until(lambda: _nodes_in(self, state), timeout, f"bringing nodes n1, n2 to {state}", self)
+
     def log_tail(self, lines: int = 40) -> str:
         """The end of every daemon log, for failure messages."""
         parts = []
@@ -95,7 +155,22 @@ class SlurmCluster:
         return "\n".join(parts)
 
 
-def _write_config(root: Path, munge_socket: Path) -> Path:
+def _state(pid: int) -> str:
+    """A process's state letter (R, S, T stopped, Z zombie ...), or "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _signal(pid: int, number: int) -> None:
+    try:
+        os.kill(pid, number)
+    except ProcessLookupError:
+        pass
+
+
+def _write_config(root: Path, munge_socket: Path, slurmd_timeout_s: int) -> Path:
     host = socket.gethostname().split(".")[0]
     hardware = _node_hardware()
     nodes = "\n".join(
@@ -120,7 +195,8 @@ SlurmdPidFile={root}/run/slurmd-%n.pid
 SlurmctldLogFile={root}/log/slurmctld.log
 SlurmdLogFile={root}/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+# Binds each task to the CPUs its step was given: a rank's os.sched_getaffinity shows its request.
+TaskPlugin=task/affinity
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 MpiDefault=none
@@ -132,6 +208,8 @@ SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=2,bf_interval=1
 MinJobAge=600
 KillWait=10
+# A node that answers no ping for this long is DOWN and its jobs end as NODE_FAIL (Slurm's default: 300).
+SlurmdTimeout={slurmd_timeout_s}
 {nodes}
 PartitionName=debug Nodes={",".join(NODE_NAMES)} Default=YES MaxTime=INFINITE State=UP
 """)
@@ -171,10 +249,10 @@ def _wait_until(predicate, timeout: float, what: str, cluster: SlurmCluster) -> 
         time.sleep(0.3)
 
 
-def _nodes_idle(cluster: SlurmCluster) -> bool:
+def _nodes_in(cluster: SlurmCluster, state: str) -> bool:
     out = cluster.run("sinfo", "-h", "-N", "-o", "%N %T", check=False).stdout.split()
     states = dict(zip(out[0::2], out[1::2]))
-    return all(states.get(name) == "idle" for name in NODE_NAMES)
+    return all(states.get(name) == state for name in NODE_NAMES)
 
 
 def _cancel_all_jobs(cluster: SlurmCluster) -> None:
@@ -208,7 +286,7 @@ def processes_using(root: Path) -> list[str]:
 
 
 @contextmanager
-def slurm_cluster(base: Path | None = None) -> Iterator[SlurmCluster]:
+def slurm_cluster(base: Path | None = None, slurmd_timeout_s: int = 300) -> Iterator[SlurmCluster]:
     """Bring up munged + slurmctld + slurmd n1/n2 in a temp dir; stop them all on exit."""
     reason = slurm_unavailable_reason()
     if reason:
@@ -219,11 +297,11 @@ def slurm_cluster(base: Path | None = None) -> Iterator[SlurmCluster]:
     munge_socket = root / "munge" / "munge.socket"
     hosts = root / "hosts"
     hosts.write_text(Path("/etc/hosts").read_text() + f"127.0.0.1 {' '.join(NODE_NAMES)}\n")
-    conf = _write_config(root, munge_socket)
+    conf = _write_config(root, munge_socket, slurmd_timeout_s)
     env = dict(os.environ, SLURM_CONF=str(conf))
-    cluster = SlurmCluster(root=root, conf=conf, env=env)
 
     with ExitStack() as stack:
+        cluster = SlurmCluster(root=root, conf=conf, env=env, stack=stack, hosts=hosts)
         stack.callback(shutil.rmtree, root, ignore_errors=True)
         key = root / "munge" / "munge.key"
         subprocess.run(["mungekey", "--create", f"--keyfile={key}"], check=True, capture_output=True)
@@ -236,21 +314,38 @@ def slurm_cluster(base: Path | None = None) -> Iterator[SlurmCluster]:
         _wait_until(munge_socket.exists, 10, "starting munged", cluster)
         _start(stack, cluster, "slurmctld", _in_private_hosts(hosts, ["slurmctld", "-D", "-c", "-f", str(conf)]))
         for name in NODE_NAMES:
-            _start(stack, cluster, f"slurmd-{name}", _in_private_hosts(hosts, ["slurmd", "-D", "-N", name, "-f", str(conf)]))
+            cluster.start_node(name)
         # Registered last, so it runs first on exit: no job step may outlive its slurmd.
         stack.callback(_cancel_all_jobs, cluster)
-        _wait_until(lambda: _nodes_idle(cluster), 60, "bringing nodes n1, n2 to idle", cluster)
+        cluster.wait_for_nodes("idle")
         yield cluster
+
+
+def _serve(**options) -> Iterator[SlurmCluster]:
+    """A fixture's cluster (skips where it cannot run); checks nothing outlives it."""
+    reason = slurm_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with slurm_cluster(**options) as cluster:
+        yield cluster
+    still_running = [name for name, proc in cluster.daemons.items() if proc.poll() is None]
+    # A rank's DataLoader worker may outlive the rank for a few seconds: it ends once it sees its parent
+    # gone, or at the latest when its SIGTERM grace runs out (data/loader.py); with proctrack/linuxproc
+    # such an orphan escapes the step's cleanup. Give it that long.
+    deadline = time.monotonic() + WORKER_SIGTERM_GRACE_S + 10
+    while (leftovers := processes_using(cluster.root)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not still_running and not leftovers, f"left running: {still_running} {leftovers}"
 
 
 @pytest.fixture(scope="session")
 def slurm() -> Iterator[SlurmCluster]:
-    """A local two-node cluster for the session (skips where it cannot run); checks nothing outlives it."""
-    reason = slurm_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    with slurm_cluster() as cluster:
-        yield cluster
-    still_running = [name for name, proc in cluster.daemons.items() if proc.poll() is None]
-    leftovers = processes_using(cluster.root)
-    assert not still_running and not leftovers, f"left running: {still_running} {leftovers}"
+    """A local two-node cluster for the session."""
+    yield from _serve()
+
+
+@pytest.fixture(scope="module")
+def slurm_quick_node_fail() -> Iterator[SlurmCluster]:
+    """A cluster of its own whose controller declares a silent node DOWN after ``NODE_FAIL_TIMEOUT_S``
+    (Slurm's default, 300 s, is a production value) for the tests that crash a node."""
+    yield from _serve(slurmd_timeout_s=NODE_FAIL_TIMEOUT_S)

@@ -144,6 +144,11 @@ def _sbatch_options(script: str) -> list[str]:
     return [line.removeprefix("#SBATCH ") for line in script.splitlines() if line.startswith("#SBATCH ")]
 
 
+def _srun_command(script: str) -> str:
+    """The srun line of the script, its continuation lines joined."""
+    return re.search(r"^srun (.*)$", script.replace("\\\n", ""), re.M).group(1)
+
+
 def test_sbatch_script_for_gpu_nodes(target) -> None:
     spec = SlurmJobSpec(target=target, nodes=4, ranks_per_node=8, partition="gpu", account="proj42",
                         time="2-00:00:00", signal_lead_s=240, sbatch_lines=("--qos=high", "--exclusive"),
@@ -151,16 +156,17 @@ def test_sbatch_script_for_gpu_nodes(target) -> None:
     script = render_sbatch_script(spec)
     log_dir = target.out_dir / "slurm"
     assert _sbatch_options(script) == [
-        "--job-name=run1", "--nodes=4", "--ntasks-per-node=1", f"--output={log_dir}/%x-%j.out",
-        "--open-mode=append", "--requeue", "--signal=USR1@240", "--chdir=/work/dir", "--gpus-per-node=8",
-        "--partition=gpu", "--account=proj42", "--time=2-00:00:00", "--qos=high", "--exclusive"]
+        "--job-name=run1", "--nodes=4", "--ntasks-per-node=1", "--cpus-per-task=8", "--mem-per-cpu=4G",
+        f"--output={log_dir}/%x-%j.out", "--open-mode=append", "--requeue", "--signal=USR1@240",
+        "--chdir=/work/dir", "--gpus-per-node=8", "--partition=gpu", "--account=proj42", "--time=2-00:00:00",
+        "--qos=high", "--exclusive"]
     assert script.startswith("#!/bin/bash\n")
     assert 'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"' in script
     assert "export MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))" in script
     assert 'export WANDB_RUN_ID="${WANDB_RUN_ID:-${SLURM_CLUSTER_NAME:-slurm}-$SLURM_JOB_ID}"' in script
     assert "restart_count=${SLURM_RESTART_COUNT:-0}" in script
     assert "DS_ACCELERATOR" not in script
-    srun = re.search(r"^srun (.*)$", script, re.M).group(1)
+    srun = _srun_command(script)
     assert "--ntasks-per-node=1" in srun and f"--output={log_dir}/%x-%j-node%n.out" in srun
     assert "--open-mode=append" in srun
     torchrun = next(line for line in script.splitlines() if "torch.distributed.run" in line)
@@ -193,6 +199,37 @@ def test_sbatch_script_for_cpu_nodes(target) -> None:
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
 
 
+@pytest.mark.parametrize("workers, ranks, cpus", [(0, 1, 1), (4, 8, 40), (2, 3, 9)])
+def test_the_job_and_its_step_request_a_cpu_per_rank_and_per_data_worker(
+        run_config: Path, monkeypatch, workers: int, ranks: int, cpus: int) -> None:
+    monkeypatch.chdir(run_config.parent)
+    target = resolve_launch_target(run_config, [f"data.num_workers={workers}"])
+    assert target.data_workers == workers
+    script = render_sbatch_script(SlurmJobSpec(target=target, nodes=2, ranks_per_node=ranks))
+    options = _sbatch_options(script)
+    assert f"--cpus-per-task={cpus}" in options and "--mem-per-cpu=4G" in options
+    assert not any(option.startswith(("--mem=", "--exclusive")) for option in options)
+    # Slurm >= 22.05: srun does not inherit --cpus-per-task from sbatch
+    srun = _srun_command(script)
+    assert f"--cpus-per-task={cpus}" in srun
+    assert '--nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1' in srun
+    assert "os.sched_getaffinity(0)" in script  # each node logs the CPUs its ranks may use
+
+
+@pytest.mark.parametrize("change, expected, absent", [
+    ({"cpus_per_task": 16, "mem": "200G"}, ["--cpus-per-task=16", "--mem=200G"], "--mem-per-cpu"),
+    ({"mem_per_cpu": "6000"}, ["--cpus-per-task=1", "--mem-per-cpu=6000"], "--mem="),
+    ({"exclusive": True}, ["--mem=0", "--exclusive"], "--mem-per-cpu"),
+    ({"exclusive": True, "mem_per_cpu": "8G"}, ["--mem-per-cpu=8G", "--exclusive"], "--mem="),
+])
+def test_explicit_cpu_memory_and_exclusive_requests(target, change: dict, expected: list[str], absent: str) -> None:
+    script = render_sbatch_script(SlurmJobSpec(**{"target": target, "nodes": 1, "ranks_per_node": 1, **change}))
+    options = _sbatch_options(script)
+    assert set(expected) <= set(options), options
+    assert not any(option.startswith(absent) for option in options), options
+    assert f"--cpus-per-task={change.get('cpus_per_task', 1)}" in _srun_command(script)
+
+
 def test_overrides_are_shell_quoted(run_config: Path, monkeypatch) -> None:
     monkeypatch.chdir(run_config.parent)
     target = resolve_launch_target(run_config, ["wandb.tags=[a, $HOME]"])
@@ -204,6 +241,12 @@ def test_overrides_are_shell_quoted(run_config: Path, monkeypatch) -> None:
     ({"nodes": 0}, "--nodes must be >= 1"), ({"ranks_per_node": 0}, "--gpus-per-node must be >= 1"),
     ({"sbatch_lines": ("qos=high",)}, "expected one sbatch option"),
     ({"sbatch_lines": ("--qos=a\n#SBATCH --x",)}, "expected one sbatch option"),
+    ({"cpus_per_task": 0}, "--cpus-per-task must be >= 1"),
+    ({"mem": "64G", "mem_per_cpu": "4G"}, "--mem and --mem-per-cpu exclude each other"),
+    ({"mem": "64 GB"}, "--mem '64 GB': expected a Slurm size such as 64G"),
+    ({"mem_per_cpu": "-1"}, "--mem-per-cpu '-1': expected a Slurm size"),
+    ({"sbatch_lines": ("--no-kill",)}, "fails instead of being requeued; leave it out"),
+    ({"sbatch_lines": ("-k",)}, "fails instead of being requeued; leave it out"),
 ])
 def test_bad_job_spec_is_refused(target, change: dict, problem: str) -> None:
     spec = SlurmJobSpec(**{"target": target, "nodes": 1, "ranks_per_node": 1, **change})
@@ -222,6 +265,26 @@ def test_submit_dry_run_prints_script_and_command(target, capsys) -> None:
     assert "#SBATCH --partition=debug\n" in out and "#SBATCH --time=00:30:00\n" in out
     assert out.rstrip().endswith(f"sbatch --parsable {script_path}")
     assert not target.out_dir.exists()  # nothing written, nothing submitted
+
+
+def test_submit_dry_run_carries_cpu_and_memory_requests(target, capsys) -> None:
+    argv = ["slurm", "submit", "--config", str(target.config), "--nodes", "2", "--gpus-per-node", "4",
+            "--cpus-per-task", "24", "--mem", "128G", "--exclusive", "--dry-run"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --cpus-per-task=24\n#SBATCH --mem=128G\n" in out and "#SBATCH --exclusive\n" in out
+    assert "--cpus-per-task=24 " in _srun_command(out)
+
+
+def test_a_bad_request_is_one_line_and_exit_2(target, capsys) -> None:
+    argv = ["slurm", "submit", "--config", str(target.config), "--nodes", "1", "--gpus-per-node", "1",
+            "--mem-per-cpu", "4 GB", "--dry-run"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == "distaff slurm: --mem-per-cpu '4 GB': expected a Slurm size such as 64G, 4000M or 4000 (MB)\n"
+    with pytest.raises(SystemExit) as exit_info:  # argparse: the two memory options exclude each other
+        cli.main(argv[:-3] + ["--mem", "1G", "--mem-per-cpu", "1G"])
+    assert exit_info.value.code == 2
 
 
 def test_submit_without_sbatch_says_so(target, capsys, monkeypatch) -> None:

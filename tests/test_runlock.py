@@ -13,6 +13,30 @@ from distaff.train.runlock import LOCK_FILE, DirLock
 pytestmark = pytest.mark.unit
 
 
+def test_a_requeued_slurm_job_takes_over_the_lock_its_hung_earlier_attempt_still_holds(tmp_path, monkeypatch,
+                                                                                      capsys):
+    """A node that hangs keeps its rank's lock; the job's next attempt (same job id, higher restart count)
+    replaces it. Another job, or the same attempt, is still refused."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    hung = DirLock(tmp_path / "out", "run.out_dir")                        # held and never released
+    for job, attempt in (("4242", "0"), ("777", "1")):
+        monkeypatch.setenv("SLURM_JOB_ID", job)
+        monkeypatch.setenv("SLURM_RESTART_COUNT", attempt)
+        with pytest.raises(ConfigError, match="is in use by pid .* Slurm job 4242"):
+            DirLock(tmp_path / "out", "run.out_dir")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    with DirLock(tmp_path / "out", "run.out_dir"):
+        assert "an earlier attempt of this job that Slurm has ended" in capsys.readouterr().err
+        assert '"slurm_restart": 1' in (tmp_path / "out" / LOCK_FILE).read_text()
+        assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [LOCK_FILE]
+        monkeypatch.setenv("SLURM_JOB_ID", "777")                           # the new holder excludes the others
+        with pytest.raises(ConfigError, match="is in use by pid .* Slurm job 4242"):
+            DirLock(tmp_path / "out", "run.out_dir")
+    del hung
+
+
 def test_a_held_directory_is_refused_naming_the_holder_and_freed_after(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     with DirLock(tmp_path / "out", "run.out_dir"):
