@@ -62,6 +62,7 @@ import yaml
 from .config import ConfigError, RunConfig, load_config
 from .metrics import save_figure
 from .pretrain import SUMMARY_FILE
+from .threads import threads_per_rank
 
 LAUNCHERS = ("sequential", "script")
 REPORT_KEYS = ("eval_loss", "eval_accuracy", "tokens_per_s")
@@ -278,17 +279,16 @@ def run_command(cfg: AblationConfig, run: PlannedRun, port: int) -> list[str]:
     return [torchrun, "--nproc_per_node", str(cfg.ranks), "--master_port", str(port), *target]
 
 
-def _run_env(parallel: int) -> dict[str, str]:
-    """CPU machines need DeepSpeed's CPU accelerator; ranks share the cores, one thread each, and
-    ``parallel`` runs at once get an even share of the cores each."""
+def _run_env(ranks: int, parallel: int) -> dict[str, str]:
+    """CPU machines need DeepSpeed's CPU accelerator; the ``ranks x parallel`` processes at once get an even
+    share of the cores each, unless the user set ``OMP_NUM_THREADS``."""
     import torch
 
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env.setdefault("DS_ACCELERATOR", "cpu")
-        env.setdefault("OMP_NUM_THREADS", "1")
-    if parallel > 1:
-        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // parallel))
+    if not env.get("OMP_NUM_THREADS"):
+        env["OMP_NUM_THREADS"] = str(threads_per_rank(len(os.sched_getaffinity(0)), ranks * parallel))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "WANDB_RUN_ID"):  # each run is its own job
         env.pop(key, None)
     return env
@@ -305,7 +305,7 @@ def run_all(cfg: AblationConfig, runs: list[PlannedRun]) -> list[str]:
             print(f"distaff ablate: {label}: done before ({run.out_dir / SUMMARY_FILE}), skipped", flush=True)
         else:
             jobs.append((label, run_command(cfg, run, free_port()), run))
-    return run_parallel(jobs, cfg.parallel, _run_env(cfg.parallel))
+    return run_parallel(jobs, cfg.parallel, _run_env(cfg.ranks, cfg.parallel))
 
 
 def _interrupt(signum: int, frame: Any) -> None:

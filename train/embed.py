@@ -29,6 +29,7 @@ from .files import chmod_default
 from .classifier_init import ENCODER_PREFIX, load_encoder
 from .model import DebertaModel
 from .model_config import ModelConfig
+from .threads import configure_threads
 from .tokenizer import TokenizerInfo, load_tokenizer_info
 
 POOLINGS = ("mean", "cls")
@@ -204,6 +205,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    configure_threads()
     try:
         out = embed(args)
     except (FileNotFoundError, ValueError) as err:

@@ -22,6 +22,7 @@ import torch
 
 from .checkpoint import META, is_complete, latest_checkpoint
 from .safe_load import safe_load, weights_only_loads
+from .threads import configure_threads
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 CLASSIFIER_TASK = "sequence_classification"   # meta.json "task" of a fine-tuning checkpoint
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latest", action="store_true",
                         help="fine-tuning runs: the latest checkpoint instead of the best one (best/)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    configure_threads()
     try:
         out = export(args.checkpoint, args.out, args.tokenizer, args.overwrite, args.generator, args.latest)
     except (FileNotFoundError, FileExistsError, ValueError, RuntimeError, KeyError) as err:

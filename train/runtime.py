@@ -37,19 +37,25 @@ from .metrics import MetricsLogger, WandbSink, system_info
 from .model_config import ModelConfig
 from .runlock import DirLock
 from .steps import optimizer_step, train_step
+from .threads import configure_threads
 from .watchdog import Watchdog
 
 
 class PreemptionFlag:
-    """Remembers a SIGTERM/SIGUSR1; the loop acts on it at the next step boundary."""
+    """Remembers a SIGTERM/SIGUSR1 or a first Ctrl-C (SIGINT); the loop acts on it at the next step boundary.
+
+    A second Ctrl-C ends the process at once: the first restores SIGINT's default action (the kernel ends the
+    process, even inside a collective that never returns to Python; no checkpoint, no traceback)."""
 
     def __init__(self) -> None:
         self.signum = 0
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.signum = signum
+        self.signum = self.signum or signum     # the first one names the cause
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def check_data_fits_model(model_cfg: ModelConfig, seq_len: int, length: str, remedy: str,
@@ -167,7 +173,8 @@ class RunBase:
         if self.layout.is_main:
             parameters = sum(getattr(p, "ds_numel", p.numel()) for p in self.engine.module.parameters())
             print(f"distaff: {'resuming from ' + str(resumed_from) if resumed_from else 'starting a new run'}; "
-                  f"{self.layout.world_size} rank(s), ZeRO-{cfg.zero.stage}, {cfg.train.precision}, "
+                  f"{self.layout.world_size} rank(s) x {torch.get_num_threads()} CPU thread(s), ZeRO-{cfg.zero.stage}, "
+                  f"{cfg.train.precision}, "
                   f"{parameters / 1e6:.2f}M parameters{what}", flush=True)
             sink = WandbSink(cfg.wandb, run_name=cfg.run.name, out_dir=cfg.out_dir, run_id=self.state.wandb_run_id,
                              config={**wandb_config, "system": system_info(self.layout.world_size)})
@@ -199,7 +206,8 @@ class RunBase:
                 self._after_step(signalled)
             if signalled:
                 if self.layout.is_main:
-                    print(f"distaff: signal received; checkpoint saved at step {self.state.step}; exiting with "
+                    what = "interrupted (Ctrl-C)" if self.preemption.signum == signal.SIGINT else "signal received"
+                    print(f"distaff: {what}; checkpoint saved at step {self.state.step}; exiting with "
                           f"{EXIT_PREEMPTED} (run again to resume)", flush=True)
                 return EXIT_PREEMPTED
         return 0
@@ -304,6 +312,7 @@ def run_main(prog: str, description: str, argv: list[str] | None, load: Callable
     A config error is :data:`EXIT_BAD_CONFIG` (on every rank together); any other failure names the
     rank and exits :data:`EXIT_FAILURE` at once (its peers may be mid-collective)."""
     args = parse_args(prog, description, sys.argv[1:] if argv is None else argv)
+    configure_threads()
     try:
         cfg = load(args.config, args.overrides)
     except ConfigError as err:
