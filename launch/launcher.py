@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from distaff.launch.hostlist import expand_hostlist
 from distaff.launch.run_config import LaunchTarget, add_task_argument, resolve_or_exit
 
@@ -155,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         env = {**os.environ, **_parse_env_pairs(args.env)}
         hosts = hosts_from_environment(args.hosts, env)
+        if len(hosts) <= 1 and not torch.cuda.is_available():
+            # this node's ranks run on CPU: named, deepspeed's launchers do not warn once each that they guessed
+            env.setdefault("DS_ACCELERATOR", "cpu")
         plan = plan_launch(target, hosts=hosts, gpus_per_node=args.gpus_per_node,
                            master_port=args.master_port, env=env)
     except ValueError as err:  # HostlistError included: bad --hosts, --env, or a value nodes cannot get

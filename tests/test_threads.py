@@ -58,11 +58,13 @@ def test_configure_threads_sets_torch_and_exports_the_count():
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-def test_launched_ranks_run_with_their_share_of_the_cores(sample_data, tmp_path_factory, tmp_path):
+def test_launched_ranks_run_with_their_share_of_the_cores_and_warn_once(sample_data, tmp_path_factory, tmp_path):
+    """As a user starts it: no OMP_NUM_THREADS, no DS_ACCELERATOR, Python's warnings on."""
     data = prepare_data(tmp_path_factory.getbasetemp(), sample_data)
     config = write_config(tmp_path / "run.yaml", data, tmp_path / "run", train={"max_steps": 2})
     env = rank_env(tmp_path)
-    del env["OMP_NUM_THREADS"]
+    for name in ("OMP_NUM_THREADS", "DS_ACCELERATOR", "PYTHONWARNINGS"):
+        env.pop(name, None)
     proc = subprocess.run([PYTHON, "-m", "distaff.launch.cli", "launch", "--config", str(config), "--gpus-per-node",
                            "2", "--master-port", str(free_port())], env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=240)
@@ -70,3 +72,6 @@ def test_launched_ranks_run_with_their_share_of_the_cores(sample_data, tmp_path_
     expected = max(1, len(os.sched_getaffinity(0)) // 2)
     # torch's own default would be one thread per core of the machine
     assert f"2 rank(s) x {expected} CPU thread(s)" in proc.stdout, run_log(proc)
+    output = proc.stdout + proc.stderr
+    assert "unable to detect" not in output, run_log(proc)   # DeepSpeed's accelerator guess, once per process
+    assert output.count("FutureWarning") <= 1, run_log(proc)  # torch's, from DeepSpeed's collectives: rank 0 only

@@ -15,12 +15,14 @@ The report, read back from each run's ``summary.json`` and ``metrics.jsonl``: ``
 (one row per run and one per variant), ``ablation.md`` (held-out loss and MLM accuracy mean +- std
 over seeds, tokens/s; each variant's per-seed difference in held-out loss against the first
 variant, mean +- std) and ``ablation.png`` (held-out loss against tokens seen). The runs share the
-W&B group ``name``. Paths in the file are relative to the working directory, like run configs.
+W&B group ``name``. Paths in the file are relative to the working directory, like run configs; the
+file itself and ``base`` may also name installed presets (``distaff ablate --config positions-cpu``,
+``base: tiny-cpu``).
 
 ABL.yaml::
 
     name: positions                       # W&B group, report title
-    base: configs/run/tiny-cpu.yaml       # the run config every variant starts from
+    base: tiny-cpu                        # the run config every variant starts from (a file or a preset)
     out_dir: runs/ablation/positions      # runs/<variant>/seed-<s>/, data/, the report
     prepare:                              # optional: tokenizer + shards made here once (else data.dir)
       input: [data/austen-emma-pride.txt.gz]
@@ -59,7 +61,7 @@ from typing import Any
 
 import yaml
 
-from .config import ConfigError, RunConfig, load_config
+from .config import ConfigError, RunConfig, config_file, load_config
 from .metrics import save_figure
 from .pretrain import SUMMARY_FILE
 from .threads import threads_per_rank
@@ -176,17 +178,14 @@ def _check_ranges(source: str, cfg: AblationConfig) -> None:
     if cfg.parallel > 1 and (cfg.ranks > 1 or cfg.launcher != "sequential"):
         raise ConfigError(f"{source}: parallel: {cfg.parallel} runs at once needs ranks: 1 and launcher: sequential "
                           f"(got ranks: {cfg.ranks}, launcher: {cfg.launcher})")
-    if not Path(cfg.base).is_file():
-        raise ConfigError(f"{source}: base: run config not found: {cfg.base}")
 
 
 def load_ablation(path: str | Path) -> AblationConfig:
     """The validated ablation config; every variant's run config is checked too (before any run)."""
     source = str(path)
-    if not Path(path).is_file():
-        raise ConfigError(f"ablation config not found: {path}")
+    path = config_file(path, "ablation")
     try:
-        values = yaml.safe_load(Path(path).read_text()) or {}
+        values = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{source}: not valid YAML: {err}") from None
     values = dict(_section(source, "", values, AblationConfig))
@@ -201,6 +200,10 @@ def load_ablation(path: str | Path) -> AblationConfig:
             values["prepare"].input = [values["prepare"].input]
     cfg = AblationConfig(**values)
     _check_ranges(source, cfg)
+    try:
+        config_file(cfg.base, "run")        # runs read it by the same name, a preset's included
+    except ConfigError as err:
+        raise ConfigError(f"{source}: base: {err}") from None
     for variant in cfg.variants:
         try:
             variant_config(cfg, variant, cfg.seeds[0])

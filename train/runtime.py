@@ -116,6 +116,7 @@ class RunBase:
         self.preemption = PreemptionFlag()
         self.nonfinite_in_a_row = 0
         self.watchdog: Watchdog | None = None
+        self.finished_before = False
 
     # ---------------------------------------------------------------- building
 
@@ -160,6 +161,8 @@ class RunBase:
             raise RuntimeError(f"ranks resumed from different steps (this rank: {step}); "
                                f"is {self.checkpointer.root} shared?")
         self.state.wandb_run_id = self.state.wandb_run_id or os.environ.get("WANDB_RUN_ID") or new_wandb_id()
+        # re-running a finished run: nothing to train, evaluate or log (run() says so and returns)
+        self.finished_before = resumed_from is not None and self._done()
         return resumed_from
 
     def _any_rank(self, flag: bool) -> bool:
@@ -170,7 +173,7 @@ class RunBase:
         """Rank 0 announces the run (``what`` appended to the line) and opens W&B with ``wandb_config`` (the
         resolved config); all ranks get a logger."""
         cfg, sink = self.cfg, None
-        if self.layout.is_main:
+        if self.layout.is_main and not self.finished_before:
             parameters = sum(getattr(p, "ds_numel", p.numel()) for p in self.engine.module.parameters())
             print(f"distaff: {'resuming from ' + str(resumed_from) if resumed_from else 'starting a new run'}; "
                   f"{self.layout.world_size} rank(s) x {torch.get_num_threads()} CPU thread(s), ZeRO-{cfg.zero.stage}, "
@@ -186,6 +189,10 @@ class RunBase:
     def run(self) -> int:
         """Loop until done or signalled, then the final save and evaluation; the exit code."""
         cfg = self.cfg
+        if self.finished_before:
+            if self.layout.is_main:
+                print(f"distaff: {cfg.out_dir} is finished: {self._finished_line()}", flush=True)
+            return 0
         self.watchdog = Watchdog(cfg.distributed.watchdog_s or cfg.distributed.timeout_s, cfg.out_dir,
                                  self.layout.rank)
         exit_code = self._loop()
@@ -268,6 +275,10 @@ class RunBase:
     def _done(self) -> bool:
         raise NotImplementedError
 
+    def _finished_line(self) -> str:
+        """Where a finished run stopped and which key to raise to continue it."""
+        raise NotImplementedError
+
     def _lr(self, step: int) -> float:
         """The base learning rate of optimizer step ``step`` (0-based)."""
         raise NotImplementedError
@@ -320,6 +331,7 @@ def run_main(prog: str, description: str, argv: list[str] | None, load: Callable
         return EXIT_BAD_CONFIG
     dist_utils.die_with_launcher()
     layout = dist_utils.env_from_environ()
+    dist_utils.quiet_library_warnings(layout.rank)
     try:
         layout = dist_utils.init_distributed(cfg.distributed.timeout_s)
         code = train(cfg, layout)
