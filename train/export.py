@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import META, is_complete, latest_checkpoint
+from .distributed import quiet_library_warnings
 from .safe_load import safe_load, weights_only_loads
 from .threads import configure_threads
 
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="fine-tuning runs: the latest checkpoint instead of the best one (best/)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     configure_threads()
+    quiet_library_warnings(rank=0)      # DeepSpeed's zero_to_fp32 is imported on CPU machines too
     try:
         out = export(args.checkpoint, args.out, args.tokenizer, args.overwrite, args.generator, args.latest)
     except (FileNotFoundError, FileExistsError, ValueError, RuntimeError, KeyError) as err:
