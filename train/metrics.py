@@ -33,7 +33,8 @@ def system_info(world_size: int) -> dict[str, Any]:
     import deepspeed
 
     info = {"hostname": socket.gethostname(), "python": platform.python_version(), "torch": torch.__version__,
-            "deepspeed": deepspeed.__version__, "world_size": world_size, "cuda": torch.cuda.is_available()}
+            "deepspeed": deepspeed.__version__, "world_size": world_size, "cuda": torch.cuda.is_available(),
+            "threads_per_rank": torch.get_num_threads()}
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name()
     else:

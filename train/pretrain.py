@@ -36,7 +36,7 @@ from .steps import Evaluator
 from .tokenizer import TokenizerInfo
 
 SUMMARY_FILE = "summary.json"
-MIN_EVAL_TOKENS = 2_000     # masked tokens an evaluation scores: fewer, and accuracy moves in coarse steps
+MIN_EVAL_TOKENS = 1_000     # masked tokens an evaluation scores: fewer, and accuracy moves in coarse steps
 
 __all__ = ["EXIT_BAD_CONFIG", "EXIT_FAILURE", "EXIT_PREEMPTED", "TrainState", "Trainer", "main", "train"]
 
