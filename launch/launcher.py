@@ -13,11 +13,14 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from distaff.launch.hostlist import expand_hostlist
 from distaff.launch.run_config import LaunchTarget, add_task_argument, resolve_launch_target
@@ -166,9 +169,13 @@ def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     target = resolve_launch_target(args.config, args.overrides, args.task)
     extra = _parse_env_pairs(args.env)
-    hosts = hosts_from_environment(args.hosts, {**os.environ, **extra})
+    env = dict(os.environ)
+    hosts = hosts_from_environment(args.hosts, {**env, **extra})
+    if len(hosts) <= 1 and not torch.cuda.is_available():
+        # this node's ranks run on CPU: named, deepspeed's launchers do not warn once each that they guessed
+        env.setdefault("DS_ACCELERATOR", "cpu")
     plan = plan_launch(target, hosts=hosts, gpus_per_node=args.gpus_per_node, master_port=args.master_port,
-                       env=os.environ, extra=extra)
+                       env=env, extra=extra)
     shown = (f"DS_ENV_FILE={shlex.quote(plan.env['DS_ENV_FILE'])} " if plan.files else "") + shlex.join(plan.command)
     if args.dry_run:
         for path, text in plan.files.items():
@@ -179,4 +186,57 @@ def _main(argv: list[str]) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     print(f"distaff launch: {shown}", file=sys.stderr, flush=True)
-    return subprocess.run(plan.command, env=plan.env).returncode
+    return run_forwarding_signals(plan.command, plan.env, target.module, to_ranks=not plan.files)
+
+
+def runs_module(cmdline: list[str], module: str) -> bool:
+    """Is ``cmdline`` ``python ... -m module ...``? (deepspeed's own processes name the module as an argument)"""
+    return any(a == "-m" and b == module for a, b in zip(cmdline, cmdline[1:]))
+
+
+def trainer_processes(launcher_pid: int, module: str) -> list:
+    """This node's processes under ``launcher_pid`` that run ``module`` (the ranks, and their forked workers)."""
+    import psutil
+
+    found = []
+    for proc in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            if runs_module(proc.cmdline(), module):
+                found.append(proc)
+        except psutil.Error:       # gone since the listing
+            pass
+    return found
+
+
+def run_forwarding_signals(command: list[str], env: dict[str, str], module: str, *, to_ranks: bool) -> int:
+    """Run the deepspeed launcher in its own session and pass our Ctrl-C (SIGINT) and SIGTERM on; its exit code.
+
+    A terminal's Ctrl-C would reach every process of the job: deepspeed's runner dies with a traceback and
+    its per-node launcher SIGTERMs each rank's whole process tree (W&B's service included) and SIGKILLs it
+    30 s later. Here only this process gets it, and on one node (``to_ranks``) hands the signal to the
+    ranks alone: they checkpoint at the step boundary and exit 75, which deepspeed returns; a second
+    Ctrl-C ends them at once. Before any rank has started, the launch is stopped. Several nodes: the
+    signal goes to deepspeed's runner, whose pdsh handler signals every node."""
+    import psutil
+
+    proc = subprocess.Popen(command, env=env, start_new_session=True)
+
+    def forward(signum: int, frame) -> None:
+        if not to_ranks:
+            proc.send_signal(signum)
+            return
+        ranks = trainer_processes(proc.pid, module)
+        if not ranks:                  # none started yet: nothing to save, stop the whole launch
+            os.killpg(proc.pid, signal.SIGTERM)
+        for rank in ranks:
+            try:
+                rank.send_signal(signum)
+            except psutil.Error:       # exited meanwhile
+                pass
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

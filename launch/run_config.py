@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from distaff.train.config import load_config
+from distaff.train.config import config_file, load_config
 from distaff.train.errors import report
 from distaff.train.finetune_config import load_finetune_config
 
-# ``--task``: the trainer module each launcher runs, and the loader that validates its config
-TASKS = {"pretrain": ("distaff.train.pretrain", load_config),
-         "finetune": ("distaff.train.finetune", load_finetune_config)}
+# ``--task``: the trainer module each launcher runs, the loader that validates its config, its kind of preset
+TASKS = {"pretrain": ("distaff.train.pretrain", load_config, "run"),
+         "finetune": ("distaff.train.finetune", load_finetune_config, "finetune")}
 
 
 @dataclass(frozen=True)
@@ -43,13 +43,15 @@ def add_task_argument(parser) -> None:
 
 
 def resolve_launch_target(config: str | Path, overrides: list[str], task: str = "pretrain") -> LaunchTarget:
-    """Load and validate ``config`` + ``overrides``; pin the output dir to an absolute path.
+    """Load and validate ``config`` (a file, or a preset's name) + ``overrides``; pin the output dir to an
+    absolute path.
 
     A relative ``run.out_dir`` is resolved against the current directory now, so ranks started
     elsewhere (another node's home, a Slurm job's cwd) still write to the same run directory.
     """
-    config = Path(config).resolve()
-    cfg = TASKS[task][1](config, overrides)
+    _, load, kind = TASKS[task]
+    config = config_file(config, kind).resolve()
+    cfg = load(config, overrides)
     out_dir = Path(cfg.run.out_dir).resolve()
     pinned = [item for item in overrides if not item.startswith("run.out_dir=")]
     pinned.append(f"run.out_dir={out_dir}")

@@ -20,13 +20,8 @@ PY="$REPO/.venv/bin/python"
 BIN="$REPO/.venv/bin"
 
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
-if [ "$GPUS" -gt 0 ]; then
-    RANKS=$GPUS
-else
-    RANKS=2
-    # CPU ranks: DeepSpeed's CPU accelerator, gloo, one thread per rank
-    export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
-fi
+# CPU: 2 ranks (gloo, DeepSpeed's CPU accelerator), each with its share of the cores (docs/launch.md)
+RANKS=$(( GPUS > 0 ? GPUS : 2 ))
 export WANDB_MODE="${WANDB_MODE:-offline}" WANDB_SILENT=true TOKENIZERS_PARALLELISM=false
 
 rm -rf "$OUT"
@@ -36,10 +31,10 @@ echo "== distaff demo: tokenizer (SentencePiece, 4000 pieces) on ${SAMPLE[*]}"
 echo "== shards: 128-token sequences, 2% of the documents held out"
 "$BIN/distaff" data prepare --input "${SAMPLE[@]}" --tokenizer "$OUT/tokenizer" --seq-len 128 --pack-documents \
     --heldout-fraction 0.02 --shard-mb 0.2 --out "$OUT/data" --no-progress
-echo "== pretraining the tiny preset on $RANKS rank(s) under the deepspeed launcher"
+echo "== pretraining the tiny-cpu preset on $RANKS rank(s) under the deepspeed launcher"
 PORT=$("$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-"$BIN/deepspeed" --num_gpus "$RANKS" --master_port "$PORT" --no_local_rank --module distaff.train.pretrain \
-    --config configs/run/tiny-cpu.yaml run.out_dir="$OUT/run" data.dir="$OUT/data" logging.progress_bar=false "$@"
+"$BIN/distaff" launch --config tiny-cpu --gpus-per-node "$RANKS" --master-port "$PORT" \
+    run.out_dir="$OUT/run" data.dir="$OUT/data" logging.progress_bar=false "$@"
 echo "== export to Hugging Face"
 "$BIN/distaff" export-hf "$OUT/run" "$OUT/hf"
 

@@ -147,7 +147,7 @@ def test_script_launcher_writes_one_job_per_run(unprepared_base, tmp_path):
     ({"parallel": 0}, "parallel: must be positive"),
     ({"parallel": 2, "ranks": 2}, r"parallel: 2 runs at once needs ranks: 1 .*got ranks: 2"),
     ({"parallel": 2, "launcher": "script"}, r"parallel: .*launcher: sequential .*launcher: script"),
-    ({"base": "nowhere.yaml"}, "base: run config not found: nowhere.yaml"),
+    ({"base": "nowhere.yaml"}, r"base: config file not found: nowhere.yaml \(nor a run preset .*presets: .*tiny-cpu"),
     ({"colour": "red"}, r"unknown key\(s\) \['colour'\]"),
 ])
 def test_config_errors_name_the_key(unprepared_base, tmp_path, change, message, capsys):

@@ -50,9 +50,10 @@ def test_sigusr1_checkpoints_exits_75_and_resume_is_exact(sample_data, tmp_path_
     runs = wandb_runs(run_dir)
     assert [run_id for run_id, _ in runs] == ["resume-test-1", "resume-test-1"]
     first, second = runs[0][1], runs[1][1]
-    assert {s: h["loss"] for s, h in first.items() if "loss" in h} == {s: expected[s] for s in range(1, stopped_at + 1)}
-    assert {s: h["loss"] for s, h in second.items() if "loss" in h} == \
+    assert {s: h["train/loss"] for s, h in first.items() if "train/loss" in h} == \
+        {s: expected[s] for s in range(1, stopped_at + 1)}
+    assert {s: h["train/loss"] for s, h in second.items() if "train/loss" in h} == \
         {s: expected[s] for s in range(stopped_at + 1, STEPS + 1)}
     final_eval = [r for r in metrics(run_dir) if "eval_loss" in r]
     assert [r["step"] for r in final_eval] == [STEPS]
-    assert second[STEPS]["eval_loss"] == final_eval[0]["eval_loss"]
+    assert second[STEPS]["eval/loss"] == final_eval[0]["eval_loss"]

@@ -91,7 +91,7 @@ def test_rtd_run_reports_both_networks(sample_data, tmp_path_factory):
     assert summary["eval_rtd_auc"] == evals[-1]["eval_rtd_auc"]
     assert (out / "metrics.png").stat().st_size > 1000
     (_, history), = wandb_runs(out)
-    assert history[STEPS]["rtd_auc"] == train[-1]["rtd_auc"]
+    assert history[STEPS]["rtd/auc"] == train[-1]["rtd_auc"]
 
 
 @pytest.mark.timeout(300)

@@ -18,12 +18,14 @@ The report, read back from each run's ``summary.json`` and ``metrics.jsonl``: ``
 (one row per run and one per variant), ``ablation.md`` (held-out loss and MLM accuracy mean +- std
 over seeds, tokens/s; each variant's per-seed difference in held-out loss against the first
 variant, mean +- std) and ``ablation.png`` (held-out loss against tokens seen). The runs share the
-W&B group ``name``. Paths in the file are relative to the working directory, like run configs.
+W&B group ``name``. Paths in the file are relative to the working directory, like run configs; the
+file itself and ``base`` may also name installed presets (``distaff ablate --config positions-cpu``,
+``base: tiny-cpu``).
 
 ABL.yaml::
 
     name: positions                       # W&B group, report title
-    base: configs/run/tiny-cpu.yaml       # the run config every variant starts from
+    base: tiny-cpu                        # the run config every variant starts from (a file or a preset)
     out_dir: runs/ablation/positions      # runs/<variant>/seed-<s>/, data/, the report
     prepare:                              # optional: tokenizer + shards made here once (else data.dir)
       input: [data/austen-emma-pride.txt.gz]
@@ -62,13 +64,14 @@ from typing import Any
 
 import yaml
 
-from .config import ConfigError, RunConfig, load_config
+from .config import ConfigError, RunConfig, config_file, load_config
 from .config_yaml import load_yaml
 from .data.errors import DataError
 from .errors import RunFailure, command_main, shown
 from .metrics import save_figure
 from .runlock import DirLock
 from .runtime import SUMMARY_FILE
+from .threads import threads_per_rank
 
 LAUNCHERS = ("sequential", "script")
 REPORT_KEYS = ("eval_loss", "eval_accuracy", "tokens_per_s")
@@ -205,16 +208,13 @@ def _check_ranges(source: str, cfg: AblationConfig) -> None:
     if cfg.parallel > 1 and (cfg.ranks > 1 or cfg.launcher != "sequential"):
         raise ConfigError(f"{source}: parallel: {cfg.parallel} runs at once needs ranks: 1 and launcher: sequential "
                           f"(got ranks: {cfg.ranks}, launcher: {cfg.launcher})")
-    if not Path(cfg.base).is_file():
-        raise ConfigError(f"{source}: base: run config not found: {cfg.base}")
 
 
 def load_ablation(path: str | Path) -> AblationConfig:
     """The validated ablation config; every variant's run config is checked too (before any run)."""
     source = str(path)
-    if not Path(path).is_file():
-        raise ConfigError(f"ablation config not found: {path}")
-    values = load_yaml(Path(path).read_text(), source) or {}
+    path = config_file(path, "ablation")
+    values = load_yaml(path.read_text(), source) or {}
     values = dict(_section(source, "", values, AblationConfig))
     missing = [f.name for f in fields(AblationConfig) if f.name not in values and f.name in
                ("name", "base", "out_dir", "tokens", "variants")]
@@ -227,6 +227,10 @@ def load_ablation(path: str | Path) -> AblationConfig:
             values["prepare"].input = [values["prepare"].input]
     cfg = AblationConfig(**values)
     _check_ranges(source, cfg)
+    try:
+        config_file(cfg.base, "run")        # runs read it by the same name, a preset's included
+    except ConfigError as err:
+        raise ConfigError(f"{source}: base: {err}") from None
     for variant in cfg.variants:
         try:
             variant_config(cfg, variant, cfg.seeds[0])
@@ -305,17 +309,16 @@ def run_command(cfg: AblationConfig, run: PlannedRun, port: int) -> list[str]:
     return [torchrun, "--nproc_per_node", str(cfg.ranks), "--master_port", str(port), *target]
 
 
-def _run_env(parallel: int) -> dict[str, str]:
-    """CPU machines need DeepSpeed's CPU accelerator; ranks share the cores, one thread each, and
-    ``parallel`` runs at once get an even share of the cores each."""
+def _run_env(ranks: int, parallel: int) -> dict[str, str]:
+    """CPU machines need DeepSpeed's CPU accelerator; the ``ranks x parallel`` processes at once get an even
+    share of the cores each, unless the user set ``OMP_NUM_THREADS``."""
     import torch
 
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env.setdefault("DS_ACCELERATOR", "cpu")
-        env.setdefault("OMP_NUM_THREADS", "1")
-    if parallel > 1:
-        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // parallel))
+    if not env.get("OMP_NUM_THREADS"):
+        env["OMP_NUM_THREADS"] = str(threads_per_rank(len(os.sched_getaffinity(0)), ranks * parallel))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "WANDB_RUN_ID"):  # each run is its own job
         env.pop(key, None)
     return env
@@ -335,7 +338,7 @@ def run_all(cfg: AblationConfig, runs: list[PlannedRun]) -> list[str]:
         else:
             resumed = " (not finished before: resuming)" if run.summary() is not None else ""
             jobs.append((label + resumed, run_command(cfg, run, free_port()), run))
-    return run_parallel(jobs, cfg.parallel, _run_env(cfg.parallel))
+    return run_parallel(jobs, cfg.parallel, _run_env(cfg.ranks, cfg.parallel))
 
 
 def _interrupt(signum: int, frame: Any) -> None:

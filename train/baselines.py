@@ -37,6 +37,7 @@ import torch
 from distaff.train.data.labelled import InputFormat, encode_labels, hold_out, label_names, read_examples
 from distaff.train.embed import embed_ids, encode, model_and_tokenizer
 from distaff.train.errors import command_main
+from distaff.train.threads import configure_threads
 
 BUNDLED_COLUMNS = InputFormat(columns=("label", "text"))   # data/movie-snippets.tsv.gz
 
@@ -175,6 +176,7 @@ def _main(argv: list[str]) -> int:
                         help="a linear probe of this model's frozen encoder instead of the bag of words")
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args(argv)
+    configure_threads()
     if args.probe:
         result = run_probe(args.probe, args.train, args.dev_fraction, args.seed, PROBE_L2 if args.l2 is None else args.l2)
     else:

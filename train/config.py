@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
+from . import presets
 from .config_yaml import load_yaml
 from .data.collator import MaskingConfig
 from .errors import shown
@@ -393,13 +394,24 @@ def _apply_override(values: dict[str, Any], path: list[str], value: Any) -> None
     node[path[-1]] = value
 
 
-def read_config_values(path: str | Path | None, overrides: list[str] = ()) -> dict[str, Any]:
-    """The YAML file's nested values (empty when ``path`` is None) with the dotted overrides applied."""
+def config_file(value: str | Path, kind: str = "run") -> Path:
+    """``value`` if it is a file, else the installed preset of ``kind`` it names (``tiny-cpu``: presets.py)."""
+    path = Path(value)
+    if path.is_file():
+        return path
+    preset = presets.preset_file(str(value), kind)
+    if preset is None:
+        raise ConfigError(f"config file not found: {value} (nor a {kind} preset of that name; presets: "
+                          f"{', '.join(presets.preset_names(kind))})")
+    return preset
+
+
+def read_config_values(path: str | Path | None, overrides: list[str] = (), kind: str = "run") -> dict[str, Any]:
+    """The YAML file, or the preset of ``kind`` it names (values empty when ``path`` is None), with the dotted
+    overrides applied."""
     values: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
+        path = config_file(path, kind)
         values = load_yaml(path.read_text(), str(path)) or {}
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: expected a mapping of sections")

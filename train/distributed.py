@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import sys
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn
@@ -50,6 +51,17 @@ def env_from_environ() -> DistEnv:
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)))
     return DistEnv(0, 1, 0)
+
+
+def quiet_library_warnings(rank: int) -> None:
+    """One copy of each library warning per run: rank 0 alone prints Python's warnings (N ranks would print N
+    copies of e.g. torch's FutureWarnings from DeepSpeed's collectives). And no rank prints DeepSpeed's guess
+    at its accelerator ("unable to detect" a GPU) on a machine without one: the CPU accelerator is named, as
+    DeepSpeed would pick it. Call before DeepSpeed is imported."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if rank != 0:
+        warnings.simplefilter("ignore")
 
 
 PR_SET_PDEATHSIG = 1

@@ -31,6 +31,7 @@ from .errors import command_main
 from .files import chmod_default
 from .model import DebertaModel
 from .model_config import ConfigError, ModelConfig
+from .threads import configure_threads
 from .tokenizer import TokenizerInfo, load_tokenizer_info
 
 POOLINGS = ("mean", "cls")
@@ -209,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    out = embed(parse_args(argv))
+    args = parse_args(argv)
+    configure_threads()
+    out = embed(args)
     meta = json.loads((out / "embeddings.json").read_text())
     print(f"distaff embed: wrote {out / 'embeddings.npy'} ({meta['rows']} x {meta['dim']}, {meta['pooling']} pooling"
           f"{', whitened' if meta['whitened'] else ''})")

@@ -21,9 +21,11 @@ from pathlib import Path
 import torch
 
 from .checkpoint import META, is_complete, latest_checkpoint
+from .distributed import quiet_library_warnings
 from .errors import command_main
 from .model_config import ConfigError
 from .safe_load import safe_load, weights_only_loads
+from .threads import configure_threads
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 CLASSIFIER_TASK = "sequence_classification"   # meta.json "task" of a fine-tuning checkpoint
@@ -130,6 +132,8 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--latest", action="store_true",
                         help="fine-tuning runs: the latest checkpoint instead of the best one (best/)")
     args = parser.parse_args(argv)
+    configure_threads()
+    quiet_library_warnings(rank=0)      # DeepSpeed's zero_to_fp32 is imported on CPU machines too
     out = export(args.checkpoint, args.out, args.tokenizer, args.overwrite, args.generator, args.latest)
     architecture = json.loads((out / "config.json").read_text())["architectures"][0]
     loader = {"DebertaV2Model": "AutoModel", "DebertaV2ForSequenceClassification":

@@ -184,6 +184,15 @@ class FinetuneTrainer(RunBase):
     def _done(self) -> bool:
         return self.state.step >= self.max_steps or self.state.stopped_early
 
+    def _finished_line(self) -> str:
+        train = self.cfg.train
+        if self.state.stopped_early:
+            return (f"it stopped early at step {self.state.step} (eval.patience={self.cfg.eval.patience}); the best "
+                    f"checkpoint is under {self.cfg.out_dir / BEST_DIR}")
+        length = f"train.max_steps={train.max_steps}" if train.max_steps else f"train.epochs={train.epochs}"
+        return (f"its latest checkpoint is at step {self.state.step}, the run's {self.max_steps} steps ({length}); "
+                f"raise {length.split('=')[0]} to continue it")
+
     def _lr(self, step: int) -> float:
         optim = self.cfg.optim
         warmup = optim.warmup_steps or round(optim.warmup_ratio * self.max_steps)

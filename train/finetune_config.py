@@ -183,7 +183,7 @@ def finetune_config_from_dict(values: dict[str, Any]) -> FinetuneConfig:
 
 def load_finetune_config(path: str | Path | None, overrides: list[str] = ()) -> FinetuneConfig:
     """Read a YAML fine-tuning config and apply ``key=value`` overrides."""
-    return finetune_config_from_dict(read_config_values(path, overrides))
+    return finetune_config_from_dict(read_config_values(path, overrides, kind="finetune"))
 
 
 def finetune_config_to_dict(cfg: FinetuneConfig) -> dict[str, Any]:

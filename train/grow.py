@@ -42,6 +42,7 @@ from .export import check_out_dir
 from .model import DebertaForMaskedLM, Layer
 from .model_config import ConfigError, ModelConfig
 from .model_folder import load_model, save_model_folder
+from .threads import configure_threads
 
 # Which space each dimension of a parameter lives in: D hidden, E embedding, I feed-forward, None
 # unchanged; a trailing "*" marks a linear layer's input (its weights are split over copies).
@@ -192,6 +193,7 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the new weights and the weight shares")
     parser.add_argument("--overwrite", action="store_true", help="write into OUT even if it already holds files")
     args = parser.parse_args(argv)
+    configure_threads()
     check_out_dir(Path(args.out), args.overwrite)
     model, tokenizer = load_model(args.model)
     small = model.config

@@ -25,7 +25,7 @@ METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
 
 
-def _warn(message: str) -> None:
+def warn(message: str) -> None:
     print(f"distaff: warning: {message}", file=sys.stderr, flush=True)
 
 
@@ -33,7 +33,8 @@ def system_info(world_size: int) -> dict[str, Any]:
     import deepspeed
 
     info = {"hostname": socket.gethostname(), "python": platform.python_version(), "torch": torch.__version__,
-            "deepspeed": deepspeed.__version__, "world_size": world_size, "cuda": torch.cuda.is_available()}
+            "deepspeed": deepspeed.__version__, "world_size": world_size, "cuda": torch.cuda.is_available(),
+            "threads_per_rank": torch.get_num_threads()}
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name()
     else:
@@ -41,8 +42,47 @@ def system_info(world_size: int) -> dict[str, Any]:
     return info
 
 
+# W&B sections: the run page groups charts by the prefix before "/". metrics.jsonl and stdout keep the flat
+# names, which plots, the ablation report and users' scripts read. Keys not listed here: ``eval_*`` -> eval/,
+# RTD's ``gen_*``/``rtd_*``/``weight_*``/``replaced_rate`` -> rtd/, the rest (loss, accuracy) -> train/.
+WANDB_SECTIONS = {
+    "progress": ("step", "tokens_seen", "epoch"),
+    "optim": ("lr", "grad_norm", "loss_scale", "nonfinite_steps"),
+    "perf": ("tokens_per_s", "tokens_per_s_per_device", "samples_per_s", "samples_per_s_per_device",
+             "padding_fraction", "step_time_s", "mfu", "eta_s", "peak_mem_gb"),
+}
+WANDB_STEP, WANDB_TOKENS = "progress/step", "progress/tokens_seen"
+WANDB_CHARTED = ("train", "eval", "rtd", "optim", "perf")     # sections charted against the step
+
+
+def wandb_key(key: str) -> str:
+    """The sectioned W&B name of a flat metric key (``eval_loss`` -> ``eval/loss``, ``lr`` -> ``optim/lr``)."""
+    if key.startswith("eval_"):
+        return f"eval/{key[len('eval_'):]}"
+    for section, keys in WANDB_SECTIONS.items():
+        if key in keys:
+            return f"{section}/{key}"
+    if key.startswith("rtd_"):
+        return f"rtd/{key[len('rtd_'):]}"
+    if key.startswith(("gen_", "weight_")) or key == "replaced_rate":
+        return f"rtd/{key}"
+    return f"train/{key}"
+
+
+def wandb_summary(summary: dict[str, Any]) -> dict[str, Any]:
+    """``summary.json`` for the W&B run summary: the final held-out numbers under eval/ (where the charts'
+    last values are) with the baseline and the best dev checkpoint beside them, the run's totals under run/."""
+    def key(name: str) -> str:
+        if name.startswith("eval_"):
+            return wandb_key(name)
+        return f"eval/{name}" if name.startswith("best_") or name.endswith("baseline_accuracy") else f"run/{name}"
+
+    return {key(name): value for name, value in summary.items() if value is not None}
+
+
 class WandbSink:
-    """A W&B run on rank 0 that resumes by id and never raises."""
+    """A W&B run on rank 0 that resumes by id and never raises; metrics go in sections (:func:`wandb_key`),
+    charted against the optimizer step (``progress/step``; ``progress/tokens_seen`` is the other x-axis)."""
 
     def __init__(self, cfg: WandbSection, *, run_name: str, out_dir: Path, run_id: str, config: dict[str, Any]):
         self.run = None
@@ -55,26 +95,30 @@ class WandbSink:
                                   tags=cfg.tags or None, mode=cfg.mode, dir=str(out_dir), id=run_id,
                                   resume="allow", config=config,
                                   settings=wandb.Settings(init_timeout=90, console="off", silent=True))
+            self.run.define_metric(WANDB_STEP)
+            self.run.define_metric(WANDB_TOKENS, step_metric=WANDB_STEP)
+            for section in WANDB_CHARTED:
+                self.run.define_metric(f"{section}/*", step_metric=WANDB_STEP)
         except Exception as err:  # noqa: BLE001 - W&B must never stop training
-            _warn(f"W&B disabled: wandb.init failed: {type(err).__name__}: {err}")
+            warn(f"W&B disabled: wandb.init failed: {type(err).__name__}: {err}")
             self.run = None
 
     def log(self, record: dict[str, Any], step: int) -> None:
         if self.run is None:
             return
         try:
-            self.run.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=step)
+            self.run.log({wandb_key(k): v for k, v in record.items() if v is not None}, step=step)
         except Exception as err:  # noqa: BLE001
-            _warn(f"W&B disabled: wandb.log failed: {type(err).__name__}: {err}")
+            warn(f"W&B disabled: wandb.log failed: {type(err).__name__}: {err}")
             self.run = None
 
     def summary(self, values: dict[str, Any]) -> None:
         if self.run is None:
             return
         try:
-            self.run.summary.update({k: v for k, v in values.items() if v is not None})
+            self.run.summary.update(wandb_summary(values))
         except Exception as err:  # noqa: BLE001
-            _warn(f"W&B summary failed: {type(err).__name__}: {err}")
+            warn(f"W&B summary failed: {type(err).__name__}: {err}")
 
     def finish(self, exit_code: int) -> None:
         if self.run is None:
@@ -82,7 +126,7 @@ class WandbSink:
         try:
             self.run.finish(exit_code=exit_code)
         except Exception as err:  # noqa: BLE001
-            _warn(f"W&B finish failed: {type(err).__name__}: {err}")
+            warn(f"W&B finish failed: {type(err).__name__}: {err}")
         self.run = None
 
 

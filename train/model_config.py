@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, fields
-from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
 
 from distaff.kernels import IMPLS, attention_span
+from distaff.train import presets
 from distaff.train.config_yaml import load_yaml
 from distaff.train.errors import ConfigError, shown
 
@@ -162,8 +162,7 @@ def _check_type(name: str, value: Any, annotation: str) -> None:
 
 
 def preset_names() -> list[str]:
-    folder = resources.files("distaff.configs") / "model"
-    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+    return presets.preset_names("model")
 
 
 def load_model_config(preset_or_path: str | Path, **overrides: Any) -> ModelConfig:
@@ -174,8 +173,8 @@ def load_model_config(preset_or_path: str | Path, **overrides: Any) -> ModelConf
             raise FileNotFoundError(f"model config file not found: {path}")
         text, source = path.read_text(), str(path)
     else:
-        resource = resources.files("distaff.configs") / "model" / f"{preset_or_path}.yaml"
-        if not resource.is_file():
+        resource = presets.preset_file(str(preset_or_path), "model")
+        if resource is None:
             raise ConfigError(f"unknown model preset {str(preset_or_path)!r}; available: {preset_names()}")
         text, source = resource.read_text(), f"preset {preset_or_path}"
     values = load_yaml(text, source) or {}

@@ -21,11 +21,11 @@ from . import distributed as dist_utils
 from .checkpoint import Checkpointer, RNGState, latest_checkpoint
 from .config import ConfigError, RunConfig, config_to_dict, load_config, save_config
 from .data.loader import EvalLoader, PretrainLoader, open_data_dir
-from .data.manifest import Manifest
+from .data.manifest import MANIFEST_FILE, Manifest, is_remote
 from .engine import loss_scale
 from .exit_codes import EXIT_BAD_CONFIG, EXIT_FAILURE, EXIT_PREEMPTED
 from .flops import peak_flops
-from .metrics import PLOT_FILE, Throughput, padding_fraction, peak_memory_gb, plot_metrics
+from .metrics import PLOT_FILE, Throughput, padding_fraction, peak_memory_gb, plot_metrics, warn
 from .model_config import ModelConfig
 from .model_folder import load_initial_weights
 from .objectives import objective_for
@@ -34,6 +34,7 @@ from .schedule import lr_at
 from .steps import Evaluator
 from .tokenizer import TokenizerInfo
 
+MIN_EVAL_TOKENS = 1_000     # masked tokens an evaluation scores: fewer, and accuracy moves in coarse steps
 
 __all__ = ["EXIT_BAD_CONFIG", "EXIT_FAILURE", "EXIT_PREEMPTED", "TrainState", "Trainer", "main", "train"]
 
@@ -72,6 +73,7 @@ class Trainer(RunBase):
         self.throughput = self._build_throughput()
         self.max_steps = cfg.train.max_steps
         self.batches = iter(self.loader)
+        self.warned_small_eval = False
 
     # ---------------------------------------------------------------- building
 
@@ -115,6 +117,10 @@ class Trainer(RunBase):
     def _done(self) -> bool:
         return self.state.step >= self.cfg.train.max_steps
 
+    def _finished_line(self) -> str:
+        return (f"its latest checkpoint is at step {self.state.step}, train.max_steps={self.cfg.train.max_steps}; "
+                f"raise train.max_steps to continue it")
+
     def _after_step(self, signalled: bool) -> None:
         step, cfg = self.state.step, self.cfg
         if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.max_steps:
@@ -143,7 +149,13 @@ class Trainer(RunBase):
 
     def _evaluate(self) -> None:
         self.state.last_eval = self.evaluator(self.engine)
-        self.metrics.log({"step": self.state.step, **self.state.last_eval})
+        self.metrics.log({"step": self.state.step, "tokens_seen": self.state.tokens, **self.state.last_eval})
+        scored = self.state.last_eval.get("eval_tokens", MIN_EVAL_TOKENS)
+        if scored < MIN_EVAL_TOKENS and self.layout.is_main and not self.warned_small_eval:
+            self.warned_small_eval = True
+            warn(f"the held-out evaluation scored only {scored:,} masked tokens, too few for steady held-out "
+                 f"numbers; prepare the data with a larger --heldout-fraction, or raise eval.batches (now "
+                 f"{self.cfg.eval.batches}; 0: the whole split)")
 
     # ---------------------------------------------------------------- closing
 
@@ -199,6 +211,18 @@ def eval_rtd_line(summary: dict[str, Any]) -> str:
             f"precision {fmt('eval_rtd_precision')}, recall {fmt('eval_rtd_recall')}")
 
 
+def load_run_config(path: str | None, overrides: list[str]) -> RunConfig:
+    """The run config, with a local ``data.dir`` checked: a missing folder or manifest is refused here, before
+    any process group or run folder exists."""
+    cfg = load_config(path, overrides)
+    data_dir = Path(cfg.data.dir)
+    if not is_remote(cfg.data.dir) and not (data_dir / MANIFEST_FILE).is_file():
+        problem = "does not exist" if not data_dir.exists() else f"holds no {MANIFEST_FILE}"
+        raise ConfigError(f"data.dir: {data_dir.resolve()} {problem}; set data.dir to a folder written by "
+                          f"`distaff data prepare ... --out DIR`")
+    return cfg
+
+
 def train(cfg: RunConfig, layout: dist_utils.DistEnv) -> int:
     """Run (or resume) training on this rank; the exit code."""
     return Trainer(cfg, layout).run()
@@ -209,7 +233,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main("distaff pretrain", __doc__.splitlines()[0], argv, load_config, train)
+    return run_main("distaff pretrain", __doc__.splitlines()[0], argv, load_run_config, train)
 
 
 if __name__ == "__main__":

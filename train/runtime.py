@@ -38,21 +38,27 @@ from .metrics import MetricsLogger, WandbSink, system_info
 from .model_config import ModelConfig
 from .runlock import DirLock
 from .steps import optimizer_step, train_step
+from .threads import configure_threads
 from .watchdog import Watchdog
 
 SUMMARY_FILE = "summary.json"       # written by rank 0 when a run ends, "finished": true once it is complete
 
 
 class PreemptionFlag:
-    """Remembers a SIGTERM/SIGUSR1; the loop acts on it at the next step boundary."""
+    """Remembers a SIGTERM/SIGUSR1 or a first Ctrl-C (SIGINT); the loop acts on it at the next step boundary.
+
+    A second Ctrl-C ends the process at once: the first restores SIGINT's default action (the kernel ends the
+    process, even inside a collective that never returns to Python; no checkpoint, no traceback)."""
 
     def __init__(self) -> None:
         self.signum = 0
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.signum = signum
+        self.signum = self.signum or signum     # the first one names the cause
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def check_data_fits_model(model_cfg: ModelConfig, seq_len: int, length: str, remedy: str,
@@ -113,6 +119,7 @@ class RunBase:
         self.preemption = PreemptionFlag()
         self.nonfinite_in_a_row = 0
         self.watchdog: Watchdog | None = None
+        self.finished_before = False
 
     # ---------------------------------------------------------------- building
 
@@ -158,6 +165,8 @@ class RunBase:
             raise RuntimeError(f"ranks resumed from different steps (this rank: {step}); "
                                f"is {self.checkpointer.root} shared?")
         self.state.wandb_run_id = self.state.wandb_run_id or os.environ.get("WANDB_RUN_ID") or new_wandb_id()
+        # re-running a finished run: nothing to train, evaluate or log (run() says so and returns)
+        self.finished_before = resumed_from is not None and self._done()
         return resumed_from
 
     def _any_rank(self, flag: bool) -> bool:
@@ -168,10 +177,11 @@ class RunBase:
         """Rank 0 announces the run (``what`` appended to the line) and opens W&B with ``wandb_config`` (the
         resolved config); all ranks get a logger."""
         cfg, sink = self.cfg, None
-        if self.layout.is_main:
+        if self.layout.is_main and not self.finished_before:
             parameters = sum(getattr(p, "ds_numel", p.numel()) for p in self.engine.module.parameters())
             print(f"distaff: {'resuming from ' + str(resumed_from) if resumed_from else 'starting a new run'}; "
-                  f"{self.layout.world_size} rank(s), ZeRO-{cfg.zero.stage}, {cfg.train.precision}, "
+                  f"{self.layout.world_size} rank(s) x {torch.get_num_threads()} CPU thread(s), ZeRO-{cfg.zero.stage}, "
+                  f"{cfg.train.precision}, "
                   f"{parameters / 1e6:.2f}M parameters{what}", flush=True)
             sink = WandbSink(cfg.wandb, run_name=cfg.run.name, out_dir=cfg.out_dir, run_id=self.state.wandb_run_id,
                              config={**wandb_config, "system": system_info(self.layout.world_size)})
@@ -183,6 +193,10 @@ class RunBase:
     def run(self) -> int:
         """Loop until done or signalled, then the final save and evaluation; the exit code."""
         cfg = self.cfg
+        if self.finished_before:
+            if self.layout.is_main:
+                print(f"distaff: {cfg.out_dir} is finished: {self._finished_line()}", flush=True)
+            return 0
         self.watchdog = Watchdog(cfg.distributed.watchdog_s or cfg.distributed.timeout_s, cfg.out_dir,
                                  self.layout.rank)
         exit_code = self._loop()
@@ -203,7 +217,8 @@ class RunBase:
                 self._after_step(signalled)
             if signalled:
                 if self.layout.is_main:
-                    print(f"distaff: signal received; checkpoint saved at step {self.state.step}; exiting with "
+                    what = "interrupted (Ctrl-C)" if self.preemption.signum == signal.SIGINT else "signal received"
+                    print(f"distaff: {what}; checkpoint saved at step {self.state.step}; exiting with "
                           f"{EXIT_PREEMPTED} (run again to resume)", flush=True)
                 return EXIT_PREEMPTED
         return 0
@@ -264,6 +279,10 @@ class RunBase:
     def _done(self) -> bool:
         raise NotImplementedError
 
+    def _finished_line(self) -> str:
+        """Where a finished run stopped and which key to raise to continue it."""
+        raise NotImplementedError
+
     def _lr(self, step: int) -> float:
         """The base learning rate of optimizer step ``step`` (0-based)."""
         raise NotImplementedError
@@ -313,12 +332,14 @@ def run_main(prog: str, description: str, argv: list[str] | None, load: Callable
     there are several. A config error is raised by every rank together, so the process group is shut
     down in step; any other failure leaves at once (its peers may be mid-collective)."""
     args = parse_args(prog, description, sys.argv[1:] if argv is None else argv)
+    configure_threads()
     try:
         cfg = load(args.config, args.overrides)
     except Exception as err:  # noqa: BLE001 - reported in the one style
         return report(prog, err)
     dist_utils.die_with_launcher()
     layout = dist_utils.env_from_environ()
+    dist_utils.quiet_library_warnings(layout.rank)
     try:
         layout = dist_utils.init_distributed(cfg.distributed.timeout_s)
         code = train(cfg, layout)

@@ -29,6 +29,7 @@ from distaff.train.data.errors import DataError
 from distaff.train.data.sources import ReadOptions, ReadStats, check_inputs, iter_documents
 from distaff.train.errors import command_main
 from distaff.train.files import file_sha256
+from distaff.train.progress import ProgressLines
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,14 @@ def _training_lines(inputs: Sequence[str | Path], max_bytes: int | None, options
                     return
 
 
+def _reported(lines: Iterator[str], progress: ProgressLines) -> Iterator[str]:
+    """``lines``, counted into ``progress``; its last line once SentencePiece has read them all."""
+    for line in lines:
+        progress.add(len(line))
+        yield line
+    progress.done("read; training the unigram model")
+
+
 def _train_spm(lines: Iterator[str], model: io.BytesIO, vocab_size: int, character_coverage: float,
                num_threads: int, max_sentence_length: int, seed_sentences: int) -> None:
     spm.SentencePieceTrainer.train(
@@ -154,15 +163,19 @@ def _training_error(err: RuntimeError, inputs: Sequence[str | Path], vocab_size:
 def train_tokenizer(inputs: Sequence[str | Path], vocab_size: int, out_dir: str | Path, *,
                     character_coverage: float = 0.9995, max_input_bytes: int | None = None,
                     num_threads: int = 2, max_sentence_length: int = 16384, seed_sentences: int = 2_000_000,
-                    model_max_length: int = 512, read: ReadOptions | None = None) -> TokenizerInfo:
-    """Train a unigram SentencePiece model on ``inputs`` and write a complete tokenizer folder."""
+                    model_max_length: int = 512, read: ReadOptions | None = None,
+                    progress: bool = False) -> TokenizerInfo:
+    """Train a unigram SentencePiece model on ``inputs`` and write a complete tokenizer folder (``progress``:
+    log lines on stderr while reading)."""
     check_inputs(inputs)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model, stats = io.BytesIO(), ReadStats()
     try:
-        _train_spm(_training_lines(inputs, max_input_bytes, read or ReadOptions(), stats), model, vocab_size, character_coverage,
-                   num_threads, max_sentence_length, seed_sentences)
+        lines = _training_lines(inputs, max_input_bytes, read or ReadOptions(), stats)
+        if progress:
+            lines = _reported(lines, ProgressLines("distaff tokenizer train", "lines"))
+        _train_spm(lines, model, vocab_size, character_coverage, num_threads, max_sentence_length, seed_sentences)
     except RuntimeError as err:
         raise _training_error(err, inputs, vocab_size, stats) from None
     (out_dir / MODEL_FILE).write_bytes(model.getvalue())
@@ -215,6 +228,7 @@ def _main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     max_bytes = None if args.max_input_mb is None else int(args.max_input_mb * 1e6)
     info = train_tokenizer(args.input, args.vocab_size, args.out, character_coverage=args.character_coverage,
-                           max_input_bytes=max_bytes, num_threads=args.threads, read=ReadOptions(skip_bad=args.skip_bad))
+                           max_input_bytes=max_bytes, num_threads=args.threads, read=ReadOptions(skip_bad=args.skip_bad),
+                           progress=True)
     print(f"wrote {info.path}: vocab {info.vocab_size}, sha256 {info.fingerprint[:12]}")
     return 0

@@ -14,6 +14,9 @@ from distaff.train.data.verify import verify
 from distaff.train.errors import command_main
 from distaff.train.runlock import DirLock
 
+# Fewer held-out tokens leave evaluations a few hundred masked tokens: accuracy moves in coarse steps.
+MIN_HELDOUT_TOKENS = 20_000
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="distaff data", description="prepare and verify webdataset shards")
@@ -51,6 +54,11 @@ def _prepare(args: argparse.Namespace) -> int:
         manifest = prepare(config)
     for name, split in manifest.splits.items():
         print(f"{name}: {len(split.shards)} shards, {split.samples} samples, {split.tokens} tokens")
+    heldout = manifest.splits["heldout"]
+    if config.heldout_every and heldout.tokens < MIN_HELDOUT_TOKENS:
+        print(f"distaff data prepare: warning: the held-out split has only {heldout.tokens:,} tokens "
+              f"({heldout.samples} sequences), too few for steady held-out loss and accuracy; raise "
+              f"--heldout-fraction to hold out {MIN_HELDOUT_TOKENS:,} tokens or more", file=sys.stderr)
     for reason, count in sorted(manifest.skipped.items()):
         print(f"skipped {count}: {reason}")
     return 0

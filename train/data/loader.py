@@ -33,11 +33,12 @@ WORKER_SIGTERM_GRACE_S = 20  # launchers (deepspeed, Slurm) kill 30 s after SIGT
 
 
 def _survive_preemption_signals(worker_id: int) -> None:
-    """Launchers signal every process of a job, DataLoader workers included, but only the trainer
-    acts on SIGUSR1/SIGTERM: it finishes its step (which may need more batches) and checkpoints.
-    Workers ignore SIGUSR1 and outlive SIGTERM by a grace period, then exit; so a parent that
-    terminates its workers is never kept waiting for long."""
+    """Launchers and terminals signal every process of a job, DataLoader workers included, but only the
+    trainer acts on SIGUSR1/SIGTERM/Ctrl-C: it finishes its step (which may need more batches) and
+    checkpoints. Workers ignore SIGUSR1 and SIGINT and outlive SIGTERM by a grace period, then exit; so a
+    parent that terminates its workers is never kept waiting for long (and one that dies takes them along)."""
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGALRM, signal.SIG_DFL)  # a handler inherited from the parent must not catch it
     signal.signal(signal.SIGTERM, lambda *_: signal.alarm(WORKER_SIGTERM_GRACE_S))  # SIGALRM ends the worker
 

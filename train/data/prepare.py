@@ -14,10 +14,11 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import sys
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -27,6 +28,7 @@ from distaff.train.data.errors import DataError
 from distaff.train.data.shards import token_dtype, write_shard
 from distaff.train.data.sources import ReadOptions, ReadStats, check_inputs, iter_file_documents
 from distaff.train.files import atomic_write_text, file_sha256
+from distaff.train.progress import ProgressLines
 from distaff.train.tokenizer import TokenizerInfo, load_tokenizer_info
 
 log = logging.getLogger(__name__)
@@ -247,10 +249,20 @@ def prepare(config: PrepareConfig) -> mf.Manifest:
     if done:
         log.info("resuming %s: %d finished blocks are kept", out_dir, len(done))
     stats = ReadStats()
-    # The bar counts raw text bytes, so its rate is the prepare throughput in MB/s.
+    # The bar counts raw text bytes, so its rate is the prepare throughput in MB/s; a log (not a terminal)
+    # gets a line now and then instead.
+    lines = ProgressLines("distaff data prepare", "blocks") if config.progress is None and not sys.stderr.isatty() \
+        else None
     with tqdm(unit="B", unit_scale=True, desc="prepare", disable=None if config.progress is None
               else not config.progress) as bar:
-        _run_blocks(config, tokenizer, state, iter_blocks(config, stats, done), bar)
+        def advance(nbytes: int) -> None:
+            bar.update(nbytes)
+            if lines is not None:
+                lines.add(nbytes)
+
+        _run_blocks(config, tokenizer, state, iter_blocks(config, stats, done), advance)
+    if lines is not None:
+        lines.done("tokenized")
     mf.copy_tokenizer(tokenizer, out_dir)
     manifest = mf.Manifest(
         seq_len=config.seq_len, dtype=token_dtype(tokenizer.vocab_size).name, vocab_size=tokenizer.vocab_size,
@@ -270,10 +282,10 @@ def prepare(config: PrepareConfig) -> mf.Manifest:
 
 
 def _run_blocks(config: PrepareConfig, tokenizer: TokenizerInfo, state: _State, blocks: Iterator[Block | int],
-                bar: tqdm) -> None:
+                advance: Callable[[int], None]) -> None:
     def finish(result: dict) -> None:
         state.record(result)
-        bar.update(result["bytes"])
+        advance(result["bytes"])
 
     new_blocks = (block for block in blocks if isinstance(block, Block))  # ints: finished in an earlier run
     if config.workers == 0:

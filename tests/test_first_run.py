@@ -1,0 +1,107 @@
+"""What a new user meets on a first run: a bad ``data.dir`` is one line before anything is created; re-running a
+finished run says how to continue instead of evaluating again; a small held-out split is named with its
+count; the corpus commands report progress in a log."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from distaff.launch.cli import main as distaff_main
+from distaff.train.config import ConfigError
+from distaff.train.pretrain import load_run_config
+from distaff.train.progress import ProgressLines
+from pretrain_fixtures import PYTHON, metrics, prepare_data, rank_env, spawn_ranks, wait_all, rank_logs, write_config
+
+DISTAFF = str(Path(PYTHON).with_name("distaff"))
+
+
+@pytest.mark.unit
+def test_a_missing_data_dir_or_manifest_is_a_config_error_naming_the_key_and_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=rf"^data.dir: {tmp_path}/nosuch does not exist; set data.dir to a folder "
+                                          r"written by `distaff data prepare"):
+        load_run_config("tiny-cpu", ["data.dir=nosuch"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=rf"^data.dir: {tmp_path}/empty holds no manifest.json;"):
+        load_run_config("tiny-cpu", ["data.dir=empty"])
+
+
+@pytest.mark.integration
+def test_the_installed_command_runs_a_preset_from_any_folder_and_names_a_bad_data_dir(tmp_path):
+    """`distaff pretrain --config tiny-cpu` from a folder that is not the repository: the preset is found, its
+    data.dir is not, and that is one line, exit 2, before a run folder (and its lock file) exists."""
+    proc = subprocess.run([DISTAFF, "pretrain", "--config", "tiny-cpu"], env=rank_env(tmp_path), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"distaff pretrain: config error: data.dir: {tmp_path}/runs/data/austen does not exist; set data.dir to a "
+        f"folder written by `distaff data prepare ... --out DIR`"]
+    assert list(tmp_path.iterdir()) == []             # no runs/tiny-cpu/ holding only a lock file
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+def test_rerunning_a_finished_run_says_how_to_continue_without_evaluating_again(sample_data, tmp_path_factory,
+                                                                                  tmp_path):
+    data = prepare_data(tmp_path_factory.getbasetemp(), sample_data)
+    out = tmp_path / "run"
+    config = write_config(tmp_path / "run.yaml", data, out, train={"max_steps": 6}, eval={"every": 3, "batches": 2})
+    assert wait_all(spawn_ranks(config, tmp_path), timeout=240) == [0, 0], rank_logs(tmp_path)
+    first = (tmp_path / "rank0.log").read_text()
+    # a few hundred held-out tokens per evaluation: said once, by rank 0, with the count
+    assert first.count("distaff: warning: the held-out evaluation scored only") == 1
+    assert "scored only" not in (tmp_path / "rank1.log").read_text()
+    records, summary = metrics(out), (out / "summary.json").read_text()
+
+    assert wait_all(spawn_ranks(config, tmp_path), timeout=240) == [0, 0], rank_logs(tmp_path)
+    again = (tmp_path / "rank0.log").read_text()
+    assert (f"distaff: {out} is finished: its latest checkpoint is at step 6, train.max_steps=6; raise "
+            f"train.max_steps to continue it") in again
+    assert "eval step" not in again and "starting" not in again and "resuming" not in again
+    assert metrics(out) == records and (out / "summary.json").read_text() == summary
+    assert len(list((out / "wandb").glob("offline-run-*"))) == 1    # no W&B run opened for nothing
+
+
+@pytest.mark.integration
+def test_prepare_names_a_small_held_out_split_and_reports_progress_in_a_log(corpus_files, tokenizer_dir, tmp_path,
+                                                                           capsys):
+    out = tmp_path / "data"
+    assert distaff_main(["data", "prepare", "--input", str(corpus_files[2]), "--tokenizer", str(tokenizer_dir),
+                         "--seq-len", "64", "--out", str(out), "--heldout-fraction", "0.01", "--workers", "1",
+                         "--shard-mb", "0.1"]) == 0
+    heldout = json.loads((out / "manifest.json").read_text())["splits"]["heldout"]
+    err = capsys.readouterr().err       # not a terminal: lines, not a bar
+    assert "distaff data prepare: tokenized: 0.2 MB of text, 3 blocks in" in err
+    assert (f"distaff data prepare: warning: the held-out split has only {heldout['tokens']:,} tokens "
+            f"({heldout['samples']} sequences), too few for steady held-out loss and accuracy; raise "
+            f"--heldout-fraction to hold out 20,000 tokens or more") in err
+
+
+@pytest.mark.integration
+def test_tokenizer_training_reports_what_it_read(corpus_files, tmp_path, capsys):
+    assert distaff_main(["tokenizer", "train", "--input", str(corpus_files[2]), "--vocab-size", "500", "--out",
+                         str(tmp_path / "tok")]) == 0
+    lines = sum(1 for line in corpus_files[2].read_text().splitlines() if line.strip())
+    assert f"read; training the unigram model: 0.2 MB of text, {lines:,} lines in" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_progress_lines_come_every_interval_and_at_the_end():
+    now = [0.0]
+    stream = io.StringIO()
+    progress = ProgressLines("distaff x", "blocks", every_s=30, stream=stream, clock=lambda: now[0])
+    for _ in range(10):                 # 10 blocks of 1 MB, 10 s apart: a line at 30 s and at 60 s
+        now[0] += 10
+        progress.add(1_000_000)
+    progress.done()
+    assert stream.getvalue().splitlines() == [
+        "distaff x: so far: 3.0 MB of text, 3 blocks in 30 s (0.10 MB/s)",
+        "distaff x: so far: 6.0 MB of text, 6 blocks in 60 s (0.10 MB/s)",
+        "distaff x: so far: 9.0 MB of text, 9 blocks in 90 s (0.10 MB/s)",
+        "distaff x: done: 10.0 MB of text, 10 blocks in 100 s (0.10 MB/s)"]
