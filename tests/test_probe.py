@@ -4,7 +4,9 @@ random features at chance on labels that ignore the text, a word-order rule fine
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -70,21 +72,22 @@ def test_fine_tuning_reads_a_word_order_rule_off(small_model_dir: Path, tmp_path
     assert probe.dev_accuracy < 0.7, probe
 
 
-def _probe_args(small_model_dir: Path, data_dir: Path, texts: list[Path], out: Path) -> list[str]:
+def _probe_args(small_model_dir: Path, data_dir: Path, texts: list[Path], out: Path, finetune: bool) -> list[str]:
     return ["--text", *map(str, texts), "--text-column", "1", "--model", f"small={small_model_dir}", "--random",
             "--bow", "--seeds", "1", "2", "--max-sentences", "800", "--pretraining-data", str(data_dir),
-            "--finetune", "40", "--out", str(out), "--", *FAST]
+            *(["--finetune", "40"] if finetune else []), "--out", str(out), "--", *FAST]
 
 
 def test_the_command_writes_tasks_results_and_a_table(small_model_dir: Path, data_dir: Path, corpus_files: list[Path],
                                                        sample_data: Path, tmp_path: Path, capsys):
     """Austen paragraphs the data dir trained on, then the bundled movie sentences: the trained-on sentences are
     dropped, every task is written, probed on two seeds beside random weights and the bag of words, and
-    fine-tuned; run again, the tasks are the same bytes and the finished fine-tuning runs are reused."""
+    fine-tuned; run again into the same folder, it writes the same tasks byte for byte."""
     austen = tmp_path / "austen.txt"
     austen.write_text("\n\n".join(corpus_files[0].read_text(encoding="utf-8").split("\n\n")[100:160]), encoding="utf-8")
     out = tmp_path / "out"
-    assert main(_probe_args(small_model_dir, data_dir, [austen, sample_data / "movie-snippets.tsv.gz"], out)) == 0
+    texts = [austen, sample_data / "movie-snippets.tsv.gz"]
+    assert main(_probe_args(small_model_dir, data_dir, texts, out, finetune=True)) == 0
     printed = capsys.readouterr().out
     assert "probe small" in printed and "finetune 40 small" in printed and "probe small - random, bshift" in printed
 
@@ -102,10 +105,9 @@ def test_the_command_writes_tasks_results_and_a_table(small_model_dir: Path, dat
     summaries = sorted((out / "finetune" / "bshift").glob("seed-*/40-*/summary.json"))
     assert len(summaries) == 4 and all(json.loads(p.read_text())["steps"] == 4 for p in summaries)
 
-    before = {p: p.read_bytes() for p in (out / "tasks").iterdir()} | {p: p.stat().st_mtime_ns for p in summaries}
-    assert main(_probe_args(small_model_dir, data_dir, [austen, sample_data / "movie-snippets.tsv.gz"], out)) == 0
-    after = {p: p.read_bytes() for p in (out / "tasks").iterdir()} | {p: p.stat().st_mtime_ns for p in summaries}
-    assert after == before
+    tasks_before = {p: p.read_bytes() for p in (out / "tasks").iterdir()}
+    assert main(_probe_args(small_model_dir, data_dir, texts, out, finetune=False)) == 0
+    assert {p: p.read_bytes() for p in (out / "tasks").iterdir()} == tasks_before
 
 
 def test_bad_input_is_one_line_naming_it(small_model_dir: Path, sample_data: Path, tmp_path: Path, capsys):
@@ -123,3 +125,10 @@ def test_bad_input_is_one_line_naming_it(small_model_dir: Path, sample_data: Pat
     assert main(["--text", movie, "--text-column", "1", "--model", str(run), "--out", out]) == 2
     err = capsys.readouterr().err
     assert "gone/data" in err and "--pretraining-data" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_demo_script_asks_for_the_demo_first(tmp_path: Path):
+    script = Path(__file__).resolve().parents[1] / "scripts" / "probe-demo.sh"
+    done = subprocess.run(["bash", str(script)], env={**os.environ, "DISTAFF_DEMO_DIR": str(tmp_path / "none")},
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 2 and "run scripts/demo.sh first" in done.stderr

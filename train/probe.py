@@ -29,7 +29,6 @@ per seed, mean +- std, and per-seed differences of each model against random wei
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shutil
 import statistics
@@ -146,28 +145,21 @@ def _tsv(path: Path, examples: Sequence[Example]) -> Path:
 
 def finetune(encoder: Encoder, train_file: Path, dev_file: Path, labels: list[str], run_dir: Path, seed: int,
              args: argparse.Namespace) -> dict:
-    """``distaff finetune`` of ``encoder`` (one process) on the two files; its ``summary.json``. A run folder that
-    already holds the summary of the same inputs (model, files, config, overrides, seed) is reused."""
+    """``distaff finetune`` of ``encoder`` (one process, a fresh ``run_dir``) on the two files; its ``summary.json``."""
     command = [sys.executable, "-m", "distaff.train.finetune", "--config", str(args.finetune_config),
                f"model.init_from={encoder.path}", f"data.train={train_file}", f"data.dev={dev_file}",
                "data.dev_fraction=0", f"data.labels={json.dumps(labels)}", f"run.seed={seed}",
                f"run.out_dir={run_dir}", "logging.progress_bar=false",
                *([f"data.tokenizer={encoder.tokenizer}"] if encoder.tokenizer else []), *args.finetune_overrides]
-    digest = hashlib.sha256(json.dumps(command).encode())
-    for path in (train_file, dev_file, Path(args.finetune_config)):
-        digest.update(path.read_bytes())
-    key, summary, key_file = digest.hexdigest(), run_dir / "summary.json", run_dir / "probe-inputs.sha256"
-    if summary.is_file() and key_file.is_file() and key_file.read_text() == key:
-        return json.loads(summary.read_text())
-    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(run_dir, ignore_errors=True)   # a run left from an earlier command would resume, not restart
     run_dir.mkdir(parents=True)
     log = run_dir.parent / f"{run_dir.name}.log"
     with open(log, "w") as handle:
         code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, check=False).returncode
+    summary = run_dir / "summary.json"
     if code != 0 or not summary.is_file():
         tail = "\n    ".join(log.read_text(errors="replace").splitlines()[-15:])
         raise RuntimeError(f"distaff finetune of {encoder.name} failed (exit {code}); {log} ends:\n    {tail}")
-    key_file.write_text(key)
     return json.loads(summary.read_text())
 
 
