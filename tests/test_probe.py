@@ -132,3 +132,26 @@ def test_the_demo_script_asks_for_the_demo_first(tmp_path: Path):
     done = subprocess.run(["bash", str(script)], env={**os.environ, "DISTAFF_DEMO_DIR": str(tmp_path / "none")},
                           capture_output=True, text=True, check=False)
     assert done.returncode == 2 and "run scripts/demo.sh first" in done.stderr
+
+
+def test_a_bare_hugging_face_folder_is_probed_like_its_source_and_named_unchecked(small_model_dir: Path,
+                                                                                   sample_data: Path, tmp_path: Path,
+                                                                                   capsys):
+    """Public DeBERTa-v3 checkpoints and distaff's RTD export are ``DebertaV2Model`` folders with no pretraining
+    text on record: they are probed (random weights in their architecture beside them) and reported unchecked."""
+    from transformers import DebertaV2Model
+
+    from distaff.train.hf import to_hf
+    from distaff.train.model_folder import load_model
+
+    model, tokenizer_dir = load_model(small_model_dir)
+    bare = to_hf(model, tmp_path / "hf", tokenizer_dir)
+    DebertaV2Model.from_pretrained(bare).save_pretrained(bare)   # the encoder alone, as public v3 folders ship
+    out = tmp_path / "out"
+    assert main(["--text", str(sample_data / "movie-snippets.tsv.gz"), "--text-column", "1", "--model", f"hf={bare}",
+                 "--model", f"source={small_model_dir}", "--random", "--tasks", "bshift", "sentlen",
+                 "--max-sentences", "400", "--out", str(out)]) == 0
+    assert "overlap NOT checked for ['hf', 'source']" in capsys.readouterr().out
+    rows = {(r["arm"], r["task"]): r["per_seed"] for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert all(rows[("hf", task)] == rows[("source", task)] for task in ("bshift", "sentlen"))
+    assert ("random", "bshift") in rows

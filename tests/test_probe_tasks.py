@@ -1,6 +1,7 @@
 """Probing tasks (train/probe_tasks.py) and the pretraining-overlap check (train/probe_overlap.py): built
 deterministically from the bundled movie sentences, balanced, each change really made (and only it); sentences
-found in a real data dir's training split exactly when an independent check on the raw text finds them."""
+found in a real data dir's training split exactly when an independent check on the raw text finds them; and
+how ``--model NAME=PATH`` is read."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from distaff.train.data.labelled import read_texts
 from distaff.train.data.sources import ReadOptions, iter_documents
+from distaff.train.probe import Encoder, parse_encoder
 from distaff.train.probe_overlap import find_in_tokens, pretrained_on, run_data_dir
 from distaff.train.probe_tasks import (COORDINATION, MAX_WORDS, MIN_WORDS, SENTLEN_BINS, WC_WORDS, WORD, bshift,
                                        build_tasks, coordinv, probe_sentences, sentlen, split_sentences, wc, wc_words)
@@ -42,7 +44,7 @@ def test_every_task_is_built_the_same_way_from_the_same_seed(movie_sentences: li
     for task in first:
         assert first[task] != other[task], task
         assert len({e.source for e in first[task]}) == len(first[task]), f"{task}: a sentence used twice"
-        assert len({e.text for e in first[task]}) == len(first[task]), f"{task}: a text twice (train and dev could share it)"
+        assert len({e.text for e in first[task]}) == len(first[task]), f"{task}: a text twice (in train and dev?)"
     assert set(meaning["bshift"]) == {"0", "1"} and len(meaning["wc"]) == WC_WORDS
 
 
@@ -166,3 +168,11 @@ def test_a_runs_data_dir_is_read_from_its_saved_config(tmp_path: Path):
     (run / "config.yaml").write_text("data:\n  dir: some/data\n")
     assert run_data_dir(run) == run_data_dir(run / "checkpoints" / "step-00000010") == Path("some/data")
     assert run_data_dir(tmp_path) is None
+
+
+def test_model_names_and_paths(tmp_path: Path):
+    odd = tmp_path / "lr=1e-3"
+    odd.mkdir()
+    assert parse_encoder(f"mlm={odd}") == Encoder("mlm", odd)
+    assert parse_encoder(str(odd)) == Encoder(str(odd), odd)
+    assert parse_encoder("runs/x") == Encoder("runs/x", Path("runs/x"))

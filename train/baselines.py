@@ -167,7 +167,8 @@ def fit_and_score(train: Sequence[Example], dev: Sequence[Example], featurise: F
     """Fit the logistic regression on ``train``'s features and labels, score ``dev``; the classes are ``labels``
     (in id order) or else the training rows' own."""
     names = label_names(train, labels)
-    train_y, dev_y = (torch.from_numpy(encode_labels(part, names, explicit=labels is not None)) for part in (train, dev))
+    explicit = labels is not None
+    train_y, dev_y = (torch.from_numpy(encode_labels(part, names, explicit=explicit)) for part in (train, dev))
     train_x, dev_x = featurise([e.text for e in train], [e.text for e in dev])
     model = fit_logistic(train_x, train_y, l2)
     with torch.no_grad():

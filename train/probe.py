@@ -231,7 +231,8 @@ def summarise(rows: list[dict], encoders: Sequence[Encoder], random_arm: bool) -
     against random weights with its mean / std ratio (the "standard deviations of the difference")."""
     groups: dict[tuple, dict[int, float]] = {}
     for row in rows:
-        groups.setdefault((row["method"], row["arm"], row["labels"], row["task"]), {})[row["seed"]] = row["dev_accuracy"]
+        key = (row["method"], row["arm"], row["labels"], row["task"])
+        groups.setdefault(key, {})[row["seed"]] = row["dev_accuracy"]
     table = [{"method": m, "arm": a, "labels": n, "task": t, "seeds": sorted(v), **_stats([v[s] for s in sorted(v)])}
              for (m, a, n, t), v in groups.items()]
     differences = []
@@ -270,8 +271,11 @@ def _cell(row: dict) -> str:
 
 
 def parse_encoder(spec: str) -> Encoder:
-    name, _, path = spec.rpartition("=")
-    return Encoder(name or spec, Path(path))
+    """``NAME=PATH``, or a ``PATH`` (its own name), which may itself hold an ``=``."""
+    name, _, path = spec.partition("=")
+    if Path(spec).exists() or not path:
+        return Encoder(spec, Path(spec))
+    return Encoder(name, Path(path))
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -304,14 +308,15 @@ def run(args: argparse.Namespace) -> dict:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="distaff probe", description=__doc__.splitlines()[0])
     parser.add_argument("--text", type=Path, nargs="+", required=True,
-                        help="text the probing sentences come from: .txt(.gz), .jsonl(.gz), .parquet, or a TSV/CSV column")
+                        help="where the sentences come from: .txt(.gz), .jsonl(.gz), .parquet, or a TSV/CSV column")
     parser.add_argument("--text-column", help="TSV/CSV: the text's header name or 0-based index; JSONL/parquet: field")
     parser.add_argument("--model", action="append", required=True, metavar="[NAME=]PATH",
                         help="an encoder to probe (repeatable): distaff run, checkpoint or model folder, or HF folder")
     parser.add_argument("--random", action="store_true", help="also the first model's architecture, random weights")
     parser.add_argument("--bow", action="store_true", help="also the bag-of-words baseline")
     parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1], help="each: a dev split, random weights, a run seed")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1],
+                        help="each: a dev split, random weights, a fine-tuning seed")
     parser.add_argument("--task-seed", type=int, default=0, help="seeds the tasks' construction")
     parser.add_argument("--dev-fraction", type=float, default=0.2)
     parser.add_argument("--pretraining-data", nargs="+", metavar="DIR",
@@ -319,12 +324,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-sentences", type=int, default=0, help="use only the first N held-out sentences")
     parser.add_argument("--max-length", type=int, default=128, help="tokens per probed sentence")
     parser.add_argument("--finetune", type=int, nargs="+", default=[], metavar="N",
-                        help="also fine-tune every encoder on N training rows (several N allowed; N above a task's rows: skipped)")
+                        help="also fine-tune each encoder on N training rows (several N; skipped above a task's rows)")
     parser.add_argument("--finetune-tasks", nargs="+", choices=TASKS, default=["bshift"])
     parser.add_argument("--finetune-config", type=Path,
                         default=resources.files("distaff.configs") / "finetune" / "probe-cpu.yaml")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
-    parser.add_argument("finetune_overrides", nargs="*", metavar="key=value", help="overrides of the fine-tuning config")
+    parser.add_argument("finetune_overrides", nargs="*", metavar="key=value",
+                        help="fine-tuning config overrides (after --)")
     args = parser.parse_args(argv)
     if not 0 < args.dev_fraction < 1:
         parser.error(f"--dev-fraction {args.dev_fraction}: must lie in (0, 1)")
