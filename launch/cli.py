@@ -17,6 +17,7 @@ COMMANDS = {
     "ablate": ("distaff.train.ablate", "run config variants on equal budgets and seeds, compare them"),
     "grow": ("distaff.train.grow", "widen/deepen a trained model, outputs unchanged (distaff grow CKPT OUT ...)"),
     "embed": ("distaff.train.embed", "sentence embeddings of a text file, optional whitening (distaff embed ...)"),
+    "probe": ("distaff.train.probe", "probing tasks (word order, length, words) for frozen and fine-tuned encoders"),
     "launch": ("distaff.launch.launcher", "run pretraining (or --task finetune) under the deepspeed launcher"),
     "slurm": ("distaff.launch.slurm", "write and submit a Slurm job for pretraining (or --task finetune)"),
 }

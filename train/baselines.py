@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from distaff.train.data.labelled import InputFormat, encode_labels, hold_out, label_names, read_examples
+from distaff.train.data.labelled import Example, InputFormat, encode_labels, hold_out, label_names, read_examples
 from distaff.train.embed import embed_ids, encode, model_and_tokenizer
 from distaff.train.errors import command_main
 from distaff.train.threads import configure_threads
@@ -118,39 +118,58 @@ def fit_logistic(features: torch.Tensor, labels: torch.Tensor, l2: float, steps:
 PROBE_L2 = 1e-2   # on standardised features; the bag of words' 1e-4 suits unit-length sparse rows
 
 
+Featurise = Callable[[list[str], list[str]], tuple[torch.Tensor, torch.Tensor]]
+
+
+def bag_of_words(train_texts: list[str], dev_texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """tf-idf rows of both splits, the vocabulary and idf from the training texts."""
+    vectorise = TfIdf(train_texts)
+    return vectorise(train_texts), vectorise(dev_texts)
+
+
+def frozen_encoder(model_path: str | Path, max_length: int = 128, tokenizer_dir: str | Path | None = None,
+                   field: str = "--probe") -> Featurise:
+    """The probe's features of ``model_path``'s frozen encoder (loaded once; each distinct text encoded once),
+    standardised with the training rows' mean and standard deviation."""
+    encoder, _, tokenizer = model_and_tokenizer(model_path, tokenizer_dir, field)
+    cache: dict[str, np.ndarray] = {}
+
+    def embed(texts: list[str]) -> torch.Tensor:
+        new = [text for text in dict.fromkeys(texts) if text not in cache]
+        if new:
+            cache.update(zip(new, embed_ids(encoder, encode(new, tokenizer, max_length), "mean")))
+        return torch.from_numpy(np.stack([cache[text] for text in texts]))
+
+    def features(train_texts: list[str], dev_texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        train_x, dev_x = embed(train_texts), embed(dev_texts)
+        mean, std = train_x.mean(0), train_x.std(0).clamp_min(1e-12)
+        return (train_x - mean) / std, (dev_x - mean) / std
+
+    return features
+
+
 def run_baseline(path: Path, dev_fraction: float, seed: int, l2: float = 1e-4,
                  fmt: InputFormat = BUNDLED_COLUMNS) -> BaselineResult:
     """The bag of words: split ``path`` as fine-tuning does, fit on the training rows, score the dev rows."""
-    def tfidf(train_texts: list[str], dev_texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        vectorise = TfIdf(train_texts)
-        return vectorise(train_texts), vectorise(dev_texts)
-
-    return _fit_and_score(path, dev_fraction, seed, l2, fmt, tfidf)
+    train, dev = hold_out(read_examples(path, fmt, regression=False), dev_fraction, seed)
+    return fit_and_score(train, dev, bag_of_words, l2, seed)
 
 
 def run_probe(model_path: str | Path, path: Path, dev_fraction: float, seed: int, l2: float = PROBE_L2,
               fmt: InputFormat = BUNDLED_COLUMNS, max_length: int = 128) -> BaselineResult:
     """The linear probe of ``model_path``'s frozen encoder (a distaff run, checkpoint or model folder, or an
     HF DeBERTa-v2/v3 folder, with its tokenizer beside it), on the same split as the bag of words."""
-    encoder, _, tokenizer = model_and_tokenizer(model_path, field="--probe")
-
-    def frozen_features(train_texts: list[str], dev_texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        train_x, dev_x = (torch.from_numpy(embed_ids(encoder, encode(texts, tokenizer, max_length), "mean"))
-                          for texts in (train_texts, dev_texts))
-        mean, std = train_x.mean(0), train_x.std(0).clamp_min(1e-12)
-        return (train_x - mean) / std, (dev_x - mean) / std
-
-    return _fit_and_score(path, dev_fraction, seed, l2, fmt, frozen_features)
-
-
-Featurise = Callable[[list[str], list[str]], tuple[torch.Tensor, torch.Tensor]]
-
-
-def _fit_and_score(path: Path, dev_fraction: float, seed: int, l2: float, fmt: InputFormat,
-                   featurise: Featurise) -> BaselineResult:
     train, dev = hold_out(read_examples(path, fmt, regression=False), dev_fraction, seed)
-    names = label_names(train)
-    train_y, dev_y = (torch.from_numpy(encode_labels(part, names)) for part in (train, dev))
+    return fit_and_score(train, dev, frozen_encoder(model_path, max_length), l2, seed)
+
+
+def fit_and_score(train: Sequence[Example], dev: Sequence[Example], featurise: Featurise, l2: float, seed: int,
+                  labels: Sequence[str] | None = None) -> BaselineResult:
+    """Fit the logistic regression on ``train``'s features and labels, score ``dev``; the classes are ``labels``
+    (in id order) or else the training rows' own."""
+    names = label_names(train, labels)
+    explicit = labels is not None
+    train_y, dev_y = (torch.from_numpy(encode_labels(part, names, explicit=explicit)) for part in (train, dev))
     train_x, dev_x = featurise([e.text for e in train], [e.text for e in dev])
     model = fit_logistic(train_x, train_y, l2)
     with torch.no_grad():

@@ -346,6 +346,19 @@ def read_examples(path: str | Path, fmt: InputFormat, *, regression: bool,
     return examples
 
 
+def read_texts(path: str | Path, column: Selector, columns: Sequence[str] | None = None) -> list[str]:
+    """One column of a TSV/CSV/JSONL file, every non-blank field in file order (no labels needed): by name
+    (header row or ``columns``) or by 0-based index in a headerless file. Same checks and errors as above."""
+    path = check_labelled_file(path)
+    fmt = InputFormat(text_column=column, label_column=column, columns=tuple(columns) if columns else None)
+    texts = [_text(_field(row, column, "text_column", f"{path}:{lineno}"), column, f"{path}:{lineno}")
+             for lineno, row in _rows(path, fmt)]
+    texts = [text for text in texts if text.strip()]
+    if not texts:
+        raise DataError(f"{path}: no text in column {column!r}")
+    return texts
+
+
 # -- labels and splits ---------------------------------------------------------------------------------------
 def label_names(train: Sequence[Example], explicit: Sequence[str] | None = None) -> list[str]:
     """Class names by id: ``explicit`` (``data.labels``) as given, else the train set's distinct labels, sorted;
