@@ -257,7 +257,7 @@ def test_a_node_lost_mid_run_requeues_and_the_run_finishes_on_the_node_left(
     logs = _logs(log_dir)
     assert state == "COMPLETED", f"job {job_id} ended {state}\n{logs}\n{cluster.log_tail()}"
     assert cluster.job_field(job_id, "ExitCode") == "0:0" and cluster.job_field(job_id, "NodeList") == "n1", logs
-    assert f"restart_count=1 on n1 at" in (log_dir / f"slurm-e2e-{job_id}.out").read_text()
+    assert "restart_count=1 on n1 at" in (log_dir / f"slurm-e2e-{job_id}.out").read_text()
     node0 = (log_dir / f"slurm-e2e-{job_id}-node0.out").read_text()
     assert f"resuming from {checkpoints}/step-{LOSS_EVERY:08d}; 1 rank(s)" in node0, node0
     assert "resuming a 2-rank checkpoint on 1 rank(s): global batch 16 -> 8 samples" in node0

@@ -11,7 +11,6 @@ continues from there.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 

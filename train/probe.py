@@ -48,8 +48,10 @@ from .baselines import BUNDLED_COLUMNS, PROBE_L2, bag_of_words, fit_and_score, f
 from .classifier_init import load_encoder
 from .data.labelled import CSV_SUFFIXES, TSV_SUFFIXES, Example, hold_out, read_examples, read_texts
 from .data.sources import ReadOptions, iter_documents
+from .errors import RunFailure, command_main
 from .probe_overlap import pretrained_on, run_data_dir
 from .probe_tasks import TASKS, build_tasks, probe_sentences
+from .threads import configure_threads
 
 BOW = "bag of words"
 RANDOM = "random"
@@ -159,7 +161,7 @@ def finetune(encoder: Encoder, train_file: Path, dev_file: Path, labels: list[st
     summary = run_dir / "summary.json"
     if code != 0 or not summary.is_file():
         tail = "\n    ".join(log.read_text(errors="replace").splitlines()[-15:])
-        raise RuntimeError(f"distaff finetune of {encoder.name} failed (exit {code}); {log} ends:\n    {tail}")
+        raise RunFailure(f"distaff finetune of {encoder.name} failed (exit {code}); {log} ends:\n    {tail}")
     return json.loads(summary.read_text())
 
 
@@ -341,15 +343,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        results = run(args)
-    except (OSError, ValueError) as err:   # ValueError: ConfigError and DataError among them
-        print(f"distaff probe: {err}", file=sys.stderr)
-        return 2
-    except RuntimeError as err:             # a fine-tuning run failed
-        print(f"distaff probe: {err}", file=sys.stderr)
-        return 1
+    return command_main("distaff probe", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    configure_threads()
+    results = run(args)
     print(f"\n== dev accuracy, mean +- std over seeds {results['seeds']} ({results['seconds']:.0f} s; "
           f"{args.out / 'results.json'})\n" + format_table(results, args.tasks))
     return 0

@@ -18,7 +18,6 @@ import io
 import json
 import logging
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
