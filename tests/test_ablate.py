@@ -228,7 +228,7 @@ def test_a_signal_stops_the_runs_in_progress_and_keeps_finished_summaries(tmp_pa
     driver = ("import sys, json, signal\nfrom pathlib import Path\nfrom distaff.train.ablate import PlannedRun, run_parallel\n"
               "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
               "jobs = [(l, c, PlannedRun(l, 1, Path(p), [], 1)) for l, c, p in json.loads(sys.argv[1])]\n"
-              f"try:\n    run_parallel(jobs, 2, env={{}})\nexcept KeyboardInterrupt:\n    sys.exit(130)\n")
+              "try:\n    run_parallel(jobs, 2, env={})\nexcept KeyboardInterrupt:\n    sys.exit(130)\n")
     spec = json.dumps([(label, command, str(run.out_dir)) for label, command, run in jobs])
     parent = subprocess.Popen([sys.executable, "-c", driver, spec])
     pid_files = [tmp_path / "runs" / name / "pid" for name in ("long-1", "long-2")]
