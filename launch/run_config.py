@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distaff.train.config import config_file, load_config
-from distaff.train.errors import report
 from distaff.train.finetune_config import load_finetune_config
 
 # ``--task``: the trainer module each launcher runs, the loader that validates its config, its kind of preset
@@ -57,12 +56,3 @@ def resolve_launch_target(config: str | Path, overrides: list[str], task: str = 
     pinned.append(f"run.out_dir={out_dir}")
     return LaunchTarget(config=config, out_dir=out_dir, name=cfg.run.name, overrides=tuple(pinned), task=task,
                         data_workers=getattr(cfg.data, "num_workers", 0))
-
-
-def resolve_or_exit(config: str | Path, overrides: list[str], prog: str, task: str = "pretrain") -> LaunchTarget:
-    """:func:`resolve_launch_target` for a command line that reports its own errors: a bad config is
-    reported as every command reports one (:mod:`distaff.train.errors`), then ``SystemExit``."""
-    try:
-        return resolve_launch_target(config, overrides, task)
-    except Exception as err:  # noqa: BLE001 - reported in the one style
-        raise SystemExit(report(prog, err)) from None

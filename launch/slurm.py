@@ -30,7 +30,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from distaff.launch.run_config import LaunchTarget, add_task_argument, resolve_or_exit
+from distaff.launch.run_config import LaunchTarget, add_task_argument, resolve_launch_target
+from distaff.train.errors import ConfigError, RunFailure, command_main
 from distaff.train.exit_codes import EXIT_PREEMPTED
 
 DEFAULT_SIGNAL_LEAD_S = 300
@@ -82,23 +83,23 @@ class SlurmJobSpec:
 
 def _validate(spec: SlurmJobSpec) -> None:
     if spec.nodes < 1:
-        raise ValueError(f"--nodes must be >= 1, got {spec.nodes}")
+        raise ConfigError(f"--nodes must be >= 1, got {spec.nodes}")
     if spec.ranks_per_node < 1:
-        raise ValueError(f"--gpus-per-node must be >= 1, got {spec.ranks_per_node}")
+        raise ConfigError(f"--gpus-per-node must be >= 1, got {spec.ranks_per_node}")
     if spec.signal_lead_s < 1:
-        raise ValueError(f"--signal-lead must be >= 1 second, got {spec.signal_lead_s}")
+        raise ConfigError(f"--signal-lead must be >= 1 second, got {spec.signal_lead_s}")
     if spec.cpus_per_task is not None and spec.cpus_per_task < 1:
-        raise ValueError(f"--cpus-per-task must be >= 1, got {spec.cpus_per_task}")
+        raise ConfigError(f"--cpus-per-task must be >= 1, got {spec.cpus_per_task}")
     if spec.mem is not None and spec.mem_per_cpu is not None:
-        raise ValueError("--mem and --mem-per-cpu exclude each other: give one")
+        raise ConfigError("--mem and --mem-per-cpu exclude each other: give one")
     for name, size in (("--mem", spec.mem), ("--mem-per-cpu", spec.mem_per_cpu)):
         if size is not None and not _MEMORY.fullmatch(size):
-            raise ValueError(f"{name} {size!r}: expected a Slurm size such as 64G, 4000M or 4000 (MB)")
+            raise ConfigError(f"{name} {size!r}: expected a Slurm size such as 64G, 4000M or 4000 (MB)")
     for line in spec.sbatch_lines:
         if "\n" in line or not line.startswith("-"):
-            raise ValueError(f"--sbatch {line!r}: expected one sbatch option such as --qos=high")
+            raise ConfigError(f"--sbatch {line!r}: expected one sbatch option such as --qos=high")
         if line.split("=")[0] in _NO_KILL:
-            raise ValueError(f"--sbatch {line!r}: with it a node failure leaves the job running without that "
+            raise ConfigError(f"--sbatch {line!r}: with it a node failure leaves the job running without that "
                              "node's ranks, and it fails instead of being requeued; leave it out")
 
 
@@ -200,12 +201,12 @@ def submit(spec: SlurmJobSpec) -> str:
     """Write the script into the run directory, submit it, return the job id."""
     script = render_sbatch_script(spec)
     if shutil.which("sbatch") is None:
-        raise RuntimeError("sbatch not found: run this on a Slurm login node (or use --dry-run)")
+        raise RunFailure("sbatch not found: run this on a Slurm login node (or use --dry-run)")
     spec.log_dir.mkdir(parents=True, exist_ok=True)  # sbatch opens the log here before the script runs
     spec.script_path.write_text(script)
     proc = subprocess.run(sbatch_command(spec.script_path), capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"sbatch {spec.script_path} failed ({proc.returncode}): {proc.stderr.strip()}")
+        raise RunFailure(f"sbatch {spec.script_path} failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc.stdout.strip().split(";")[0]  # --parsable prints "JOBID[;CLUSTER]"
 
 
@@ -241,25 +242,22 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return command_main("distaff slurm", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    target = resolve_or_exit(args.config, args.overrides, "distaff slurm", args.task)
+    target = resolve_launch_target(args.config, args.overrides, args.task)
     spec = SlurmJobSpec(
         target=target, nodes=args.nodes, ranks_per_node=args.gpus_per_node, cpu=args.cpu,
         cpus_per_task=args.cpus_per_task, mem=args.mem, mem_per_cpu=args.mem_per_cpu, exclusive=args.exclusive,
         partition=args.partition, account=args.account, time=args.time, job_name=args.job_name,
         signal_lead_s=args.signal_lead, sbatch_lines=tuple(args.sbatch))
-    try:
-        if args.dry_run:
-            print(f"# {spec.script_path}\n{render_sbatch_script(spec)}")
-            print(f"# submit with:\n{shlex.join(sbatch_command(spec.script_path))}")
-            return 0
-        job_id = submit(spec)
-    except ValueError as err:  # a bad option
-        print(f"distaff slurm: {err}", file=sys.stderr)
-        return 2
-    except RuntimeError as err:  # no sbatch here, or sbatch refused the job
-        print(f"distaff slurm: {err}", file=sys.stderr)
-        return 1
+    if args.dry_run:
+        print(f"# {spec.script_path}\n{render_sbatch_script(spec)}")
+        print(f"# submit with:\n{shlex.join(sbatch_command(spec.script_path))}")
+        return 0
+    job_id = submit(spec)
     print(job_id)
     print(f"distaff slurm: job {job_id}, logs in {spec.log_dir}", file=sys.stderr)
     return 0

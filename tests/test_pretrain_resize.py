@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from pretrain_fixtures import SEQ_LEN, metrics, prepare_data, run_probe, write_config
+from pretrain_fixtures import SEQ_LEN, assert_redealt, metrics, prepare_data, run_probe, write_config
 
 from distaff.train.data.loader import PretrainLoader, open_data_dir
-from distaff.train.data.stream import Plan
 from distaff.train.pretrain import EXIT_PREEMPTED
 from distaff.train.schedule import lr_at
 
@@ -41,34 +40,11 @@ def _assert_same_state(resumed: dict, saved: dict) -> None:
     assert resumed["train_state"]["samples"] == saved["train_state"]["samples"]
 
 
-def _plan(state: dict, lengths: np.ndarray | None = None) -> Plan:
-    """The saved plan; a packed one (token budget) needs the epoch's sample lengths to say who read what."""
-    plan = state["plan"]
-    return Plan(tuple(tuple(p) for p in plan["pending"]), plan["world_size"], plan["slots"], plan["batch_size"],
-                plan.get("token_budget", 0), lengths)
-
-
-def _read(plan: Plan, batches: int) -> list[int]:
-    """Epoch positions every rank of ``plan`` read in its first ``batches`` batches."""
-    return [int(p) for r in range(plan.world_size) for b in range(batches) for p in plan.positions(r, b)]
-
-
-def _positions(intervals) -> set[int]:
-    return {p for a, b in intervals for p in range(a, b)}
-
-
 def _assert_redealt(saved: dict, resumed: dict, later: dict, lengths: np.ndarray | None = None) -> None:
-    """The resumed plan holds exactly the saved plan's positions nobody read; what is read after comes from it."""
-    old, new = _plan(saved, lengths), _plan(resumed, lengths)
-    read_before = _read(old, saved["batch_in_plan"])
-    assert len(read_before) == len(set(read_before))
-    assert resumed["epoch"] == saved["epoch"] and resumed["batch_in_plan"] == 0
-    pending = _positions(new.pending)
-    assert not pending & set(read_before)                                   # nothing read twice
-    assert pending | set(read_before) == _positions(old.pending)            # nothing skipped
-    read_after = _read(new, later["batch_in_plan"])
-    assert later["plan_index"] == resumed["plan_index"] and set(read_after) <= pending
-    assert len(read_after) == len(set(read_after))
+    """The resumed plan starts fresh and holds exactly the saved plan's positions nobody read; what is read
+    after comes from it (``later``: a state of the same plan)."""
+    assert resumed["batch_in_plan"] == 0 and later["plan_index"] == resumed["plan_index"]
+    assert_redealt(saved, later, lengths)
 
 
 def _assert_counters_continue(run_dir: Path, steps: int = STEPS) -> None:
