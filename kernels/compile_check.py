@@ -178,22 +178,26 @@ def _run_op(case: Case, torch) -> None:
         masked_lm_loss(hidden, weight, None, labels).loss.backward()
 
 
-def record_launches(case: Case) -> list[tuple]:
-    """``(kernel, args, kwargs)`` of every launch the host code makes for ``case``, nothing run."""
+def record_launches(case: Case, cc: int = 90) -> list[tuple]:
+    """``(kernel, args, kwargs, grid)`` of every launch the host code makes for ``case`` when it plans for
+    compute capability ``cc``, nothing run."""
     import torch
     from triton.runtime.jit import JITFunction
 
+    from . import attention
+
     launches = []
-    original = JITFunction.run
+    original, planned = JITFunction.run, attention.PLANNED_CAPABILITY
 
     def record(self, *args, grid, warmup, **kwargs):
-        launches.append((self, args, kwargs))
+        launches.append((self, args, kwargs, grid))
 
     JITFunction.run = record
+    attention.PLANNED_CAPABILITY = cc
     try:
         (_run_attention if case.op == "attention" else _run_op)(case, torch)
     finally:
-        JITFunction.run = original
+        JITFunction.run, attention.PLANNED_CAPABILITY = original, planned
     return launches
 
 
@@ -269,17 +273,20 @@ def compile_launch(kernel, args: tuple, kwargs: dict, case: Case, cc: int) -> Ro
 
 
 def check_case(case: Case, targets: tuple[int, ...], only: str | None = None) -> list[Row]:
-    """Record ``case``'s launches and compile each distinct one for every target."""
-    rows, seen = [], set()
-    try:
-        launches = record_launches(case)
-    except Exception as error:  # noqa: BLE001 - the host code failing is a result to report
-        return [Row("(host code)", case.name, cc, error=f"{type(error).__name__}: {error}") for cc in targets]
-    for kernel, args, kwargs in launches:
-        if (only and only not in kernel.__name__) or kernel.__name__ in seen:
+    """Record ``case``'s launches for each target and compile each distinct kernel for it."""
+    rows = []
+    for cc in targets:
+        try:
+            launches = record_launches(case, cc)
+        except Exception as error:  # noqa: BLE001 - the host code failing is a result to report
+            rows.append(Row("(host code)", case.name, cc, error=f"{type(error).__name__}: {error}"))
             continue
-        seen.add(kernel.__name__)
-        rows += [compile_launch(kernel, args, kwargs, case, cc) for cc in targets]
+        seen = set()
+        for kernel, args, kwargs, _ in launches:
+            if (only and only not in kernel.__name__) or kernel.__name__ in seen:
+                continue
+            seen.add(kernel.__name__)
+            rows.append(compile_launch(kernel, args, kwargs, case, cc))
     return rows
 
 

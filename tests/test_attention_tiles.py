@@ -101,15 +101,20 @@ def test_float32_inputs_within_the_documented_tf32_tolerance(monkeypatch) -> Non
     assert max(errors.values()) > 1e-6, "TF32 rounding left no trace: the emulation did not run"
 
 
-def test_backward_partials_fit_the_budget_at_deberta_v3_base_shapes() -> None:
-    """At B=32, N=512, H=12, d=64 (bf16) the partials of one backward kernel stay within the bytes
-    of dq + dk + dv, and there are enough programs to fill a GPU."""
+def test_backward_buffers_fit_the_budget_at_deberta_v3_base_shapes() -> None:
+    """At B=32, N=512, H=12, d=64 (bf16) one backward kernel's partials and scratch (window products and
+    the band) stay within the bytes of dq + dk + dv, with enough programs to give every SM of an H100 two."""
     grads = 3 * 32 * 12 * 512 * 64 * 2
-    partial = 512 * 64 * 4
-    programs = attention.programs_per_head(32 * 512 // 16, True, grads, partial, 12)
-    assert programs * 12 * partial <= grads
-    assert programs * 12 >= 4 * 132  # four programs per SM of an H100
-    assert attention.programs_per_head(7, False, 0, partial, 12) == 7  # no partial: one program per item
+    tiles = attention.tiles_for("dq", 64, torch.bfloat16, 90)
+    reach = 512 + tiles.window + tiles.block_m + tiles.block_n
+    table = attention._distance_table(reach, 256, 512, torch.device("cpu"))
+    lo, band = attention.band_range(table, reach, 512, tiles, "dq")
+    assert lo <= -511 and band == 512 + tiles.block_m - 1  # every distance a query block meets
+    per_program = 512 * 64 * 4 + (2 * (tiles.block_m + tiles.block_n) * tiles.window + tiles.block_m * band) * 2
+    programs = attention.programs_per_head(32 * 512 // tiles.block_m, per_program, grads, 12, 2 * 132)
+    assert programs * 12 * per_program <= grads
+    assert programs * 12 >= 2 * 132 - 12  # two programs per SM, rounded down to whole heads
+    assert attention.programs_per_head(7, 0, 0, 12, 2 * 132) == 7  # no buffers: one program per item
 
 
 def test_offsets_that_overflow_32_bits_are_refused_before_launch() -> None:
