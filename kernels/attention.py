@@ -500,6 +500,7 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
                 last = tl.maximum(last, j0)
     if HAS_C2P:
         tl.debug_barrier()
+        q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)  # reloaded: not held across the loop
         dq = _band_gradients(dq, q, band, TABLE, KR + rel_off, part_ptr, lo, i0, i0 - last - (BLOCK_N - 1),
                              i0 - first + BLOCK_M - 1, first, last, offs_m, offs_d, HEAD_DIM, BAND, CHUNK, BLOCK_N,
                              1, PRECISION)
@@ -583,6 +584,7 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
                 last = tl.maximum(last, i0)
     if HAS_P2C:
         tl.debug_barrier()
+        k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)  # reloaded: not held across the loop
         # key b at distance dist pairs with query j0 + b + dist: band rows are keys, SIGN -1
         dk = _band_gradients(dk, k, band, TABLE, QR + rel_off, part_ptr, lo, j0, first - j0 - (BLOCK_N - 1),
                              last + BLOCK_M - 1 - j0, first, last, offs_n, offs_d, HEAD_DIM, BAND, CHUNK, BLOCK_M,

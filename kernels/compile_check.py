@@ -235,6 +235,12 @@ def _cache_dir() -> Path:
 
 def compile_launch(kernel, args: tuple, kwargs: dict, case: Case, cc: int) -> Row:
     """Compile one recorded launch for ``sm_{cc}`` and read its static figures (cached)."""
+    return compile_artifacts(kernel, args, kwargs, case, cc)[0]
+
+
+def compile_artifacts(kernel, args: tuple, kwargs: dict, case: Case, cc: int) -> tuple[Row, Path | None]:
+    """``compile_launch``'s row and the cache path stem of the launch's compiled code (``.cubin`` and
+    ``.ttgir`` beside the row's ``.json``; None when it did not compile), for ``static_perf``."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -242,9 +248,10 @@ def compile_launch(kernel, args: tuple, kwargs: dict, case: Case, cc: int) -> Ro
     src, options = _specialise(kernel, args, kwargs, target)
     row = Row(kernel.__name__, case.name, cc, warps=options.num_warps, stages=options.num_stages,
               half=case.dtype in HALF, has_dot="tl.dot" in kernel.src)
-    cached = _cache_dir() / f"{_cache_key(kernel, src, options, cc)}.json"
-    if cached.exists():
-        return Row(**{**asdict(row), **json.loads(cached.read_text()), "case": case.name})
+    stem = _cache_dir() / _cache_key(kernel, src, options, cc)
+    cached = stem.with_suffix(".json")
+    if cached.exists() and stem.with_suffix(".cubin").exists():
+        return Row(**{**asdict(row), **json.loads(cached.read_text()), "case": case.name}), stem
     started = time.perf_counter()
     log = io.StringIO()
     triton.knobs.nvidia.dump_ptxas_log = True
@@ -254,11 +261,11 @@ def compile_launch(kernel, args: tuple, kwargs: dict, case: Case, cc: int) -> Ro
             compiled = triton.compile(src, target=target, options=options.__dict__)
     except Exception as error:  # noqa: BLE001 - any compiler failure is a result to report
         row.error = " ".join(str(error).split())[-300:]
-        return row
+        return row, None
     text = log.getvalue()
     if not _PTXAS.search(text):
         row.error = "no ptxas -v figures in the compiler's log"
-        return row
+        return row, None
     spills = [tuple(map(int, m)) for m in _SPILL.findall(text)]
     row.registers = max(map(int, _PTXAS.findall(text)), default=0)
     row.spill_stores, row.spill_loads = (max(s[i] for s in spills) if spills else 0 for i in (0, 1))
@@ -267,9 +274,11 @@ def compile_launch(kernel, args: tuple, kwargs: dict, case: Case, cc: int) -> Ro
     row.mma, row.wgmma = len(re.findall(r"\bmma\.sync", ptx)), len(re.findall(r"\bwgmma\.mma_async", ptx))
     row.seconds = round(time.perf_counter() - started, 1)
     cached.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".cubin").write_bytes(compiled.asm["cubin"])
+    stem.with_suffix(".ttgir").write_text(compiled.asm["ttgir"])
     figures = {k: v for k, v in asdict(row).items() if k not in ("case",)}
     cached.write_text(json.dumps(figures))
-    return row
+    return row, stem
 
 
 def check_case(case: Case, targets: tuple[int, ...], only: str | None = None) -> list[Row]:

@@ -66,7 +66,7 @@ class Instruction:
 
 
 _LINE = re.compile(r'//## File "(?P<file>[^"]+)", line (?P<line>\d+)')
-_INSTR = re.compile(r"^\s*/\*(?P<addr>[0-9a-f]{4,})\*/\s+(?P<pred>@!?U?P[T0-9]+\s+)?(?P<op>[A-Z][A-Z0-9_.]*)"
+_INSTR = re.compile(r"^\s*/\*(?P<addr>[0-9a-f]{4,})\*/\s+(?P<pred>@!?U?P[T0-9]+\s+)?(?P<op>[A-Z][A-Za-z0-9_.]*)"
                     r"(?P<rest>[^;]*);")
 _LABEL = re.compile(r"^(?P<label>\.L_x_\d+):")
 _TARGET = re.compile(r"`\((?P<label>\.L_x_\d+)\)")
@@ -91,7 +91,7 @@ def parse_listing(text: str) -> list[Instruction]:
     rows, labels, pending, line = [], {}, [], ""
     for raw in text.splitlines():
         if m := _LINE.search(raw):
-            line = f"{Path(m['file']).name}:{m['line']}"
+            line = f"{m['file']}:{m['line']}"
         elif m := _LABEL.match(raw.strip()):
             pending.append(m["label"])
         elif m := _INSTR.match(raw):
@@ -156,7 +156,7 @@ def loops(blocks: dict[int, Block]) -> list[Loop]:
     for b in blocks.values():
         for s in b.successors:
             if s <= b.start:
-                body, stack = {s, b.start}, [b.start]
+                body, stack = {s, b.start}, [b.start] if b.start != s else []
                 while stack:
                     for p in preds[stack.pop()]:
                         if p not in body:
@@ -166,58 +166,71 @@ def loops(blocks: dict[int, Block]) -> list[Loop]:
     return found
 
 
-def hot_loop(blocks: dict[int, Block]) -> Loop | None:
-    """The innermost loop with tensor-core instructions (the most of them among equals); None if
-    no loop has any."""
-    def tensor_count(loop: Loop) -> int:
-        return sum(i.kind == "tensor" for b in loop.body for i in blocks[b].instructions)
+def tensor_loops(blocks: dict[int, Block]) -> list[Loop]:
+    """The innermost loops that hold tensor-core instructions (a kernel's tile loops), in address order."""
+    def has_tensor(loop: Loop) -> bool:
+        return any(i.kind == "tensor" for b in loop.body for i in blocks[b].instructions)
 
-    candidates = [lp for lp in loops(blocks) if tensor_count(lp) > 0]
-    if not candidates:
-        return None
+    candidates = [lp for lp in loops(blocks) if has_tensor(lp)]
     innermost = [lp for lp in candidates if not any(o.body < lp.body for o in candidates)]
-    return max(innermost, key=tensor_count)
-
-
-@dataclass(frozen=True)
-class LoopPath:
-    """One acyclic path through the hot loop: its instruction mix and the branches it takes."""
-
-    mix: dict            # class -> warp-instructions per warp
-    branches: tuple      # ((source line, taken), ...) of the conditional branches on it
-
-    @property
-    def total(self) -> int:
-        return sum(self.mix.values())
+    return sorted(innermost, key=lambda lp: lp.header)
 
 
 MAX_PATHS = 256
+_MMA_SHAPE = re.compile(r"^HMMA\.(16816|1688|884)|^HGMMA\.64x(\d+)x(\d+)")
 
 
-def loop_paths(blocks: dict[int, Block], loop: Loop) -> list[LoopPath]:
-    """Every acyclic path from the loop header back to it (inner back edges are not followed)."""
-    paths: list[LoopPath] = []
+def tensor_flops(opcode: str) -> int:
+    """FLOPs one warp's issue of a tensor-core instruction accounts for (``HGMMA`` is a warpgroup's: a
+    quarter each), 0 for other instructions."""
+    m = _MMA_SHAPE.match(opcode)
+    if not m:
+        return 0
+    if m[1]:
+        mnk = {"16816": 16 * 8 * 16, "1688": 16 * 8 * 8, "884": 8 * 8 * 4}[m[1]]
+        return 2 * mnk
+    return 2 * 64 * int(m[2]) * int(m[3]) // 4
 
-    def walk(start: int, seen: tuple, mix: dict, taken: tuple) -> None:
-        if len(paths) >= MAX_PATHS:
-            raise ValueError(f"more than {MAX_PATHS} paths through the hot loop")
-        block = blocks[start]
-        mix = dict(mix)
-        for instr in block.instructions:
-            if instr.base not in SKIPPED:
-                mix[instr.kind] = mix.get(instr.kind, 0) + 1
-        last = block.instructions[-1]
-        for succ in block.successors:
-            branch = taken
-            if last.is_branch and last.predicated:
-                branch = taken + ((last.line, succ == last.target),)
-            if succ == loop.header:
-                paths.append(LoopPath({k: mix.get(k, 0) for k in CLASSES}, branch))
-            elif succ in loop.body and succ not in seen and succ > start:
-                walk(succ, seen + (succ,), mix, branch)
 
-    walk(loop.header, (loop.header,), {}, ())
-    return paths
+def instructions(mix: dict) -> int:
+    """Warp-instructions of a mix (its ``flops`` entry is not an instruction count)."""
+    return sum(v for k, v in mix.items() if k in CLASSES)
+
+
+def _mix(block: Block) -> dict:
+    mix = {k: 0 for k in (*CLASSES, "flops")}
+    for instr in block.instructions:
+        if instr.base not in SKIPPED:
+            mix[instr.kind] += 1
+            mix["flops"] += tensor_flops(instr.opcode)
+    return mix
+
+
+def loop_extremes(blocks: dict[int, Block], loop: Loop) -> tuple[dict, dict]:
+    """The instruction mixes of the cheapest and the dearest path from the loop's header back to it (fewest
+    and most warp-instructions), by dynamic programming over the body in address order (its forward
+    edges form a DAG; inner back edges are not followed)."""
+    best: dict[int, tuple[dict, dict]] = {}
+    order = sorted(loop.body)
+    ends: list[tuple[dict, dict]] = []
+    for start in order:
+        own = _mix(blocks[start])
+        if start == loop.header:
+            cheap = dear = own
+        else:
+            preds = [best[p] for p in order if p in best and start in blocks[p].successors and p < start]
+            if not preds:
+                continue
+            cheap = _add(min((c for c, _ in preds), key=instructions), own)
+            dear = _add(max((d for _, d in preds), key=instructions), own)
+        best[start] = (cheap, dear)
+        if loop.header in blocks[start].successors:
+            ends.append((cheap, dear))
+    return min((c for c, _ in ends), key=instructions), max((d for _, d in ends), key=instructions)
+
+
+def _add(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in a}
 
 
 # --------------------------------------------------------------------------- TTGIR: repeated warps
@@ -312,46 +325,49 @@ def blocks_per_sm(registers: int, warps: int, shared: int, gpu: Gpu) -> int:
 
 @dataclass
 class KernelFigures:
-    """The static figures of one compiled kernel (JSON-serialisable for the compile cache)."""
+    """The static figures of one compiled kernel (JSON-serialisable)."""
 
-    paths: list          # [mix dict, ...] of the hot loop, sorted by tensor instructions then total
-    straight: dict       # instruction mix outside the hot loop (once per hot-loop entry)
-    dots: list           # [(m, n, k, warp_group, repetition), ...]
+    loops: list      # [{"line": "file:line" of the loop's back edge, "paths": [cheapest mix, dearest mix]}, ...],
+                     # in address order
+    straight: dict   # instruction mix outside those loops
+    dots: list       # [(m, n, k, warp_group, repetition), ...] of every matrix product
 
     @property
     def repetition(self) -> float:
-        """FLOP-weighted issued / unique tensor-core work of the kernel's products."""
-        flops = sum(2 * m * n * k for m, n, k, _, _ in self.dots)
-        if not flops:
-            return 1.0
-        return sum(2 * m * n * k * rep for m, n, k, _, rep in self.dots) / flops
+        """The largest issued / unique tensor-core work among the kernel's products."""
+        return max((rep for *_, rep in self.dots), default=1.0)
 
     @property
     def uses_wgmma(self) -> bool:
         return any(wg for _, _, _, wg, _ in self.dots)
 
+    def loop(self, line_text: str) -> dict:
+        """The loop whose back edge is on the source line containing ``line_text``."""
+        for entry in self.loops:
+            if line_text in source_line(entry["line"]):
+                return entry
+        raise KeyError(f"no tensor-core loop at a line containing {line_text!r}: "
+                       f"{[source_line(e['line']) for e in self.loops]}")
+
 
 def kernel_figures(cubin: Path, ttgir: str) -> KernelFigures:
-    """Read the hot loop's paths, the straight-line code and the products of one compiled kernel."""
+    """Read the tile loops' paths, the rest of the code and the products of one compiled kernel."""
     code = disassemble(cubin)
     blocks = basic_blocks(code)
-    loop = hot_loop(blocks)
-    in_loop = {i.address for b in (loop.body if loop else ()) for i in blocks[b].instructions}
-    straight = {k: 0 for k in CLASSES}
-    for instr in code:
-        if instr.address not in in_loop and instr.base not in SKIPPED:
-            straight[instr.kind] += 1
-    paths = loop_paths(blocks, loop) if loop else []
-    unique = sorted({tuple(p.mix.items()) for p in paths}, key=lambda mix: (dict(mix)["tensor"], sum(dict(mix).values())))
+    found = tensor_loops(blocks)
+    in_loops = {i.address for lp in found for b in lp.body for i in blocks[b].instructions}
+    straight = _mix(Block(0, [i for i in code if i.address not in in_loops]))
+    entries = [{"line": blocks[lp.latch].instructions[-1].line, "paths": list(loop_extremes(blocks, lp))}
+               for lp in found]
     dots = [(d.m, d.n, d.k, d.warp_group, d.repetition) for d in ttgir_dots(ttgir)]
-    return KernelFigures([dict(mix) for mix in unique], straight, dots)
+    return KernelFigures(entries, straight, dots)
 
 
 @functools.lru_cache(maxsize=None)
 def source_line(location: str) -> str:
-    """The text of a ``file:line`` location inside this package (for reports), or ''."""
+    """The text of a ``path:line`` location (the source file the compiler named), or ''."""
     name, _, number = location.rpartition(":")
-    path = Path(__file__).with_name(name)
+    path = Path(name)
     if not path.exists() or not number.isdigit():
         return ""
     lines = path.read_text().splitlines()
