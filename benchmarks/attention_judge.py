@@ -36,6 +36,7 @@ import functools
 import heapq
 import json
 import math
+import multiprocessing
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -576,7 +577,8 @@ def summary_rows(workloads: list[Workload], jobs: int = 1) -> tuple[list[str], d
     lines = ["| workload | target | pass | distaff ms | DisentangledFlash ms | FlashDeBERTa ms | "
              "distaff / DF | distaff / FD |", "|---|---|---|---|---|---|---|---|"]
     calibration()  # compiled once here, read from the cache by the workers
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
+    # Spawned, not forked: a fork of a process that has run torch and triton can deadlock in the child.
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         results = dict(zip(workloads, pool.map(estimate_all, workloads)))
     for w, result in results.items():
         for p in PASSES:

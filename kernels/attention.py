@@ -271,14 +271,14 @@ def _store_band(band, ds, r0, lo, offs_m, offs_n, BAND: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
-def _accumulate_rows(part_ptr, first, count, offs_c, offs_d, grad, HEAD_DIM: tl.constexpr):
-    """``part[first + u] += grad[u]`` for ``u < count``, in this program's own partial buffer.
+def _accumulate_rows(part_ptr, first, offs_c, offs_d, grad, HEAD_DIM: tl.constexpr):
+    """``part[first + u] += grad[u]`` in this program's own partial buffer, which has ``CHUNK`` rows of
+    padding past its ``2k`` so that no row needs a mask (the rows past a chunk's buckets add zeros).
 
     The next read-modify-write may touch the same rows from other threads of the block: the barrier
     (``bar.sync``) makes these stores visible to every warp first."""
     ptrs = part_ptr + (first + offs_c)[:, None] * HEAD_DIM + offs_d[None, :]
-    ok = (offs_c < count)[:, None]
-    tl.store(ptrs, tl.load(ptrs, mask=ok, other=0.0) + grad, mask=ok)
+    tl.store(ptrs, tl.load(ptrs) + grad)
     tl.debug_barrier()
 
 
@@ -290,33 +290,36 @@ def _accumulate_row(row_ptr, offs_d, row_grad):
 
 
 @triton.jit
-def _band_gradients(acc, own, band, table_ptr, rel_ptr, part_ptr, lo, block0, d_lo, d_hi, first, last,
-                    offs_r, offs_d, HEAD_DIM: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
-                    OTHER: tl.constexpr, SIGN: tl.constexpr, PRECISION: tl.constexpr):
+def _band_gradients(acc, own, band, table_ptr, rel_ptr, part_ptr, fold_ptr, merge_ptr, lo, fold_lo, block0,
+                    d_lo, d_hi, first, last, offs_r, offs_d, HEAD_DIM: tl.constexpr, BAND: tl.constexpr,
+                    CHUNK: tl.constexpr, OTHER: tl.constexpr, SIGN: tl.constexpr, PRECISION: tl.constexpr):
     """One position term's gradients from a block's band (distances ``d_lo..d_hi`` of its general tiles):
-    ``acc[r] += sum_dist band[r, dist] rel[bucket(dist)]`` and ``part[t] += sum_{bucket(dist) = t} band[:, dist]^T own``.
+    ``acc[r] += sum_dist band[r, dist] rel[bucket(dist)]`` and
+    ``part[t] += sum_{bucket(dist) = t} band[:, dist]^T own``; the band starts at distance ``lo``.
 
     Band row ``r`` is token ``block0 + r`` of the program's own side; its partner at distance ``dist`` is
     token ``block0 + r - SIGN * dist`` (``SIGN`` 1 for queries, -1 for keys), valid when it lies in a
-    general tile (``first .. last + OTHER``). Distances go in chunks of ``CHUNK``; a chunk's buckets are
-    contiguous, merged by a one-hot product unless they are one-to-one with its distances.
+    general tile (``first .. last + OTHER``). Distances go in chunks of ``CHUNK`` aligned to ``fold_lo``; a
+    chunk's buckets are contiguous (its first bucket and count in ``fold_ptr``), and unless they are one-to-one
+    with its distances its columns are merged by the chunk's one-hot ``[distance, bucket]`` matrix
+    (``merge_ptr``), both precomputed on the host (``band_folds``).
     """
     offs_c = tl.arange(0, CHUNK)
     d_hi = tl.where(last >= first, d_hi, d_lo - 1)  # no general tile: nothing to read
-    for c0 in range(d_lo, d_hi + 1, CHUNK):
+    for c0 in range(fold_lo + (d_lo - fold_lo) // CHUNK * CHUNK, d_hi + 1, CHUNK):
         dist = c0 + offs_c
         partner = (block0 + offs_r)[:, None] - SIGN * dist[None, :]
-        ok = (partner >= first) & (partner < last + OTHER) & (dist <= d_hi)[None, :]
+        ok = (partner >= first) & (partner < last + OTHER) & ((dist >= d_lo) & (dist <= d_hi))[None, :]
         chunk = tl.load(band + offs_r[:, None] * BAND + (dist - lo)[None, :], mask=ok, other=0.0)
-        buckets = tl.load(table_ptr + tl.minimum(dist, d_hi))
-        rel = tl.load(rel_ptr + buckets[:, None] * HEAD_DIM + offs_d[None, :])
+        rel = tl.load(rel_ptr + tl.load(table_ptr + dist)[:, None] * HEAD_DIM + offs_d[None, :])
         acc = tl.dot(chunk, rel, acc, input_precision=PRECISION)
-        b_lo = tl.load(table_ptr + c0)
-        count = tl.load(table_ptr + tl.minimum(c0 + CHUNK - 1, d_hi)) - b_lo + 1
-        if count != CHUNK:  # several distances per bucket (or a short last chunk): merge
-            one_hot = ((buckets - b_lo)[:, None] == offs_c[None, :]).to(chunk.dtype)
+        index = (c0 - fold_lo) // CHUNK
+        b_lo = tl.load(fold_ptr + 2 * index)
+        count = tl.load(fold_ptr + 2 * index + 1)
+        if count != CHUNK:  # several distances per bucket: merge
+            one_hot = tl.load(merge_ptr + index * CHUNK * CHUNK + offs_c[:, None] * CHUNK + offs_c[None, :])
             chunk = tl.dot(chunk, one_hot, input_precision=PRECISION).to(own.dtype)
-        _accumulate_rows(part_ptr, b_lo, count, offs_c, offs_d,
+        _accumulate_rows(part_ptr, b_lo, offs_c, offs_d,
                          tl.dot(tl.trans(chunk), own, input_precision=PRECISION), HEAD_DIM)
     return acc
 
@@ -458,7 +461,7 @@ def _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, scale, BLOCK
 
 
 @triton.jit
-def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_ptr, scratch, i0,
+def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_ptr, scratch, FOLD, MERGE, i0,
               seed, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo,
               TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
@@ -467,7 +470,7 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
     """dQ of query block ``i0`` (all key blocks), and its c2p gradient added to the partial dKr."""
     offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
     band = scratch + 2 * (BLOCK_M + BLOCK_N) * WINDOW
-    lo = tl.maximum(lo, i0 - (tl.cdiv(n_ctx, BLOCK_N) * BLOCK_N - 1))  # the block's smallest distance
+    band_lo = tl.maximum(lo, i0 - (tl.cdiv(n_ctx, BLOCK_N) * BLOCK_N - 1))  # the block's smallest distance
     q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)
     do = _load_rows(DO + base, i0, offs_m, offs_d, stride_n, seq_len)
     lse = _load_stat(LSE + stat_off, i0, offs_m, seq_len, float("inf"))
@@ -494,22 +497,22 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
                 sums_lo += tl.where(top, 0.0, row_sums)
                 sums_hi += tl.where(top, row_sums, 0.0)
             else:
-                _store_band(band, ds.to(band.dtype.element_ty), i0 - j0 - (BLOCK_N - 1), lo, offs_m, offs_n, BAND,
-                            BLOCK_N, False)
+                _store_band(band, ds.to(band.dtype.element_ty), i0 - j0 - (BLOCK_N - 1), band_lo, offs_m, offs_n,
+                            BAND, BLOCK_N, False)
                 first = tl.minimum(first, j0)
                 last = tl.maximum(last, j0)
     if HAS_C2P:
         tl.debug_barrier()
         q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)  # reloaded: not held across the loop
-        dq = _band_gradients(dq, q, band, TABLE, KR + rel_off, part_ptr, lo, i0, i0 - last - (BLOCK_N - 1),
-                             i0 - first + BLOCK_M - 1, first, last, offs_m, offs_d, HEAD_DIM, BAND, CHUNK, BLOCK_N,
-                             1, PRECISION)
+        dq = _band_gradients(dq, q, band, TABLE, KR + rel_off, part_ptr, FOLD, MERGE, band_lo, lo, i0,
+                             i0 - last - (BLOCK_N - 1), i0 - first + BLOCK_M - 1, first, last, offs_m, offs_d, HEAD_DIM,
+                             BAND, CHUNK, BLOCK_N, 1, PRECISION)
         dq = _end_gradients(dq, q, sums_lo, sums_hi, KR + rel_off, part_ptr, offs_d, TWO_SPAN, HEAD_DIM)
     _store_rows(DQ + base, i0, offs_m, offs_d, stride_n, seq_len, dq)
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, DQ, DKR_PART, SCRATCH,
+def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, DQ, DKR_PART, SCRATCH, FOLD, MERGE,
                  seed, scale, dropout_p, n_ctx, n_heads, num_seqs, items_per_program, stat_numel, scratch_elements,
                  lo, stride_b, stride_h, stride_n, stride_lb, stride_lh,
                  TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -520,7 +523,7 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, 
     """Program (p, head) walks a run of (sequence, query block) items of one head into one partial dKr."""
     pid, head = tl.program_id(0), tl.program_id(1)
     program = (head * tl.num_programs(0) + pid).to(tl.int64)
-    part_ptr = DKR_PART + program * TWO_SPAN * HEAD_DIM
+    part_ptr = DKR_PART + program * (TWO_SPAN + CHUNK) * HEAD_DIM  # padded rows: see _accumulate_rows
     scratch = SCRATCH + program * scratch_elements
     blocks = tl.cdiv(n_ctx, BLOCK_M)
     first = pid * items_per_program
@@ -530,16 +533,17 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, 
                                                    stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, VARLEN)
         i0 = (item % blocks) * BLOCK_M
         if i0 < seq_len:
-            _dq_block(Q, K, V, KR, QR, TABLE, MASK + seq * n_ctx, END, DO, LSE, DELTA, DQ, part_ptr, scratch, i0,
-                      seed + seq * n_heads + head, _sequence_scale(SCALES, seq, scale, SCALE_PER_SEQ), dropout_p,
-                      n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo, TWO_SPAN, HEAD_DIM, BLOCK_M,
+            _dq_block(Q, K, V, KR, QR, TABLE, MASK + seq * n_ctx, END, DO, LSE, DELTA, DQ, part_ptr, scratch, FOLD,
+                      MERGE, i0, seed + seq * n_heads + head, _sequence_scale(SCALES, seq, scale, SCALE_PER_SEQ),
+                      dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo, TWO_SPAN, HEAD_DIM,
+                      BLOCK_M,
                       BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT,
                       PRECISION)
         tl.debug_barrier()
 
 
 @triton.jit
-def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, part_ptr, scratch, j0,
+def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, part_ptr, scratch, FOLD, MERGE, j0,
                 seed, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo,
                 TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
@@ -549,7 +553,7 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
     added to the partial dQr."""
     offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
     band = scratch + 2 * (BLOCK_M + BLOCK_N) * WINDOW
-    lo = tl.maximum(lo, -(j0 + BLOCK_N - 1))  # the block's smallest distance
+    band_lo = tl.maximum(lo, -(j0 + BLOCK_N - 1))  # the block's smallest distance
     k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
     v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -578,17 +582,17 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
                 sums_lo += tl.where(top, 0.0, col_sums)
                 sums_hi += tl.where(top, col_sums, 0.0)
             else:
-                _store_band(band, ds.to(band.dtype.element_ty), i0 - j0 - (BLOCK_N - 1), lo, offs_m, offs_n, BAND,
-                            BLOCK_N, True)
+                _store_band(band, ds.to(band.dtype.element_ty), i0 - j0 - (BLOCK_N - 1), band_lo, offs_m, offs_n,
+                            BAND, BLOCK_N, True)
                 first = tl.minimum(first, i0)
                 last = tl.maximum(last, i0)
     if HAS_P2C:
         tl.debug_barrier()
         k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)  # reloaded: not held across the loop
         # key b at distance dist pairs with query j0 + b + dist: band rows are keys, SIGN -1
-        dk = _band_gradients(dk, k, band, TABLE, QR + rel_off, part_ptr, lo, j0, first - j0 - (BLOCK_N - 1),
-                             last + BLOCK_M - 1 - j0, first, last, offs_n, offs_d, HEAD_DIM, BAND, CHUNK, BLOCK_M,
-                             -1, PRECISION)
+        dk = _band_gradients(dk, k, band, TABLE, QR + rel_off, part_ptr, FOLD, MERGE, band_lo, lo, j0,
+                             first - j0 - (BLOCK_N - 1), last + BLOCK_M - 1 - j0, first, last, offs_n, offs_d, HEAD_DIM,
+                             BAND, CHUNK, BLOCK_M, -1, PRECISION)
         dk = _end_gradients(dk, k, sums_lo, sums_hi, QR + rel_off, part_ptr, offs_d, TWO_SPAN, HEAD_DIM)
     _store_rows(DK + base, j0, offs_n, offs_d, stride_n, seq_len, dk)
     _store_rows(DV + base, j0, offs_n, offs_d, stride_n, seq_len, dv)
@@ -596,8 +600,8 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
 
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, DK, DV, DQR_PART, SCRATCH,
-                   seed, scale, dropout_p, n_ctx, n_heads, num_seqs, items_per_program, stat_numel, scratch_elements,
-                   lo, stride_b, stride_h, stride_n, stride_lb, stride_lh,
+                   FOLD, MERGE, seed, scale, dropout_p, n_ctx, n_heads, num_seqs, items_per_program, stat_numel,
+                   scratch_elements, lo, stride_b, stride_h, stride_n, stride_lb, stride_lh,
                    TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
                    HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr,
@@ -606,7 +610,7 @@ def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA
     """Program (p, head) walks a run of (sequence, key block) items of one head into one partial dQr."""
     pid, head = tl.program_id(0), tl.program_id(1)
     program = (head * tl.num_programs(0) + pid).to(tl.int64)
-    part_ptr = DQR_PART + program * TWO_SPAN * HEAD_DIM
+    part_ptr = DQR_PART + program * (TWO_SPAN + CHUNK) * HEAD_DIM  # padded rows: see _accumulate_rows
     scratch = SCRATCH + program * scratch_elements
     blocks = tl.cdiv(n_ctx, BLOCK_N)
     first = pid * items_per_program
@@ -617,8 +621,9 @@ def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA
         j0 = (item % blocks) * BLOCK_N
         if j0 < seq_len:
             _dkdv_block(Q, K, V, KR, QR, TABLE, MASK + seq * n_ctx, END, DO, LSE, DELTA, DK, DV, part_ptr, scratch,
-                        j0, seed + seq * n_heads + head, _sequence_scale(SCALES, seq, scale, SCALE_PER_SEQ),
-                        dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo, TWO_SPAN,
+                        FOLD, MERGE, j0, seed + seq * n_heads + head,
+                        _sequence_scale(SCALES, seq, scale, SCALE_PER_SEQ), dropout_p, n_ctx, seq_len, base, rel_off,
+                        stat_off, stat_numel, stride_n, lo, TWO_SPAN,
                         HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK,
                         MASK_DIAGONAL, DROPOUT, PRECISION)
         tl.debug_barrier()
@@ -668,15 +673,25 @@ class Tiles:
 
 
 KERNELS = ("fwd", "dkdv", "dq")
-# (kernel, head dim, target) -> tiles of half-precision inputs; each the fastest found by the static judge
-# (benchmarks/attention_judge.py) among those that compile with no spill (`compile_check`). 64-row tiles
-# on 4 warps give Hopper its warpgroup MMA and no warp repeats another's products (docs/kernels.md).
-GPU_TILES = {
-    **{(kernel, d, cc): Tiles(64, 64, 4, 1) for kernel in KERNELS for d in (16, 32, 64) for cc in (80, 90, 100)},
-    **{(kernel, 128, cc): Tiles(64, 32, 4, 1) for kernel in KERNELS for cc in (80, 90, 100)},
+# (inputs, head dim, target) -> tiles of the three kernels: for each, the tile with the fewest estimated
+# instructions per score (benchmarks/attention_judge.py) among those that compile with no spill and no warp
+# repeating another's products in every configuration the compile check covers; d = 16 and 32 take d = 64's.
+# 64-row forward tiles on 4 warps give Hopper its warpgroup MMA. Candidates and figures: docs/kernels.md.
+_T = Tiles
+_TILES = {
+    ("half", 64, 90): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 64, 4, 1), dkdv=_T(64, 32, 4, 1)),
+    ("half", 128, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(16, 64, 4, 1), dkdv=_T(32, 16, 4, 1)),
+    ("half", 64, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
+    ("half", 128, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 32, 4, 1), dkdv=_T(16, 16, 2, 1)),
+    ("half", 64, 100): dict(fwd=_T(64, 64, 4, 1), dq=_T(64, 32, 4, 1), dkdv=_T(64, 32, 4, 1)),
+    ("half", 128, 100): dict(fwd=_T(32, 64, 4, 1), dq=_T(32, 64, 4, 1), dkdv=_T(64, 16, 4, 1)),
+    ("fp32", 64, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(32, 32, 4, 1), dkdv=_T(32, 32, 4, 1)),
+    ("fp32", 128, 90): dict(fwd=_T(32, 16, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
+    ("fp32", 64, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
+    ("fp32", 128, 80): dict(fwd=_T(32, 16, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
+    ("fp32", 64, 100): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 32, 4, 1), dkdv=_T(32, 32, 4, 1)),
+    ("fp32", 128, 100): dict(fwd=_T(32, 16, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
 }
-# float32 inputs (TF32 products, operands take twice the registers).
-GPU_TILES_FP32 = {key: Tiles(64, 32 if key[1] <= 64 else 16, 4, 1) for key in GPU_TILES}
 # The interpreter runs programs one after another: few, larger tiles are fastest.
 INTERPRETER_TILES = Tiles(32, 32, 4, 1)
 # Compute capability the host code plans for when its tensors are not on a GPU (the compile check
@@ -711,8 +726,7 @@ def tiles_for(kernel: str, head_dim: int, dtype: torch.dtype, cc: int = 90) -> T
     on compute capability ``cc``."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return INTERPRETER_TILES
-    table = GPU_TILES_FP32 if dtype == torch.float32 else GPU_TILES
-    return table[(kernel, head_dim, cc)]
+    return _TILES[("fp32" if dtype == torch.float32 else "half", max(64, head_dim), cc)][kernel]
 
 
 def tile_saturation(n: int, tiles: Tiles, position_buckets: int, max_relative_positions: int) -> torch.Tensor:
@@ -776,7 +790,19 @@ def band_range(table: torch.Tensor, max_distance: int, n_ctx: int, tiles: Tiles,
     lo = max(bottom_end + 2 - length, -(keys - 1))
     hi = min(top_start - 2 + length, queries - 1)
     block = keys + tiles.block_m - 1 if kernel == "dq" else queries + tiles.block_n - 1
-    return lo, max(1, min(hi - lo + 1, block))
+    return lo, hi, max(1, min(hi - lo + 1, block))
+
+
+def band_folds(table: torch.Tensor, max_distance: int, lo: int, hi: int, chunk: int,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per ``chunk``-distance chunk from ``lo`` up to ``hi``: int32 ``[first bucket, bucket count]`` and the
+    one-hot ``[distance, bucket]`` matrix in ``dtype`` that ``_band_gradients`` merges its columns with."""
+    offsets = torch.arange(chunk, device=table.device)
+    starts = torch.arange(lo, hi + 1, chunk, device=table.device)
+    buckets = table[starts[:, None] + offsets[None, :] + max_distance].long()
+    first = buckets[:, :1]
+    info = torch.cat([first, buckets[:, -1:] - first + 1], 1).to(torch.int32).contiguous()
+    return info, ((buckets - first)[:, :, None] == offsets[None, None, :]).to(dtype).contiguous()
 
 
 @dataclass(frozen=True)
@@ -887,20 +913,23 @@ def _backward_kernel(problem: _Problem, kernel, name: str, q, has_term: bool, bu
     tiles = problem.tiles(name, q)
     block = tiles.block_m if name == "dq" else tiles.block_n
     items = problem.num_seqs * triton.cdiv(problem.n_ctx, block)
-    lo, band = band_range(problem.table, problem.max_distance, problem.n_ctx, tiles, name)
+    lo, hi, band = band_range(problem.table, problem.max_distance, problem.n_ctx, tiles, name)
+    fold, merge = band_folds(problem.table, problem.max_distance, lo, hi, tiles.chunk, q.dtype)
     has_terms = args["KR"] is not q or args["QR"] is not q
     scratch_elements = (2 * (tiles.block_m + tiles.block_n) * tiles.window if has_terms else 0) + (
         block * band if has_term else 0)
-    partial_bytes = problem.two_span * q.shape[-1] * 4 if has_term else 0
+    rows = problem.two_span + tiles.chunk  # padded: the band's read-modify-writes need no row mask
+    partial_bytes = rows * q.shape[-1] * 4 if has_term else 0
     per_program = partial_bytes + scratch_elements * q.element_size()
     programs = programs_per_head(items, per_program, budget, problem.n_heads, problem.slots)
-    shape = (problem.n_heads, programs, problem.two_span, q.shape[-1]) if has_term else (1,)
+    shape = (problem.n_heads, programs, rows, q.shape[-1]) if has_term else (1,)
     partial = torch.zeros(shape, dtype=torch.float32, device=q.device)
     scratch = q.new_empty(max(1, problem.n_heads * programs * scratch_elements))
     problem.launch(kernel, tiles, (programs, problem.n_heads), q, args["KR"] is not q, args["QR"] is not q,
                    items_per_program=triton.cdiv(items, programs), scratch_elements=scratch_elements, lo=lo,
-                   BAND=band, CHUNK=tiles.chunk, SCRATCH=scratch, **{part_name: partial}, **args)
-    return partial.sum(1) if has_term else None  # fixed order: deterministic
+                   FOLD=fold, MERGE=merge, BAND=band, CHUNK=tiles.chunk, SCRATCH=scratch,
+                   **{part_name: partial}, **args)
+    return partial.sum(1)[:, :problem.two_span] if has_term else None  # fixed order: deterministic
 
 
 def attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, end, problem: _Problem):
