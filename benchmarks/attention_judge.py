@@ -411,7 +411,7 @@ def _distaff_program_work(kernel_name: str, kwargs: dict, grid: tuple, figures) 
     by_key = kernel_name == "_attn_bwd_dkdv"
     loop = figures.loop("for i0 in range(0, seq_len, BLOCK_M)" if by_key else "for j0 in range(0, seq_len, BLOCK_N)")
     cheap, dear = loop["paths"][0], loop["paths"][-1]
-    chunk = figures.loop("for c0 in range(d_lo")["paths"][-1] if kernel_name != "_attn_fwd" and (
+    chunk = figures.loop("for c0 in range(")["paths"][-1] if kernel_name != "_attn_fwd" and (
         kwargs["HAS_C2P"] if kernel_name == "_attn_bwd_dq" else kwargs["HAS_P2C"]) else None
     per_block = []
     for block in range(saturated.shape[1] if by_key else saturated.shape[0]):
@@ -420,9 +420,7 @@ def _distaff_program_work(kernel_name: str, kwargs: dict, grid: tuple, figures) 
         instr = sat * static_perf.instructions(cheap) + gen * static_perf.instructions(dear)
         flops = sat * cheap["flops"] + gen * dear["flops"]
         if chunk is not None and gen:
-            general = (~row).nonzero().flatten()
-            width = int(general[-1] - general[0]) * (bm if by_key else bn) + bm + bn - 1
-            chunks = -(-width // kwargs["CHUNK"])
+            chunks = _band_chunks(block, (~row).nonzero().flatten(), bm, bn, by_key, kwargs["lo"], kwargs["CHUNK"])
             instr += chunks * static_perf.instructions(chunk)
             flops += chunks * chunk["flops"]
         per_block.append((instr + static_perf.instructions(figures.straight), flops + figures.straight["flops"]))
@@ -435,6 +433,18 @@ def _distaff_program_work(kernel_name: str, kwargs: dict, grid: tuple, figures) 
             instr.append(sum(w[0] for w in work))
             flops.append(sum(w[1] for w in work))
     return instr, flops
+
+
+def _band_chunks(block: int, general, bm: int, bn: int, by_key: bool, lo: int, chunk: int) -> int:
+    """How many band chunks a distaff backward block reads: the chunks (aligned to ``lo``) covering the
+    distances of its general tiles, as ``_band_gradients`` walks them."""
+    if by_key:  # key block j0, query blocks first..last
+        j0, first, last = block * bn, int(general[0]) * bm, int(general[-1]) * bm
+        d_lo, d_hi = first - j0 - (bn - 1), last + bm - 1 - j0
+    else:
+        i0, first, last = block * bm, int(general[0]) * bn, int(general[-1]) * bn
+        d_lo, d_hi = i0 - last - (bn - 1), i0 - first + bm - 1
+    return (d_hi - lo) // chunk - (d_lo - lo) // chunk + 1
 
 
 def _peer_program_work(kwargs: dict, grid: tuple, n: int, figures) -> tuple[list, list]:

@@ -230,14 +230,15 @@ def _dropout_keep(seed, i0, j0, n_ctx, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N
 
 
 @triton.jit
-def _tile_scores(q, k, KR, QR, table_ptr, mask_ptr, END, scratch, stat_off, stat_numel, i0, j0, seq_len,
+def _tile_scores(q, k, KR, QR, table_ptr, mask_ptr, END, scratch, stat_off, stat_numel, i0, j0, seq_len, scale,
                  offs_m, offs_n, offs_d, general,
                  TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  WINDOW: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr,
                  HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr, TRANSPOSED: tl.constexpr,
                  PRECISION: tl.constexpr):
-    """Unscaled scores of tile ``(i0, j0)`` (``-inf`` where not visible), whether it is saturated and at
-    which end, and the count of general tiles so far (it picks the scratch buffer)."""
+    """Scores of tile ``(i0, j0)`` times ``scale * log2(e)`` (``-inf`` where not visible, whatever the scale:
+    a scale of 0 must not make ``-inf * 0``), whether it is saturated and at which end, and the count of
+    general tiles so far (it picks the scratch buffer)."""
     if TRANSPOSED:
         s = tl.dot(k, tl.trans(q), input_precision=PRECISION)
     else:
@@ -255,7 +256,7 @@ def _tile_scores(q, k, KR, QR, table_ptr, mask_ptr, END, scratch, stat_off, stat
             general += 1
     visible = _visible(mask_ptr, i0, j0, offs_m, offs_n, seq_len, BLOCK_M, BLOCK_N, HAS_MASK, MASK_DIAGONAL,
                        TRANSPOSED)
-    return tl.where(visible, s, float("-inf")), saturated, top, general
+    return tl.where(visible, s * (scale * LOG2E), float("-inf")), saturated, top, general
 
 
 @triton.jit
@@ -390,10 +391,9 @@ def _fwd_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, O, LSE, scratch, i0, seed,
         k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
         v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
         s, _, _, general = _tile_scores(q, k, KR + rel_off, QR + rel_off, TABLE, mask_ptr, END, scratch, stat_off,
-                                        stat_numel, i0, j0, seq_len, offs_m, offs_n, offs_d, general, TWO_SPAN,
-                                        HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK,
-                                        MASK_DIAGONAL, False, PRECISION)
-        s = s * (scale * LOG2E)
+                                        stat_numel, i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general,
+                                        TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C,
+                                        HAS_MASK, MASK_DIAGONAL, False, PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Rows with nothing visible yet keep m = -inf; subtract 0 so exp2 gives 0, not NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -445,12 +445,13 @@ def _attn_fwd(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, O, LSE, SCRATCH,
 def _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, scale, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr):
     """Recomputed (dropped) probabilities and the score gradient ``dS`` (scale included) of a tile from
-    its unscaled scores ``s`` and ``dP = dO V^T`` (both transposed when ``TRANSPOSED``)."""
+    its scores ``s`` (base 2, as ``_tile_scores`` gives them) and ``dP = dO V^T`` (both transposed when
+    ``TRANSPOSED``)."""
     if TRANSPOSED:
-        p = tl.exp2(s * (scale * LOG2E) - lse[None, :])
+        p = tl.exp2(s - lse[None, :])
         delta = delta[None, :]
     else:
-        p = tl.exp2(s * (scale * LOG2E) - lse[:, None])
+        p = tl.exp2(s - lse[:, None])
         delta = delta[:, None]
     p_dropped = p
     if DROPOUT:
@@ -485,7 +486,7 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
         v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
         s, saturated, top, general = _tile_scores(
             q, k, KR + rel_off, QR + rel_off, TABLE, mask_ptr, END, scratch, stat_off, stat_numel, i0, j0, seq_len,
-            offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C,
+            scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C,
             HAS_MASK, MASK_DIAGONAL, False, PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         _, ds = _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, scale, BLOCK_M, BLOCK_N, DROPOUT,
@@ -569,7 +570,7 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
         delta = _load_stat(DELTA + stat_off, i0, offs_m, seq_len, 0.0)
         s, saturated, top, general = _tile_scores(
             q, k, KR + rel_off, QR + rel_off, TABLE, mask_ptr, END, scratch, stat_off, stat_numel, i0, j0, seq_len,
-            offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C,
+            scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C,
             HAS_MASK, MASK_DIAGONAL, True, PRECISION)
         dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         p_dropped, ds = _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, scale, BLOCK_M, BLOCK_N,
@@ -654,6 +655,7 @@ class Tiles:
     block_n: int
     num_warps: int
     num_stages: int
+    columns: int = 64  # window columns per slice of the window products (fewer: fewer live registers)
 
     @property
     def window(self) -> int:
@@ -663,8 +665,8 @@ class Tiles:
 
     @property
     def split(self) -> int:
-        """Column slices the window products are computed in (64 columns each: fewer live registers)."""
-        return max(1, self.window // 64)
+        """Column slices the window products are computed in."""
+        return max(1, self.window // self.columns)
 
     @property
     def chunk(self) -> int:
@@ -675,16 +677,23 @@ class Tiles:
 KERNELS = ("fwd", "dkdv", "dq")
 # (inputs, head dim, target) -> tiles of the three kernels: for each, the tile with the fewest estimated
 # instructions per score (benchmarks/attention_judge.py) among those that compile with no spill and no warp
-# repeating another's products in every configuration the compile check covers; d = 16 and 32 take d = 64's.
+# repeating another's products in every configuration the compile check covers (d = 16 takes d = 32's;
+# float32 inputs at d <= 64 take d = 64's).
 # 64-row forward tiles on 4 warps give Hopper its warpgroup MMA. Candidates and figures: docs/kernels.md.
 _T = Tiles
 _TILES = {
+    # d <= 32: the products with d columns need 64 rows on 4 warps (32 on 2) or warps repeat each other.
+    ("half", 32, 90): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 32, 2, 1), dkdv=_T(32, 32, 2, 1)),
+    ("half", 32, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(32, 16, 2, 1), dkdv=_T(16, 32, 2, 1)),
+    ("half", 32, 100): dict(fwd=_T(32, 64, 4, 1), dq=_T(32, 32, 2, 1), dkdv=_T(32, 32, 2, 1)),
     ("half", 64, 90): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 64, 4, 1), dkdv=_T(64, 32, 4, 1)),
-    ("half", 128, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(16, 64, 4, 1), dkdv=_T(32, 16, 4, 1)),
+    ("half", 128, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(16, 32, 4, 1), dkdv=_T(32, 16, 4, 1)),
     ("half", 64, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
-    ("half", 128, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 32, 4, 1), dkdv=_T(16, 16, 2, 1)),
-    ("half", 64, 100): dict(fwd=_T(64, 64, 4, 1), dq=_T(64, 32, 4, 1), dkdv=_T(64, 32, 4, 1)),
-    ("half", 128, 100): dict(fwd=_T(32, 64, 4, 1), dq=_T(32, 64, 4, 1), dkdv=_T(64, 16, 4, 1)),
+    # sm_80, d = 128, dk/dv: every tile without repeated warps spills (32 x 16 on 4 warps: 20-48 B, 16 x 16 on 2:
+    # 88-116 B); this one repeats the products of half its warps (issued / unique 2.0), the one exception.
+    ("half", 128, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 32, 4, 1), dkdv=_T(16, 16, 4, 1)),
+    ("half", 64, 100): dict(fwd=_T(32, 64, 4, 1), dq=_T(32, 64, 4, 1), dkdv=_T(64, 64, 8, 1)),
+    ("half", 128, 100): dict(fwd=_T(32, 64, 4, 1), dq=_T(16, 64, 4, 1), dkdv=_T(64, 16, 4, 1)),
     ("fp32", 64, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(32, 32, 4, 1), dkdv=_T(32, 32, 4, 1)),
     ("fp32", 128, 90): dict(fwd=_T(32, 16, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
     ("fp32", 64, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
@@ -704,7 +713,7 @@ PLANNED_SMS = 132
 # fraction of the bytes of dq + dk + dv; it caps the programs per head.
 PARTIAL_BUDGET = 1.0
 DELTA_ELEMENTS = 2048  # elements of dO and O per program of the delta kernel (rows = this / d)
-END_BLOCK = 64         # tokens per program of the end-terms kernel
+END_ELEMENTS = 2048    # elements of Q and K per program of the end-terms kernel (rows = this / d; 4096 spills)
 
 
 def capability(device: torch.device) -> int:
@@ -726,7 +735,9 @@ def tiles_for(kernel: str, head_dim: int, dtype: torch.dtype, cc: int = 90) -> T
     on compute capability ``cc``."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return INTERPRETER_TILES
-    return _TILES[("fp32" if dtype == torch.float32 else "half", max(64, head_dim), cc)][kernel]
+    inputs = "fp32" if dtype == torch.float32 else "half"
+    size = 32 if head_dim <= 32 and inputs == "half" else max(64, head_dim)
+    return _TILES[(inputs, size, cc)][kernel]
 
 
 def tile_saturation(n: int, tiles: Tiles, position_buckets: int, max_relative_positions: int) -> torch.Tensor:
@@ -873,7 +884,7 @@ class _Problem:
         if pos_key is None and pos_query is None:
             return q.new_empty((1,), dtype=torch.float32)
         end = torch.zeros((4, *self.stat_shape), dtype=torch.float32, device=q.device)
-        self._rows(_attn_end_terms, q, END_BLOCK, Q=q, K=k, KR=q if pos_key is None else pos_key,
+        self._rows(_attn_end_terms, q, END_ELEMENTS // q.shape[-1], Q=q, K=k, KR=q if pos_key is None else pos_key,
                    QR=q if pos_query is None else pos_query, END=end, stat_numel=self.stat_numel,
                    TWO_SPAN=self.two_span, HAS_C2P=pos_key is not None, HAS_P2C=pos_query is not None)
         return end

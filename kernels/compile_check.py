@@ -34,11 +34,16 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from . import static_perf
+
 TARGETS = (80, 90, 100)
 # Shared memory per SM and the most one block may use (A100; H100 and B200).
 SHARED_PER_SM = {80: 164 * 1024, 90: 228 * 1024, 100: 228 * 1024}
 SHARED_PER_BLOCK = {80: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024}
 FP32_SPILL_LIMIT = 1024  # bytes: float32 inputs may spill a little, never tens of KB
+MAX_REPETITION = 1.1     # issued / unique tensor-core work: no warp may redo another's products
+# ... except where no tile that avoids it compiles without spills (attention._TILES says which and why).
+REPETITION_EXCEPTIONS = {"d128": {("_attn_bwd_dkdv", 80)}}
 HALF = ("float16", "bfloat16")
 # DeBERTa-v3 settings: 256 buckets, 512 max relative positions, N = 512, hidden 768 (d 64) or 1024 (d 128).
 BUCKETS, MAX_REL, SEQ = 256, 512, 512
@@ -85,6 +90,7 @@ class Row:
     stages: int = 0
     mma: int = 0
     wgmma: int = 0
+    repetition: float = 1.0  # issued / unique tensor-core work of the worst product (TTGIR layouts)
     seconds: float = 0.0
     error: str = ""
     half: bool = False       # half-precision inputs: the zero-spill bar applies
@@ -104,6 +110,9 @@ class Row:
             found.append(f"{self.shared} B shared memory > {shared_limit} B")
         if self.has_dot and not (self.mma or self.wgmma):
             found.append("no tensor-core instruction")
+        if self.repetition > MAX_REPETITION and (self.kernel, self.target) not in REPETITION_EXCEPTIONS.get(
+                self.case.split()[0], ()):
+            found.append(f"warps repeat tensor-core work {self.repetition:.2f}x")
         return found
 
 
@@ -251,7 +260,10 @@ def compile_artifacts(kernel, args: tuple, kwargs: dict, case: Case, cc: int) ->
     stem = _cache_dir() / _cache_key(kernel, src, options, cc)
     cached = stem.with_suffix(".json")
     if cached.exists() and stem.with_suffix(".cubin").exists():
-        return Row(**{**asdict(row), **json.loads(cached.read_text()), "case": case.name}), stem
+        figures = json.loads(cached.read_text())
+        figures.setdefault("repetition", max((dot.repetition for dot in static_perf.ttgir_dots(
+            stem.with_suffix(".ttgir").read_text())), default=1.0))  # rows cached before it was recorded
+        return Row(**{**asdict(row), **figures, "case": case.name}), stem
     started = time.perf_counter()
     log = io.StringIO()
     triton.knobs.nvidia.dump_ptxas_log = True
@@ -272,6 +284,7 @@ def compile_artifacts(kernel, args: tuple, kwargs: dict, case: Case, cc: int) ->
     row.shared = compiled.metadata.shared
     ptx = compiled.asm["ptx"]
     row.mma, row.wgmma = len(re.findall(r"\bmma\.sync", ptx)), len(re.findall(r"\bwgmma\.mma_async", ptx))
+    row.repetition = max((dot.repetition for dot in static_perf.ttgir_dots(compiled.asm["ttgir"])), default=1.0)
     row.seconds = round(time.perf_counter() - started, 1)
     cached.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".cubin").write_bytes(compiled.asm["cubin"])
@@ -311,12 +324,13 @@ def run(cases: list[Case], targets: tuple[int, ...], only: str | None = None, jo
 
 def format_table(rows: list[Row]) -> str:
     header = ("kernel", "case", "target", "regs", "spill st/ld B", "shared KB", "warps", "stages", "mma", "wgmma",
-              "verdict")
+              "repeat", "verdict")
     lines = [header]
     for r in rows:
         verdict = "; ".join(r.problems()) or "ok"
         lines.append((r.kernel, r.case, f"sm_{r.target}", str(r.registers), f"{r.spill_stores}/{r.spill_loads}",
-                      f"{r.shared / 1024:.1f}", str(r.warps), str(r.stages), str(r.mma), str(r.wgmma), verdict))
+                      f"{r.shared / 1024:.1f}", str(r.warps), str(r.stages), str(r.mma), str(r.wgmma),
+                      f"{r.repetition:.2f}", verdict))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
 
