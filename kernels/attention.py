@@ -687,7 +687,7 @@ _TILES = {
     ("half", 32, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(32, 16, 2, 1), dkdv=_T(16, 32, 2, 1)),
     ("half", 32, 100): dict(fwd=_T(32, 64, 4, 1), dq=_T(32, 32, 2, 1), dkdv=_T(32, 32, 2, 1)),
     ("half", 64, 90): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 64, 4, 1), dkdv=_T(64, 32, 4, 1)),
-    ("half", 128, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(16, 32, 4, 1), dkdv=_T(32, 16, 4, 1)),
+    ("half", 128, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(32, 64, 8, 1), dkdv=_T(32, 16, 4, 1)),
     ("half", 64, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
     # sm_80, d = 128, dk/dv: every tile without repeated warps spills (32 x 16 on 4 warps: 20-48 B, 16 x 16 on 2:
     # 88-116 B); this one repeats the products of half its warps (issued / unique 2.0), the one exception.
@@ -695,7 +695,7 @@ _TILES = {
     ("half", 64, 100): dict(fwd=_T(32, 64, 4, 1), dq=_T(32, 64, 4, 1), dkdv=_T(64, 64, 8, 1)),
     ("half", 128, 100): dict(fwd=_T(32, 64, 4, 1), dq=_T(16, 64, 4, 1), dkdv=_T(64, 16, 4, 1)),
     ("fp32", 64, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(32, 32, 4, 1), dkdv=_T(32, 32, 4, 1)),
-    ("fp32", 128, 90): dict(fwd=_T(32, 16, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
+    ("fp32", 128, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
     ("fp32", 64, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
     ("fp32", 128, 80): dict(fwd=_T(32, 16, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
     ("fp32", 64, 100): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 32, 4, 1), dkdv=_T(32, 32, 4, 1)),
@@ -706,9 +706,10 @@ INTERPRETER_TILES = Tiles(32, 32, 4, 1)
 # Compute capability the host code plans for when its tensors are not on a GPU (the compile check
 # records launches for each target by setting it).
 PLANNED_CAPABILITY = 90
-# Resident blocks per SM the programs of one launch are sized for, and the SMs assumed off a GPU (H100).
-BLOCKS_PER_SM = 2
-PLANNED_SMS = 132
+# Warps per SM the programs of one launch are sized for (the kernels use up to 255 registers a thread,
+# so about 8 warps fit), and the SMs assumed off a GPU, per planned capability (A100, H100, B200).
+WARPS_PER_SM = 8
+PLANNED_SMS = {80: 108, 90: 132, 100: 148}
 # The backward's partial position gradients, scratch buffers and delta may take at most this
 # fraction of the bytes of dq + dk + dv; it caps the programs per head.
 PARTIAL_BUDGET = 1.0
@@ -720,14 +721,15 @@ def capability(device: torch.device) -> int:
     """The compute capability kernels are planned for: the GPU's, else :data:`PLANNED_CAPABILITY`."""
     if device.type != "cuda":
         return PLANNED_CAPABILITY
-    major, minor = torch.cuda.get_device_capability(device)
-    return min(100, major * 10 + minor) if major >= 9 else 80
+    major, _ = torch.cuda.get_device_capability(device)
+    return {9: 90, 10: 100}.get(major, 80)  # Hopper, datacenter Blackwell; the rest run mma.sync like Ampere
 
 
-def slots(device: torch.device) -> int:
-    """How many programs of one kernel the device runs at once (``BLOCKS_PER_SM`` per SM)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else PLANNED_SMS
-    return sms * BLOCKS_PER_SM
+def multiprocessors(device: torch.device) -> int:
+    """The device's SMs, or those of the GPU planned for (:data:`PLANNED_CAPABILITY`) off a GPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return PLANNED_SMS[PLANNED_CAPABILITY]
 
 
 def tiles_for(kernel: str, head_dim: int, dtype: torch.dtype, cc: int = 90) -> Tiles:
@@ -837,7 +839,11 @@ class _Problem:
     dropout_p: float
     seed: int
     cc: int                      # compute capability the tiles are chosen for
-    slots: int                   # programs the device runs at once
+    sms: int                     # the device's multiprocessors
+
+    def slots(self, tiles: Tiles) -> int:
+        """Programs of a launch with ``tiles`` the device runs at once (``WARPS_PER_SM`` warps per SM)."""
+        return self.sms * max(1, WARPS_PER_SM // tiles.num_warps)
 
     @property
     def stat_numel(self) -> int:
@@ -890,13 +896,18 @@ class _Problem:
         return end
 
 
-def programs_per_head(items: int, per_program_bytes: int, budget_bytes: int, n_heads: int, slots: int) -> int:
+def programs_per_head(items: int, per_program_bytes: int, budget_bytes: int, n_heads: int, slots: int,
+                      sms: int) -> int:
     """How many programs share a head's ``items`` (sequence, block) pairs: enough to fill the device's
     ``slots`` (at most one per item), and few enough that their buffers (``per_program_bytes`` each)
-    fit ``budget_bytes``; at least one."""
+    fit ``budget_bytes``; at least one. When the budget leaves fewer than ``slots`` but more than ``sms``,
+    one per SM: a second one on only some SMs would make those SMs take twice as long."""
     wanted = min(items, max(1, slots // n_heads))
     if per_program_bytes:
-        wanted = min(wanted, budget_bytes // (n_heads * per_program_bytes))
+        fits = budget_bytes // (n_heads * per_program_bytes)
+        if sms <= fits * n_heads < slots:
+            fits = sms // n_heads
+        wanted = min(wanted, fits)
     return max(1, wanted)
 
 
@@ -909,7 +920,7 @@ def attention_forward(q, k, v, pos_key, pos_query, problem: _Problem):
     items = problem.num_seqs * triton.cdiv(problem.n_ctx, tiles.block_m)
     has_terms = pos_key is not None or pos_query is not None
     scratch_elements = 2 * (tiles.block_m + tiles.block_n) * tiles.window if has_terms else 0
-    programs = programs_per_head(items, 0, 0, problem.n_heads, problem.slots)
+    programs = programs_per_head(items, 0, 0, problem.n_heads, problem.slots(tiles), problem.sms)
     scratch = q.new_empty(max(1, problem.n_heads * programs * scratch_elements))
     problem.launch(_attn_fwd, tiles, (programs, problem.n_heads), q, pos_key is not None, pos_query is not None,
                    Q=q, K=k, V=v, KR=q if pos_key is None else pos_key, QR=q if pos_query is None else pos_query,
@@ -918,28 +929,50 @@ def attention_forward(q, k, v, pos_key, pos_query, problem: _Problem):
     return out, lse, end
 
 
+@dataclass(frozen=True)
+class BackwardBuffers:
+    """What one program of a backward kernel keeps in memory: its float32 partial of the kernel's position
+    table gradient (``2k`` rows plus a chunk of padding, see ``_accumulate_rows``) and its scratch (two
+    window-product buffers, the band), both absent without the terms they serve."""
+
+    partial_rows: int
+    scratch_elements: int
+    element_size: int
+    head_dim: int
+
+    @property
+    def program_bytes(self) -> int:
+        return self.partial_rows * self.head_dim * 4 + self.scratch_elements * self.element_size
+
+
+def backward_buffers(tiles: Tiles, two_span: int, band: int, q: torch.Tensor, kernel: str, has_term: bool,
+                     has_terms: bool) -> BackwardBuffers:
+    """The buffers of a program of ``kernel`` ("dq" or "dkdv"); ``has_term``: it computes its own position
+    gradient (c2p for dq, p2c for dk/dv); ``has_terms``: the scores have a position term at all."""
+    block = tiles.block_m if kernel == "dq" else tiles.block_n
+    products = 2 * (tiles.block_m + tiles.block_n) * tiles.window if has_terms else 0
+    return BackwardBuffers(two_span + tiles.chunk if has_term else 0, products + (block * band if has_term else 0),
+                           q.element_size(), q.shape[-1])
+
+
 def _backward_kernel(problem: _Problem, kernel, name: str, q, has_term: bool, budget: int, part_name: str,
                      **args) -> torch.Tensor | None:
     """Launch a backward kernel over (sequence, block) items of each head; its summed partials."""
     tiles = problem.tiles(name, q)
-    block = tiles.block_m if name == "dq" else tiles.block_n
-    items = problem.num_seqs * triton.cdiv(problem.n_ctx, block)
+    items = problem.num_seqs * triton.cdiv(problem.n_ctx, tiles.block_m if name == "dq" else tiles.block_n)
     lo, hi, band = band_range(problem.table, problem.max_distance, problem.n_ctx, tiles, name)
     fold, merge = band_folds(problem.table, problem.max_distance, lo, hi, tiles.chunk, q.dtype)
     has_terms = args["KR"] is not q or args["QR"] is not q
-    scratch_elements = (2 * (tiles.block_m + tiles.block_n) * tiles.window if has_terms else 0) + (
-        block * band if has_term else 0)
-    rows = problem.two_span + tiles.chunk  # padded: the band's read-modify-writes need no row mask
-    partial_bytes = rows * q.shape[-1] * 4 if has_term else 0
-    per_program = partial_bytes + scratch_elements * q.element_size()
-    programs = programs_per_head(items, per_program, budget, problem.n_heads, problem.slots)
-    shape = (problem.n_heads, programs, rows, q.shape[-1]) if has_term else (1,)
+    buffers = backward_buffers(tiles, problem.two_span, band, q, name, has_term, has_terms)
+    programs = programs_per_head(items, buffers.program_bytes, budget, problem.n_heads, problem.slots(tiles),
+                                 problem.sms)
+    shape = (problem.n_heads, programs, buffers.partial_rows, q.shape[-1]) if has_term else (1,)
     partial = torch.zeros(shape, dtype=torch.float32, device=q.device)
-    scratch = q.new_empty(max(1, problem.n_heads * programs * scratch_elements))
+    scratch = q.new_empty(max(1, problem.n_heads * programs * buffers.scratch_elements))
     problem.launch(kernel, tiles, (programs, problem.n_heads), q, args["KR"] is not q, args["QR"] is not q,
-                   items_per_program=triton.cdiv(items, programs), scratch_elements=scratch_elements, lo=lo,
-                   FOLD=fold, MERGE=merge, BAND=band, CHUNK=tiles.chunk, SCRATCH=scratch,
-                   **{part_name: partial}, **args)
+                   items_per_program=triton.cdiv(items, programs),
+                   scratch_elements=buffers.scratch_elements, lo=lo, FOLD=fold, MERGE=merge, BAND=band,
+                   CHUNK=tiles.chunk, SCRATCH=scratch, **{part_name: partial}, **args)
     return partial.sum(1)[:, :problem.two_span] if has_term else None  # fixed order: deterministic
 
 
@@ -1029,7 +1062,7 @@ def _make_problem(call: AttentionCall, *, num_seqs: int, n_ctx: int, strides: tu
                     max_distance=max_distance, mask=mask, cu_seqlens=cu_seqlens, two_span=two_span,
                     scale=1.0 if call.per_sequence_scale else call.softmax_scale,
                     scales=call.softmax_scale if call.per_sequence_scale else None, mask_diagonal=call.mask_diagonal,
-                    dropout_p=call.dropout_p, seed=dropout_seed(call.dropout_p), cc=cc, slots=slots(q.device))
+                    dropout_p=call.dropout_p, seed=dropout_seed(call.dropout_p), cc=cc, sms=multiprocessors(q.device))
 
 
 def _tables_in(call: AttentionCall) -> list:

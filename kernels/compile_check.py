@@ -90,11 +90,12 @@ class Row:
     stages: int = 0
     mma: int = 0
     wgmma: int = 0
+    tcgen05: int = 0         # Blackwell's tensor-core MMA (sm_100)
     repetition: float = 1.0  # issued / unique tensor-core work of the worst product (TTGIR layouts)
     seconds: float = 0.0
     error: str = ""
     half: bool = False       # half-precision inputs: the zero-spill bar applies
-    has_dot: bool = False    # the kernel has matrix products: tensor-core instructions are required
+    has_dot: bool = False    # the kernel has matrix products (in its TTGIR): tensor-core instructions are required
 
     def problems(self) -> list[str]:
         """Why this compiled kernel fails the bar (empty when it passes)."""
@@ -108,7 +109,7 @@ class Row:
         shared_limit = SHARED_PER_SM[self.target] // 2 if self.half else SHARED_PER_BLOCK[self.target]
         if self.shared > shared_limit:
             found.append(f"{self.shared} B shared memory > {shared_limit} B")
-        if self.has_dot and not (self.mma or self.wgmma):
+        if self.has_dot and not (self.mma or self.wgmma or self.tcgen05):
             found.append("no tensor-core instruction")
         if self.repetition > MAX_REPETITION and (self.kernel, self.target) not in REPETITION_EXCEPTIONS.get(
                 self.case.split()[0], ()):
@@ -229,12 +230,15 @@ def _specialise(kernel, args: tuple, kwargs: dict, target):
     return ASTSource(kernel, signature, constexprs, attrs), options
 
 
+CACHE_VERSION = 2  # raise when a row gains a figure, so cached rows are compiled again
+
+
 def _cache_key(kernel, src, options, cc: int) -> str:
     import triton
 
     text = repr((kernel.cache_key, sorted(src.signature.items()), sorted(map(repr, src.constants.items())),
                  sorted(map(repr, src.attrs.items())), sorted(options.__dict__.items(), key=str), cc,
-                 triton.__version__))
+                 triton.__version__, CACHE_VERSION))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -256,14 +260,11 @@ def compile_artifacts(kernel, args: tuple, kwargs: dict, case: Case, cc: int) ->
     target = GPUTarget("cuda", cc, 32)
     src, options = _specialise(kernel, args, kwargs, target)
     row = Row(kernel.__name__, case.name, cc, warps=options.num_warps, stages=options.num_stages,
-              half=case.dtype in HALF, has_dot="tl.dot" in kernel.src)
+              half=case.dtype in HALF)
     stem = _cache_dir() / _cache_key(kernel, src, options, cc)
     cached = stem.with_suffix(".json")
     if cached.exists() and stem.with_suffix(".cubin").exists():
-        figures = json.loads(cached.read_text())
-        figures.setdefault("repetition", max((dot.repetition for dot in static_perf.ttgir_dots(
-            stem.with_suffix(".ttgir").read_text())), default=1.0))  # rows cached before it was recorded
-        return Row(**{**asdict(row), **figures, "case": case.name}), stem
+        return Row(**{**asdict(row), **json.loads(cached.read_text()), "case": case.name}), stem
     started = time.perf_counter()
     log = io.StringIO()
     triton.knobs.nvidia.dump_ptxas_log = True
@@ -284,7 +285,10 @@ def compile_artifacts(kernel, args: tuple, kwargs: dict, case: Case, cc: int) ->
     row.shared = compiled.metadata.shared
     ptx = compiled.asm["ptx"]
     row.mma, row.wgmma = len(re.findall(r"\bmma\.sync", ptx)), len(re.findall(r"\bwgmma\.mma_async", ptx))
-    row.repetition = max((dot.repetition for dot in static_perf.ttgir_dots(compiled.asm["ttgir"])), default=1.0)
+    row.tcgen05 = len(re.findall(r"\btcgen05\.mma", ptx))
+    ttgir = compiled.asm["ttgir"]
+    row.has_dot = bool(re.search(r"= tt\.dot |= ttng\.warp_group_dot |\bttng\.tc_gen5_mma ", ttgir))
+    row.repetition = max((dot.repetition for dot in static_perf.ttgir_dots(ttgir)), default=1.0)
     row.seconds = round(time.perf_counter() - started, 1)
     cached.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".cubin").write_bytes(compiled.asm["cubin"])
