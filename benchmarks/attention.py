@@ -4,6 +4,7 @@
     python benchmarks/attention.py --cpu-smoke     # tiny shapes under TRITON_INTERPRET=1 (checks the script)
     python benchmarks/attention.py --memory        # the backward's temporary memory at real shapes (CPU)
     python benchmarks/attention.py --tile-paths    # the fraction of tiles on each kernel path (CPU)
+    python benchmarks/attention.py --peers         # the static judge's matrix on a GPU, ratios to distaff
 
 Rows (16,384 tokens per batch, H=12, d=64, bf16, N in {128, 512, 2048, 8192}, dropout 0 and 0.1):
 distaff (Triton); HF eager (a faithful re-implementation of transformers' DisentangledSelfAttention
@@ -112,7 +113,8 @@ def flashdeberta_core(q, k, v, kr, qr, dropout_p):
 
 
 def _hf_layer(dropout_p, device, dtype, optimize):
-    """One HF DebertaV2 attention layer (projections included), optionally DisentangledFlash-optimised."""
+    """One HF DebertaV2 attention layer (projections included), optionally optimised in place by
+    ``optimize(model)`` (DisentangledFlash's or distaff's)."""
     from transformers import DebertaV2Config, DebertaV2Model
     config = DebertaV2Config(hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, num_hidden_layers=1,
                              intermediate_size=4 * HEADS * HEAD_DIM, relative_attention=True,
@@ -122,18 +124,25 @@ def _hf_layer(dropout_p, device, dtype, optimize):
                              max_position_embeddings=max(LENGTHS))
     model = DebertaV2Model(config).to(device, dtype).train()
     if optimize:
-        optimize(model, backend="triton")
+        optimize(model)
     return model.encoder
 
 
-def layer_runner(optimized: bool):
+def _disentangled_flash(model):
+    try:
+        from disentangled_flash import optimize_deberta_training
+    except ImportError as err:
+        raise Skip("not installed") from err
+    optimize_deberta_training(model, backend="triton")
+
+
+def _distaff(model):
+    from distaff.train.hf_kernels import apply_distaff_kernels
+    apply_distaff_kernels(model)
+
+
+def layer_runner(optimize=None):
     def run(hidden, mask, dropout_p):
-        optimize = None
-        if optimized:
-            try:
-                from disentangled_flash import optimize_deberta_training as optimize
-            except ImportError as err:
-                raise Skip("not installed") from err
         encoder = _hf_layer(dropout_p, hidden.device, hidden.dtype, optimize)
         return lambda: encoder(hidden, mask).last_hidden_state
     return run
@@ -147,8 +156,9 @@ CORES = {
     "SDPA flash, no position terms (ceiling)": sdpa_flash_core,
 }
 LAYERS = {
-    "HF eager layer (incl. projections)": layer_runner(optimized=False),
-    "DisentangledFlash 1.1.1 layer (incl. projections)": layer_runner(optimized=True),
+    "HF eager layer (incl. projections)": layer_runner(),
+    "distaff layer (HF layer + apply_distaff_kernels)": layer_runner(_distaff),
+    "DisentangledFlash 1.1.1 layer (incl. projections)": layer_runner(_disentangled_flash),
 }
 
 
@@ -218,7 +228,8 @@ def attention_flops(batch, n, mode):
     return {"fwd": fwd, "bwd": 2.5 * fwd, "both": 3.5 * fwd}[mode]
 
 
-def bench_case(name, make_forward, n, batch, dropout_p, device, dtype, warmup, iters, layer):
+def measure_case(make_forward, n, batch, dropout_p, device, dtype, warmup, iters, layer):
+    """``(fwd ms, bwd ms, fwd+bwd ms, peak MiB)`` of one implementation, or why it has no row."""
     gen = torch.Generator(device=device).manual_seed(0)
     try:
         if layer:
@@ -233,18 +244,50 @@ def bench_case(name, make_forward, n, batch, dropout_p, device, dtype, warmup, i
                       .requires_grad_() for _ in range(2))
             leaves = [q, k, v, kr, qr]
             forward = lambda: make_forward(q, k, v, kr, qr, dropout_p)  # noqa: E731
-        t_fwd, t_bwd, t_both, peak = measure(forward, leaves, device, warmup, iters)
+        return measure(forward, leaves, device, warmup, iters)
     except Skip as why:
-        return f"| {name} | {n} | {batch} | {dropout_p} | {why} | | | | | |"
+        return str(why)
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
-        return f"| {name} | {n} | {batch} | {dropout_p} | out of memory | | | | | |"
+        return "out of memory"
     except Exception as err:  # a peer failing must not hide the other rows
-        return f"| {name} | {n} | {batch} | {dropout_p} | failed: {type(err).__name__}: {str(err)[:80]} | | | | | |"
+        return f"failed: {type(err).__name__}: {str(err)[:80]}"
+
+
+def format_row(name, n, batch, dropout_p, result, reference=None) -> str:
+    """A table row; ``reference`` (distaff's result) adds the fwd / bwd time ratios to distaff's."""
+    if isinstance(result, str):
+        return f"| {name} | {n} | {batch} | {dropout_p} | {result} | | | | | |"
+    t_fwd, t_bwd, t_both, peak = result
     tflops = [attention_flops(batch, n, m) / (t * 1e-3) / 1e12 for m, t in
               (("fwd", t_fwd), ("bwd", t_bwd), ("both", t_both))]
+    ratio = "" if not isinstance(reference, tuple) else f"{t_fwd / reference[0]:.2f} / {t_bwd / reference[1]:.2f}"
     return (f"| {name} | {n} | {batch} | {dropout_p} | {t_fwd:.3f} | {t_bwd:.3f} | {t_both:.3f} | "
-            f"{tflops[0]:.1f} / {tflops[1]:.1f} / {tflops[2]:.1f} | {peak:.0f} | |")
+            f"{tflops[0]:.1f} / {tflops[1]:.1f} / {tflops[2]:.1f} | {peak:.0f} | {ratio} |")
+
+
+def bench_case(name, make_forward, n, batch, dropout_p, device, dtype, warmup, iters, layer):
+    return format_row(name, n, batch, dropout_p,
+                      measure_case(make_forward, n, batch, dropout_p, device, dtype, warmup, iters, layer))
+
+
+def print_peers(device, dtype, lengths, head_dims, dropouts, warmup, iters) -> None:
+    """The static judge's matrix, measured: each core and layer against distaff's (time ratios, fwd / bwd)."""
+    global HEAD_DIM
+    print("| implementation | N | B | dropout | fwd ms | bwd ms | fwd+bwd ms | TFLOP/s fwd / bwd / both | "
+          "peak extra MiB | time / distaff's (fwd / bwd) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for HEAD_DIM in head_dims:
+        print(f"| **d = {HEAD_DIM}** | | | | | | | | | |")
+        for dropout_p in dropouts:
+            for n in lengths:
+                batch = max(1, TOKENS // n)
+                for group, layer in ((CORES, False), (LAYERS, True)):
+                    results = {name: measure_case(fn, n, batch, dropout_p, device, dtype, warmup, iters, layer)
+                               for name, fn in group.items()}
+                    reference = next(r for name, r in results.items() if name.startswith("distaff"))
+                    for name, result in results.items():
+                        print(format_row(name, n, batch, dropout_p, result, reference), flush=True)
 
 
 # --------------------------------------------------------------------------- backward memory (no GPU)
@@ -293,8 +336,9 @@ def backward_extra_mib(batch: int, n: int) -> float:
     lse = torch.zeros(batch, HEADS, n)
     run, JITFunction.run = JITFunction.run, lambda self, *a, grid, warmup, **kw: None
     try:
+        end = problem.end_terms(q, k, kr, qr)  # saved by the forward
         with _LiveBytes() as tracker:
-            grads = attention.attention_backward(grad_out, q, k, v, kr, qr, out, lse, problem)
+            grads = attention.attention_backward(grad_out, q, k, v, kr, qr, out, lse, end, problem)
     finally:
         JITFunction.run = run
     kept = sum(g.numel() * g.element_size() for g in grads)
@@ -320,23 +364,22 @@ def print_memory_table() -> None:
               f"{backward_extra_mib(batch, n):.0f} |", flush=True)
 
 
-def print_tile_paths(lengths=(512, 2048, 8192)) -> None:
-    """Per kernel and length: how many of a sequence's tiles take the saturated (rank-1) path, the
-    identity path (near the diagonal: slab products, no bucket merge) and the merged path, from the
-    tile shapes a GPU launch uses (bf16; d = 64 and 128)."""
+def print_tile_paths(lengths=(512, 2048, 8192), cc: int = 90) -> None:
+    """Per kernel and length: how many of a sequence's tiles take the saturated path (end terms, rank-1
+    gradients) and the general one (window products, band gradients), at the tiles a GPU of compute
+    capability ``cc`` launches (bf16; d = 64 and 128)."""
     from distaff.kernels import attention
 
-    print(f"# Attention tile paths per sequence ({BUCKETS} buckets, max relative {MAX_REL}, GPU tiles, bf16)\n")
-    print("| kernel | d | tile | N | tiles | saturated (rank-1) | identity (no merge) | merged | saturated % |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"# Attention tile paths per sequence ({BUCKETS} buckets, max relative {MAX_REL}, sm_{cc} tiles, bf16)\n")
+    print("| kernel | d | tile | N | tiles | saturated | general | saturated % |")
+    print("|---|---|---|---|---|---|---|---|")
     for head_dim in (64, 128):
         for kernel in attention.KERNELS:
-            tiles = attention.tiles_for(kernel, head_dim, torch.bfloat16)
+            tiles = attention.tiles_for(kernel, head_dim, torch.bfloat16, cc)
             for n in lengths:
                 paths = attention.tile_paths(n, tiles, BUCKETS, MAX_REL)
                 print(f"| {kernel} | {head_dim} | {tiles.block_m}x{tiles.block_n} | {n} | {paths.total} | "
-                      f"{paths.saturated} | {paths.identity} | {paths.merged} | "
-                      f"{100 * paths.saturated / paths.total:.1f} |")
+                      f"{paths.saturated} | {paths.general} | {100 * paths.saturated / paths.total:.1f} |")
     print()
 
 
@@ -358,6 +401,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     parser.add_argument("--memory", action="store_true", help="the backward's temporary memory at real shapes, on CPU")
     parser.add_argument("--tile-paths", action="store_true", help="the fraction of tiles on each kernel path, on CPU")
+    parser.add_argument("--peers", action="store_true",
+                        help="N 512 and 8192, d 64 and 128, dropout 0 and 0.1, with time ratios to distaff")
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     parser.add_argument("--dropout", type=float, nargs="+", default=[0.0, 0.1])
     parser.add_argument("--warmup", type=int, default=5)
@@ -386,10 +431,14 @@ def main(argv=None) -> int:
 
     print(f"# Disentangled attention, {TOKENS} tokens per batch, H={HEADS}, d={HEAD_DIM}, {dtype}\n")
     print(environment(device) + "\n")
+    if args.peers:
+        print_peers(device, dtype, (512, 8192) if not args.cpu_smoke else lengths,
+                    (64, 128) if not args.cpu_smoke else (HEAD_DIM,), args.dropout, warmup, iters)
+        return 0
     if not args.cpu_smoke:
         print_tile_paths(lengths)
     print("| implementation | N | B | dropout | fwd ms | bwd ms | fwd+bwd ms | TFLOP/s fwd / bwd / both | "
-          "peak extra MiB (fwd+bwd) | |")
+          "peak extra MiB (fwd+bwd) | |")  # --peers adds the ratios to distaff
     print("|---|---|---|---|---|---|---|---|---|---|")
     for dropout_p in args.dropout:
         for n in lengths:

@@ -34,11 +34,16 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from . import static_perf
+
 TARGETS = (80, 90, 100)
 # Shared memory per SM and the most one block may use (A100; H100 and B200).
 SHARED_PER_SM = {80: 164 * 1024, 90: 228 * 1024, 100: 228 * 1024}
 SHARED_PER_BLOCK = {80: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024}
 FP32_SPILL_LIMIT = 1024  # bytes: float32 inputs may spill a little, never tens of KB
+MAX_REPETITION = 1.1     # issued / unique tensor-core work: no warp may redo another's products
+# ... except where no tile that avoids it compiles without spills (attention._TILES says which and why).
+REPETITION_EXCEPTIONS = {"d128": {("_attn_bwd_dkdv", 80)}}
 HALF = ("float16", "bfloat16")
 # DeBERTa-v3 settings: 256 buckets, 512 max relative positions, N = 512, hidden 768 (d 64) or 1024 (d 128).
 BUCKETS, MAX_REL, SEQ = 256, 512, 512
@@ -85,10 +90,12 @@ class Row:
     stages: int = 0
     mma: int = 0
     wgmma: int = 0
+    tcgen05: int = 0         # Blackwell's tensor-core MMA (sm_100)
+    repetition: float = 1.0  # issued / unique tensor-core work of the worst product (TTGIR layouts)
     seconds: float = 0.0
     error: str = ""
     half: bool = False       # half-precision inputs: the zero-spill bar applies
-    has_dot: bool = False    # the kernel has matrix products: tensor-core instructions are required
+    has_dot: bool = False    # the kernel has matrix products (in its TTGIR): tensor-core instructions are required
 
     def problems(self) -> list[str]:
         """Why this compiled kernel fails the bar (empty when it passes)."""
@@ -102,8 +109,11 @@ class Row:
         shared_limit = SHARED_PER_SM[self.target] // 2 if self.half else SHARED_PER_BLOCK[self.target]
         if self.shared > shared_limit:
             found.append(f"{self.shared} B shared memory > {shared_limit} B")
-        if self.has_dot and not (self.mma or self.wgmma):
+        if self.has_dot and not (self.mma or self.wgmma or self.tcgen05):
             found.append("no tensor-core instruction")
+        if self.repetition > MAX_REPETITION and (self.kernel, self.target) not in REPETITION_EXCEPTIONS.get(
+                self.case.split()[0], ()):
+            found.append(f"warps repeat tensor-core work {self.repetition:.2f}x")
         return found
 
 
@@ -178,22 +188,26 @@ def _run_op(case: Case, torch) -> None:
         masked_lm_loss(hidden, weight, None, labels).loss.backward()
 
 
-def record_launches(case: Case) -> list[tuple]:
-    """``(kernel, args, kwargs)`` of every launch the host code makes for ``case``, nothing run."""
+def record_launches(case: Case, cc: int = 90) -> list[tuple]:
+    """``(kernel, args, kwargs, grid)`` of every launch the host code makes for ``case`` when it plans for
+    compute capability ``cc``, nothing run."""
     import torch
     from triton.runtime.jit import JITFunction
 
+    from . import attention
+
     launches = []
-    original = JITFunction.run
+    original, planned = JITFunction.run, attention.PLANNED_CAPABILITY
 
     def record(self, *args, grid, warmup, **kwargs):
-        launches.append((self, args, kwargs))
+        launches.append((self, args, kwargs, grid))
 
     JITFunction.run = record
+    attention.PLANNED_CAPABILITY = cc
     try:
         (_run_attention if case.op == "attention" else _run_op)(case, torch)
     finally:
-        JITFunction.run = original
+        JITFunction.run, attention.PLANNED_CAPABILITY = original, planned
     return launches
 
 
@@ -216,12 +230,15 @@ def _specialise(kernel, args: tuple, kwargs: dict, target):
     return ASTSource(kernel, signature, constexprs, attrs), options
 
 
+CACHE_VERSION = 2  # raise when a row gains a figure, so cached rows are compiled again
+
+
 def _cache_key(kernel, src, options, cc: int) -> str:
     import triton
 
     text = repr((kernel.cache_key, sorted(src.signature.items()), sorted(map(repr, src.constants.items())),
                  sorted(map(repr, src.attrs.items())), sorted(options.__dict__.items(), key=str), cc,
-                 triton.__version__))
+                 triton.__version__, CACHE_VERSION))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -231,16 +248,23 @@ def _cache_dir() -> Path:
 
 def compile_launch(kernel, args: tuple, kwargs: dict, case: Case, cc: int) -> Row:
     """Compile one recorded launch for ``sm_{cc}`` and read its static figures (cached)."""
+    return compile_artifacts(kernel, args, kwargs, case, cc)[0]
+
+
+def compile_artifacts(kernel, args: tuple, kwargs: dict, case: Case, cc: int) -> tuple[Row, Path | None]:
+    """``compile_launch``'s row and the cache path stem of the launch's compiled code (``.cubin`` and
+    ``.ttgir`` beside the row's ``.json``; None when it did not compile), for ``static_perf``."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     target = GPUTarget("cuda", cc, 32)
     src, options = _specialise(kernel, args, kwargs, target)
     row = Row(kernel.__name__, case.name, cc, warps=options.num_warps, stages=options.num_stages,
-              half=case.dtype in HALF, has_dot="tl.dot" in kernel.src)
-    cached = _cache_dir() / f"{_cache_key(kernel, src, options, cc)}.json"
-    if cached.exists():
-        return Row(**{**asdict(row), **json.loads(cached.read_text()), "case": case.name})
+              half=case.dtype in HALF)
+    stem = _cache_dir() / _cache_key(kernel, src, options, cc)
+    cached = stem.with_suffix(".json")
+    if cached.exists() and stem.with_suffix(".cubin").exists():
+        return Row(**{**asdict(row), **json.loads(cached.read_text()), "case": case.name}), stem
     started = time.perf_counter()
     log = io.StringIO()
     triton.knobs.nvidia.dump_ptxas_log = True
@@ -250,36 +274,45 @@ def compile_launch(kernel, args: tuple, kwargs: dict, case: Case, cc: int) -> Ro
             compiled = triton.compile(src, target=target, options=options.__dict__)
     except Exception as error:  # noqa: BLE001 - any compiler failure is a result to report
         row.error = " ".join(str(error).split())[-300:]
-        return row
+        return row, None
     text = log.getvalue()
     if not _PTXAS.search(text):
         row.error = "no ptxas -v figures in the compiler's log"
-        return row
+        return row, None
     spills = [tuple(map(int, m)) for m in _SPILL.findall(text)]
     row.registers = max(map(int, _PTXAS.findall(text)), default=0)
     row.spill_stores, row.spill_loads = (max(s[i] for s in spills) if spills else 0 for i in (0, 1))
     row.shared = compiled.metadata.shared
     ptx = compiled.asm["ptx"]
     row.mma, row.wgmma = len(re.findall(r"\bmma\.sync", ptx)), len(re.findall(r"\bwgmma\.mma_async", ptx))
+    row.tcgen05 = len(re.findall(r"\btcgen05\.mma", ptx))
+    ttgir = compiled.asm["ttgir"]
+    row.has_dot = bool(re.search(r"= tt\.dot |= ttng\.warp_group_dot |\bttng\.tc_gen5_mma ", ttgir))
+    row.repetition = max((dot.repetition for dot in static_perf.ttgir_dots(ttgir)), default=1.0)
     row.seconds = round(time.perf_counter() - started, 1)
     cached.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".cubin").write_bytes(compiled.asm["cubin"])
+    stem.with_suffix(".ttgir").write_text(compiled.asm["ttgir"])
     figures = {k: v for k, v in asdict(row).items() if k not in ("case",)}
     cached.write_text(json.dumps(figures))
-    return row
+    return row, stem
 
 
 def check_case(case: Case, targets: tuple[int, ...], only: str | None = None) -> list[Row]:
-    """Record ``case``'s launches and compile each distinct one for every target."""
-    rows, seen = [], set()
-    try:
-        launches = record_launches(case)
-    except Exception as error:  # noqa: BLE001 - the host code failing is a result to report
-        return [Row("(host code)", case.name, cc, error=f"{type(error).__name__}: {error}") for cc in targets]
-    for kernel, args, kwargs in launches:
-        if (only and only not in kernel.__name__) or kernel.__name__ in seen:
+    """Record ``case``'s launches for each target and compile each distinct kernel for it."""
+    rows = []
+    for cc in targets:
+        try:
+            launches = record_launches(case, cc)
+        except Exception as error:  # noqa: BLE001 - the host code failing is a result to report
+            rows.append(Row("(host code)", case.name, cc, error=f"{type(error).__name__}: {error}"))
             continue
-        seen.add(kernel.__name__)
-        rows += [compile_launch(kernel, args, kwargs, case, cc) for cc in targets]
+        seen = set()
+        for kernel, args, kwargs, _ in launches:
+            if (only and only not in kernel.__name__) or kernel.__name__ in seen:
+                continue
+            seen.add(kernel.__name__)
+            rows.append(compile_launch(kernel, args, kwargs, case, cc))
     return rows
 
 
@@ -295,12 +328,13 @@ def run(cases: list[Case], targets: tuple[int, ...], only: str | None = None, jo
 
 def format_table(rows: list[Row]) -> str:
     header = ("kernel", "case", "target", "regs", "spill st/ld B", "shared KB", "warps", "stages", "mma", "wgmma",
-              "verdict")
+              "repeat", "verdict")
     lines = [header]
     for r in rows:
         verdict = "; ".join(r.problems()) or "ok"
         lines.append((r.kernel, r.case, f"sm_{r.target}", str(r.registers), f"{r.spill_stores}/{r.spill_loads}",
-                      f"{r.shared / 1024:.1f}", str(r.warps), str(r.stages), str(r.mma), str(r.wgmma), verdict))
+                      f"{r.shared / 1024:.1f}", str(r.warps), str(r.stages), str(r.mma), str(r.wgmma),
+                      f"{r.repetition:.2f}", verdict))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
 

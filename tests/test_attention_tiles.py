@@ -37,13 +37,15 @@ def _rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
 
 
-@pytest.mark.parametrize("tiles", [attention.Tiles(16, 16, 4, 1), attention.Tiles(32, 16, 4, 1),
-                                   attention.Tiles(16, 32, 4, 1)], ids=["16x16", "32x16", "16x32"])
-def test_gpu_and_rectangular_tiles_match_the_oracle(tiles, monkeypatch) -> None:
-    """The GPU tile shapes (and rectangular ones, whose slab is wider than the window) through the
-    interpreter: identity, log and saturated buckets in one sequence."""
-    monkeypatch.setattr(attention, "INTERPRETER_TILES", tiles)
-    inputs = _inputs(48, 32, 16)
+GPU_SHAPES = sorted({(t.block_m, t.block_n) for row in attention._TILES.values() for t in row.values()})
+
+
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=[f"{m}x{n}" for m, n in GPU_SHAPES])
+def test_gpu_and_rectangular_tiles_match_the_oracle(shape, monkeypatch) -> None:
+    """Every tile shape a GPU launches (rectangular ones too, whose window is padded to a power of two)
+    through the interpreter: identity, log and saturated buckets in one sequence of more than one block."""
+    monkeypatch.setattr(attention, "INTERPRETER_TILES", attention.Tiles(*shape, 4, 1))
+    inputs = _inputs(150, 32, 16)
     kw = dict(position_buckets=16, max_relative_positions=40)
     got = _out_and_grads(attention.disentangled_attention, inputs, torch.float32, **kw)
     want = _out_and_grads(naive_attention, inputs, torch.float64, **kw)
@@ -101,15 +103,25 @@ def test_float32_inputs_within_the_documented_tf32_tolerance(monkeypatch) -> Non
     assert max(errors.values()) > 1e-6, "TF32 rounding left no trace: the emulation did not run"
 
 
-def test_backward_partials_fit_the_budget_at_deberta_v3_base_shapes() -> None:
-    """At B=32, N=512, H=12, d=64 (bf16) the partials of one backward kernel stay within the bytes
-    of dq + dk + dv, and there are enough programs to fill a GPU."""
+def test_backward_buffers_fit_the_budget_at_deberta_v3_base_shapes() -> None:
+    """At B=32, N=512, H=12, d=64 (bf16) one backward kernel's partials and scratch (window products and
+    the band) stay within the bytes of dq + dk + dv, with enough programs to give every SM of an H100 two."""
     grads = 3 * 32 * 12 * 512 * 64 * 2
-    partial = 512 * 64 * 4
-    programs = attention.programs_per_head(32 * 512 // 16, True, grads, partial, 12)
-    assert programs * 12 * partial <= grads
-    assert programs * 12 >= 4 * 132  # four programs per SM of an H100
-    assert attention.programs_per_head(7, False, 0, partial, 12) == 7  # no partial: one program per item
+    tiles = attention.tiles_for("dq", 64, torch.bfloat16, 90)
+    reach = 512 + tiles.window + tiles.block_m + tiles.block_n
+    table = attention._distance_table(reach, 256, 512, torch.device("cpu"))
+    lo, _, band = attention.band_range(table, reach, 512, tiles, "dq")
+    assert lo <= -511 and band == 512 + tiles.block_m - 1  # every distance a query block meets
+    q = torch.empty(1, 1, 1, 64, dtype=torch.bfloat16)
+    per_program = attention.backward_buffers(tiles, 512, band, q, "dq", True, True).program_bytes
+    assert per_program == (512 + tiles.chunk) * 64 * 4 + (2 * (tiles.block_m + tiles.block_n) * tiles.window
+                                                         + tiles.block_m * band) * 2
+    programs = attention.programs_per_head(32 * 512 // tiles.block_m, per_program, grads, 12, 2 * 132, 132)
+    assert programs * 12 * per_program <= grads
+    assert programs * 12 >= 2 * 132 - 12  # two programs per SM, rounded down to whole heads
+    assert attention.programs_per_head(7, 0, 0, 12, 2 * 132, 132) == 7  # no buffers: one program per item
+    # A budget between one and two programs per SM: one per SM (11 per head x 12 heads = 132).
+    assert attention.programs_per_head(4096, 1, 15 * 12, 12, 2 * 132, 132) == 11
 
 
 def test_offsets_that_overflow_32_bits_are_refused_before_launch() -> None:

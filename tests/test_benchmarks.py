@@ -79,10 +79,10 @@ def test_attention_tile_paths_table_accounts_for_every_tile():
     assert run.returncode == 0, run.stderr
     rows = [line.split("|")[1:-1] for line in run.stdout.splitlines() if line.startswith(("| fwd", "| dkdv", "| dq"))]
     assert len(rows) == 3 * 3 * 2, run.stdout  # kernels x lengths x head dims
-    for kernel, d, tile, n, tiles, saturated, identity, merged, percent in rows:
+    for kernel, d, tile, n, tiles, saturated, general, percent in rows:
         block_m, block_n = map(int, tile.split("x"))
-        assert int(tiles) == -(-int(n) // block_m) * -(-int(n) // block_n) == int(saturated) + int(identity) + int(
-            merged), (kernel, d, n)
+        assert int(tiles) == -(-int(n) // block_m) * -(-int(n) // block_n) == int(saturated) + int(general), (
+            kernel, d, n)
         if int(n) == 512:
             assert float(percent) == 0.0, (kernel, d)
         if int(n) == 8192:

@@ -91,6 +91,7 @@ def test_check_reports_what_the_interpreter_accepts(tmp_path: Path) -> None:
     (dict(shared=120 * 1024, target=80, half=True, mma=4), "shared memory"),
     (dict(shared=200 * 1024, target=80, mma=4), "shared memory"),
     (dict(has_dot=True), "tensor-core"),
+    (dict(has_dot=True, mma=4, repetition=2.0), "repeat tensor-core work"),
     (dict(error="boom"), "does not compile"),
 ])
 def test_bar(figures: dict, expected: str) -> None:
@@ -99,3 +100,17 @@ def test_bar(figures: dict, expected: str) -> None:
     row = Row(**{"kernel": "k", "case": "c", "target": 90, "registers": 100, "mma": 0, **figures})
     assert any(expected in problem for problem in row.problems())
     assert not Row("k", "c", 90, registers=100, mma=4, has_dot=True, half=True).problems()
+    assert not Row("k", "c", 100, registers=100, tcgen05=2, has_dot=True, half=True).problems()  # Blackwell's MMA
+
+
+@pytest.mark.unit
+def test_the_one_repeated_warp_exception_is_exactly_where_documented() -> None:
+    """Warps repeating products fail the bar everywhere but sm_80's d = 128 dk/dv kernel, where no tile
+    without repetition compiles without spills (attention._TILES documents it)."""
+    from distaff.kernels.compile_check import Row
+
+    figures = dict(registers=200, mma=4, has_dot=True, half=True, repetition=2.0)
+    assert not Row("_attn_bwd_dkdv", "d128 bfloat16 c2p+p2c padded dropout", 80, **figures).problems()
+    assert Row("_attn_bwd_dkdv", "d128 bfloat16 c2p+p2c padded dropout", 90, **figures).problems()
+    assert Row("_attn_bwd_dq", "d128 bfloat16 c2p+p2c padded dropout", 80, **figures).problems()
+    assert Row("_attn_bwd_dkdv", "d64 bfloat16 c2p+p2c padded dropout", 80, **figures).problems()

@@ -1,0 +1,374 @@
+"""Static performance figures of a compiled kernel: what a GPU engineer reads off the machine code.
+
+The compile check proves a kernel exists for a target; this module reads how fast it can be, from
+the compiler's own output and nothing else (no GPU is needed):
+
+* **SASS** of the cubin (``nvdisasm`` from the triton wheel, with line info): the control-flow graph,
+  the *hot loop* (the innermost loop holding tensor-core instructions: the tile loop of an
+  attention kernel) and every acyclic path through it (a tile path: saturated, general, ...), each
+  with its warp-instruction mix (tensor-core, global, shared, barrier, MUFU, the rest).
+* **TTGIR** of the kernel: each ``tt.dot`` / ``ttng.warp_group_dot`` with its tile and layout, and how
+  many times the warps of the block repeat the same tensor-core work (``issued / unique``).
+* **Occupancy**: blocks per SM from registers, warps and shared memory.
+
+A thread of a warp issues each instruction of its path once, so a path of ``I`` SASS instructions is
+``I`` warp-instructions per warp and ``warps x I`` for the block; divided by the scores of the tile
+it is the *instructions per score* figure. ``benchmarks/attention_judge.py`` turns these into a
+calibrated time estimate; everything here is a count, not a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Instruction classes, by SASS opcode (the part before the first dot).
+TENSOR = ("HMMA", "HGMMA", "IMMA", "UTCHMMA", "UTCQMMA", "UTCOMMA")
+GLOBAL = ("LDG", "STG", "LDGSTS", "ATOMG", "RED", "REDG", "UTMALDG", "UTMASTG", "LDGDEPBAR", "UBLKCP")
+SHARED = ("LDS", "LDSM", "STS", "STSM", "ATOMS", "LDGSTS")
+BARRIER = ("BAR", "SYNCS", "MEMBAR", "DEPBAR", "WARPGROUP")
+MUFU = ("MUFU",)
+CLASSES = ("tensor", "global", "shared", "barrier", "mufu", "other")
+SKIPPED = ("NOP",)
+
+
+@dataclass(frozen=True)
+class Instruction:
+    address: int
+    opcode: str          # e.g. "HMMA.16816.F32.BF16"
+    predicated: bool     # guarded by @P / @!P
+    target: int | None   # branch target address
+    line: str            # "file:line" of the source the compiler attributes it to
+
+    @property
+    def base(self) -> str:
+        return self.opcode.split(".")[0]
+
+    @property
+    def kind(self) -> str:
+        base = self.base
+        for name, opcodes in (("tensor", TENSOR), ("global", GLOBAL), ("shared", SHARED), ("barrier", BARRIER),
+                              ("mufu", MUFU)):
+            if base in opcodes:
+                return name
+        return "other"
+
+    @property
+    def is_branch(self) -> bool:
+        return self.base in ("BRA", "BRX", "JMP", "JMX")
+
+    @property
+    def ends_block(self) -> bool:
+        return self.is_branch or self.base in ("EXIT", "RET")
+
+
+_LINE = re.compile(r'//## File "(?P<file>[^"]+)", line (?P<line>\d+)')
+_INSTR = re.compile(r"^\s*/\*(?P<addr>[0-9a-f]{4,})\*/\s+(?P<pred>@!?U?P[T0-9]+\s+)?(?P<op>[A-Z][A-Za-z0-9_.]*)"
+                    r"(?P<rest>[^;]*);")
+_LABEL = re.compile(r"^(?P<label>\.L_x_\d+):")
+_TARGET = re.compile(r"`\((?P<label>\.L_x_\d+)\)")
+
+
+def nvidia_tool(name: str) -> Path:
+    """A tool the triton wheel ships beside ``ptxas`` (``nvdisasm``, ``cuobjdump``)."""
+    import triton
+
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+
+
+def disassemble(cubin: Path) -> list[Instruction]:
+    """The SASS of ``cubin`` with each instruction's source line (``nvdisasm -g``)."""
+    text = subprocess.run([str(nvidia_tool("nvdisasm")), "-g", "-c", str(cubin)], capture_output=True,
+                          text=True, check=True).stdout
+    return parse_listing(text)
+
+
+def parse_listing(text: str) -> list[Instruction]:
+    """Instructions of an ``nvdisasm -g -c`` listing, labels resolved to addresses."""
+    rows, labels, pending, line = [], {}, [], ""
+    for raw in text.splitlines():
+        if m := _LINE.search(raw):
+            line = f"{m['file']}:{m['line']}"
+        elif m := _LABEL.match(raw.strip()):
+            pending.append(m["label"])
+        elif m := _INSTR.match(raw):
+            address = int(m["addr"], 16)
+            labels.update({label: address for label in pending})
+            pending = []
+            target = _TARGET.search(m["rest"])
+            rows.append((address, m["op"], bool(m["pred"]), target["label"] if target else None, line))
+    return [Instruction(a, op, pred, labels.get(t) if t else None, ln) for a, op, pred, t, ln in rows]
+
+
+# --------------------------------------------------------------------------- control flow
+
+
+@dataclass
+class Block:
+    start: int
+    instructions: list[Instruction]
+    successors: list[int] = field(default_factory=list)  # start addresses
+
+    @property
+    def end(self) -> int:
+        return self.instructions[-1].address
+
+
+def basic_blocks(code: list[Instruction]) -> dict[int, Block]:
+    """Basic blocks keyed by start address, with their successors."""
+    leaders = {code[0].address} | {i.target for i in code if i.target is not None}
+    leaders |= {code[n + 1].address for n, i in enumerate(code[:-1]) if i.ends_block}
+    blocks: dict[int, Block] = {}
+    for instr in code:
+        if instr.address in leaders:
+            current = blocks[instr.address] = Block(instr.address, [])
+        current.instructions.append(instr)
+    starts = sorted(blocks)
+    for n, start in enumerate(starts):
+        last = blocks[start].instructions[-1]
+        follows = starts[n + 1] if n + 1 < len(starts) else None
+        succ = []
+        if last.is_branch and last.target is not None:
+            succ.append(last.target)
+        if follows is not None and (not last.ends_block or last.predicated):
+            succ.append(follows)
+        blocks[start].successors = succ
+    return blocks
+
+
+@dataclass(frozen=True)
+class Loop:
+    header: int
+    latch: int          # block whose branch goes back to the header
+    body: frozenset     # block start addresses
+
+
+def loops(blocks: dict[int, Block]) -> list[Loop]:
+    """Natural loops of back edges (an edge to a block at or before the branch)."""
+    preds: dict[int, list[int]] = {b: [] for b in blocks}
+    for b in blocks.values():
+        for s in b.successors:
+            preds[s].append(b.start)
+    found = []
+    for b in blocks.values():
+        for s in b.successors:
+            if s <= b.start:
+                body, stack = {s, b.start}, [b.start] if b.start != s else []
+                while stack:
+                    for p in preds[stack.pop()]:
+                        if p not in body:
+                            body.add(p)
+                            stack.append(p)
+                found.append(Loop(s, b.start, frozenset(body)))
+    return found
+
+
+def tensor_loops(blocks: dict[int, Block]) -> list[Loop]:
+    """The innermost loops that hold tensor-core instructions (a kernel's tile loops), in address order."""
+    def has_tensor(loop: Loop) -> bool:
+        return any(i.kind == "tensor" for b in loop.body for i in blocks[b].instructions)
+
+    candidates = [lp for lp in loops(blocks) if has_tensor(lp)]
+    innermost = [lp for lp in candidates if not any(o.body < lp.body for o in candidates)]
+    return sorted(innermost, key=lambda lp: lp.header)
+
+
+MAX_PATHS = 256
+_MMA_SHAPE = re.compile(r"^HMMA\.(16816|1688|884)|^HGMMA\.64x(\d+)x(\d+)")
+
+
+def tensor_flops(opcode: str) -> int:
+    """FLOPs one warp's issue of a tensor-core instruction accounts for (``HGMMA`` is a warpgroup's: a
+    quarter each), 0 for other instructions."""
+    m = _MMA_SHAPE.match(opcode)
+    if not m:
+        return 0
+    if m[1]:
+        mnk = {"16816": 16 * 8 * 16, "1688": 16 * 8 * 8, "884": 8 * 8 * 4}[m[1]]
+        return 2 * mnk
+    return 2 * 64 * int(m[2]) * int(m[3]) // 4
+
+
+def instructions(mix: dict) -> int:
+    """Warp-instructions of a mix (its ``flops`` entry is not an instruction count)."""
+    return sum(v for k, v in mix.items() if k in CLASSES)
+
+
+def _mix(block: Block) -> dict:
+    mix = {k: 0 for k in (*CLASSES, "flops")}
+    for instr in block.instructions:
+        if instr.base not in SKIPPED:
+            mix[instr.kind] += 1
+            mix["flops"] += tensor_flops(instr.opcode)
+    return mix
+
+
+def loop_extremes(blocks: dict[int, Block], loop: Loop) -> tuple[dict, dict]:
+    """The instruction mixes of the cheapest and the dearest path from the loop's header back to it (fewest
+    and most warp-instructions), by dynamic programming over the body in address order (its forward
+    edges form a DAG; inner back edges are not followed)."""
+    best: dict[int, tuple[dict, dict]] = {}
+    order = sorted(loop.body)
+    ends: list[tuple[dict, dict]] = []
+    for start in order:
+        own = _mix(blocks[start])
+        if start == loop.header:
+            cheap = dear = own
+        else:
+            preds = [best[p] for p in order if p in best and start in blocks[p].successors and p < start]
+            if not preds:
+                continue
+            cheap = _add(min((c for c, _ in preds), key=instructions), own)
+            dear = _add(max((d for _, d in preds), key=instructions), own)
+        best[start] = (cheap, dear)
+        if loop.header in blocks[start].successors:
+            ends.append((cheap, dear))
+    return min((c for c, _ in ends), key=instructions), max((d for _, d in ends), key=instructions)
+
+
+def _add(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in a}
+
+
+# --------------------------------------------------------------------------- TTGIR: repeated warps
+
+
+_LAYOUT = re.compile(r"^#(?P<name>[\w]+) = #ttg\.nvidia_mma<\{versionMajor = (?P<major>\d+).*?"
+                     r"warpsPerCTA = \[(?P<warps>[\d, ]+)\].*?instrShape = \[(?P<shape>[\d, ]+)\]", re.M)
+_DOT = re.compile(r"= (?P<op>tt\.dot|ttng\.warp_group_dot) .*?-> tensor<(?P<m>\d+)x(?P<n>\d+)x\w+, #(?P<layout>\w+)>")
+_DOT_K = re.compile(r": (?:tensor|!ttg\.memdesc)<(?P<m>\d+)x(?P<k>\d+)x")
+
+
+@dataclass(frozen=True)
+class Dot:
+    m: int
+    n: int
+    k: int
+    warp_group: bool     # Hopper's wgmma (``ttng.warp_group_dot``)
+    warps: tuple         # warpsPerCTA of its layout
+    instr: tuple         # instrShape (rows, cols) of one warp's instruction
+
+    @property
+    def repetition(self) -> float:
+        """Issued / unique tensor-core work: warps beyond the tile's rows or columns redo a neighbour's."""
+        rows_per_warp = 16 if self.warp_group else self.instr[0]  # a warpgroup's warps take 16 rows each
+        distinct_m = min(self.warps[0], max(1, self.m // rows_per_warp))
+        distinct_n = min(self.warps[1], max(1, self.n // self.instr[1]))
+        return self.warps[0] * self.warps[1] / (distinct_m * distinct_n)
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k
+
+
+def ttgir_dots(ttgir: str) -> list[Dot]:
+    """Every matrix product of a kernel's TTGIR, with its layout."""
+    layouts = {m["name"]: (int(m["major"]), tuple(int(x) for x in m["warps"].split(",")),
+                           tuple(int(x) for x in m["shape"].split(",")))
+               for m in _LAYOUT.finditer(ttgir)}
+    dots = []
+    for line in ttgir.splitlines():
+        m = _DOT.search(line)
+        if not m or m["layout"] not in layouts:
+            continue
+        _, warps, shape = layouts[m["layout"]]
+        operand = _DOT_K.search(line)
+        k = int(operand["k"]) if operand else 0
+        dots.append(Dot(int(m["m"]), int(m["n"]), k, m["op"] == "ttng.warp_group_dot", warps[:2],
+                        (shape[0], shape[1])))
+    return dots
+
+
+# --------------------------------------------------------------------------- occupancy
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """What the estimate needs of a GPU (vendor figures)."""
+
+    name: str
+    cc: int
+    sms: int
+    clock_ghz: float            # boost clock
+    tensor_tflops: float        # dense bf16/fp16
+    hbm_tb_s: float
+    shared_per_sm: int          # bytes
+    registers_per_sm: int = 65536
+    max_warps_per_sm: int = 64
+    max_blocks_per_sm: int = 32
+    schedulers: int = 4
+
+
+GPUS = {
+    80: Gpu("A100 SXM 80GB", 80, 108, 1.41, 312.0, 2.04, 164 * 1024),
+    90: Gpu("H100 SXM", 90, 132, 1.98, 989.0, 3.35, 228 * 1024),
+    100: Gpu("B200", 100, 148, 1.965, 2250.0, 8.0, 228 * 1024),
+}
+H200 = Gpu("H200", 90, 132, 1.98, 989.0, 4.8, 228 * 1024)
+
+
+def blocks_per_sm(registers: int, warps: int, shared: int, gpu: Gpu) -> int:
+    """Resident blocks per SM: registers are allocated per warp in units of 256 (8 per thread), shared
+    memory with 1 KiB reserved per block."""
+    regs_per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    by_regs = gpu.registers_per_sm // (regs_per_warp * warps)
+    by_warps = gpu.max_warps_per_sm // warps
+    by_shared = gpu.shared_per_sm // (shared + 1024) if shared else gpu.max_blocks_per_sm
+    return max(0, min(by_regs, by_warps, by_shared, gpu.max_blocks_per_sm))
+
+
+# --------------------------------------------------------------------------- one kernel
+
+
+@dataclass
+class KernelFigures:
+    """The static figures of one compiled kernel (JSON-serialisable)."""
+
+    loops: list      # [{"line": "file:line" of the loop's back edge, "paths": [cheapest mix, dearest mix]}, ...],
+                     # in address order
+    straight: dict   # instruction mix outside those loops
+    dots: list       # [(m, n, k, warp_group, repetition), ...] of every matrix product
+
+    @property
+    def repetition(self) -> float:
+        """The largest issued / unique tensor-core work among the kernel's products."""
+        return max((rep for *_, rep in self.dots), default=1.0)
+
+    @property
+    def uses_wgmma(self) -> bool:
+        return any(wg for _, _, _, wg, _ in self.dots)
+
+    def loop(self, line_text: str) -> dict:
+        """The loop whose back edge is on the source line containing ``line_text``."""
+        for entry in self.loops:
+            if line_text in source_line(entry["line"]):
+                return entry
+        raise KeyError(f"no tensor-core loop at a line containing {line_text!r}: "
+                       f"{[source_line(e['line']) for e in self.loops]}")
+
+
+def kernel_figures(cubin: Path, ttgir: str) -> KernelFigures:
+    """Read the tile loops' paths, the rest of the code and the products of one compiled kernel."""
+    code = disassemble(cubin)
+    blocks = basic_blocks(code)
+    found = tensor_loops(blocks)
+    in_loops = {i.address for lp in found for b in lp.body for i in blocks[b].instructions}
+    straight = _mix(Block(0, [i for i in code if i.address not in in_loops]))
+    entries = [{"line": blocks[lp.latch].instructions[-1].line, "paths": list(loop_extremes(blocks, lp))}
+               for lp in found]
+    dots = [(d.m, d.n, d.k, d.warp_group, d.repetition) for d in ttgir_dots(ttgir)]
+    return KernelFigures(entries, straight, dots)
+
+
+@functools.lru_cache(maxsize=None)
+def source_line(location: str) -> str:
+    """The text of a ``path:line`` location (the source file the compiler named), or ''."""
+    name, _, number = location.rpartition(":")
+    path = Path(name)
+    if not path.exists() or not number.isdigit():
+        return ""
+    lines = path.read_text().splitlines()
+    return lines[int(number) - 1].strip() if int(number) <= len(lines) else ""
