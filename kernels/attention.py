@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -673,6 +673,11 @@ class Tiles:
         """Distances a backward block reads from its band at a time."""
         return min(64, self.window)
 
+    def content_only(self) -> Tiles:
+        """The forward's tiles without position terms: its two chained products give a warp 16 query rows
+        (Triton lays them out as ``[warps, 1]``), so warps beyond ``BLOCK_M / 16`` would repeat others' work."""
+        return replace(self, num_warps=min(self.num_warps, max(1, self.block_m // 16)))
+
 
 KERNELS = ("fwd", "dkdv", "dq")
 # (inputs, head dim, target) -> tiles of the three kernels: for each, the tile with the fewest estimated
@@ -687,12 +692,14 @@ _TILES = {
     ("half", 32, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(32, 16, 2, 1), dkdv=_T(16, 32, 2, 1)),
     ("half", 32, 100): dict(fwd=_T(32, 64, 4, 1), dq=_T(32, 32, 2, 1), dkdv=_T(32, 32, 2, 1)),
     ("half", 64, 90): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 64, 4, 1), dkdv=_T(64, 32, 4, 1)),
-    ("half", 128, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(32, 64, 8, 1), dkdv=_T(32, 16, 4, 1)),
+    # d = 128, dk/dv, sm_90 and sm_80: every tile without repeated warps spills in some configuration the
+    # compile check covers (sm_90: 32 x 16 on 4 warps 8-16 B with p2c alone, 64 x 16 4-16 B, 16 x 16 on 2 8 B;
+    # sm_80: 32 x 16 20-48 B, 16 x 16 on 2 88-116 B); 16 x 16 on 4 warps repeats half its products (issued /
+    # unique 2.0) and spills nothing: the one exception to the no-repetition rule.
+    ("half", 128, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(32, 64, 8, 1), dkdv=_T(16, 16, 4, 1)),
     ("half", 64, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
-    # sm_80, d = 128, dk/dv: every tile without repeated warps spills (32 x 16 on 4 warps: 20-48 B, 16 x 16 on 2:
-    # 88-116 B); this one repeats the products of half its warps (issued / unique 2.0), the one exception.
     ("half", 128, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 32, 4, 1), dkdv=_T(16, 16, 4, 1)),
-    ("half", 64, 100): dict(fwd=_T(32, 64, 4, 1), dq=_T(32, 64, 4, 1), dkdv=_T(64, 64, 8, 1)),
+    ("half", 64, 100): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 64, 4, 1), dkdv=_T(64, 64, 8, 1)),
     ("half", 128, 100): dict(fwd=_T(32, 64, 4, 1), dq=_T(16, 64, 4, 1), dkdv=_T(64, 16, 4, 1)),
     ("fp32", 64, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(32, 32, 4, 1), dkdv=_T(32, 32, 4, 1)),
     ("fp32", 128, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
@@ -916,9 +923,9 @@ def attention_forward(q, k, v, pos_key, pos_query, problem: _Problem):
     out = torch.empty_like(q)
     lse = torch.empty(problem.stat_shape, dtype=torch.float32, device=q.device)
     end = problem.end_terms(q, k, pos_key, pos_query)
-    tiles = problem.tiles("fwd", q)
-    items = problem.num_seqs * triton.cdiv(problem.n_ctx, tiles.block_m)
     has_terms = pos_key is not None or pos_query is not None
+    tiles = problem.tiles("fwd", q) if has_terms else problem.tiles("fwd", q).content_only()
+    items = problem.num_seqs * triton.cdiv(problem.n_ctx, tiles.block_m)
     scratch_elements = 2 * (tiles.block_m + tiles.block_n) * tiles.window if has_terms else 0
     programs = programs_per_head(items, 0, 0, problem.n_heads, problem.slots(tiles), problem.sms)
     scratch = q.new_empty(max(1, problem.n_heads * programs * scratch_elements))

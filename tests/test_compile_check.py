@@ -104,13 +104,40 @@ def test_bar(figures: dict, expected: str) -> None:
 
 
 @pytest.mark.unit
-def test_the_one_repeated_warp_exception_is_exactly_where_documented() -> None:
-    """Warps repeating products fail the bar everywhere but sm_80's d = 128 dk/dv kernel, where no tile
-    without repetition compiles without spills (attention._TILES documents it)."""
+def test_the_repeated_warp_exception_is_exactly_where_documented() -> None:
+    """Warps repeating products fail the bar everywhere but the d = 128 dk/dv kernel on sm_80 and sm_90, where
+    no tile without repetition compiles without spills (attention._TILES documents it)."""
     from distaff.kernels.compile_check import Row
 
     figures = dict(registers=200, mma=4, has_dot=True, half=True, repetition=2.0)
-    assert not Row("_attn_bwd_dkdv", "d128 bfloat16 c2p+p2c padded dropout", 80, **figures).problems()
-    assert Row("_attn_bwd_dkdv", "d128 bfloat16 c2p+p2c padded dropout", 90, **figures).problems()
+    for target in (80, 90):
+        assert not Row("_attn_bwd_dkdv", "d128 bfloat16 c2p+p2c padded dropout", target, **figures).problems()
+    assert Row("_attn_bwd_dkdv", "d128 bfloat16 c2p+p2c padded dropout", 100, **figures).problems()
     assert Row("_attn_bwd_dq", "d128 bfloat16 c2p+p2c padded dropout", 80, **figures).problems()
     assert Row("_attn_bwd_dkdv", "d64 bfloat16 c2p+p2c padded dropout", 80, **figures).problems()
+
+
+@pytest.mark.integration
+def test_forward_without_position_terms_keeps_a_warp_per_16_rows(tmp_path: Path) -> None:
+    """Without position terms the forward's chained products give each warp 16 rows: more warps than
+    ``BLOCK_M / 16`` would repeat them, so the host code launches no more (``Tiles.content_only``). The
+    launches are recorded as the compile check records them (a subprocess: real JIT kernels), not compiled."""
+    script = textwrap.dedent("""
+        import json, torch
+        from distaff.kernels import attention
+        from distaff.kernels.compile_check import Case, record_launches
+        found = []
+        for dtype, d, cc in (("bfloat16", 128, 90), ("float32", 64, 90), ("float32", 128, 80)):
+            tiles = attention.tiles_for("fwd", d, getattr(torch, dtype), cc)
+            for terms in ("none", "c2p+p2c"):
+                launches = record_launches(Case("attention", dtype, d, terms, "varlen", dropout=False), cc)
+                warps = [kw["num_warps"] for k, _, kw, _ in launches if k.__name__ == "_attn_fwd"]
+                found.append((terms, tiles.block_m, tiles.num_warps, warps))
+        print(json.dumps(found))
+    """)
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(tmp_path), capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for terms, block_m, table_warps, warps in json.loads(run.stdout.splitlines()[-1]):
+        assert table_warps > block_m // 16                # the table's tile has more warps: the cap must act
+        assert warps == [block_m // 16 if terms == "none" else table_warps], (terms, block_m, table_warps, warps)
