@@ -903,18 +903,13 @@ class _Problem:
         return end
 
 
-def programs_per_head(items: int, per_program_bytes: int, budget_bytes: int, n_heads: int, slots: int,
-                      sms: int) -> int:
+def programs_per_head(items: int, per_program_bytes: int, budget_bytes: int, n_heads: int, slots: int) -> int:
     """How many programs share a head's ``items`` (sequence, block) pairs: enough to fill the device's
     ``slots`` (at most one per item), and few enough that their buffers (``per_program_bytes`` each)
-    fit ``budget_bytes``; at least one. When the budget leaves fewer than ``slots`` but more than ``sms``,
-    one per SM: a second one on only some SMs would make those SMs take twice as long."""
+    fit ``budget_bytes``; at least one."""
     wanted = min(items, max(1, slots // n_heads))
     if per_program_bytes:
-        fits = budget_bytes // (n_heads * per_program_bytes)
-        if sms <= fits * n_heads < slots:
-            fits = sms // n_heads
-        wanted = min(wanted, fits)
+        wanted = min(wanted, budget_bytes // (n_heads * per_program_bytes))
     return max(1, wanted)
 
 
@@ -927,7 +922,7 @@ def attention_forward(q, k, v, pos_key, pos_query, problem: _Problem):
     tiles = problem.tiles("fwd", q) if has_terms else problem.tiles("fwd", q).content_only()
     items = problem.num_seqs * triton.cdiv(problem.n_ctx, tiles.block_m)
     scratch_elements = 2 * (tiles.block_m + tiles.block_n) * tiles.window if has_terms else 0
-    programs = programs_per_head(items, 0, 0, problem.n_heads, problem.slots(tiles), problem.sms)
+    programs = programs_per_head(items, 0, 0, problem.n_heads, problem.slots(tiles))
     scratch = q.new_empty(max(1, problem.n_heads * programs * scratch_elements))
     problem.launch(_attn_fwd, tiles, (programs, problem.n_heads), q, pos_key is not None, pos_query is not None,
                    Q=q, K=k, V=v, KR=q if pos_key is None else pos_key, QR=q if pos_query is None else pos_query,
@@ -971,8 +966,7 @@ def _backward_kernel(problem: _Problem, kernel, name: str, q, has_term: bool, bu
     fold, merge = band_folds(problem.table, problem.max_distance, lo, hi, tiles.chunk, q.dtype)
     has_terms = args["KR"] is not q or args["QR"] is not q
     buffers = backward_buffers(tiles, problem.two_span, band, q, name, has_term, has_terms)
-    programs = programs_per_head(items, buffers.program_bytes, budget, problem.n_heads, problem.slots(tiles),
-                                 problem.sms)
+    programs = programs_per_head(items, buffers.program_bytes, budget, problem.n_heads, problem.slots(tiles))
     shape = (problem.n_heads, programs, buffers.partial_rows, q.shape[-1]) if has_term else (1,)
     partial = torch.zeros(shape, dtype=torch.float32, device=q.device)
     scratch = q.new_empty(max(1, problem.n_heads * programs * buffers.scratch_elements))
