@@ -696,7 +696,8 @@ _TILES = {
     # compile check covers (sm_90: 32 x 16 on 4 warps 8-16 B with p2c alone, 64 x 16 4-16 B, 16 x 16 on 2 8 B;
     # sm_80: 32 x 16 20-48 B, 16 x 16 on 2 88-116 B); 16 x 16 on 4 warps repeats half its products (issued /
     # unique 2.0) and spills nothing: the one exception to the no-repetition rule.
-    ("half", 128, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(32, 64, 8, 1), dkdv=_T(16, 16, 4, 1)),
+    # d = 128 forward, sm_90: window products in 32-column slices (64 spilled 4 B with the diagonal mask).
+    ("half", 128, 90): dict(fwd=_T(64, 64, 8, 1, columns=32), dq=_T(32, 64, 8, 1), dkdv=_T(16, 16, 4, 1)),
     ("half", 64, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
     ("half", 128, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 32, 4, 1), dkdv=_T(16, 16, 4, 1)),
     ("half", 64, 100): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 64, 4, 1), dkdv=_T(64, 64, 8, 1)),
