@@ -39,7 +39,7 @@ def test_the_installed_command_runs_a_preset_from_any_folder_and_names_a_bad_dat
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines() == [
-        f"distaff pretrain: config error: data.dir: {tmp_path}/runs/data/austen does not exist; set data.dir to a "
+        f"distaff pretrain: data.dir: {tmp_path}/runs/data/austen does not exist; set data.dir to a "
         f"folder written by `distaff data prepare ... --out DIR`"]
     assert list(tmp_path.iterdir()) == []             # no runs/tiny-cpu/ holding only a lock file
 
