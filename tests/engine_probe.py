@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -83,4 +84,9 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    dist_utils.exit_process(main(sys.argv[1:]))
+    try:
+        exit_code = main(sys.argv[1:])
+    except Exception:  # noqa: BLE001 - as the trainer's entry point: report, exit 1, no interpreter teardown
+        traceback.print_exc()
+        exit_code = 1
+    dist_utils.exit_process(exit_code)

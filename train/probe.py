@@ -48,7 +48,7 @@ from .baselines import BUNDLED_COLUMNS, PROBE_L2, bag_of_words, fit_and_score, f
 from .classifier_init import load_encoder
 from .data.labelled import CSV_SUFFIXES, TSV_SUFFIXES, Example, hold_out, read_examples, read_texts
 from .data.sources import ReadOptions, iter_documents
-from .errors import RunFailure, command_main
+from .errors import ConfigError, RunFailure, command_main
 from .probe_overlap import pretrained_on, run_data_dir
 from .probe_tasks import TASKS, build_tasks, probe_sentences
 from .threads import configure_threads
@@ -72,7 +72,7 @@ def read_documents(paths: Sequence[Path], column: str | None) -> list[str]:
     for path in paths:
         if path.name.endswith(TSV_SUFFIXES + CSV_SUFFIXES):
             if column is None:
-                raise ValueError(f"--text {path}: a TSV/CSV file needs --text-column (a header name or 0-based index)")
+                raise ConfigError(f"--text {path}: a TSV/CSV file needs --text-column (a header name or 0-based index)")
             documents.extend(read_texts(path, int(column) if column.isdigit() else column))
         else:
             documents.extend(doc.text for doc in iter_documents([path], ReadOptions(text_field=column or "text")))
@@ -113,7 +113,7 @@ def write_tasks(out: Path, sentences: list[str], args: argparse.Namespace, repor
     paths = {}
     for task, examples in built.items():
         if len({e.label for e in examples}) < 2:
-            raise ValueError(f"--text: task {task} has {len(examples)} example(s) from {len(sentences)} sentences, "
+            raise ConfigError(f"--text: task {task} has {len(examples)} example(s) from {len(sentences)} sentences, "
                              "too few for two classes; give more text or leave the task out (--tasks)")
         paths[task] = out / "tasks" / f"{task}.tsv"
         paths[task].write_text("".join(f"{e.label}\t{e.text}\n" for e in examples), encoding="utf-8")
@@ -286,7 +286,7 @@ def run(args: argparse.Namespace) -> dict:
     encoders = [parse_encoder(spec) for spec in args.model]
     names = [e.name for e in encoders]
     if len(set(names)) != len(names) or {RANDOM, BOW} & set(names):
-        raise ValueError(f"--model names {names} must be distinct and not {RANDOM!r} or {BOW!r} (use NAME=PATH)")
+        raise ConfigError(f"--model names {names} must be distinct and not {RANDOM!r} or {BOW!r} (use NAME=PATH)")
     for encoder in encoders:
         if not encoder.path.exists():
             raise FileNotFoundError(f"--model {encoder.name}: {encoder.path} does not exist")
