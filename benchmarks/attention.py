@@ -137,7 +137,7 @@ def _disentangled_flash(model):
 
 
 def _distaff(model):
-    from distaff.train.hf_kernels import apply_distaff_kernels
+    from distaff.train.model.hf_kernels import apply_distaff_kernels
     apply_distaff_kernels(model)
 
 

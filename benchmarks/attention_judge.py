@@ -47,7 +47,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from distaff.kernels import attention as distaff_attention
-from distaff.kernels import compile_check, static_perf
+from distaff.kernels.aot import compile_check, static_perf
 from distaff.kernels.relative_position import attention_span
 
 HEADS, BUCKETS, MAX_REL = 12, 256, 512

@@ -23,7 +23,7 @@ from pathlib import Path
 from distaff.train.data.collator import MaskingConfig
 from distaff.train.data.loader import build_train_loader
 from distaff.train.data.prepare import STATE_FILE, PrepareConfig, prepare
-from distaff.train.tokenizer import train_tokenizer
+from distaff.train.data.tokenizer import train_tokenizer
 
 CORPORA = ("austen", "shakespeare", "python-docs", "linux-docs")
 

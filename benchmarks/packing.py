@@ -72,7 +72,7 @@ def real_tokens_per_step(data: Path, mode: str, batch_size: int, ranks: int) -> 
 
 def train(data: Path, work: Path, mode: str, steps: int, args, env: dict[str, str]) -> dict:
     out = work / f"run-{mode}"
-    from distaff.train.distributed import free_port
+    from distaff.train.core.distributed import free_port
 
     cmd = [str(Path(PYTHON).with_name("torchrun")), "--nproc_per_node", str(args.ranks), "--master_port",
            str(free_port()), "-m", "distaff.train.pretrain", "--config", str(REPO / "configs/run/tiny-cpu.yaml"),

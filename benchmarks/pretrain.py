@@ -2,7 +2,7 @@
 
 Both models run the same loop under the same DeepSpeed config (bf16, ZeRO-0, AdamW, clipping) on
 the same synthetic batches (random tokens, 15% labelled): deberta-v3-base, seq 512 by default.
-MFU uses the same model FLOP count for both (distaff.train.flops: c2p/p2c and position
+MFU uses the same model FLOP count for both (distaff.train.model.flops: c2p/p2c and position
 projections included, MLM head on labelled tokens only), so the two MFU figures compare directly.
 
     python benchmarks/pretrain.py [--batch-size 32] [--seq-len 512] [--steps 30] [--warmup 5]
@@ -30,8 +30,8 @@ def synthetic_batches(batch: int, seq_len: int, vocab: int, count: int, device: 
 
 
 def run(name: str, model: torch.nn.Module, args, flops_per_token: float, peak: float) -> dict:
-    from distaff.train.config import load_config
-    from distaff.train.engine import initialize
+    from distaff.train.run.config import load_config
+    from distaff.train.run.engine import initialize
 
     cfg = load_config(None, ["data.dir=unused", f"data.batch_size={args.batch_size}", "train.precision=bf16",
                              "zero.stage=0", "optim.lr=1e-4"])
@@ -72,16 +72,16 @@ def main() -> int:
     torch.distributed.init_process_group("nccl", rank=0, world_size=1)
     from transformers import DebertaV2Config, DebertaV2ForMaskedLM
 
-    from distaff.train.flops import peak_flops, train_flops_per_token
-    from distaff.train.hf import hf_config_dict
-    from distaff.train.model import DebertaForMaskedLM
-    from distaff.train.model_config import load_model_config
+    from distaff.train.model.config import load_model_config
+    from distaff.train.model.deberta import DebertaForMaskedLM
+    from distaff.train.model.flops import peak_flops, train_flops_per_token
+    from distaff.train.model.hf import hf_config_dict
 
     cfg = load_model_config("deberta-v3-base", vocab_size=args.vocab, max_position_embeddings=args.seq_len)
     device_name = torch.cuda.get_device_name()
     peak = peak_flops(device_name, "bf16")
     if peak is None:
-        print(f"unknown peak FLOP/s for {device_name!r}: add it to distaff.train.flops.PEAK_FLOPS", file=sys.stderr)
+        print(f"unknown peak FLOP/s for {device_name!r}: add it to distaff.train.model.flops.PEAK_FLOPS", file=sys.stderr)
         return 1
     flops_per_token = train_flops_per_token(cfg, args.seq_len)
     torch.manual_seed(0)

@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from distaff.train.classifier import DebertaForSequenceClassification
-from distaff.train.model_config import load_model_config
-from distaff.train.sift import SiFT, SiftConfig
+from distaff.train.finetune.sift import SiFT, SiftConfig
+from distaff.train.model.classifier import DebertaForSequenceClassification
+from distaff.train.model.config import load_model_config
 
 SMOKE_MODEL = dict(vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
                    max_position_embeddings=64, position_buckets=16)

@@ -5,7 +5,8 @@ CUDA tensors and the reference elsewhere; ``triton`` forces the Triton path, whi
 CPU tensors when ``TRITON_INTERPRET=1`` is set before import. The ops here only choose; each
 implementation writes its signature once (``reference.<op>`` and ``<module>.<op>``). This package
 imports only torch and triton (the latter lazily, so the reference path works without a usable
-triton).
+triton); it is imported by ``distaff.train``. What checks the kernels ahead of time (compiling for GPU
+targets, reading the compiled code) is apart, in ``distaff.kernels.aot``, and nothing here imports it.
 """
 
 from __future__ import annotations

@@ -5,19 +5,19 @@ from __future__ import annotations
 import importlib
 import sys
 
-from distaff.train.errors import take_debug_flag
+from distaff.train.core.errors import take_debug_flag
 
 # subcommand -> (module with a ``main(argv)``, one-line help)
 COMMANDS = {
-    "tokenizer": ("distaff.train.tokenizer", "train a SentencePiece tokenizer (distaff tokenizer train ...)"),
+    "tokenizer": ("distaff.train.data.tokenizer", "train a SentencePiece tokenizer (distaff tokenizer train ...)"),
     "data": ("distaff.train.data.cli", "prepare and verify webdataset shards (distaff data prepare|verify ...)"),
-    "pretrain": ("distaff.train.pretrain", "pretrain a DeBERTa model (--config CONFIG.yaml [key=value ...])"),
-    "finetune": ("distaff.train.finetune", "fine-tune a classifier/regressor (--config FT.yaml [key=value ...])"),
-    "export-hf": ("distaff.train.export", "export a checkpoint to a Hugging Face folder"),
-    "ablate": ("distaff.train.ablate", "run config variants on equal budgets and seeds, compare them"),
-    "grow": ("distaff.train.grow", "widen/deepen a trained model, outputs unchanged (distaff grow CKPT OUT ...)"),
-    "embed": ("distaff.train.embed", "sentence embeddings of a text file, optional whitening (distaff embed ...)"),
-    "probe": ("distaff.train.probe", "probing tasks (word order, length, words) for frozen and fine-tuned encoders"),
+    "pretrain": ("distaff.train.pretrain.trainer", "pretrain a DeBERTa model (--config CONFIG.yaml [key=value ...])"),
+    "finetune": ("distaff.train.finetune.trainer", "fine-tune a classifier/regressor (--config FT.yaml [key=value ...])"),
+    "export-hf": ("distaff.train.tools.export", "export a checkpoint to a Hugging Face folder"),
+    "ablate": ("distaff.train.tools.ablate", "run config variants on equal budgets and seeds, compare them"),
+    "grow": ("distaff.train.tools.grow", "widen/deepen a trained model, outputs unchanged (distaff grow CKPT OUT ...)"),
+    "embed": ("distaff.train.tools.embed", "sentence embeddings of a text file, optional whitening (distaff embed ...)"),
+    "probe": ("distaff.train.tools.probe", "probing tasks (word order, length, words) for frozen and fine-tuned encoders"),
     "launch": ("distaff.launch.launcher", "run pretraining (or --task finetune) under the deepspeed launcher"),
     "slurm": ("distaff.launch.slurm", "write and submit a Slurm job for pretraining (or --task finetune)"),
 }
@@ -43,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def console_main() -> None:
-    """The installed ``distaff`` script: ``main``, then :func:`distaff.train.distributed.exit_process`."""
+    """The installed ``distaff`` script: ``main``, then :func:`distaff.train.core.distributed.exit_process`."""
     code = main()
-    from distaff.train.distributed import exit_process   # after main: ``distaff --help`` needs no torch
+    from distaff.train.core.distributed import exit_process   # after main: ``distaff --help`` needs no torch
 
     exit_process(code)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import re
 
-from distaff.train.errors import UserError
+from distaff.train.core.errors import UserError
 
 _RANGE = re.compile(r"(\d+)(?:-(\d+))?")
 

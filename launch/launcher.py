@@ -24,8 +24,8 @@ import torch
 
 from distaff.launch.hostlist import expand_hostlist
 from distaff.launch.run_config import LaunchTarget, add_task_argument, resolve_launch_target
-from distaff.train.errors import command_main
-from distaff.train.model_config import ConfigError
+from distaff.train.core.errors import command_main
+from distaff.train.core.errors import ConfigError
 
 DEFAULT_MASTER_PORT = 29500
 

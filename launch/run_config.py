@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from distaff.train.config import config_file, load_config
-from distaff.train.finetune_config import load_finetune_config
+from distaff.train.finetune.config import load_finetune_config
+from distaff.train.run.config import config_file, load_config
 
 # ``--task``: the trainer module each launcher runs, the loader that validates its config, its kind of preset
 TASKS = {"pretrain": ("distaff.train.pretrain", load_config, "run"),

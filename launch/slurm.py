@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from distaff.launch.run_config import LaunchTarget, add_task_argument, resolve_launch_target
-from distaff.train.errors import ConfigError, RunFailure, command_main
-from distaff.train.exit_codes import EXIT_PREEMPTED
+from distaff.train.core.errors import ConfigError, RunFailure, command_main
+from distaff.train.core.exit_codes import EXIT_PREEMPTED
 
 DEFAULT_SIGNAL_LEAD_S = 300
 DEFAULT_MEM_PER_CPU = "4G"   # the rank and each DataLoader worker get one CPU, hence this much memory each

@@ -35,8 +35,8 @@ for seed in $SEEDS; do
     "$PY" - "$PRETRAINED" "$OUT/random-init-$seed" "$seed" <<'PYEOF'
 import sys
 import torch
-from distaff.train.model import DebertaForMaskedLM
-from distaff.train.model_folder import load_model, save_model_folder
+from distaff.train.model.deberta import DebertaForMaskedLM
+from distaff.train.run.model_folder import load_model, save_model_folder
 
 pretrained, tokenizer = load_model(sys.argv[1])
 torch.manual_seed(int(sys.argv[3]))
@@ -52,11 +52,11 @@ PYEOF
             || { tail -20 "$OUT/$arm-$seed.log" >&2; exit 1; }
     done
     echo "== bag-of-words baseline and linear probes of the frozen pretrained and random encoders, seed $seed"
-    "$PY" -m distaff.train.baselines --train "$DATA" --dev-fraction "$DEV_FRACTION" --seed "$seed" --json "$OUT/bow-$seed.json"
+    "$PY" -m distaff.train.tools.baselines --train "$DATA" --dev-fraction "$DEV_FRACTION" --seed "$seed" --json "$OUT/bow-$seed.json"
     for arm in pretrained random; do
         init="$PRETRAINED"
         [ "$arm" = random ] && init="$OUT/random-init-$seed"
-        "$PY" -m distaff.train.baselines --train "$DATA" --dev-fraction "$DEV_FRACTION" --seed "$seed" \
+        "$PY" -m distaff.train.tools.baselines --train "$DATA" --dev-fraction "$DEV_FRACTION" --seed "$seed" \
             --probe "$init" --json "$OUT/probe-$arm-$seed.json" 2> "$OUT/probe-$arm-$seed.log" \
             || { tail -20 "$OUT/probe-$arm-$seed.log" >&2; exit 1; }
     done

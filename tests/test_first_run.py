@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from distaff.launch.cli import main as distaff_main
-from distaff.train.config import ConfigError
-from distaff.train.pretrain import load_run_config
-from distaff.train.progress import ProgressLines
+from distaff.train.core.progress import ProgressLines
+from distaff.train.pretrain.trainer import load_run_config
+from distaff.train.run.config import ConfigError
 from pretrain_fixtures import PYTHON, metrics, prepare_data, rank_env, spawn_ranks, wait_all, rank_logs, write_config
 
 DISTAFF = str(Path(PYTHON).with_name("distaff"))

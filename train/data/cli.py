@@ -7,12 +7,12 @@ import logging
 import sys
 from pathlib import Path
 
+from distaff.train.core.errors import command_main
+from distaff.train.core.runlock import DirLock
 from distaff.train.data.errors import DataError
 from distaff.train.data.prepare import PrepareConfig, prepare
 from distaff.train.data.sources import ReadOptions
 from distaff.train.data.verify import verify
-from distaff.train.errors import command_main
-from distaff.train.runlock import DirLock
 
 # Fewer held-out tokens leave evaluations a few hundred masked tokens: accuracy moves in coarse steps.
 MIN_HELDOUT_TOKENS = 20_000

@@ -26,7 +26,7 @@ import torch
 
 from distaff.kernels import IGNORE_INDEX
 from distaff.train.data.errors import DataError, length_problem
-from distaff.train.tokenizer import TokenizerInfo, word_start_table
+from distaff.train.data.tokenizer import TokenizerInfo, word_start_table
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from distaff.train.errors import UserError
+from distaff.train.core.errors import UserError
 
 
 class DataError(UserError):

@@ -24,7 +24,7 @@ from distaff.train.data.collator import MaskingConfig, MLMCollator
 from distaff.train.data.errors import DataError
 from distaff.train.data.manifest import Manifest, load_data_tokenizer, read_manifest
 from distaff.train.data.stream import EpochOrder, GroupReader, Plan, PlanStream
-from distaff.train.tokenizer import TokenizerInfo
+from distaff.train.data.tokenizer import TokenizerInfo
 
 STATE_FORMAT = "distaff-stream/1"
 EVAL_STREAM = 1 << 30  # separates the held-out masking seeds from every training epoch's

@@ -23,9 +23,9 @@ from typing import BinaryIO
 
 import webdataset as wds
 
+from distaff.train.core.files import atomic_write_text, file_sha256
 from distaff.train.data.errors import DataError
-from distaff.train.files import atomic_write_text, file_sha256
-from distaff.train.tokenizer import METADATA_FILE, MODEL_FILE, TokenizerInfo, load_tokenizer_info
+from distaff.train.data.tokenizer import METADATA_FILE, MODEL_FILE, TokenizerInfo, load_tokenizer_info
 
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_DIR = "tokenizer"

@@ -23,13 +23,13 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 from tqdm import tqdm
 
+from distaff.train.core.files import atomic_write_text, file_sha256
+from distaff.train.core.progress import ProgressLines
 from distaff.train.data import manifest as mf
 from distaff.train.data.errors import DataError
 from distaff.train.data.shards import token_dtype, write_shard
 from distaff.train.data.sources import ReadOptions, ReadStats, check_inputs, iter_file_documents
-from distaff.train.files import atomic_write_text, file_sha256
-from distaff.train.progress import ProgressLines
-from distaff.train.tokenizer import TokenizerInfo, load_tokenizer_info
+from distaff.train.data.tokenizer import TokenizerInfo, load_tokenizer_info
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from typing import BinaryIO, Iterator, Sequence
 
 import numpy as np
 
+from distaff.train.core.files import atomic_open
 from distaff.train.data.errors import DataError
-from distaff.train.files import atomic_open
 
 SAMPLE_SUFFIX = ".npy"
 

@@ -1,0 +1,152 @@
+"""What the GPU build of the fused attention does differently from the interpreter's default run:
+its tile shapes (including rectangular tiles), TF32 products for float32 inputs, the 32-bit offset
+bound, and the compile check's coverage of the model presets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from attention_oracle import naive_attention
+from distaff.kernels import attention
+from distaff.kernels.aot import compile_check
+from distaff.kernels.relative_position import attention_span
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _inputs(n: int, d: int, span: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, 2, n, d, generator=gen) for _ in range(3)] + [
+        torch.randn(2, 2 * span, d, generator=gen) for _ in range(2)]
+
+
+def _out_and_grads(fn, inputs, dtype, **kwargs) -> list[torch.Tensor]:
+    leaves = [t.detach().to(dtype).requires_grad_() for t in inputs]
+    out = fn(*leaves, **kwargs)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype))
+    return [out] + [t.grad for t in leaves]
+
+
+def _rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+GPU_SHAPES = sorted({(t.block_m, t.block_n) for row in attention._TILES.values() for t in row.values()})
+
+
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=[f"{m}x{n}" for m, n in GPU_SHAPES])
+def test_gpu_and_rectangular_tiles_match_the_oracle(shape, monkeypatch) -> None:
+    """Every tile shape a GPU launches (rectangular ones too, whose window is padded to a power of two)
+    through the interpreter: identity, log and saturated buckets in one sequence of more than one block."""
+    monkeypatch.setattr(attention, "INTERPRETER_TILES", attention.Tiles(*shape, 4, 1))
+    inputs = _inputs(150, 32, 16)
+    kw = dict(position_buckets=16, max_relative_positions=40)
+    got = _out_and_grads(attention.disentangled_attention, inputs, torch.float32, **kw)
+    want = _out_and_grads(naive_attention, inputs, torch.float64, **kw)
+    for name, a, e in zip(("out", "dq", "dk", "dv", "dkr", "dqr"), got, want):
+        assert _rel_l2(a, e) < 1e-5, name
+
+
+@pytest.mark.parametrize("budget", [0.0, 1e9], ids=["one-program-per-head", "one-program-per-block"])
+def test_backward_programs_however_the_partials_are_shared(budget, monkeypatch) -> None:
+    """A backward program walks (sequence, block) items of one head into one partial: all of them
+    (no budget), or one each (unlimited budget); both give the oracle's gradients."""
+    monkeypatch.setattr(attention, "PARTIAL_BUDGET", budget)
+    gen = torch.Generator().manual_seed(2)
+    inputs = [torch.randn(3, 2, 48, 32, generator=gen) for _ in range(3)] + [
+        torch.randn(2, 32, 32, generator=gen) for _ in range(2)]
+    kw = dict(position_buckets=16, max_relative_positions=40)
+    got = _out_and_grads(attention.disentangled_attention, inputs, torch.float32, **kw)
+    want = _out_and_grads(naive_attention, inputs, torch.float64, **kw)
+    for name, a, e in zip(("out", "dq", "dk", "dv", "dkr", "dqr"), got, want):
+        assert _rel_l2(a, e) < 1e-5, name
+
+
+def _round_to_tf32(data: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even at TF32's 10 mantissa bits, as tensor cores read float32 operands."""
+    bits = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32)
+    rounded = (bits + ((bits >> 13) & 1) + 0xFFF) & np.uint32(0xFFFFE000)
+    return rounded.view(np.float32)
+
+
+def test_float32_inputs_within_the_documented_tf32_tolerance(monkeypatch) -> None:
+    """On a GPU, float32 inputs run their products on TF32 tensor cores. The interpreter computes
+    exact float32, so its dot is made to round TF32 operands as the hardware does; the result must
+    stay within the tolerance docs/kernels.md states for float32 inputs (2e-3 relative L2)."""
+    from triton._C.libtriton import ir
+    from triton.runtime import interpreter
+
+    exact_dot = interpreter.InterpreterBuilder.create_dot
+    rounded_dots = []
+
+    def tf32_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if input_precision == ir.INPUT_PRECISION.TF32 and a.data.dtype == np.float32:
+            rounded_dots.append(1)
+            a = interpreter.TensorHandle(_round_to_tf32(a.data), a.dtype)
+            b = interpreter.TensorHandle(_round_to_tf32(b.data), b.dtype)
+        return exact_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", tf32_dot)
+    inputs = _inputs(48, 64, 32, seed=3)
+    kw = dict(position_buckets=32, max_relative_positions=64)
+    got = _out_and_grads(attention.disentangled_attention, inputs, torch.float32, **kw)
+    want = _out_and_grads(naive_attention, inputs, torch.float64, **kw)
+    assert rounded_dots, "no TF32 product was emulated: the kernel no longer asks for TF32"
+    errors = {name: _rel_l2(a, e) for name, a, e in zip(("out", "dq", "dk", "dv", "dkr", "dqr"), got, want)}
+    assert max(errors.values()) < 2e-3, errors
+    assert max(errors.values()) > 1e-6, "TF32 rounding left no trace: the emulation did not run"
+
+
+def test_backward_buffers_fit_the_budget_at_deberta_v3_base_shapes() -> None:
+    """At B=32, N=512, H=12, d=64 (bf16) one backward kernel's partials and scratch (window products and
+    the band) stay within the bytes of dq + dk + dv, with enough programs to give every SM of an H100 two."""
+    grads = 3 * 32 * 12 * 512 * 64 * 2
+    tiles = attention.tiles_for("dq", 64, torch.bfloat16, 90)
+    reach = 512 + tiles.window + tiles.block_m + tiles.block_n
+    table = attention._distance_table(reach, 256, 512, torch.device("cpu"))
+    lo, _, band = attention.band_range(table, reach, 512, tiles, "dq")
+    assert lo <= -511 and band == 512 + tiles.block_m - 1  # every distance a query block meets
+    q = torch.empty(1, 1, 1, 64, dtype=torch.bfloat16)
+    per_program = attention.backward_buffers(tiles, 512, band, q, "dq", True, True).program_bytes
+    assert per_program == (512 + tiles.chunk) * 64 * 4 + (2 * (tiles.block_m + tiles.block_n) * tiles.window
+                                                         + tiles.block_m * band) * 2
+    programs = attention.programs_per_head(32 * 512 // tiles.block_m, per_program, grads, 12, 2 * 132)
+    assert programs * 12 * per_program <= grads
+    assert programs * 12 >= 2 * 132 - 12  # two programs per SM, rounded down to whole heads
+    assert attention.programs_per_head(7, 0, 0, 12, 2 * 132) == 7  # no buffers: one program per item
+    # A budget between one and two programs per SM: as many as fit (15 per head), whatever the SMs.
+    assert attention.programs_per_head(4096, 1, 15 * 12, 12, 2 * 132) == 15
+
+
+def test_offsets_that_overflow_32_bits_are_refused_before_launch() -> None:
+    # The largest shapes users run fit: 16k-token packed batches at 12 or 16 heads, N = 8192 with dropout.
+    attention.check_offsets_fit_int32(num_seqs=32, n_heads=16, n_ctx=16_384, token_stride=16 * 128,
+                                      table_elements=512 * 128, dropout=True)
+    attention.check_offsets_fit_int32(num_seqs=64, n_heads=12, n_ctx=8192, token_stride=64, table_elements=512 * 64,
+                                      dropout=True)
+    # A million-token sequence at hidden 4096 does not: its token offsets pass 2**31.
+    with pytest.raises(ValueError, match="token stride"):
+        attention.check_offsets_fit_int32(num_seqs=1, n_heads=32, n_ctx=1 << 20, token_stride=4096,
+                                          table_elements=512 * 128, dropout=False)
+    with pytest.raises(ValueError, match="dropout counters"):
+        attention.check_offsets_fit_int32(num_seqs=1, n_heads=1, n_ctx=50_000, token_stride=64,
+                                          table_elements=512 * 64, dropout=True)
+
+
+def test_compile_check_covers_every_model_preset() -> None:
+    """Each preset's (head dim, position table) is compiled by the suite's compile check."""
+    covered = {(c.head_dim, attention_span(c.position_buckets, c.max_relative_positions))
+               for c in compile_check.suite_cases() if c.op == "attention" and c.dtype in compile_check.HALF}
+    for preset in sorted((REPO / "configs" / "model").glob("*.yaml")):
+        cfg = yaml.safe_load(preset.read_text())
+        max_rel = cfg["max_relative_positions"]
+        max_rel = cfg["max_position_embeddings"] if max_rel < 1 else max_rel
+        key = (cfg["hidden_size"] // cfg["num_attention_heads"], attention_span(cfg["position_buckets"], max_rel))
+        assert key in covered, f"{preset.name}: head dim and span {key} are not in the compile check"

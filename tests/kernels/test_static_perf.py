@@ -1,0 +1,156 @@
+"""Reading speed off compiled code (``kernels/aot/static_perf.py``): the SASS control flow, the tile loops'
+cheapest and dearest paths, the products' warp repetition from TTGIR layouts, and occupancy. On small
+hand-written listings whose answers are known, then on one real kernel compiled for sm_90."""
+
+from __future__ import annotations
+
+import pytest
+
+from distaff.kernels.aot import static_perf as sp
+
+# An outer loop (no tensor core) around an inner tile loop with a two-way branch, then a second loop with
+# an HMMA: the shape of a backward kernel (tile loop, band loop) in nvdisasm -g -c's format.
+LISTING = """
+\t//## File "/k/attn.py", line 10
+        /*0000*/                   MOV R1, R2 ;
+.L_x_5:
+\t//## File "/k/attn.py", line 20
+        /*0010*/                   IADD3 R3, R3, 0x1, RZ ;
+.L_x_0:
+\t//## File "/k/attn.py", line 30
+        /*0020*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0030*/                   LDG.E R5, desc[UR4][R6.64] ;
+        /*0040*/               @P0 BRA `(.L_x_1) ;
+\t//## File "/k/attn.py", line 31
+        /*0050*/                   LDS R7, [R9] ;
+        /*0060*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0070*/                   MUFU.EX2 R7, R7 ;
+        /*0080*/                   NOP ;
+.L_x_1:
+\t//## File "/k/attn.py", line 29
+        /*0090*/                   FADD R4, R4, R5 ;
+        /*00a0*/              @!P1 BRA `(.L_x_0) ;
+\t//## File "/k/attn.py", line 40
+        /*00b0*/                   MOV R20, RZ ;
+        /*00c0*/               @P2 BRA `(.L_x_2) ;
+        /*00d0*/                   BRA `(.L_x_3) ;
+.L_x_2:
+\t//## File "/k/attn.py", line 41
+        /*00e0*/                   HGMMA.64x128x16.F32.BF16 R20, gdesc[UR8], R20 ;
+        /*00f0*/              @!P3 BRA `(.L_x_2) ;
+.L_x_3:
+\t//## File "/k/attn.py", line 19
+        /*0100*/              @!P4 BRA `(.L_x_5) ;
+        /*0110*/                   EXIT ;
+"""
+
+
+@pytest.mark.unit
+def test_listing_is_parsed_with_branch_targets_and_source_lines() -> None:
+    code = sp.parse_listing(LISTING)
+    assert [i.address for i in code][:3] == [0x0, 0x10, 0x20]
+    branch = next(i for i in code if i.address == 0x40)
+    assert branch.is_branch and branch.predicated and branch.target == 0x90
+    assert code[2].kind == "tensor" and code[3].kind == "global" and branch.line == "/k/attn.py:30"
+    assert {i.kind for i in code if i.address in (0x50, 0x60, 0x70)} == {"shared", "barrier", "mufu"}
+
+
+@pytest.mark.unit
+def test_tensor_loops_are_the_innermost_loops_with_tensor_instructions() -> None:
+    blocks = sp.basic_blocks(sp.parse_listing(LISTING))
+    found = sp.tensor_loops(blocks)
+    assert [lp.header for lp in found] == [0x20, 0xe0]  # the outer loop at 0x10 holds both: not innermost
+    assert len(sp.loops(blocks)) == 3
+
+
+@pytest.mark.unit
+def test_cheapest_and_dearest_paths_of_a_loop() -> None:
+    blocks = sp.basic_blocks(sp.parse_listing(LISTING))
+    cheap, dear = sp.loop_extremes(blocks, sp.tensor_loops(blocks)[0])
+    # header (HMMA, LDG, BRA) + latch (FADD, BRA), with or without LDS, BAR, MUFU (the NOP is not counted)
+    assert sp.instructions(cheap) == 5 and sp.instructions(dear) == 8
+    assert dear["shared"] == dear["barrier"] == dear["mufu"] == 1 and cheap["shared"] == 0
+    assert cheap["flops"] == dear["flops"] == 2 * 16 * 8 * 16
+
+
+@pytest.mark.unit
+def test_tensor_flops_per_warp_instruction() -> None:
+    assert sp.tensor_flops("HMMA.16816.F32.BF16") == 4096
+    assert sp.tensor_flops("HMMA.1688.F32.TF32") == 2048
+    assert sp.tensor_flops("HGMMA.64x128x16.F32.BF16") == 2 * 64 * 128 * 16 // 4  # a warpgroup's, per warp
+    assert sp.tensor_flops("FFMA") == 0
+
+
+TTGIR = """
+#mma = #ttg.nvidia_mma<{versionMajor = 2, versionMinor = 0, warpsPerCTA = [1, 8], instrShape = [16, 8]}>
+#mma1 = #ttg.nvidia_mma<{versionMajor = 2, versionMinor = 0, warpsPerCTA = [4, 1], instrShape = [16, 8]}>
+#mma2 = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [4, 1], instrShape = [16, 64, 16]}>
+    %a = tt.dot %q, %k, %c : tensor<16x64xbf16, #ttg.dot_op<{opIdx = 0, parent = #mma}>> * tensor<64x16xbf16, #ttg.dot_op<{opIdx = 1, parent = #mma}>> -> tensor<16x16xf32, #mma>
+    %b = tt.dot %q, %k, %c : tensor<64x64xbf16, #ttg.dot_op<{opIdx = 0, parent = #mma1}>> * tensor<64x32xbf16, #ttg.dot_op<{opIdx = 1, parent = #mma1}>> -> tensor<64x32xf32, #mma1>
+    %e = tt.dot %q, %k, %c : tensor<32x64xbf16, #ttg.dot_op<{opIdx = 0, parent = #mma1}>> * tensor<64x32xbf16, #ttg.dot_op<{opIdx = 1, parent = #mma1}>> -> tensor<32x32xf32, #mma1>
+    %d = ttng.warp_group_dot %q, %k, %c : !ttg.memdesc<64x64xbf16, #shared, #smem> * !ttg.memdesc<64x64xbf16, #shared1, #smem> -> tensor<64x64xf32, #mma2>
+"""
+
+
+@pytest.mark.unit
+def test_repeated_warps_read_off_the_layouts() -> None:
+    dots = sp.ttgir_dots(TTGIR)
+    assert [(d.m, d.n, d.k, d.warp_group) for d in dots] == [(16, 16, 64, False), (64, 32, 64, False),
+                                                             (32, 32, 64, False), (64, 64, 64, True)]
+    # 16 x 16 on 8 warps along N: two 8-column instruction tiles, so 8 warps do the work of 2.
+    # 64 x 32 on 4 warps along M: one 16-row slice each. 32 x 32 on [4, 1]: half the warps repeat.
+    assert [d.repetition for d in dots] == [4.0, 1.0, 2.0, 1.0]
+
+
+@pytest.mark.unit
+def test_blocks_per_sm_from_registers_warps_and_shared_memory() -> None:
+    h100 = sp.GPUS[90]
+    assert sp.blocks_per_sm(255, 4, 32 * 1024, h100) == 2   # registers: 256 x 128 threads = half the file
+    assert sp.blocks_per_sm(128, 4, 16 * 1024, h100) == 4
+    assert sp.blocks_per_sm(64, 4, 100 * 1024, h100) == 2   # shared memory
+    assert sp.blocks_per_sm(32, 2, 0, h100) == 32           # the block limit
+
+
+@pytest.mark.integration
+def test_a_compiled_tile_loop_is_found_with_its_products(tmp_path) -> None:
+    """A real flash-style loop compiled for sm_90 (no GPU): one tensor-core loop, wgmma, no repetition."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    script = tmp_path / "kernel.py"
+    script.write_text(textwrap.dedent("""
+        import pathlib, sys, triton, triton.language as tl
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from distaff.kernels.aot import static_perf as sp
+
+        @triton.jit
+        def loop(Q, K, O, n, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+            m, c, d = tl.arange(0, BM), tl.arange(0, BN), tl.arange(0, D)
+            q = tl.load(Q + m[:, None] * D + d[None, :])
+            acc = tl.zeros([BM, D], tl.float32)
+            for j in range(0, n, BN):
+                k = tl.load(K + (j + c)[:, None] * D + d[None, :])
+                p = tl.exp2(tl.dot(q, tl.trans(k)))
+                acc += tl.dot(p.to(k.dtype), k)
+            tl.store(O + m[:, None] * D + d[None, :], acc)
+
+        src = ASTSource(loop, {"Q": "*bf16", "K": "*bf16", "O": "*fp32", "n": "i32", "BM": "constexpr",
+                               "BN": "constexpr", "D": "constexpr"}, {"BM": 64, "BN": 64, "D": 64})
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+        out = pathlib.Path(sys.argv[1])
+        (out / "k.cubin").write_bytes(compiled.asm["cubin"])
+        figures = sp.kernel_figures(out / "k.cubin", compiled.asm["ttgir"])
+        print(len(figures.loops), figures.uses_wgmma, figures.repetition,
+              sp.instructions(figures.loops[0]["paths"][0]), figures.loops[0]["paths"][0]["flops"])
+    """))
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).resolve().parents[2], timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    loops, wgmma, repetition, instructions, flops = run.stdout.split()
+    assert (loops, wgmma, float(repetition)) == ("1", "True", 1.0)
+    assert int(instructions) > 0
+    assert int(flops) == 2 * (2 * 64 * 64 * 64) // 4  # two 64 x 64 x 64 products per tile, a quarter per warp

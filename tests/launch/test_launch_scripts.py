@@ -1,0 +1,293 @@
+"""What the launchers write: hostfile and ``.deepspeed_env`` from a Slurm node list, the sbatch script,
+and the dry-run output of ``distaff launch`` / ``distaff slurm submit``. (Running them for real, on a
+real Slurm, is tests/launch/test_slurm_e2e.py.)"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distaff.launch import cli
+from distaff.launch.launcher import format_deepspeed_env, hosts_from_environment, node_environment, plan_launch
+from distaff.launch.run_config import resolve_launch_target
+from distaff.launch.slurm import EXIT_PREEMPTED, SlurmJobSpec, render_sbatch_script
+
+pytestmark = pytest.mark.unit
+
+NODE_ENV = {
+    "NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "ib0,eth0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    "WANDB_MODE": "offline", "WANDB_PROJECT": "distaff", "WANDB_API_KEY": "secret-key",
+    "HF_HOME": "/shared/cache/hf", "TORCH_EXTENSIONS_DIR": "/shared/cache/torch_ext",
+    "PYTHONPATH": "/shared/code", "OMP_NUM_THREADS": "4",
+    "HOME": "/home/me", "SLURM_JOB_ID": "77", "TERM": "xterm",
+}
+
+
+@pytest.fixture()
+def run_config(tmp_path: Path) -> Path:
+    config = tmp_path / "run.yaml"
+    config.write_text("run:\n  out_dir: out/run1\n  name: run1\ndata:\n  dir: data/austen\ntrain:\n  max_steps: 10\n")
+    return config
+
+
+@pytest.fixture()
+def target(run_config: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.chdir(run_config.parent)
+    return resolve_launch_target(run_config, ["optim.lr=3e-4"])
+
+
+def test_target_pins_an_absolute_run_dir(target, run_config: Path) -> None:
+    assert target.out_dir == run_config.parent / "out" / "run1"
+    assert target.trainer_args() == ["--config", str(run_config), "optim.lr=3e-4", f"run.out_dir={target.out_dir}"]
+
+
+def test_hostfile_and_deepspeed_env_from_slurm_nodelist(target) -> None:
+    env = {**NODE_ENV, "SLURM_JOB_NODELIST": "gpu[01-03,07]", "SLURM_GPUS_ON_NODE": "4"}
+    hosts = hosts_from_environment(None, env)
+    plan = plan_launch(target, hosts=hosts, gpus_per_node=None, master_port=29600, env=env)
+    hostfile, env_file = target.out_dir / "launch" / "hostfile", target.out_dir / "launch" / ".deepspeed_env"
+    assert plan.files[hostfile] == "gpu01 slots=4\ngpu02 slots=4\ngpu03 slots=4\ngpu07 slots=4\n"
+    assert plan.files[env_file] == (
+        "HF_HOME=/shared/cache/hf\nNCCL_DEBUG=INFO\nNCCL_SOCKET_IFNAME=ib0,eth0\nOMP_NUM_THREADS=4\n"
+        "PYTHONPATH=/shared/code\nTORCH_EXTENSIONS_DIR=/shared/cache/torch_ext\nTORCH_NCCL_ASYNC_ERROR_HANDLING=1\n"
+        "WANDB_MODE=offline\nWANDB_PROJECT=distaff\n")
+    assert plan.env["DS_ENV_FILE"] == str(env_file)
+    assert plan.command[:3] == [sys.executable, "-m", "deepspeed.launcher.runner"]
+    assert plan.command[3:] == [
+        "--hostfile", str(hostfile), "--master_addr", "gpu01", "--num_gpus", "4", "--master_port", "29600",
+        "--no_local_rank", "--module", "distaff.train.pretrain", *target.trainer_args()]
+
+
+def test_deepspeed_reads_our_hostfile(target) -> None:
+    from deepspeed.launcher.runner import _parse_hostfile  # the parser `deepspeed --hostfile` uses
+
+    plan = plan_launch(target, hosts=["gpu01", "gpu02", "gpu03", "gpu07"], gpus_per_node=8, master_port=1, env={})
+    text = plan.files[target.out_dir / "launch" / "hostfile"]
+    assert dict(_parse_hostfile(text.splitlines())) == {"gpu01": 8, "gpu02": 8, "gpu03": 8, "gpu07": 8}
+
+
+def test_deepspeed_env_lines_survive_deepspeeds_parsing() -> None:
+    variables = {"WANDB_TAGS": "a,b", "NCCL_IB_HCA": "mlx5_0:1", "HF_HOME": "/a b/c"}
+    lines = format_deepspeed_env(variables).splitlines(keepends=True)
+    # deepspeed: key, val = line.split('=', maxsplit=1); val is stripped before `export key=val`
+    assert {line.split("=", maxsplit=1)[0]: line.split("=", maxsplit=1)[1].strip() for line in lines} == variables
+
+
+@pytest.mark.parametrize("value, bad", [("a\nb", "\\n"), ('say "hi"', '"'), ("$HOME/x", "$"), ("`id`", "`")])
+def test_deepspeed_env_refuses_values_a_remote_shell_would_change(value: str, bad: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"value of NCCL_X contains ['{bad}'")):
+        format_deepspeed_env({"NCCL_X": value})
+
+
+def test_secrets_never_reach_the_run_dir() -> None:
+    chosen = node_environment(NODE_ENV)
+    assert "WANDB_API_KEY" not in chosen and "HOME" not in chosen and "SLURM_JOB_ID" not in chosen
+    assert chosen["WANDB_MODE"] == "offline"
+
+
+@pytest.mark.parametrize("name", ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_TOKEN", "WANDB_API_KEY",
+                                  "WANDB_ACCESS_TOKEN", "HF_MIRROR_PASSWORD", "NCCL_SECRET", "TRANSFORMERS_AUTH"])
+def test_every_credential_like_name_stays_out_of_deepspeed_env(name: str) -> None:
+    assert name not in node_environment({**NODE_ENV, name: "credential"})
+    assert node_environment({**NODE_ENV, "HF_HOME": "/x"})["HF_HOME"] == "/x"  # families still travel
+
+
+def test_explicit_env_variables_reach_every_node_and_a_credential_is_refused_by_name(target, capsys) -> None:
+    """An explicit --env FOO=bar always travels (not only the listed families); an explicit credential on several
+    nodes is refused with what to do instead of being dropped silently; on one node it stays in the environment."""
+    assert cli.main(["launch", "--config", str(target.config), "--hosts", "gpu[01-02]", "--dry-run",
+                     "--env", "MY_SETTING=1", "--env", "NCCL_DEBUG=INFO"]) == 0
+    out = capsys.readouterr().out
+    assert "MY_SETTING=1\n" in out and "NCCL_DEBUG=INFO\n" in out
+    assert cli.main(["launch", "--config", str(target.config), "--hosts", "gpu[01-02]", "--dry-run",
+                     "--env", "EXTRA_API_KEY=s3cret"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("distaff launch: --env EXTRA_API_KEY: a credential (by its name) is never written to "
+                          f"{target.out_dir}/launch/.deepspeed_env") and "s3cret" not in err
+    single = plan_launch(target, hosts=[], gpus_per_node=1, master_port=1, env={}, extra={"EXTRA_API_KEY": "s3cret"})
+    assert single.env["EXTRA_API_KEY"] == "s3cret" and single.files == {}
+
+
+def test_single_node_needs_no_hostfile(target) -> None:
+    plan = plan_launch(target, hosts=[], gpus_per_node=2, master_port=29500, env=NODE_ENV)
+    assert plan.files == {} and "DS_ENV_FILE" not in plan.env
+    assert plan.command[3:] == ["--num_gpus", "2", "--master_port", "29500", "--no_local_rank",
+                                "--module", "distaff.train.pretrain", *target.trainer_args()]
+
+
+def test_launch_dry_run_prints_files_and_command_and_writes_nothing(target, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("NCCL_DEBUG", "WARN")
+    assert cli.main(["launch", "--config", str(target.config), "--hosts", "gpu[01-02]", "--gpus-per-node", "8",
+                     "--master-port", "29999", "--dry-run", "optim.lr=3e-4"]) == 0
+    out = capsys.readouterr().out
+    assert f"# {target.out_dir}/launch/hostfile\ngpu01 slots=8\ngpu02 slots=8\n" in out
+    assert f"# {target.out_dir}/launch/.deepspeed_env\n" in out and "NCCL_DEBUG=WARN\n" in out
+    assert f"DS_ENV_FILE={target.out_dir}/launch/.deepspeed_env " in out
+    assert "--hostfile" in out and "--master_addr gpu01 --num_gpus 8 --master_port 29999" in out
+    assert not target.out_dir.exists()
+
+
+def test_launch_rejects_bad_input_with_a_clear_message(run_config: Path, capsys) -> None:
+    assert cli.main(["launch", "--config", str(run_config), "--hosts", "gpu[1-", "--dry-run"]) == 2
+    assert "hostlist 'gpu[1-'" in capsys.readouterr().err
+    assert cli.main(["launch", "--config", str(run_config), "--dry-run", "optim.lrr=1"]) == 2
+    assert "optim.lrr" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- sbatch script
+
+def _sbatch_options(script: str) -> list[str]:
+    return [line.removeprefix("#SBATCH ") for line in script.splitlines() if line.startswith("#SBATCH ")]
+
+
+def _srun_command(script: str) -> str:
+    """The srun line of the script, its continuation lines joined."""
+    return re.search(r"^srun (.*)$", script.replace("\\\n", ""), re.M).group(1)
+
+
+def test_sbatch_script_for_gpu_nodes(target) -> None:
+    spec = SlurmJobSpec(target=target, nodes=4, ranks_per_node=8, partition="gpu", account="proj42",
+                        time="2-00:00:00", signal_lead_s=240, sbatch_lines=("--qos=high", "--exclusive"),
+                        workdir=Path("/work/dir"), python="/venv/bin/python")
+    script = render_sbatch_script(spec)
+    log_dir = target.out_dir / "slurm"
+    assert _sbatch_options(script) == [
+        "--job-name=run1", "--nodes=4", "--ntasks-per-node=1", "--cpus-per-task=8", "--mem-per-cpu=4G",
+        f"--output={log_dir}/%x-%j.out", "--open-mode=append", "--requeue", "--signal=USR1@240",
+        "--chdir=/work/dir", "--gpus-per-node=8", "--partition=gpu", "--account=proj42", "--time=2-00:00:00",
+        "--qos=high", "--exclusive"]
+    assert script.startswith("#!/bin/bash\n")
+    assert 'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"' in script
+    assert "export MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))" in script
+    assert 'export WANDB_RUN_ID="${WANDB_RUN_ID:-${SLURM_CLUSTER_NAME:-slurm}-$SLURM_JOB_ID}"' in script
+    assert "restart_count=${SLURM_RESTART_COUNT:-0}" in script
+    assert "DS_ACCELERATOR" not in script
+    srun = _srun_command(script)
+    assert "--ntasks-per-node=1" in srun and f"--output={log_dir}/%x-%j-node%n.out" in srun
+    assert "--open-mode=append" in srun
+    torchrun = next(line for line in script.splitlines() if "torch.distributed.run" in line)
+    assert "/venv/bin/python -m torch.distributed.run --nproc-per-node=8 --max-restarts=0 --rdzv-backend=c10d" in torchrun
+    assert '--rdzv-id="$SLURM_JOB_ID" --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"' in torchrun
+    assert f"--module distaff.train.pretrain --config {target.config} optim.lr=3e-4 run.out_dir={target.out_dir}" in torchrun
+    assert 'resume=(checkpoint.resume=auto)' in script and '"${resume[@]}"' in torchrun
+    # exit 75 from the ranks -> the job requeues itself
+    assert re.search(r'if \[ "\$status" -eq 75 \]; then\n.*\n\s+scontrol requeue "\$SLURM_JOB_ID"', script)
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)  # valid bash
+
+
+def test_requeue_exit_code_is_the_trainers() -> None:
+    from distaff.train.pretrain.trainer import EXIT_PREEMPTED as TRAINER_EXIT_PREEMPTED
+
+    assert EXIT_PREEMPTED == TRAINER_EXIT_PREEMPTED == 75
+
+
+def test_cli_and_exit_codes_import_without_torch() -> None:
+    """The ``distaff`` entry point imports a subcommand's module only when it runs."""
+    check = "import sys, distaff.launch.cli, distaff.train.core.exit_codes; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", check], check=True)
+
+
+def test_sbatch_script_for_cpu_nodes(target) -> None:
+    script = render_sbatch_script(SlurmJobSpec(target=target, nodes=2, ranks_per_node=1, cpu=True))
+    assert not any(option.startswith("--gpus") for option in _sbatch_options(script))
+    assert "export DS_ACCELERATOR=cpu\n" in script
+    assert "--nproc-per-node=1" in script
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+@pytest.mark.parametrize("workers, ranks, cpus", [(0, 1, 1), (4, 8, 40), (2, 3, 9)])
+def test_the_job_and_its_step_request_a_cpu_per_rank_and_per_data_worker(
+        run_config: Path, monkeypatch, workers: int, ranks: int, cpus: int) -> None:
+    monkeypatch.chdir(run_config.parent)
+    target = resolve_launch_target(run_config, [f"data.num_workers={workers}"])
+    assert target.data_workers == workers
+    script = render_sbatch_script(SlurmJobSpec(target=target, nodes=2, ranks_per_node=ranks))
+    options = _sbatch_options(script)
+    assert f"--cpus-per-task={cpus}" in options and "--mem-per-cpu=4G" in options
+    assert not any(option.startswith(("--mem=", "--exclusive")) for option in options)
+    # Slurm >= 22.05: srun does not inherit --cpus-per-task from sbatch
+    srun = _srun_command(script)
+    assert f"--cpus-per-task={cpus}" in srun
+    assert '--nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1' in srun
+    assert "os.sched_getaffinity(0)" in script  # each node logs the CPUs its ranks may use
+
+
+@pytest.mark.parametrize("change, expected, absent", [
+    ({"cpus_per_task": 16, "mem": "200G"}, ["--cpus-per-task=16", "--mem=200G"], "--mem-per-cpu"),
+    ({"mem_per_cpu": "6000"}, ["--cpus-per-task=1", "--mem-per-cpu=6000"], "--mem="),
+    ({"exclusive": True}, ["--mem=0", "--exclusive"], "--mem-per-cpu"),
+    ({"exclusive": True, "mem_per_cpu": "8G"}, ["--mem-per-cpu=8G", "--exclusive"], "--mem="),
+])
+def test_explicit_cpu_memory_and_exclusive_requests(target, change: dict, expected: list[str], absent: str) -> None:
+    script = render_sbatch_script(SlurmJobSpec(**{"target": target, "nodes": 1, "ranks_per_node": 1, **change}))
+    options = _sbatch_options(script)
+    assert set(expected) <= set(options), options
+    assert not any(option.startswith(absent) for option in options), options
+    assert f"--cpus-per-task={change.get('cpus_per_task', 1)}" in _srun_command(script)
+
+
+def test_overrides_are_shell_quoted(run_config: Path, monkeypatch) -> None:
+    monkeypatch.chdir(run_config.parent)
+    target = resolve_launch_target(run_config, ["wandb.tags=[a, $HOME]"])
+    script = render_sbatch_script(SlurmJobSpec(target=target, nodes=1, ranks_per_node=1))
+    assert "'wandb.tags=[a, $HOME]'" in script
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"nodes": 0}, "--nodes must be >= 1"), ({"ranks_per_node": 0}, "--gpus-per-node must be >= 1"),
+    ({"sbatch_lines": ("qos=high",)}, "expected one sbatch option"),
+    ({"sbatch_lines": ("--qos=a\n#SBATCH --x",)}, "expected one sbatch option"),
+    ({"cpus_per_task": 0}, "--cpus-per-task must be >= 1"),
+    ({"mem": "64G", "mem_per_cpu": "4G"}, "--mem and --mem-per-cpu exclude each other"),
+    ({"mem": "64 GB"}, "--mem '64 GB': expected a Slurm size such as 64G"),
+    ({"mem_per_cpu": "-1"}, "--mem-per-cpu '-1': expected a Slurm size"),
+    ({"sbatch_lines": ("--no-kill",)}, "fails instead of being requeued; leave it out"),
+    ({"sbatch_lines": ("-k",)}, "fails instead of being requeued; leave it out"),
+])
+def test_bad_job_spec_is_refused(target, change: dict, problem: str) -> None:
+    spec = SlurmJobSpec(**{"target": target, "nodes": 1, "ranks_per_node": 1, **change})
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        render_sbatch_script(spec)
+
+
+def test_submit_dry_run_prints_script_and_command(target, capsys) -> None:
+    argv = ["slurm", "submit", "--config", str(target.config), "--nodes", "2", "--gpus-per-node", "4",
+            "--partition", "debug", "--time", "00:30:00", "--sbatch=--qos=low", "--dry-run", "optim.lr=3e-4"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    script_path = target.out_dir / "slurm" / "pretrain.sbatch"
+    assert out.startswith(f"# {script_path}\n#!/bin/bash\n")
+    assert "#SBATCH --nodes=2\n" in out and "#SBATCH --gpus-per-node=4\n" in out and "#SBATCH --qos=low\n" in out
+    assert "#SBATCH --partition=debug\n" in out and "#SBATCH --time=00:30:00\n" in out
+    assert out.rstrip().endswith(f"sbatch --parsable {script_path}")
+    assert not target.out_dir.exists()  # nothing written, nothing submitted
+
+
+def test_submit_dry_run_carries_cpu_and_memory_requests(target, capsys) -> None:
+    argv = ["slurm", "submit", "--config", str(target.config), "--nodes", "2", "--gpus-per-node", "4",
+            "--cpus-per-task", "24", "--mem", "128G", "--exclusive", "--dry-run"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --cpus-per-task=24\n#SBATCH --mem=128G\n" in out and "#SBATCH --exclusive\n" in out
+    assert "--cpus-per-task=24 " in _srun_command(out)
+
+
+def test_a_bad_request_is_one_line_and_exit_2(target, capsys) -> None:
+    argv = ["slurm", "submit", "--config", str(target.config), "--nodes", "1", "--gpus-per-node", "1",
+            "--mem-per-cpu", "4 GB", "--dry-run"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == "distaff slurm: --mem-per-cpu '4 GB': expected a Slurm size such as 64G, 4000M or 4000 (MB)\n"
+    with pytest.raises(SystemExit) as exit_info:  # argparse: the two memory options exclude each other
+        cli.main(argv[:-3] + ["--mem", "1G", "--mem-per-cpu", "1G"])
+    assert exit_info.value.code == 2
+
+
+def test_submit_without_sbatch_says_so(target, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert cli.main(["slurm", "submit", "--config", str(target.config), "--nodes", "1", "--gpus-per-node", "1"]) == 1
+    assert "sbatch not found" in capsys.readouterr().err

@@ -1,0 +1,273 @@
+"""The launchers on a real Slurm: a local cluster of two nodes (n1, n2) from Debian's packages.
+
+A 2-node CPU pretraining job submitted with ``distaff slurm submit`` gets the CPUs and memory its script
+asks for, and is interrupted with ``scancel --signal=USR1``: it checkpoints, exits 75, requeues itself,
+resumes from that checkpoint and finishes; its per-step losses equal those of an uninterrupted 2-rank
+run started with ``distaff launch`` (the deepspeed launcher). Another loses a node mid-run: the
+surviving rank's watchdog ends it, Slurm requeues the job, and it resumes on the node left, on one
+rank, with the rest of the epoch re-dealt. Skipped, with the reason, where Slurm cannot run (not root,
+packages missing: scripts/install-slurm.sh installs them).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from pretrain_fixtures import assert_redealt
+from slurm_cluster import NODE_FAIL_TIMEOUT_S, SlurmCluster
+
+from distaff.launch import cli
+from distaff.launch.hostlist import expand_hostlist
+from distaff.train.core.distributed import free_port
+
+pytestmark = pytest.mark.integration
+
+MAX_STEPS = 40
+CHECKPOINT_EVERY = 10
+
+
+def test_srun_places_one_task_on_each_node(slurm: SlurmCluster) -> None:
+    out = slurm.run("srun", "-N2", "--ntasks-per-node=1", "-l", "printenv", "SLURMD_NODENAME").stdout
+    assert sorted(out.split("\n")[:-1]) == ["0: n1", "1: n2"]
+
+
+@pytest.mark.parametrize("spec", ["gpu[01-03,07]", "a[1-2],b3", "r[1-2]n[08-10]", "x[8-11],login"])
+def test_hostlist_expansion_matches_scontrol(slurm: SlurmCluster, spec: str) -> None:
+    assert expand_hostlist(spec) == slurm.run("scontrol", "show", "hostnames", spec).stdout.split()
+
+
+@pytest.mark.timeout(120)
+def test_gloo_job_across_two_nodes(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """The trainer's process-group setup from Slurm's variables (SLURM_PROCID/NTASKS), over gloo."""
+    script = tmp_path / "gloo_job.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        import torch
+        import torch.distributed as dist
+        from distaff.train.core.distributed import init_distributed
+        layout = init_distributed(timeout_s=60)
+        total = torch.tensor([float(layout.rank + 1)])
+        dist.all_reduce(total)
+        print(f"{os.environ['SLURMD_NODENAME']} rank={layout.rank}/{layout.world_size} sum={total.item():g}")
+        dist.destroy_process_group()
+    """))
+    out = slurm.run("srun", "-N2", "--ntasks-per-node=1", sys.executable, str(script), timeout=100,
+                    env={"MASTER_ADDR": "n1", "MASTER_PORT": str(free_port())}).stdout
+    assert sorted(out.split()) == sorted("n1 rank=0/2 sum=3 n2 rank=1/2 sum=3".split())
+
+
+def test_launch_writes_the_hostfile_of_the_allocation(slurm: SlurmCluster, run_config: Path) -> None:
+    out = slurm.run("salloc", "-N2", "--quiet", sys.executable, "-m", "distaff.launch.cli", "launch",
+                    "--config", str(run_config), "--dry-run").stdout
+    assert re.search(r"# \S+/launch/hostfile\nn1 slots=1\nn2 slots=1\n", out), out
+    assert "--hostfile" in out and "--master_addr n1" in out
+
+
+# ---------------------------------------------------------------- preemption and requeue
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory, sample_data: Path) -> Path:
+    """Shards of a slice of real text, made with our own CLIs."""
+    root = tmp_path_factory.mktemp("slurm-data")
+    text = root / "austen-slice.txt"
+    with gzip.open(sample_data / "austen-emma-pride.txt.gz", "rt") as source:
+        text.write_text(source.read(300_000))
+    assert cli.main(["tokenizer", "train", "--input", str(text), "--vocab-size", "500", "--out", str(root / "tok")]) == 0
+    assert cli.main(["data", "prepare", "--input", str(text), "--tokenizer", str(root / "tok"), "--seq-len", "64",
+                     "--out", str(root / "data"), "--shard-mb", "0.03", "--heldout-fraction", "0.05",
+                     "--workers", "1", "--no-progress"]) == 0
+    return root / "data"
+
+
+@pytest.fixture(scope="module")
+def run_config(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
+    root = tmp_path_factory.mktemp("slurm-run")
+    config = root / "run.yaml"
+    # Dropout (the tiny preset's 0.1) and EMD on: the resumed losses depend on the restored RNG state.
+    config.write_text(textwrap.dedent(f"""
+        run: {{out_dir: {root}/default-out, name: slurm-e2e, seed: 7}}
+        model: {{preset: tiny, hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 2, intermediate_size: 128,
+                 emd: true}}
+        data: {{dir: {data_dir}, batch_size: 8, num_workers: 1}}
+        train: {{max_steps: {MAX_STEPS}, precision: fp32}}
+        optim: {{lr: 1.0e-3, warmup_steps: 4}}
+        zero: {{stage: 1}}
+        logging: {{every: 1, progress_bar: false, plot: false}}
+        wandb: {{mode: offline, project: distaff-slurm-test}}
+        eval: {{every: 0, batches: 2}}
+        checkpoint: {{every: {CHECKPOINT_EVERY}, keep: 2}}
+    """))
+    return config
+
+
+def _losses(out_dir: Path) -> list[tuple[int, float]]:
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in records if "loss" in r]
+
+
+def _logs(log_dir: Path) -> str:
+    return "\n".join(f"=== {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in sorted(log_dir.glob("*.out")))
+
+
+def _submit(cluster: SlurmCluster, run_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys,
+            *options: str) -> str:
+    """``distaff slurm submit`` of a 2-node CPU job, one rank per node; the job id."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    monkeypatch.setenv("SLURM_CONF", str(cluster.conf))  # sbatch exports our environment to the job
+    # 1 rank + 1 data worker per node: the script asks for 2 CPUs per node, the whole of a local "node"
+    assert cli.main(["slurm", "submit", "--config", str(run_config), "--nodes", "2", "--gpus-per-node", "1",
+                     "--cpu", "--mem-per-cpu=1G", *options]) == 0
+    job_id = capsys.readouterr().out.strip()
+    assert job_id.isdigit(), job_id
+    return job_id
+
+
+def _node_logs(log_dir: Path, job_id: str) -> str:
+    """Both nodes' logs (rank 0 prints; the c10d rendezvous may put it on either node)."""
+    return "".join((log_dir / f"slurm-e2e-{job_id}-node{n}.out").read_text() for n in (0, 1))
+
+
+def _wait_for_file(path: Path, job_id: str, slurm: SlurmCluster, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        state = slurm.job_field(job_id, "JobState")
+        if state not in ("PENDING", "CONFIGURING", "RUNNING") or time.monotonic() > deadline:
+            raise AssertionError(f"{path} not written (job {job_id} {state})\n{_logs(path.parent.parent / 'slurm')}")
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(330)
+def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(
+        slurm: SlurmCluster, run_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    out_dir = tmp_path / "slurm-run"
+    job_id = _submit(slurm, run_config, tmp_path, monkeypatch, capsys, f"run.out_dir={out_dir}")
+    log_dir = out_dir / "slurm"
+
+    # It trains and checkpoints; then the signal: every rank checkpoints and exits 75.
+    _wait_for_file(out_dir / "checkpoints" / "latest", job_id, slurm, timeout=150)
+    slurm.run("scancel", "--signal=USR1", job_id)
+    state = slurm.wait_for(job_id, {"COMPLETED"}, timeout=240)
+    logs = _logs(log_dir)
+    assert state == "COMPLETED", f"job {job_id} ended {state}\n{logs}\n{slurm.log_tail()}"
+    assert slurm.job_field(job_id, "Restarts") == "1", logs
+    assert slurm.job_field(job_id, "ExitCode") == "0:0", logs
+    # What the script asked for, the job got, and the ranks' step too (task/affinity binds them to it).
+    assert [slurm.job_field(job_id, name) for name in ("CPUs/Task", "NumCPUs", "MinMemoryCPU")] == ["2", "4", "1G"]
+
+    batch_log = (log_dir / f"slurm-e2e-{job_id}.out").read_text()
+    assert "restart_count=0" in batch_log and "restart_count=1" in batch_log, batch_log
+    assert "ranks exited with 75" in batch_log and f"requeueing job {job_id}" in batch_log, batch_log
+    node_logs = _node_logs(log_dir, job_id)
+    for node, name in enumerate(("n1", "n2")):
+        assert node_logs.count(f"distaff: node {node} ({name}): 2 CPUs for its ranks") == 2, node_logs
+    stopped = re.search(r"signal received; checkpoint saved at step (\d+)", node_logs)
+    assert stopped, node_logs
+    stop_step = int(stopped.group(1))
+    assert CHECKPOINT_EVERY < stop_step < MAX_STEPS, f"the signal landed at step {stop_step}\n{node_logs}"
+    assert f"resuming from {out_dir}/checkpoints/step-{stop_step:08d};" in node_logs, node_logs
+
+    # The uninterrupted reference: same config, 2 ranks on one node, through the deepspeed launcher.
+    ref_dir = tmp_path / "reference-run"
+    reference = subprocess.run(
+        [sys.executable, "-m", "distaff.launch.cli", "launch", "--config", str(run_config), "--gpus-per-node", "2",
+         "--master-port", str(free_port()), f"run.out_dir={ref_dir}"],
+        capture_output=True, text=True, timeout=200)
+    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+
+    resumed, uninterrupted = _losses(out_dir), _losses(ref_dir)
+    assert [step for step, _ in uninterrupted] == list(range(1, MAX_STEPS + 1))
+    assert resumed == uninterrupted  # exact: same steps, once each, bit-identical losses
+
+    # Both attempts logged to one W&B run, named after the job.
+    run_dirs = sorted(p.name for p in (out_dir / "wandb").glob("offline-run-*"))
+    assert len(run_dirs) == 2 and all(name.endswith(f"-distafftest-{job_id}") for name in run_dirs), run_dirs
+    assert all(any((out_dir / "wandb" / name).glob("*.wandb")) for name in run_dirs)
+
+
+# ---------------------------------------------------------------- a node lost mid-run
+
+LOSS_STEPS, LOSS_EVERY, WATCHDOG_S = 48, 20, 6
+
+
+def _wait_for_step(out_dir: Path, step: int, job_id: str, slurm: SlurmCluster, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(s >= step for s, _ in (_losses(out_dir) if (out_dir / "metrics.jsonl").is_file() else [])):
+        state = slurm.job_field(job_id, "JobState")
+        if state not in ("PENDING", "CONFIGURING", "RUNNING") or time.monotonic() > deadline:
+            raise AssertionError(f"step {step} not reached (job {job_id} {state})\n{_logs(out_dir / 'slurm')}")
+        time.sleep(0.05)
+
+
+def _wait_for_requeue(job_id: str, slurm: SlurmCluster, timeout: float) -> None:
+    """Until the job is back in the queue (Slurm requeues a NODE_FAIL'ed job that has ``--requeue``)."""
+    deadline = time.monotonic() + timeout
+    while (slurm.job_field(job_id, "Restarts"), slurm.job_field(job_id, "JobState")) != ("1", "PENDING"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"job {job_id} not requeued in {timeout:.0f}s: "
+                               f"{slurm.run('scontrol', 'show', 'job', job_id).stdout}\n{slurm.log_tail()}")
+        time.sleep(0.5)
+
+
+def _rank_state(checkpoint: Path, rank: int) -> dict:
+    return json.loads((checkpoint / "distaff" / f"rank-{rank:05d}.json").read_text())
+
+
+@pytest.mark.timeout(330)
+def test_a_node_lost_mid_run_requeues_and_the_run_finishes_on_the_node_left(
+        slurm_quick_node_fail: SlurmCluster, run_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys) -> None:
+    cluster, out_dir = slurm_quick_node_fail, tmp_path / "run"
+    job_id = _submit(cluster, run_config, tmp_path, monkeypatch, capsys, f"run.out_dir={out_dir}",
+                     f"train.max_steps={LOSS_STEPS}", f"checkpoint.every={LOSS_EVERY}", "checkpoint.keep=5",
+                     f"distributed.watchdog_s={WATCHDOG_S}")
+    log_dir, checkpoints = out_dir / "slurm", out_dir / "checkpoints"
+
+    # Both nodes train past the checkpoint at step 20; then n2 hangs as a crashed host does: its slurmd and
+    # its rank stop answering, and their connections stay open (no reset tells the peer).
+    _wait_for_step(out_dir, LOSS_EVERY + 1, job_id, cluster, timeout=150)
+    frozen_at = time.time()
+    assert cluster.freeze_node("n2") > 3  # slurmd, slurmstepd, the node script, torchrun, the rank ...
+    _wait_for_requeue(job_id, cluster, timeout=NODE_FAIL_TIMEOUT_S + 90)
+
+    # The surviving rank did not wait for Slurm: its watchdog ended it within distributed.watchdog_s.
+    stacks = list(out_dir.glob("stacks-rank*.txt"))
+    assert len(stacks) == 1, _logs(log_dir)
+    assert f"no step progress for {WATCHDOG_S} s" in stacks[0].read_text()
+    assert stacks[0].stat().st_mtime - frozen_at < WATCHDOG_S + 4
+    controller = (cluster.root / "log" / "slurmctld.log").read_text()
+    assert f"requeue job JobId={job_id} due to failure of node n2" in controller, controller[-3000:]
+    assert (checkpoints / "latest").read_text().strip() == f"step-{LOSS_EVERY:08d}"
+
+    # Go on at once on the node left instead of waiting for n2 (docs/launch.md): one rank, one node.
+    cluster.run("scontrol", "update", f"JobId={job_id}", "NumNodes=1", "NumTasks=1", "MinCPUsNode=2")
+    state = cluster.wait_for(job_id, {"COMPLETED"}, timeout=180)
+    logs = _logs(log_dir)
+    assert state == "COMPLETED", f"job {job_id} ended {state}\n{logs}\n{cluster.log_tail()}"
+    assert cluster.job_field(job_id, "ExitCode") == "0:0" and cluster.job_field(job_id, "NodeList") == "n1", logs
+    assert "restart_count=1 on n1 at" in (log_dir / f"slurm-e2e-{job_id}.out").read_text()
+    node0 = (log_dir / f"slurm-e2e-{job_id}-node0.out").read_text()
+    assert f"resuming from {checkpoints}/step-{LOSS_EVERY:08d}; 1 rank(s)" in node0, node0
+    assert "resuming a 2-rank checkpoint on 1 rank(s): global batch 16 -> 8 samples" in node0
+
+    # No step lost beyond the checkpoint, none twice; every sample of the epoch read once.
+    assert [step for step, _ in _losses(out_dir)] == list(range(1, LOSS_STEPS + 1))
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert summary["samples"] == LOSS_EVERY * 2 * 8 + (LOSS_STEPS - LOSS_EVERY) * 8
+    saved = [_rank_state(checkpoints / f"step-{LOSS_EVERY:08d}", rank)["data"] for rank in (0, 1)]
+    assert saved[0] == saved[1]  # the ranks of a run share one stream position
+    final = _rank_state(checkpoints / f"step-{LOSS_STEPS:08d}", 0)["data"]
+    assert final["batch_in_plan"] == LOSS_STEPS - LOSS_EVERY
+    assert_redealt(saved[0], final)

@@ -1,0 +1,113 @@
+"""distaff's kernels patched into users' own Hugging Face DeBERTa-v2 models: outputs and gradients
+equal the unpatched model (fp32), through the reference path and the Triton interpreter, and the
+HF ``Trainer`` trains a patched model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from transformers import DebertaV2Config
+
+from distaff.train.model.hf_kernels import PatchReport, apply_distaff_kernels
+
+HEADS = ["DebertaV2Model", "DebertaV2ForMaskedLM", "DebertaV2ForSequenceClassification",
+         "DebertaV2ForTokenClassification", "DebertaV2ForQuestionAnswering"]
+
+
+def _config(**overrides) -> DebertaV2Config:
+    settings = dict(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=96,
+                    max_position_embeddings=64, relative_attention=True, position_buckets=8,
+                    max_relative_positions=32, pos_att_type=["p2c", "c2p"], share_att_key=True,
+                    norm_rel_ebd="layer_norm", position_biased_input=False, num_labels=3, pad_token_id=0)
+    return DebertaV2Config(**{**settings, **overrides})
+
+
+def _batch(n: int = 40):
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 120, (2, n), generator=gen)
+    mask = torch.ones(2, n, dtype=torch.long)
+    mask[1, n - 9:] = 0  # a padded sequence
+    return ids, mask
+
+
+def _outputs_and_grads(model, ids, mask):
+    out = model(input_ids=ids, attention_mask=mask)
+    first = out[0]
+    real = mask.bool() if first.dim() == 3 or first.shape[:2] == mask.shape else None
+    value = first[real] if real is not None else first
+    value.pow(2).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return value.detach(), grads
+
+
+# The Triton interpreter runs every program in Python: those cases belong to the slower tier.
+CASES = [pytest.param(head, "reference", marks=pytest.mark.unit) for head in HEADS] + [
+    pytest.param(head, "triton", marks=pytest.mark.integration) for head in HEADS]
+
+
+@pytest.mark.parametrize("head,impl", CASES)
+def test_patched_model_matches_hugging_face(head: str, impl: str) -> None:
+    torch.manual_seed(0)
+    model = getattr(transformers, head)(_config(num_labels=2 if "Question" in head else 3)).eval()
+    patched = copy.deepcopy(model)
+    report = apply_distaff_kernels(patched, impl=impl)
+    assert (report.attention, report.layer_norm, report.gelu) == (2, 4, 2)
+    ids, mask = _batch()
+    want, want_grads = _outputs_and_grads(model, ids, mask)
+    got, got_grads = _outputs_and_grads(patched, ids, mask)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert got_grads.keys() == want_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("overrides", [dict(share_att_key=False), dict(pos_att_type=["c2p"]),
+                                       dict(relative_attention=False, position_biased_input=True)],
+                         ids=["own-position-projections", "c2p-only", "absolute-positions"])
+def test_patched_variants_match(overrides: dict) -> None:
+    torch.manual_seed(0)
+    model = transformers.DebertaV2ForMaskedLM(_config(**overrides)).eval()
+    patched = copy.deepcopy(model)
+    apply_distaff_kernels(patched, impl="reference")
+    ids, mask = _batch()
+    torch.testing.assert_close(_outputs_and_grads(patched, ids, mask)[0], _outputs_and_grads(model, ids, mask)[0],
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.unit
+def test_what_the_kernel_cannot_express_falls_back_to_hugging_face() -> None:
+    torch.manual_seed(0)
+    model = transformers.DebertaV2Model(_config()).eval()
+    patched = copy.deepcopy(model)
+    apply_distaff_kernels(patched, impl="reference")
+    ids, mask = _batch()
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+        got = patched(input_ids=ids, attention_mask=mask, output_attentions=True)
+    assert got.attentions is not None and len(got.attentions) == 2
+    torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state)
+    assert apply_distaff_kernels(patched) == PatchReport()  # patching twice changes nothing
+    with pytest.raises(TypeError, match="no DeBERTa-v2 attention"):
+        apply_distaff_kernels(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="impl must be one of"):
+        apply_distaff_kernels(model, impl="cuda")
+
+
+@pytest.mark.integration
+def test_hugging_face_trainer_trains_a_patched_model(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = transformers.DebertaV2ForSequenceClassification(_config())
+    apply_distaff_kernels(model, impl="reference")
+    ids, mask = _batch()
+    rows = [{"input_ids": ids[i % 2], "attention_mask": mask[i % 2], "labels": torch.tensor(i % 3)} for i in range(8)]
+    before = model.classifier.weight.detach().clone()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4,
+                                          learning_rate=1e-3, report_to=[], use_cpu=True, save_strategy="no",
+                                          logging_steps=1)
+    result = transformers.Trainer(model=model, args=args, train_dataset=rows).train()
+    assert result.global_step == 3 and torch.isfinite(torch.tensor(result.training_loss))
+    assert not torch.equal(model.classifier.weight, before)

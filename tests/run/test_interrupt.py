@@ -1,0 +1,108 @@
+"""Ctrl-C on a real 2-rank run under ``distaff launch`` (the deepspeed launcher), pressed as a terminal does
+(SIGINT to the foreground process group): the first press checkpoints at the step boundary, prints one line
+and exits 75, and the resumed run's per-step losses equal an uninterrupted run's; a second press ends the
+run at once. Neither prints a traceback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from distaff.train.core.distributed import free_port
+from distaff.train.core.exit_codes import EXIT_PREEMPTED
+from distaff.train.run.checkpoint import is_complete
+from pretrain_fixtures import (PYTHON, prepare_data, rank_env, read_wandb_records, train_losses, wait_for_step,
+                               write_config)
+
+pytestmark = pytest.mark.integration
+
+STEPS = 40
+SECTIONS = dict(train={"max_steps": STEPS}, model={"emd": True},   # dropout and EMD on: RNG state matters
+                checkpoint={"every": 0, "keep": 2}, eval={"every": 0, "batches": 2})
+
+
+def launch(config: Path, tmp: Path, log: str) -> subprocess.Popen:
+    """``distaff launch`` with 2 CPU ranks as a terminal's foreground job: its own process group, SIGINT at
+    its default disposition (as a shell leaves it)."""
+    command = [PYTHON, "-m", "distaff.launch.cli", "launch", "--config", str(config), "--gpus-per-node", "2",
+               "--master-port", str(free_port())]
+    return subprocess.Popen(command, env=rank_env(tmp), cwd=tmp, stdout=open(tmp / log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def ctrl_c(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGINT)
+
+
+def finished(proc: subprocess.Popen, tmp: Path, log: str, timeout: float = 240) -> tuple[int, str]:
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return code, (tmp / log).read_text()
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_checkpoints_exits_75_and_the_resumed_run_loses_no_step(sample_data, tmp_path_factory):
+    data = prepare_data(tmp_path_factory.getbasetemp(), sample_data)
+    full_dir = tmp_path_factory.mktemp("uninterrupted")
+    code, out = finished(launch(write_config(full_dir / "run.yaml", data, full_dir / "run", **SECTIONS), full_dir,
+                                "launch.log"), full_dir, "launch.log")
+    assert code == 0, out[-4000:]
+    expected = train_losses(full_dir / "run")
+    assert sorted(expected) == list(range(1, STEPS + 1))
+
+    tmp = tmp_path_factory.mktemp("interrupted")
+    run_dir = tmp / "run"
+    config = write_config(tmp / "run.yaml", data, run_dir, **SECTIONS)
+    proc = launch(config, tmp, "first.log")
+    wait_for_step(run_dir, 3, [proc])
+    ctrl_c(proc)
+    code, out = finished(proc, tmp, "first.log")
+    assert code == EXIT_PREEMPTED, out[-4000:]
+    stopped_at = max(train_losses(run_dir))
+    assert 3 <= stopped_at < STEPS
+    assert out.count("interrupted (Ctrl-C)") == 1
+    assert f"interrupted (Ctrl-C); checkpoint saved at step {stopped_at}; exiting with 75" in out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-4000:]
+    checkpoints = run_dir / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == f"step-{stopped_at:08d}"
+    # W&B's service outlived the signal: the offline run was closed with the run's exit code
+    (run_file,) = (run_dir / "wandb").glob("offline-run-*/*.wandb")
+    exits = [r.exit.exit_code for r in read_wandb_records(run_file) if r.WhichOneof("record_type") == "exit"]
+    assert exits == [EXIT_PREEMPTED]
+
+    code, out = finished(launch(config, tmp, "resumed.log"), tmp, "resumed.log")
+    assert code == 0, out[-4000:]
+    assert f"resuming from {checkpoints / f'step-{stopped_at:08d}'}" in out
+    assert train_losses(run_dir) == expected            # every step, bit-exact: none lost, none repeated
+
+
+@pytest.mark.timeout(300)
+def test_a_second_ctrl_c_ends_the_run_at_once(sample_data, tmp_path_factory):
+    data = prepare_data(tmp_path_factory.getbasetemp(), sample_data)
+    tmp = tmp_path_factory.mktemp("aborted")
+    run_dir = tmp / "run"
+    proc = launch(write_config(tmp / "run.yaml", data, run_dir, **{**SECTIONS, "train": {"max_steps": 100_000}}),
+                  tmp, "launch.log")
+    wait_for_step(run_dir, 3, [proc])
+    ctrl_c(proc)
+    time.sleep(0.05)
+    ctrl_c(proc)
+    pressed = time.monotonic()
+    code, out = finished(proc, tmp, "launch.log", timeout=60)
+    assert time.monotonic() - pressed < 30             # not the 30 s deepspeed waits before SIGKILL
+    assert code not in (0, EXIT_PREEMPTED), out[-4000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-4000:]
+    # the abort may land after the first press's checkpoint was written (steps take milliseconds): then it is
+    # whole; never a partial one marked latest
+    latest = run_dir / "checkpoints" / "latest"
+    if latest.exists():
+        assert is_complete(run_dir / "checkpoints" / latest.read_text().strip())

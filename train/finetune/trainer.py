@@ -1,0 +1,314 @@
+"""Fine-tuning for sequence classification or regression: ``python -m distaff.train.finetune --config FT.yaml [key=value ...]``.
+
+Same launchers, signals and exit codes as pretraining (:mod:`distaff.train.run.runtime`). Data flows one
+way: config -> labelled data (:mod:`distaff.train.finetune.labelled`) -> encoder + fresh HF-layout head
+(:class:`~distaff.train.model.classifier.DebertaForSequenceClassification`) -> DeepSpeed engine (layer-wise
+lr decay as parameter groups) -> checkpoints and metrics. The dev set is evaluated every
+``eval.every`` steps (or every epoch); the checkpoint with the best dev metric is kept under
+``<out_dir>/best`` beside the latest ones under ``<out_dir>/checkpoints``, and ``eval.patience``
+evaluations without improvement stop the run early.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from distaff.train.core import distributed as dist_utils
+from distaff.train.data.errors import DataError
+from distaff.train.finetune.classifier_init import load_encoder, resolve_tokenizer
+from distaff.train.finetune.config import FinetuneConfig, finetune_config_to_dict, load_finetune_config, save_finetune_config
+from distaff.train.finetune.labelled import InputFormat, LabelledData, load_labelled
+from distaff.train.finetune.labelled_batches import EvalBatches, TrainBatches, model_inputs
+from distaff.train.finetune.metrics import compute_metrics
+from distaff.train.finetune.sift import SiFT
+from distaff.train.model.classifier import DebertaForSequenceClassification
+from distaff.train.model.config import ConfigError
+from distaff.train.model.flops import train_flops_per_token
+from distaff.train.run.checkpoint import Checkpointer, RNGState, latest_checkpoint, rank_state, resume_candidate
+from distaff.train.run.engine import layer_decay_groups
+from distaff.train.run.metrics import PLOT_FILE, Throughput, peak_memory_gb, plot_metrics
+from distaff.train.run.runtime import RunBase, TrainState, check_data_fits_model, run_main
+from distaff.train.run.schedule import lr_at
+from distaff.train.run.steps import Objective
+from distaff.train.run.steps import forward_batch, to_device
+from distaff.train.run.weights import BEST_DIR, CLASSIFIER_TASK
+
+
+
+@dataclass
+class FinetuneState(TrainState):
+    """Pretraining's counters plus what early stopping and the best checkpoint depend on."""
+    best_metric: float | None = None
+    best_step: int = 0
+    last_eval_step: int = -1
+    evals_without_improvement: int = 0
+    stopped_early: bool = False
+
+
+class ClassificationObjective(Objective):
+    """The classifier's loss (plus SiFT's adversarial term when enabled); sums ``[loss * examples, examples]``."""
+
+    num_sums = 2
+
+    def __init__(self, sift: SiFT | None):
+        self.sift = sift
+
+    def model_inputs(self, batch: dict) -> dict:
+        return model_inputs(batch)
+
+    def training_loss(self, engine, batch: dict, out) -> torch.Tensor:
+        if self.sift is None:
+            return out.loss
+        inputs = {k: v for k, v in model_inputs(batch).items() if k != "labels"}
+        # the module, not the engine: DeepSpeed treats any backward through the engine's outputs as training
+        return out.loss + self.sift.adversarial_loss(lambda: engine.module(**inputs).logits, out.logits)
+
+    def sums(self, out) -> torch.Tensor:
+        examples = torch.tensor(float(out.logits.shape[0]), dtype=torch.float64, device=out.loss.device)
+        return torch.stack([out.loss.detach().double() * examples, examples])
+
+    def report(self, sums: list[float]) -> dict[str, float]:
+        return {"loss": sums[0] / max(sums[1], 1.0)}
+
+
+def input_format(cfg: FinetuneConfig) -> InputFormat:
+    data = cfg.data
+    return InputFormat(text_column=data.text_column, label_column=data.label_column,
+                       text_pair_column=data.text_pair_column or None,
+                       columns=tuple(data.columns) if data.columns else None)
+
+
+def load_data(cfg: FinetuneConfig, tokenizer) -> LabelledData:
+    """The train and dev sets, tokenised; a bad file is a :class:`DataError` naming it (and the line)."""
+    data = cfg.data
+    return load_labelled(data.train, input_format(cfg), tokenizer, data.max_len, regression=cfg.regression,
+                         dev_file=data.dev or None, dev_fraction=data.dev_fraction, seed=data.split_seed,
+                         labels=data.labels or None)
+
+
+class FinetuneTrainer(RunBase):
+    """One rank of a fine-tuning run: ``FinetuneTrainer(cfg, layout).run()``; returns the exit code."""
+
+    def __init__(self, cfg: FinetuneConfig, layout: dist_utils.DistEnv):
+        super().__init__(cfg, layout)
+        source = load_encoder(cfg.model.init_from, cfg.model.overrides)
+        self.tokenizer = resolve_tokenizer(source, cfg.data.tokenizer, cfg.model.init_from)
+        self.model_cfg = source.config
+        check_data_fits_model(self.model_cfg, cfg.data.max_len, f"data.max_len {cfg.data.max_len}",
+                              "lower data.max_len (the architecture is model.init_from's)")
+        self.data = load_data(cfg, self.tokenizer)
+        self.num_labels = 1 if cfg.regression else len(self.data.label_names)
+        self.loader = TrainBatches(self.data.train, batch_size=cfg.data.batch_size, rank=layout.rank,
+                                   world_size=layout.world_size, seed=cfg.run.seed, pad_id=self.tokenizer.pad_id,
+                                   packed=cfg.data.packing == "varlen")
+        self.steps_per_epoch, self.max_steps = self._plan_steps()
+        self._check_resumable()
+        self.engine = self._initialize_engine(lambda: self._build_model(source.weights), self._param_groups())
+        sift = SiFT(cfg.sift, self.engine.module) if cfg.sift.enabled else None
+        self.objective = ClassificationObjective(sift)
+        self.state = FinetuneState()
+        self.checkpointer = self._checkpointer(cfg.out_dir / "checkpoints", cfg.checkpoint.every, cfg.checkpoint.keep)
+        self.best = self._checkpointer(cfg.out_dir / BEST_DIR, 0, 1)
+        resumed_from = self._restore()
+        if layout.is_main:
+            save_finetune_config(cfg, cfg.out_dir / "config.yaml")
+        self.metrics = self._open_metrics(
+            resumed_from, max_steps=self.max_steps, what=self._describe(),
+            wandb_config={**finetune_config_to_dict(cfg), "model_resolved": self.model_cfg.to_dict(),
+                          "labels": self.data.label_names})
+        self.throughput = Throughput(layout.world_size, train_flops_per_token(self.model_cfg, cfg.data.max_len, 0.0),
+                                     None)
+        self.batches = iter(self.loader)
+
+    # ---------------------------------------------------------------- building
+
+    def _plan_steps(self) -> tuple[int, int]:
+        """Optimizer steps per epoch and in the run (``train.max_steps``, else ``train.epochs`` epochs)."""
+        cfg = self.cfg
+        per_epoch = self.loader.steps_per_epoch // cfg.train.grad_accum
+        if per_epoch == 0:
+            raise ConfigError(f"train.grad_accum: {cfg.train.grad_accum} micro-batches exceed the "
+                              f"{self.loader.steps_per_epoch} an epoch of {cfg.data.train} holds on "
+                              f"{self.layout.world_size} rank(s)")
+        return per_epoch, cfg.train.max_steps or cfg.train.epochs * per_epoch
+
+    def _check_resumable(self) -> None:
+        """A checkpoint this run would resume from whose batches were dealt otherwise (another batch size, seed
+        or data) is refused now, before the engine is built, naming the key."""
+        folder = resume_candidate(self.cfg.checkpoint.resume, self.cfg.out_dir / "checkpoints")
+        if folder is not None:
+            problem = self.loader.resume_problem(rank_state(folder, 0).get("data", {}), f"checkpoint {folder}")
+            if problem:
+                raise ConfigError(problem)
+
+    def _build_model(self, weights: dict[str, torch.Tensor]) -> DebertaForSequenceClassification:
+        model = DebertaForSequenceClassification(self.model_cfg, self.num_labels, self.cfg.model.pooler_dropout)
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        fresh = [k for k in missing if not k.startswith(("pooler.", "classifier."))]
+        if fresh or unexpected:
+            raise ValueError(f"model.init_from {self.cfg.model.init_from}: missing {fresh[:5]}, unexpected "
+                             f"{unexpected[:5]} encoder weights")
+        return model
+
+    def _param_groups(self):
+        """Layer-wise lr decay groups when ``optim.layer_decay`` < 1, else the engine's default groups."""
+        optim = self.cfg.optim
+        if optim.layer_decay == 1.0:
+            return None
+        return lambda model: layer_decay_groups(model, optim.weight_decay, optim.layer_decay)
+
+    def _checkpointer(self, root: Path, every: int, keep: int) -> Checkpointer:
+        meta = {"task": CLASSIFIER_TASK, "config": finetune_config_to_dict(self.cfg),
+                "model_config": self.model_cfg.to_dict(), "num_labels": self.num_labels,
+                "label_names": self.data.label_names,
+                "pooler_dropout": self.cfg.model.pooler_dropout}
+        per_rank = {"data": self.loader, "rng": RNGState(self.layout.rank)}
+        return self._new_checkpointer(root, per_rank=per_rank, meta=meta, every=every, keep=keep,
+                                      tokenizer_dir=self.tokenizer.path)
+
+    def _describe(self) -> str:
+        data, cfg = self.data, self.cfg
+        labels = "regression" if cfg.regression else f"{self.num_labels} classes {data.label_names}"
+        skipped = sum(data.stats.skipped.values())
+        return (f"; {len(data.train)} train / {len(data.dev)} dev examples ({labels}"
+                f"{f', {skipped} skipped' if skipped else ''}), {self.steps_per_epoch} steps per epoch, "
+                f"{self.max_steps} steps")
+
+    # ---------------------------------------------------------------- the loop
+
+    def _done(self) -> bool:
+        return self.state.step >= self.max_steps or self.state.stopped_early
+
+    def _finished_line(self) -> str:
+        train = self.cfg.train
+        if self.state.stopped_early:
+            return (f"it stopped early at step {self.state.step} (eval.patience={self.cfg.eval.patience}); the best "
+                    f"checkpoint is under {self.cfg.out_dir / BEST_DIR}")
+        length = f"train.max_steps={train.max_steps}" if train.max_steps else f"train.epochs={train.epochs}"
+        return (f"its latest checkpoint is at step {self.state.step}, the run's {self.max_steps} steps ({length}); "
+                f"raise {length.split('=')[0]} to continue it")
+
+    def _lr(self, step: int) -> float:
+        optim = self.cfg.optim
+        warmup = optim.warmup_steps or round(optim.warmup_ratio * self.max_steps)
+        return lr_at(step, lr=optim.lr, warmup_steps=warmup, max_steps=self.max_steps, schedule=optim.schedule,
+                     min_lr_ratio=optim.min_lr_ratio)
+
+    def _log_train(self, values: dict[str, float]) -> None:
+        grad_norm = self.engine.get_global_grad_norm()
+        self.metrics.log({"step": self.state.step, "epoch": self.state.step / self.steps_per_epoch, **values,
+                          "lr": self._lr(self.state.step - 1),
+                          "grad_norm": None if grad_norm is None else float(grad_norm),
+                          "nonfinite_steps": self.state.nonfinite_steps, "peak_mem_gb": peak_memory_gb(),
+                          **self.throughput.report(self.max_steps - self.state.step)})
+
+    def _eval_due(self) -> bool:
+        every = self.cfg.eval.every or self.steps_per_epoch
+        return self.state.step % every == 0
+
+    def _after_step(self, signalled: bool) -> None:
+        step = self.state.step
+        if self._eval_due() and step < self.max_steps:
+            self._evaluate()
+        self.checkpointer.maybe_save(step, signalled=signalled)
+
+    def _finish(self) -> None:
+        self.checkpointer.maybe_save(self.state.step, last=True)
+        if self.state.last_eval_step != self.state.step:
+            self._evaluate()
+
+    # ---------------------------------------------------------------- evaluation
+
+    def _evaluate(self) -> None:
+        """Dev metrics; a better ``eval.metric`` saves the best checkpoint, ``eval.patience`` evaluations
+        without one stop the run."""
+        state, metric = self.state, self.cfg.metric
+        values = {f"eval_{key}": value for key, value in self._dev_metrics().items()}
+        state.last_eval = values
+        state.last_eval_step = state.step
+        self.metrics.log({"step": state.step, **values})
+        current = values[f"eval_{metric}"]
+        if self._improves(current):
+            state.best_metric, state.best_step, state.evals_without_improvement = current, state.step, 0
+            self.best.save(state.step)
+        else:
+            state.evals_without_improvement += 1
+            patience = self.cfg.eval.patience
+            if patience and state.evals_without_improvement >= patience and state.step < self.max_steps:
+                state.stopped_early = True
+                if self.layout.is_main:
+                    print(f"distaff: early stop at step {state.step}: dev {metric} has not improved on "
+                          f"{state.best_metric:.4f} (step {state.best_step}) for {patience} evaluation(s)", flush=True)
+
+    def _improves(self, value: float) -> bool:
+        best = self.state.best_metric
+        if not np.isfinite(value):
+            return False
+        if best is None:
+            return True
+        return value < best if self.cfg.metric == "loss" else value > best
+
+    @torch.no_grad()
+    def _dev_metrics(self) -> dict[str, float]:
+        """Every rank predicts its share of the dev set; the logits meet in one sum over the ranks (each
+        example's row is filled by exactly one rank), then every rank computes the same metrics."""
+        dev = self.data.dev
+        logits = torch.zeros(len(dev), self.num_labels, dtype=torch.float64, device=self.device)
+        loader = EvalBatches(dev, batch_size=self.cfg.data.eval_batch_size or self.cfg.data.batch_size,
+                             rank=self.layout.rank, world_size=self.layout.world_size, pad_id=self.tokenizer.pad_id,
+                             packed=self.cfg.data.packing == "varlen")
+        self.engine.eval()
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            for batch in loader:
+                batch = to_device(batch, self.device)
+                out = forward_batch(self.engine, model_inputs(batch), self.device)
+                real = batch["weights"] > 0
+                logits[batch["example_ids"][real]] = out.logits[real].double().view(-1, self.num_labels)
+        self.engine.train()
+        logits = torch.tensor(dist_utils.all_reduce_sum(logits.flatten(), self.device),
+                              dtype=torch.float64).view(len(dev), self.num_labels)
+        if self.cfg.regression:
+            logits = logits.squeeze(-1)
+        labels = torch.from_numpy(dev.labels)
+        loss = self.engine.module.loss(logits, labels)
+        return {"loss": float(loss), **compute_metrics(logits, labels)}
+
+    # ---------------------------------------------------------------- closing
+
+    def _summary(self) -> dict[str, Any]:
+        cfg, state, out_dir = self.cfg, self.state, self.cfg.out_dir
+        plot = plot_metrics(out_dir / "metrics.jsonl", out_dir / PLOT_FILE) if cfg.logging.plot else None
+        best = latest_checkpoint(out_dir / BEST_DIR)
+        summary = {"steps": state.step, "epochs": state.step / self.steps_per_epoch, "max_steps": self.max_steps,
+                   "stopped_early": state.stopped_early, "task": cfg.data.task, "labels": self.data.label_names,
+                   "train_examples": len(self.data.train), "dev_examples": len(self.data.dev),
+                   "skipped": dict(self.data.stats.skipped), "metric": cfg.metric,
+                   "best_metric": state.best_metric, "best_step": state.best_step,
+                   "best_checkpoint": str(best) if best else None, **state.last_eval,
+                   "world_size": self.layout.world_size, "train_time_s": round(state.train_time_s, 2),
+                   "checkpoint": str(latest_checkpoint(self.checkpointer.root)), "run_dir": str(out_dir),
+                   "metrics": str(out_dir / "metrics.jsonl"), "plot": str(plot) if plot else None}
+        best_text = "n/a" if state.best_metric is None else f"{state.best_metric:.4f}"
+        print(f"distaff: summary\n  steps {state.step}/{self.max_steps}"
+              f"{' (stopped early)' if state.stopped_early else ''} on {self.layout.world_size} rank(s) in "
+              f"{state.train_time_s:.0f} s\n  best dev {cfg.metric} {best_text} at step {state.best_step} ({best})"
+              f"\n  run directory {out_dir}", flush=True)
+        return summary
+
+
+def train(cfg: FinetuneConfig, layout: dist_utils.DistEnv) -> int:
+    """Run (or resume) fine-tuning on this rank; the exit code."""
+    try:
+        return FinetuneTrainer(cfg, layout).run()
+    except DataError as err:    # every rank reads the files: they refuse together, as for a bad config value
+        raise ConfigError(str(err)) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main("distaff finetune", __doc__.splitlines()[0], argv, load_finetune_config, train)
+

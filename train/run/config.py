@@ -1,0 +1,441 @@
+"""The pretraining run configuration: typed sections read from YAML plus dotted ``key=value`` overrides.
+
+Every key is checked against the dataclasses below: an unknown key or a value of the wrong type
+is a :class:`ConfigError` naming the dotted key. The ``model`` section is a preset name plus any
+:class:`~distaff.train.model.config.ModelConfig` field, validated by the model config itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from distaff.train.core import presets
+from distaff.train.core.config_yaml import load_yaml
+from distaff.train.core.errors import shown
+from distaff.train.data.collator import MaskingConfig
+from distaff.train.model.config import ConfigError, ModelConfig, load_model_config, reject_unknown_keys
+
+__all__ = ["ConfigError", "RunConfig", "load_config", "parse_overrides", "save_config", "config_to_dict"]
+
+
+MAX_SEED = 2**32 - 1      # numpy's generators take seeds up to this; torch's up to 2^64 - 1, the rank's offset included
+
+
+@dataclass
+class RunSection:
+    out_dir: str = "runs/distaff"
+    name: str = "distaff"
+    seed: int = 1234
+
+
+@dataclass
+class ModelSection:
+    preset: str = "tiny"
+    # a model folder (`distaff grow` output, or Hugging Face) whose weights and architecture the run starts from
+    init_from: str = ""
+    # ModelConfig fields to change from the preset (``model.<field>=value``)
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DataSection:
+    dir: str = ""                       # output of `distaff data prepare`
+    batch_size: int = 8                 # micro-batch per rank
+    num_workers: int = 0
+    eval_batch_size: int = 0            # 0: same as batch_size
+    # padded: batch_size rows of seq_len; varlen: whole samples packed end to end (cu_seqlens) up to
+    # tokens_per_batch tokens, attention per sample (docs/pretraining.md, "Packed training")
+    packing: Literal["padded", "varlen"] = "padded"
+    tokens_per_batch: int = 0           # varlen only; 0: batch_size x the data's seq_len
+    masking: MaskingConfig = field(default_factory=MaskingConfig)
+
+    def token_budget(self, seq_len: int, eval: bool = False) -> int:
+        """Tokens per packed batch (0 for padded batches); eval batches hold eval_batch_size rows' worth."""
+        if self.packing == "padded":
+            return 0
+        if eval:
+            return (self.eval_batch_size or self.batch_size) * seq_len
+        return self.tokens_per_batch or self.batch_size * seq_len
+
+
+@dataclass
+class TrainSection:
+    max_steps: int = 1000               # optimizer steps
+    grad_accum: int = 1
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    grad_clip: float = 1.0              # 0 disables clipping
+    max_nonfinite_steps: int = 10       # stop after this many skipped (non-finite loss) steps in a row
+    # mlm: masked-LM; rtd: DeBERTa-v3's replaced-token detection (generator + discriminator, see `rtd`);
+    # tta: T-TA's all-token objective (unmasked input, every token a target; sets model.tta, drops EMD)
+    objective: Literal["mlm", "rtd", "tta"] = "mlm"
+
+
+@dataclass
+class RTDSection:
+    """``train.objective=rtd`` only. The ``model`` section is the discriminator (the model exported)."""
+    weight: float = 50.0                # total loss = generator MLM loss + weight x RTD loss
+    embedding_sharing: Literal["none", "es", "gdes"] = "gdes"
+    # how the two losses combine (train/model/loss_weighting.py): fixed (1 and `weight`), initial (each
+    # over its first-step value, times those weights), uncertainty (learned, Kendall et al. 2018)
+    loss_weighting: Literal["fixed", "initial", "uncertainty"] = "fixed"
+    # the generator: ``preset`` and/or ModelConfig fields; empty = the discriminator's config with
+    # half its layers (the DeBERTa-v3 paper's generator)
+    generator: dict[str, Any] = field(default_factory=dict)
+    # an HF folder (a public DeBERTa-v3 checkpoint, or one export-hf wrote) whose weights, RTD head
+    # included when present, start the discriminator; shared embeddings start the generator's table
+    init_discriminator: str = ""
+
+
+@dataclass
+class OptimSection:
+    lr: float = 1e-4
+    warmup_steps: int = 0
+    schedule: Literal["linear", "cosine"] = "linear"
+    min_lr_ratio: float = 0.0           # final lr as a fraction of lr
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
+    eps: float = 1e-6
+
+
+@dataclass
+class ZeroSection:
+    stage: int = 0
+    offload_optimizer: bool = False
+    offload_param: bool = False
+
+
+@dataclass
+class DeepSpeedSection:
+    # a DeepSpeed JSON file deep-merged over the generated config (experts only)
+    config: str = ""
+    # DeepSpeed's shared-memory allreduce for CPU ranks; off by default because its first use
+    # compiles a C++ op (~60-90 s) and gloo is enough for CPU runs
+    cpu_shm_comm: bool = False
+
+
+@dataclass
+class DistributedSection:
+    timeout_s: int = 300                # a collective waiting longer than this fails the job
+    # a rank with no step progress for this long dumps its stacks and exits (0: timeout_s)
+    watchdog_s: int = 0
+
+
+@dataclass
+class LoggingSection:
+    every: int = 10
+    progress_bar: bool = True           # tqdm bar on rank 0, when stderr is a terminal
+    plot: bool = True
+
+
+@dataclass
+class WandbSection:
+    mode: Literal["online", "offline", "disabled"] = "offline"
+    project: str = "distaff"
+    name: str = ""                      # "": run.name
+    group: str = ""
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class EvalSection:
+    every: int = 0                      # 0: only at the end
+    batches: int = 50                   # 0: the whole held-out split
+
+
+@dataclass
+class CheckpointSection:
+    every: int = 1000                   # 0: only at the end and on preemption
+    keep: int = 3
+    resume: str = "auto"                # auto | none | PATH to a checkpoint directory
+
+
+@dataclass
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    zero: ZeroSection = field(default_factory=ZeroSection)
+    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    wandb: WandbSection = field(default_factory=WandbSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    rtd: RTDSection = field(default_factory=RTDSection)
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.run.out_dir)
+
+    def model_config(self, **fixed: Any) -> ModelConfig:
+        """The model preset with the run's overrides; ``fixed`` (e.g. the tokenizer's vocab size) last.
+
+        Pretraining turns the Enhanced Mask Decoder on unless the run says ``model.emd: false``.
+        """
+        try:
+            if self.model.init_from:  # the architecture is the folder's; the preset is not used
+                from distaff.train.run.model_folder import init_model_config
+
+                return init_model_config(self.model.init_from, self.model.overrides, fixed)
+            cfg = load_model_config(self.model.preset, **{"emd": True, **self.model.overrides, **fixed})
+        except ConfigError as err:
+            raise ConfigError(f"model: {err}") from None
+        if cfg.pos_att_type and not cfg.relative_attention:
+            # Hugging Face accepts this (and only rescales attention by the unused terms); a new run means a mistake
+            raise ConfigError(f"model.pos_att_type {cfg.pos_att_type} needs model.relative_attention: true; for "
+                              "absolute positions or RoPE alone set model.pos_att_type: [] (content-only attention)")
+        return cfg
+
+    def generator_config(self, discriminator: ModelConfig) -> ModelConfig:
+        """The RTD generator: ``rtd.generator`` (a preset and/or fields) over the discriminator's config
+        with half its layers; vocabulary and padding are the discriminator's, and so is the embedding
+        width when the embeddings are shared (a narrower generator projects them)."""
+        values = dict(self.rtd.generator)
+        preset = values.pop("preset", None)
+        fixed = {"vocab_size": discriminator.vocab_size, "pad_token_id": discriminator.pad_token_id}
+        if self.rtd.embedding_sharing != "none":
+            fixed["embedding_size"] = values.pop("embedding_size", discriminator.embedding_size)
+        try:
+            if preset is not None:
+                return load_model_config(str(preset), **{"emd": discriminator.emd, **values, **fixed})
+            base = {**discriminator.to_dict(), "num_hidden_layers": max(1, discriminator.num_hidden_layers // 2)}
+            if "hidden_size" in values and "embedding_size" not in fixed:
+                base["embedding_size"] = None       # unshared: the generator's own width
+            return ModelConfig.from_dict({**base, **values, **fixed}, "rtd.generator")
+        except ConfigError as err:
+            raise ConfigError(f"rtd.generator: {err}") from None
+
+
+# ---------------------------------------------------------------- building from plain values
+
+def _check_value(key: str, value: Any, annotation: Any) -> Any:
+    """``value`` if it fits ``annotation`` (after the one coercion YAML needs: '1e-4' -> float)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: must be one of {list(args)}, got {shown(value)}")
+        return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: must be a mapping, got {shown(value)} ({type(value).__name__})")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: must be a list, got {shown(value)} ({type(value).__name__})")
+        return [_check_value(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if annotation is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = float(value)
+            # .inf / .nan pass every range check below and poison the run silently
+            if not math.isfinite(value):
+                raise ConfigError(f"{key}: must be a finite number, got {value}")
+            return value
+    elif annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(value, annotation):
+        return value
+    raise ConfigError(f"{key}: must be of type {annotation.__name__}, got {shown(value)} ({type(value).__name__})")
+
+
+def _build(cls: type, values: Any, prefix: str) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {shown(values)}")
+    hints = typing.get_type_hints(cls)
+    known = sorted(f.name for f in fields(cls))
+    reject_unknown_keys(values, known, "unknown config key(s)", prefix, f" (known keys: {known})")
+    kwargs = {}
+    for name, value in values.items():
+        annotation = hints[name]
+        if dataclasses.is_dataclass(annotation):
+            kwargs[name] = _build(annotation, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _check_value(prefix + name, value, annotation)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as err:  # a component's own validation (e.g. MaskingConfig): name the section
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {err}") from None
+
+
+def _build_model_section(values: Any) -> ModelSection:
+    if not isinstance(values, dict):
+        raise ConfigError(f"model: expected a mapping, got {shown(values)}")
+    values = dict(values)
+    preset = _check_value("model.preset", values.pop("preset", ModelSection.preset), str)
+    init_from = _check_value("model.init_from", values.pop("init_from", ModelSection.init_from), str)
+    reject_unknown_keys(values, (f.name for f in fields(ModelConfig)), "unknown config key(s)", "model.",
+                        " (not ModelConfig fields)")
+    return ModelSection(preset=preset, init_from=init_from, overrides=values)
+
+
+def check_ranges(positive: dict[str, float], non_negative: dict[str, float]) -> None:
+    """Each dotted key's value must be > 0 (``positive``) or >= 0 (``non_negative``)."""
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key}: must be positive, got {value}")
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {value}")
+
+
+def check_seed(key: str, seed: int) -> None:
+    if not 0 <= seed <= MAX_SEED:
+        raise ConfigError(f"{key}: must be a whole number from 0 to {MAX_SEED} (2^32 - 1), got {shown(seed)}")
+
+
+def check_engine_sections(cfg: Any) -> None:
+    """The ``zero``, ``optim`` and ``run`` settings every DeepSpeed run shares (pretraining, fine-tuning)."""
+    if cfg.zero.stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero.stage: must be 0, 1, 2 or 3, got {cfg.zero.stage}")
+    if cfg.zero.offload_param and cfg.zero.stage != 3:
+        raise ConfigError("zero.offload_param: parameter offload needs zero.stage=3")
+    if cfg.zero.offload_optimizer and cfg.zero.stage == 0:
+        raise ConfigError("zero.offload_optimizer: optimizer offload needs zero.stage >= 1")
+    if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio: must be in [0, 1], got {cfg.optim.min_lr_ratio}")
+    if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
+        raise ConfigError(f"optim.betas: must be two values in [0, 1), got {cfg.optim.betas}")
+    if not cfg.run.out_dir:
+        raise ConfigError("run.out_dir: required")
+    check_seed("run.seed", cfg.run.seed)
+
+
+def _validate(cfg: RunConfig) -> None:
+    check_ranges(
+        positive={"data.batch_size": cfg.data.batch_size, "train.max_steps": cfg.train.max_steps,
+                  "train.grad_accum": cfg.train.grad_accum, "train.max_nonfinite_steps": cfg.train.max_nonfinite_steps,
+                  "logging.every": cfg.logging.every,
+                  "checkpoint.keep": cfg.checkpoint.keep, "distributed.timeout_s": cfg.distributed.timeout_s,
+                  "optim.lr": cfg.optim.lr, "rtd.weight": cfg.rtd.weight},
+        non_negative={"data.num_workers": cfg.data.num_workers, "data.eval_batch_size": cfg.data.eval_batch_size,
+                      "data.tokens_per_batch": cfg.data.tokens_per_batch,
+                      "optim.warmup_steps": cfg.optim.warmup_steps, "optim.weight_decay": cfg.optim.weight_decay,
+                      "train.grad_clip": cfg.train.grad_clip, "eval.every": cfg.eval.every,
+                      "eval.batches": cfg.eval.batches, "checkpoint.every": cfg.checkpoint.every,
+                      "distributed.watchdog_s": cfg.distributed.watchdog_s})
+    check_engine_sections(cfg)
+    if not cfg.data.dir:
+        raise ConfigError("data.dir: required (a folder written by `distaff data prepare`)")
+    _check_combinations(cfg)
+
+
+def _check_combinations(cfg: RunConfig) -> None:
+    """Settings that are valid alone but not together, each error naming both keys."""
+    if cfg.data.tokens_per_batch and cfg.data.packing != "varlen":
+        raise ConfigError("data.tokens_per_batch: only packed batches (data.packing=varlen) have a token budget")
+    if cfg.train.objective == "rtd" and cfg.data.packing == "varlen":
+        raise ConfigError("train.objective=rtd with data.packing=varlen: the RTD discriminator and head run on "
+                          "padded [B, N] batches only; use data.packing=padded")
+    if cfg.train.objective != "rtd" and cfg.rtd.loss_weighting != "fixed":
+        raise ConfigError(f"rtd.loss_weighting={cfg.rtd.loss_weighting} with train.objective={cfg.train.objective}: "
+                          "loss weighting combines RTD's two losses; set train.objective=rtd or drop "
+                          "rtd.loss_weighting")
+    if cfg.train.objective == "rtd" and cfg.model.init_from:
+        raise ConfigError("model.init_from with train.objective=rtd: start the discriminator from an HF folder "
+                          "with rtd.init_discriminator instead")
+    if cfg.train.objective == "tta" and cfg.model.init_from:
+        raise ConfigError("model.init_from with train.objective=tta: T-TA's attention and position queries do not "
+                          "start from another model's weights; train it from scratch")
+    if cfg.model.overrides.get("tta") and cfg.train.objective != "tta":
+        raise ConfigError(f"model.tta with train.objective={cfg.train.objective}: a T-TA model is trained by the "
+                          "all-token objective; set train.objective=tta (which sets model.tta itself)")
+
+
+def config_from_dict(values: dict[str, Any]) -> RunConfig:
+    """A validated :class:`RunConfig` from nested plain values (YAML after overrides)."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"config: expected a mapping of sections, got {type(values).__name__}")
+    values = dict(values)
+    model = _build_model_section(values.pop("model", {}) or {})
+    cfg = _build(RunConfig, values, "")
+    cfg.model = model
+    _validate(cfg)
+    cfg.model_config()  # model overrides are validated now, not at the first step
+    if cfg.train.objective == "rtd":
+        cfg.generator_config(cfg.model_config())
+    return cfg
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
+    """``["optim.lr=3e-4", ...]`` -> ``[(["optim", "lr"], 3e-4), ...]``; values are parsed as YAML."""
+    parsed = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r}: expected dotted.key=value")
+        value = load_yaml(text, f"override {key}") if text else ""
+        parsed.append((key.split("."), value))
+    return parsed
+
+
+def _apply_override(values: dict[str, Any], path: list[str], value: Any) -> None:
+    node = values
+    for depth, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {'.'.join(path)}: {'.'.join(path[: depth + 1])} is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def config_file(value: str | Path, kind: str = "run") -> Path:
+    """``value`` if it is a file, else the installed preset of ``kind`` it names (``tiny-cpu``: presets.py)."""
+    path = Path(value)
+    if path.is_file():
+        return path
+    preset = presets.preset_file(str(value), kind)
+    if preset is None:
+        raise ConfigError(f"config file not found: {value} (nor a {kind} preset of that name; presets: "
+                          f"{', '.join(presets.preset_names(kind))})")
+    return preset
+
+
+def read_config_values(path: str | Path | None, overrides: list[str] = (), kind: str = "run") -> dict[str, Any]:
+    """The YAML file, or the preset of ``kind`` it names (values empty when ``path`` is None), with the dotted
+    overrides applied."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = config_file(path, kind)
+        values = load_yaml(path.read_text(), str(path)) or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections")
+    for keys, value in parse_overrides(list(overrides)):
+        _apply_override(values, keys, value)
+    return values
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Read a YAML run config (or start from the defaults when ``path`` is None) and apply overrides."""
+    return config_from_dict(read_config_values(path, overrides))
+
+
+def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """Plain nested values that :func:`config_from_dict` turns back into ``cfg``."""
+    values = dataclasses.asdict(cfg)
+    init_from = {"init_from": cfg.model.init_from} if cfg.model.init_from else {}
+    values["model"] = {"preset": cfg.model.preset, **init_from, **cfg.model.overrides}
+    return values
+
+
+def save_config(cfg: RunConfig, path: str | Path, model_config: ModelConfig | None = None) -> None:
+    """Write the resolved config; with ``model_config``, every model field is spelled out."""
+    values = config_to_dict(cfg)
+    if model_config is not None:
+        values["model"] = {**values["model"], **model_config.to_dict()}
+    Path(path).write_text(yaml.safe_dump(values, sort_keys=False))

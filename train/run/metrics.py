@@ -1,0 +1,326 @@
+"""Rank-0 metrics: a stdout line, ``metrics.jsonl``, W&B, a progress bar, and a PNG plot at the end.
+
+W&B is best effort: any failure (no network, bad credentials, a crash inside wandb) is logged
+once and the sink switches itself off; training never stops because of it. The JSONL file and
+the plot carry the same numbers for people without W&B.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distaff.train.model.flops import mfu
+from distaff.train.run.config import WandbSection
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "metrics.png"
+
+
+def warn(message: str) -> None:
+    print(f"distaff: warning: {message}", file=sys.stderr, flush=True)
+
+
+def system_info(world_size: int) -> dict[str, Any]:
+    import deepspeed
+
+    info = {"hostname": socket.gethostname(), "python": platform.python_version(), "torch": torch.__version__,
+            "deepspeed": deepspeed.__version__, "world_size": world_size, "cuda": torch.cuda.is_available(),
+            "threads_per_rank": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name()
+    else:
+        info["device"] = platform.processor() or platform.machine()
+    return info
+
+
+# W&B sections: the run page groups charts by the prefix before "/". metrics.jsonl and stdout keep the flat
+# names, which plots, the ablation report and users' scripts read. Keys not listed here: ``eval_*`` -> eval/,
+# RTD's ``gen_*``/``rtd_*``/``weight_*``/``replaced_rate`` -> rtd/, the rest (loss, accuracy) -> train/.
+WANDB_SECTIONS = {
+    "progress": ("step", "tokens_seen", "epoch"),
+    "optim": ("lr", "grad_norm", "loss_scale", "nonfinite_steps"),
+    "perf": ("tokens_per_s", "tokens_per_s_per_device", "samples_per_s", "samples_per_s_per_device",
+             "padding_fraction", "step_time_s", "mfu", "eta_s", "peak_mem_gb"),
+}
+WANDB_STEP, WANDB_TOKENS = "progress/step", "progress/tokens_seen"
+WANDB_CHARTED = ("train", "eval", "rtd", "optim", "perf")     # sections charted against the step
+
+
+def wandb_key(key: str) -> str:
+    """The sectioned W&B name of a flat metric key (``eval_loss`` -> ``eval/loss``, ``lr`` -> ``optim/lr``)."""
+    if key.startswith("eval_"):
+        return f"eval/{key[len('eval_'):]}"
+    for section, keys in WANDB_SECTIONS.items():
+        if key in keys:
+            return f"{section}/{key}"
+    if key.startswith("rtd_"):
+        return f"rtd/{key[len('rtd_'):]}"
+    if key.startswith(("gen_", "weight_")) or key == "replaced_rate":
+        return f"rtd/{key}"
+    return f"train/{key}"
+
+
+def wandb_summary(summary: dict[str, Any]) -> dict[str, Any]:
+    """``summary.json`` for the W&B run summary: the final held-out numbers under eval/ (where the charts'
+    last values are) with the baseline and the best dev checkpoint beside them, the run's totals under run/."""
+    def key(name: str) -> str:
+        if name.startswith("eval_"):
+            return wandb_key(name)
+        return f"eval/{name}" if name.startswith("best_") or name.endswith("baseline_accuracy") else f"run/{name}"
+
+    return {key(name): value for name, value in summary.items() if value is not None}
+
+
+class WandbSink:
+    """A W&B run on rank 0 that resumes by id and never raises; metrics go in sections (:func:`wandb_key`),
+    charted against the optimizer step (``progress/step``; ``progress/tokens_seen`` is the other x-axis)."""
+
+    def __init__(self, cfg: WandbSection, *, run_name: str, out_dir: Path, run_id: str, config: dict[str, Any]):
+        self.run = None
+        if cfg.mode == "disabled":
+            return
+        try:
+            import wandb
+
+            self.run = wandb.init(project=cfg.project, name=cfg.name or run_name, group=cfg.group or None,
+                                  tags=cfg.tags or None, mode=cfg.mode, dir=str(out_dir), id=run_id,
+                                  resume="allow", config=config,
+                                  settings=wandb.Settings(init_timeout=90, console="off", silent=True))
+            self.run.define_metric(WANDB_STEP)
+            self.run.define_metric(WANDB_TOKENS, step_metric=WANDB_STEP)
+            for section in WANDB_CHARTED:
+                self.run.define_metric(f"{section}/*", step_metric=WANDB_STEP)
+        except Exception as err:  # noqa: BLE001 - W&B must never stop training
+            warn(f"W&B disabled: wandb.init failed: {type(err).__name__}: {err}")
+            self.run = None
+
+    def log(self, record: dict[str, Any], step: int) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.log({wandb_key(k): v for k, v in record.items() if v is not None}, step=step)
+        except Exception as err:  # noqa: BLE001
+            warn(f"W&B disabled: wandb.log failed: {type(err).__name__}: {err}")
+            self.run = None
+
+    def summary(self, values: dict[str, Any]) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.summary.update(wandb_summary(values))
+        except Exception as err:  # noqa: BLE001
+            warn(f"W&B summary failed: {type(err).__name__}: {err}")
+
+    def finish(self, exit_code: int) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.finish(exit_code=exit_code)
+        except Exception as err:  # noqa: BLE001
+            warn(f"W&B finish failed: {type(err).__name__}: {err}")
+        self.run = None
+
+
+def _format_duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+# (key, label) of the objective's metrics a line shows when the record has them (MLM or RTD).
+QUALITY_KEYS = (("loss", "loss"), ("accuracy", "acc"), ("gen_loss", "gen"), ("gen_accuracy", "gen acc"),
+                ("rtd_loss", "rtd"), ("rtd_accuracy", "rtd acc"), ("rtd_auc", "auc"), ("replaced_rate", "replaced"),
+                ("f1", "f1"), ("mcc", "mcc"), ("pearson", "pearson"), ("spearman", "spearman"))
+
+
+def _quality(record: dict[str, Any], prefix: str) -> list[str]:
+    return [f"{label} {record[prefix + key]:.4f}" for key, label in QUALITY_KEYS
+            if record.get(prefix + key) is not None]
+
+
+def format_line(record: dict[str, Any], max_steps: int) -> str:
+    """One human-readable line for a train or eval record."""
+    if "eval_loss" in record:
+        parts = [f"eval step {record['step']}", *_quality(record, "eval_")]
+        if "eval_perplexity" in record:  # pretraining
+            parts += [f"ppl {record['eval_perplexity']:.2f}", f"{record['eval_tokens']} tokens"]
+        return " | ".join(parts)
+    parts = [f"step {record['step']}/{max_steps}", *_quality(record, ""), f"lr {record['lr']:.2e}"]
+    if record.get("grad_norm") is not None:
+        parts.append(f"gnorm {record['grad_norm']:.3f}")
+    if record.get("loss_scale") is not None:
+        parts.append(f"scale {record['loss_scale']:g}")
+    parts.append(f"tok/s {record['tokens_per_s']:.0f} ({record['tokens_per_s_per_device']:.0f}/dev)")
+    parts.append(f"samples/s {record['samples_per_s']:.1f}")
+    if record.get("padding_fraction") is not None:
+        parts.append(f"pad {100 * record['padding_fraction']:.1f}%")
+    if record.get("mfu") is not None:
+        parts.append(f"mfu {100 * record['mfu']:.1f}%")
+    parts.append(f"mem {record['peak_mem_gb']:.2f} GB")
+    parts.append(f"eta {_format_duration(record['eta_s'])}")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Rank 0 writes; other ranks hold an inert logger so call sites need no rank checks."""
+
+    def __init__(self, out_dir: Path, *, enabled: bool, max_steps: int, start_step: int, progress_bar: bool,
+                 wandb: WandbSink | None):
+        self.enabled = enabled
+        self.max_steps = max_steps
+        self.path = out_dir / METRICS_FILE
+        self.wandb = wandb
+        self.bar = None
+        if not enabled:
+            return
+        self._truncate_after(start_step)
+        if progress_bar and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=max_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def _truncate_after(self, step: int) -> None:
+        """Drop records past the resumed step (written after the checkpoint by the interrupted run)."""
+        if not self.path.is_file():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        line = format_line(record, self.max_steps)
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(record, step=record["step"])
+
+    def advance(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class Throughput:
+    """Real tokens/s, samples/s, the padding fraction and ETA over the steps since the last report."""
+
+    def __init__(self, world_size: int, flops_per_token: float, peak_flops: float | None):
+        self.world_size = world_size
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.reset()
+
+    def reset(self) -> None:
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+        self.samples = 0
+        self.positions = 0
+        self.steps = 0
+
+    def add(self, tokens: int, samples: int, positions: int) -> None:
+        """Global real tokens, samples and computed positions (padding included) of one optimizer step."""
+        self.tokens += tokens
+        self.samples += samples
+        self.positions += positions
+        self.steps += 1
+
+    def report(self, steps_left: int) -> dict[str, Any]:
+        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        tokens_per_s = self.tokens / elapsed
+        per_device = tokens_per_s / self.world_size
+        report = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": per_device,
+                  "samples_per_s": self.samples / elapsed, "samples_per_s_per_device": self.samples / elapsed / self.world_size,
+                  "padding_fraction": padding_fraction(self.tokens, self.positions),
+                  "step_time_s": elapsed / max(self.steps, 1), "mfu": mfu(per_device, self.flops_per_token, self.peak_flops),
+                  "eta_s": steps_left * elapsed / max(self.steps, 1)}
+        self.reset()
+        return report
+
+
+def peak_memory_gb() -> float:
+    """Peak CUDA memory allocated on this device, or the process's peak resident set on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+# (title, keys): what each panel shows, for whichever keys the run logged (MLM, RTD or fine-tuning).
+PLOT_PANELS = (("loss", ("loss", "gen_loss", "rtd_loss")),
+               ("accuracy", ("accuracy", "gen_accuracy", "rtd_accuracy", "rtd_auc", "f1", "mcc", "pearson", "spearman")))
+
+
+def _plot_series(ax, key: str, train: list[dict], evals: list[dict]) -> None:
+    """``key`` from the train records and ``eval_<key>`` from the evaluations, where logged."""
+    color = None
+    points = [(r["step"], r[key]) for r in train if r.get(key) is not None]
+    if points:
+        color = ax.plot(*zip(*points), label=key, linewidth=1)[0].get_color()
+    points = [(r["step"], r[f"eval_{key}"]) for r in evals if r.get(f"eval_{key}") is not None]
+    if points:
+        ax.plot(*zip(*points), "o--", color=color, label=f"held-out {key}")
+
+
+def plot_metrics(jsonl_path: Path, png_path: Path) -> Path | None:
+    """Loss and accuracy (MLM, or generator and discriminator with RTD) against steps (train and held-out) as a PNG; None if nothing was logged."""
+    if not jsonl_path.is_file():
+        return None
+    records = [json.loads(line) for line in jsonl_path.read_text().splitlines() if line.strip()]
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    if not train and not evals:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, (title, keys) in zip(axes, PLOT_PANELS):
+        for key in keys:
+            _plot_series(ax, key, train, evals)
+        ax.set_xlabel("step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    return save_figure(fig, png_path)
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Write a matplotlib figure as a PNG and free it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def padding_fraction(tokens: int, positions: int) -> float | None:
+    """The share of computed token positions that were padding (None before any step)."""
+    return 1.0 - tokens / positions if positions else None
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 50 else float("inf")

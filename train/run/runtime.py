@@ -1,0 +1,387 @@
+"""What every distaff training run shares, pretraining and fine-tuning alike.
+
+:class:`RunBase` is one rank of a run: it locks ``run.out_dir``, catches SIGTERM/SIGUSR1, builds
+the DeepSpeed engine and the checkpointer, opens the metrics, and runs the loop skeleton (a step,
+then evaluation and checkpointing with the watchdog paused, until the subclass says it is done or
+a signal arrives: then a checkpoint and :data:`EXIT_PREEMPTED`) around one optimizer step over the
+subclass's micro-batches and objective. Subclasses supply their data, model, evaluation and summary. :func:`run_main` is the command-line entry with the shared error handling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import secrets
+import signal
+import string
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import torch
+
+from distaff.train.core import distributed as dist_utils
+from distaff.train.core.errors import DEBUG_FLAG, RunFailure, report, take_debug_flag
+from distaff.train.core.exit_codes import EXIT_PREEMPTED
+from distaff.train.core.runlock import DirLock
+from distaff.train.core.threads import configure_threads
+from distaff.train.core.watchdog import Watchdog
+from distaff.train.model.config import ModelConfig
+from distaff.train.run.checkpoint import Checkpointer, Stateful, latest_checkpoint
+from distaff.train.run.config import ConfigError
+from distaff.train.run.engine import initialize, set_lr
+from distaff.train.run.metrics import MetricsLogger, WandbSink, system_info
+from distaff.train.run.steps import optimizer_step, train_step
+
+SUMMARY_FILE = "summary.json"       # written by rank 0 when a run ends, "finished": true once it is complete
+
+
+class PreemptionFlag:
+    """Remembers a SIGTERM/SIGUSR1 or a first Ctrl-C (SIGINT); the loop acts on it at the next step boundary.
+
+    A second Ctrl-C ends the process at once: the first restores SIGINT's default action (the kernel ends the
+    process, even inside a collective that never returns to Python; no checkpoint, no traceback)."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = self.signum or signum     # the first one names the cause
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def check_data_fits_model(model_cfg: ModelConfig, seq_len: int, length: str, remedy: str,
+                          section: str = "model") -> None:
+    """Absolute position embeddings (``position_biased_input``, the Enhanced Mask Decoder, T-TA's queries) have
+    ``max_position_embeddings`` rows: longer sequences (``length`` says where their length is set) would
+    fail at the first step with a shape error."""
+    users = [f"{section}.{name}" for name, on in (("position_biased_input", model_cfg.position_biased_input),
+                                                  ("emd", model_cfg.emd), ("tta", model_cfg.tta)) if on]
+    if users and seq_len > model_cfg.max_position_embeddings:
+        raise ConfigError(f"{section}.max_position_embeddings: {model_cfg.max_position_embeddings} is shorter than "
+                          f"the data's sequences ({length}), and {' and '.join(users)} use absolute positions; "
+                          f"{remedy}")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def new_wandb_id() -> str:
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(8))
+
+
+@dataclass
+class TrainState:
+    """The W&B run id, where the loop is and its counters: what a resumed run continues from."""
+    wandb_run_id: str | None = None
+    step: int = 0
+    tokens: int = 0                     # real (non-padding) tokens
+    samples: int = 0
+    positions: int = 0                  # token positions computed, padding included
+    train_time_s: float = 0.0
+    nonfinite_steps: int = 0            # steps skipped for a non-finite loss
+    last_eval: dict[str, float] = field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for f in dataclasses.fields(self):
+            if f.name in state:         # checkpoints from before a counter existed lack it
+                setattr(self, f.name, state[f.name])
+
+
+class RunSections(Protocol):
+    """What :class:`RunBase` reads of a config: the sections a pretraining ``RunConfig`` and a fine-tuning
+    config both have (each trainer reads the rest of its own)."""
+
+    run: Any
+    train: Any
+    zero: Any
+    distributed: Any
+    logging: Any
+    wandb: Any
+    checkpoint: Any
+
+    @property
+    def out_dir(self) -> Path: ...
+
+
+class RunBase:
+    """One rank of a run. Subclasses set ``self.state`` (a :class:`TrainState`), ``self.engine``,
+    ``self.objective``, ``self.batches`` (an iterator of micro-batches), ``self.max_steps``,
+    ``self.checkpointer``, ``self.metrics`` and ``self.throughput``, and implement :meth:`_done`,
+    :meth:`_lr`, :meth:`_log_train`, :meth:`_after_step`, :meth:`_finish` and :meth:`_summary`."""
+
+    def __init__(self, cfg: RunSections, layout: dist_utils.DistEnv):
+        self.cfg, self.layout = cfg, layout
+        self.device = dist_utils.device_for(layout)
+        self.out_dir_lock = self._lock_out_dir()
+        self.preemption = PreemptionFlag()
+        self.nonfinite_in_a_row = 0
+        self.watchdog: Watchdog | None = None
+        self.finished_before = False
+
+    # ---------------------------------------------------------------- building
+
+    def _lock_out_dir(self) -> DirLock | None:
+        """Rank 0 holds ``run.out_dir``'s lock for the run's life; every rank learns of a refusal, and why."""
+        lock, refusal = None, ""
+        if self.layout.is_main:
+            try:
+                lock = DirLock(self.cfg.out_dir, "run.out_dir")
+            except ConfigError as err:
+                refusal = str(err)
+        refusal = dist_utils.broadcast_text(refusal, self.device)
+        if refusal:
+            raise ConfigError(refusal)
+        return lock
+
+    def _initialize_engine(self, build_model: Callable[[], torch.nn.Module],
+                           param_groups: Callable[[torch.nn.Module], list[dict[str, Any]]] | None = None):
+        """The model, built with the same seed on every rank (identical initial weights), under DeepSpeed
+        (optimizer groups ``param_groups(model)``, default the engine's); then every rank's generators are
+        seeded apart (dropout, masking)."""
+        seed_everything(self.cfg.run.seed)
+        model = build_model()
+        groups = param_groups(model) if param_groups is not None else None
+        engine = initialize(model, self.cfg, self.layout.world_size, groups)
+        seed_everything(self.cfg.run.seed + 7919 * (self.layout.rank + 1))
+        return engine
+
+    def _new_checkpointer(self, root: Path, *, per_rank: dict[str, Stateful], meta: dict[str, Any], every: int,
+                          keep: int, tokenizer_dir: Path | None) -> Checkpointer:
+        """A checkpointer of the engine, ``per_rank`` components and the loop's state (rank 0 writes it)."""
+        return Checkpointer(root, self.engine, per_rank=per_rank, shared={"train_state": self.state}, meta=meta,
+                            every=every, keep=keep, rank=self.layout.rank, world_size=self.layout.world_size,
+                            barrier=dist_utils.barrier, any_rank=self._any_rank,
+                            from_rank0=lambda text: dist_utils.broadcast_text(text, self.device),
+                            tokenizer_dir=tokenizer_dir)
+
+    def _restore(self) -> Path | None:
+        """``checkpoint.resume`` applied; every rank must be at the same step afterwards."""
+        resumed_from = self.checkpointer.restore(self.cfg.checkpoint.resume)
+        step = self.state.step
+        if dist_utils.all_reduce_sum([float(step)], self.device)[0] != step * self.layout.world_size:
+            raise RuntimeError(f"ranks resumed from different steps (this rank: {step}); "
+                               f"is {self.checkpointer.root} shared?")
+        self.state.wandb_run_id = self.state.wandb_run_id or os.environ.get("WANDB_RUN_ID") or new_wandb_id()
+        # re-running a finished run: nothing to train, evaluate or log (run() says so and returns)
+        self.finished_before = resumed_from is not None and self._done()
+        return resumed_from
+
+    def _any_rank(self, flag: bool) -> bool:
+        return dist_utils.all_reduce_sum([float(flag)], self.device)[0] > 0
+
+    def _open_metrics(self, resumed_from: Path | None, *, max_steps: int, wandb_config: dict[str, Any],
+                      what: str) -> MetricsLogger:
+        """Rank 0 announces the run (``what`` appended to the line) and opens W&B with ``wandb_config`` (the
+        resolved config); all ranks get a logger."""
+        cfg, sink = self.cfg, None
+        if self.layout.is_main and not self.finished_before:
+            parameters = sum(getattr(p, "ds_numel", p.numel()) for p in self.engine.module.parameters())
+            print(f"distaff: {'resuming from ' + str(resumed_from) if resumed_from else 'starting a new run'}; "
+                  f"{self.layout.world_size} rank(s) x {torch.get_num_threads()} CPU thread(s), ZeRO-{cfg.zero.stage}, "
+                  f"{cfg.train.precision}, "
+                  f"{parameters / 1e6:.2f}M parameters{what}", flush=True)
+            sink = WandbSink(cfg.wandb, run_name=cfg.run.name, out_dir=cfg.out_dir, run_id=self.state.wandb_run_id,
+                             config={**wandb_config, "system": system_info(self.layout.world_size)})
+        return MetricsLogger(cfg.out_dir, enabled=self.layout.is_main, max_steps=max_steps,
+                             start_step=self.state.step, progress_bar=cfg.logging.progress_bar, wandb=sink)
+
+    # ---------------------------------------------------------------- the loop
+
+    def run(self) -> int:
+        """Loop until done or signalled, then the final save and evaluation; the exit code."""
+        cfg = self.cfg
+        if self.finished_before:
+            if self.layout.is_main:
+                print(f"distaff: {cfg.out_dir} is finished: {self._finished_line()}", flush=True)
+            return 0
+        self.watchdog = Watchdog(cfg.distributed.watchdog_s or cfg.distributed.timeout_s, cfg.out_dir,
+                                 self.layout.rank)
+        exit_code = self._loop()
+        self.watchdog.stop()
+        self.metrics.close()
+        if exit_code == 0:
+            self._finish()
+        self._close(exit_code)
+        return exit_code
+
+    def _loop(self) -> int:
+        while not self._done():
+            signalled = self._step()
+            self.metrics.advance(self.state.step)
+            self.watchdog.feed()
+            self._stop_if_nonfinite()
+            with self.watchdog.paused():  # bounded by the collective timeout, may take longer than a step
+                self._after_step(signalled)
+            if signalled:
+                if self.layout.is_main:
+                    what = "interrupted (Ctrl-C)" if self.preemption.signum == signal.SIGINT else "signal received"
+                    print(f"distaff: {what}; checkpoint saved at step {self.state.step}; exiting with "
+                          f"{EXIT_PREEMPTED} (run again to resume)", flush=True)
+                return EXIT_PREEMPTED
+        return 0
+
+    def _step(self) -> bool:
+        """One optimizer step over ``train.grad_accum`` micro-batches of ``self.batches`` and its bookkeeping;
+        returns whether any rank got a signal."""
+        state, started = self.state, time.perf_counter()
+        set_lr(self.engine, self._lr(state.step))
+        local = train_step(self.engine, self.batches, self.cfg.train.grad_accum, self.device, self.objective,
+                           self.layout.world_size)
+        (*sums, tokens, samples, positions), skipped, signalled = self._reduce_step(local)
+        optimizer_step(self.engine, skip=skipped)
+        if not skipped:
+            self.objective.after_step(self.engine.module, sums)
+        state.step += 1
+        state.tokens += int(tokens)
+        state.samples += int(samples)
+        state.positions += int(positions)
+        state.train_time_s += time.perf_counter() - started
+        self.throughput.add(int(tokens), int(samples), int(positions))
+        if state.step % self.cfg.logging.every == 0 or state.step == self.max_steps:
+            self._log_train(self.objective.report(sums))
+        return signalled
+
+    def _reduce_step(self, local: torch.Tensor) -> tuple[list[float], bool, bool]:
+        """One small collective per step: the global sums of ``local`` plus "did any rank get a signal?";
+        returns the sums, whether the step must be skipped (a non-finite sum: every rank skips the same
+        step) and whether a rank was signalled."""
+        flag = torch.tensor([float(self.preemption.signum != 0)], dtype=torch.float64, device=self.device)
+        *sums, signalled = dist_utils.all_reduce_sum(torch.cat([local, flag]), self.device)
+        skipped = not all(map(math.isfinite, sums))
+        self._count_nonfinite(skipped)
+        return sums, skipped, bool(signalled)
+
+    def _count_nonfinite(self, skipped: bool) -> None:
+        if not skipped:
+            self.nonfinite_in_a_row = 0
+            return
+        self.state.nonfinite_steps += 1
+        self.nonfinite_in_a_row += 1
+        if self.layout.is_main:
+            print(f"distaff: step {self.state.step + 1}: non-finite loss; optimizer step skipped "
+                  f"({self.nonfinite_in_a_row} in a row, limit train.max_nonfinite_steps="
+                  f"{self.cfg.train.max_nonfinite_steps})", flush=True)
+
+    def _stop_if_nonfinite(self) -> None:
+        """``train.max_nonfinite_steps`` skipped steps in a row stop the run before this step is saved."""
+        in_a_row = self.nonfinite_in_a_row
+        if in_a_row >= self.cfg.train.max_nonfinite_steps:
+            raise FloatingPointError(
+                f"the loss was not finite for {in_a_row} steps in a row (up to step {self.state.step}); stopping "
+                f"without saving (those steps left the weights unchanged; latest checkpoint: "
+                f"{latest_checkpoint(self.checkpointer.root)}); lower optim.lr or check the data")
+
+    # ---------------------------------------------------------------- subclass hooks
+
+    def _done(self) -> bool:
+        raise NotImplementedError
+
+    def _finished_line(self) -> str:
+        """Where a finished run stopped and which key to raise to continue it."""
+        raise NotImplementedError
+
+    def _lr(self, step: int) -> float:
+        """The base learning rate of optimizer step ``step`` (0-based)."""
+        raise NotImplementedError
+
+    def _log_train(self, objective_metrics: dict[str, float | None]) -> None:
+        raise NotImplementedError
+
+    def _after_step(self, signalled: bool) -> None:
+        """Evaluation and checkpointing after a step (a checkpoint is due when ``signalled``)."""
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        """After a completed loop: the final checkpoint first, then the final evaluation."""
+        raise NotImplementedError
+
+    def _summary(self) -> dict[str, Any]:
+        """Rank 0: the run's figures for ``summary.json``; draws the plot and prints a report."""
+        raise NotImplementedError
+
+    def _close(self, exit_code: int) -> None:
+        """Rank 0 writes ``summary.json``; ``finished`` says whether the run is complete (a run stopped by a
+        signal writes one too, to be resumed: its step count alone does not say so)."""
+        if not self.layout.is_main:
+            return
+        summary = {**self._summary(), "finished": exit_code == 0}
+        (self.cfg.out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+        if self.metrics.wandb is not None:
+            self.metrics.wandb.summary(summary)
+            self.metrics.wandb.finish(exit_code)
+
+
+def parse_args(prog: str, description: str, argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     epilog=f"{DEBUG_FLAG}: print the traceback of any error")
+    parser.add_argument("--config", help="run config YAML")
+    # the deepspeed launcher appends --local_rank unless run with --no_local_rank; LOCAL_RANK is read from the env
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=3e-4")
+    return parser.parse_args(take_debug_flag(argv))
+
+
+def run_main(prog: str, description: str, argv: list[str] | None, load: Callable[[str | None, list[str]], Any],
+             train: Callable[[Any, dist_utils.DistEnv], int]) -> int:
+    """Parse the command line, load the config with ``load``, run ``train`` on this rank; the exit code.
+
+    Errors are reported as every command reports them (:mod:`distaff.train.core.errors`), naming the rank when
+    there are several. A config error is raised by every rank together, so the process group is shut
+    down in step; any other failure leaves at once (its peers may be mid-collective)."""
+    args = parse_args(prog, description, sys.argv[1:] if argv is None else argv)
+    configure_threads()
+    try:
+        cfg = load(args.config, args.overrides)
+    except Exception as err:  # noqa: BLE001 - reported in the one style
+        return report(prog, err)
+    dist_utils.die_with_launcher()
+    layout = dist_utils.env_from_environ()
+    dist_utils.quiet_library_warnings(layout.rank)
+    try:
+        layout = dist_utils.init_distributed(cfg.distributed.timeout_s)
+        code = train(cfg, layout)
+        dist_utils.shutdown()
+        return code
+    except Exception as err:  # noqa: BLE001 - report which rank failed and why, then exit
+        return _rank_failed(prog, err, layout, cfg.distributed.timeout_s)
+    finally:
+        sys.stdout.flush()
+
+
+def _rank_failed(prog: str, err: Exception, layout: dist_utils.DistEnv, timeout_s: int) -> int:
+    where, hint = f"rank {layout.rank}: " if layout.world_size > 1 else "", ""
+    if isinstance(err, (torch.distributed.DistError, RuntimeError)) and layout.world_size > 1 \
+            and not isinstance(err, RunFailure):
+        hint = (f"if a collective failed: another rank probably died, or a collective waited longer than "
+                f"distributed.timeout_s={timeout_s}")
+    code = report(prog, err, where, hint)
+    if isinstance(err, ConfigError):
+        # every rank refuses together, so no collective is pending: a live process group left to the
+        # interpreter's exit aborts the process ("terminate called without an active exception")
+        dist_utils.shutdown()
+        return code
+    # its peers may be gone or mid-collective, so the process group can be neither destroyed (that
+    # may wait) nor left to the interpreter's teardown (gloo's threads abort it with -6): leave now
+    if dist_utils.torch_distributed_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
