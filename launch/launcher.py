@@ -2,16 +2,19 @@
 
 One node (no hosts given, a single host, or a one-node Slurm allocation): ``deepspeed --num_gpus G``
 starts the ranks locally. Several nodes: the hosts come from ``--hosts`` (a Slurm hostlist expression such
-as ``gpu[01-03,07]`` or ``a,b,c``) or from the Slurm allocation we run in (``SLURM_JOB_NODELIST``);
-a hostfile and a ``.deepspeed_env`` are written into ``<run.out_dir>/launch/`` and deepspeed
-starts the ranks over ssh (pdsh). ``.deepspeed_env`` carries the variables every node needs
-(NCCL, W&B, caches, PYTHONPATH) because ssh sessions do not inherit our environment.
+as ``gpu[01-03,07]`` or ``a,b,c``), ``--hostfile`` (deepspeed's ``host slots=N`` format) or the Slurm
+allocation we run in (``SLURM_JOB_NODELIST``); a hostfile and a ``.deepspeed_env`` are written into
+``<run.out_dir>/launch/`` and deepspeed starts the ranks over ssh (pdsh). ``.deepspeed_env`` carries the
+variables every node needs (NCCL, W&B, caches, PYTHONPATH) because ssh sessions do not inherit our
+environment. Every value written there or sent to another node passes ``script_values``' checks first.
+A :mod:`distaff.launch.watcher` process stops the ranks if this process dies (``kill -9``, the OOM killer).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -24,8 +27,9 @@ import torch
 
 from distaff.launch.hostlist import expand_hostlist
 from distaff.launch.run_config import LaunchTarget, add_task_argument, resolve_launch_target
-from distaff.train.core.errors import command_main
-from distaff.train.core.errors import ConfigError
+from distaff.launch.script_values import host_name, plain_text, remote_argument
+from distaff.launch.watcher import signal_job, start_watcher
+from distaff.train.core.errors import ConfigError, command_main, shown
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -66,19 +70,47 @@ def format_deepspeed_env(variables: Mapping[str, str]) -> str:
         if not name.isidentifier():
             raise ConfigError(f".deepspeed_env: {name!r} is not a valid variable name")
         bad = sorted({char for char in value if char in '\n\r"$`\\'})
+        if not bad:
+            plain_text(f".deepspeed_env: value of {name}", value)
         if bad:
             raise ConfigError(f".deepspeed_env: value of {name} contains {bad}, which cannot be passed to other nodes")
         lines.append(f"{name}={value}\n")
     return "".join(lines)
 
 
-def format_hostfile(hosts: list[str], slots: int) -> str:
+def format_hostfile(slots: Mapping[str, int]) -> str:
     """A deepspeed (MPI-style) hostfile: ``host slots=N`` per line."""
-    if len(set(hosts)) != len(hosts):
-        raise ConfigError(f"hostfile: duplicate hosts in {hosts}")
-    if slots < 1:
-        raise ConfigError(f"hostfile: slots per host must be >= 1, got {slots}")
-    return "".join(f"{host} slots={slots}\n" for host in hosts)
+    for host, count in slots.items():
+        host_name(host, "hostfile: host")
+        if count < 1:
+            raise ConfigError(f"hostfile: slots of {host} must be >= 1, got {count}")
+    return "".join(f"{host} slots={count}\n" for host, count in slots.items())
+
+
+_HOSTFILE_LINE = re.compile(r"(\S+)\s+slots=(\S+)")
+
+
+def read_hostfile(path: str | Path) -> dict[str, int]:
+    """A deepspeed hostfile (``host slots=N`` lines; ``#`` comments and blank lines skipped): host -> slots,
+    each host a valid name, each count a positive integer, no host twice."""
+    slots: dict[str, int] = {}
+    for number, raw in enumerate(Path(path).read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"--hostfile {path}, line {number}"
+        match = _HOSTFILE_LINE.fullmatch(line)
+        if not match:
+            raise ConfigError(f"{where}: {shown(raw)} is not 'HOST slots=N'; write one host and its slot count per line")
+        host, count = host_name(match.group(1), f"{where}: host"), match.group(2)
+        if not count.isdigit() or int(count) < 1:
+            raise ConfigError(f"{where}: slots={count} of {host}: expected a positive whole number of ranks")
+        if host in slots:
+            raise ConfigError(f"{where}: {host} is listed twice; give each host one line")
+        slots[host] = int(count)
+    if not slots:
+        raise ConfigError(f"--hostfile {path}: no hosts in it; write 'HOST slots=N' lines")
+    return slots
 
 
 def hosts_from_environment(hosts_arg: str | None, env: Mapping[str, str]) -> list[str]:
@@ -87,11 +119,32 @@ def hosts_from_environment(hosts_arg: str | None, env: Mapping[str, str]) -> lis
     return expand_hostlist(spec) if spec else []
 
 
+def _positive(what: str, text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ConfigError(f"{what} {shown(text)}: expected a positive whole number")
+    return int(text)
+
+
+def host_slots(hosts: list[str] | Mapping[str, int], gpus_per_node: int | None,
+               env: Mapping[str, str]) -> dict[str, int]:
+    """Ranks per host: ``--gpus-per-node``, else a hostfile's counts, else ``$SLURM_GPUS_ON_NODE``, else 1."""
+    if isinstance(hosts, Mapping):
+        return {host: gpus_per_node or count for host, count in hosts.items()}
+    slots = gpus_per_node or _positive("$SLURM_GPUS_ON_NODE", env.get("SLURM_GPUS_ON_NODE", "1"))
+    if len(set(hosts)) != len(hosts):
+        raise ConfigError(f"hosts {shown(hosts)}: a host is named twice; name each once")
+    return {host: slots for host in hosts}
+
+
 def deepspeed_command(target: LaunchTarget, *, gpus_per_node: int | None, master_port: int,
                       hostfile: Path | None = None, master_addr: str | None = None) -> list[str]:
     """The ``deepspeed`` command line (run through this interpreter, so the venv is the same)."""
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner"]
     if hostfile is not None:
+        # deepspeed's pdsh runner pastes these into one remote shell command on every node
+        for what, value in (("the python path", sys.executable), ("the working folder", os.getcwd()),
+                            *(("a trainer argument", arg) for arg in target.trainer_args())):
+            remote_argument(what, value)
         cmd += ["--hostfile", str(hostfile), "--master_addr", str(master_addr)]
     if gpus_per_node is not None:
         cmd += ["--num_gpus", str(gpus_per_node)]
@@ -116,10 +169,13 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Remaining key=value arguments are config overrides, e.g. optim.lr=3e-4.")
     parser.add_argument("--config", required=True, help="run config YAML")
     add_task_argument(parser)
-    parser.add_argument("--hosts", help="hostlist, e.g. 'gpu[01-03,07]' or 'a,b' (default: the Slurm "
-                        "allocation, else this node only)")
-    parser.add_argument("--gpus-per-node", type=int, help="ranks per node (default: every local GPU; "
-                        "for several hosts: $SLURM_GPUS_ON_NODE, else 1)")
+    hosts = parser.add_mutually_exclusive_group()
+    hosts.add_argument("--hosts", help="hostlist, e.g. 'gpu[01-03,07]' or 'a,b' (default: the Slurm "
+                       "allocation, else this node only)")
+    hosts.add_argument("--hostfile", help="a deepspeed hostfile: 'HOST slots=N' per line ('#' comments)")
+    parser.add_argument("--gpus-per-node", type=int,
+                        help="ranks per node (default: every local GPU; for several hosts: the hostfile's slots, "
+                        "$SLURM_GPUS_ON_NODE, else 1)")
     parser.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT)
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="extra variable for every node (repeatable)")
@@ -135,16 +191,22 @@ class LaunchPlan:
     files: dict[Path, str]        # written before launching (hostfile, .deepspeed_env); empty on one node
 
 
-def plan_launch(target: LaunchTarget, *, hosts: list[str], gpus_per_node: int | None, master_port: int,
-                env: Mapping[str, str], extra: Mapping[str, str] | None = None) -> LaunchPlan:
-    """The command, environment and files for a launch on ``hosts`` (none or one: this node); ``extra``, the
-    user's ``--env`` variables, reach every rank: in the environment on one node, through ``.deepspeed_env``
-    on several, where a credential is refused (it would be written into the run directory)."""
+def plan_launch(target: LaunchTarget, *, hosts: list[str] | Mapping[str, int], gpus_per_node: int | None,
+                master_port: int, env: Mapping[str, str], extra: Mapping[str, str] | None = None) -> LaunchPlan:
+    """The command, environment and files for a launch on ``hosts`` (none or one: this node; a mapping: a
+    hostfile's slots per host); ``extra``, the user's ``--env`` variables, reach every rank: in the environment
+    on one node, through ``.deepspeed_env`` on several, where a credential is refused (it would be written
+    into the run directory)."""
     env = {**env, **(extra or {})}
+    if gpus_per_node is not None and gpus_per_node < 1:
+        raise ConfigError(f"--gpus-per-node {gpus_per_node}: expected at least 1 rank per node")
+    if not 1 <= master_port <= 65535:
+        raise ConfigError(f"--master-port {master_port}: expected a TCP port, 1 to 65535")
     if len(hosts) <= 1:  # this node only: deepspeed starts the ranks without ssh
-        command = deepspeed_command(target, gpus_per_node=gpus_per_node, master_port=master_port)
+        local = gpus_per_node or (next(iter(hosts.values())) if isinstance(hosts, Mapping) and hosts else None)
+        command = deepspeed_command(target, gpus_per_node=local, master_port=master_port)
         return LaunchPlan(command, env, {})
-    slots = gpus_per_node or int(env.get("SLURM_GPUS_ON_NODE", "1"))
+    slots = host_slots(hosts, gpus_per_node, env)
     launch_dir = target.out_dir / "launch"
     hostfile, env_file = launch_dir / "hostfile", launch_dir / ".deepspeed_env"
     for name in extra or {}:
@@ -152,12 +214,13 @@ def plan_launch(target: LaunchTarget, *, hosts: list[str], gpus_per_node: int | 
             raise ConfigError(f"--env {name}: a credential (by its name) is never written to {env_file}, the file "
                               "that carries variables to the other nodes; set it in each node's own environment "
                               "(its shell profile) or ~/.netrc instead")
-    files = {hostfile: format_hostfile(hosts, slots),
+    files = {hostfile: format_hostfile(slots),
              env_file: format_deepspeed_env({**node_environment(env), **(extra or {})})}
     # deepspeed looks for .deepspeed_env in ~ and the cwd; an absolute DS_ENV_FILE points it at ours.
     env["DS_ENV_FILE"] = str(env_file)
-    command = deepspeed_command(target, gpus_per_node=slots, master_port=master_port,
-                                hostfile=hostfile, master_addr=hosts[0])
+    uniform = set(slots.values()).pop() if len(set(slots.values())) == 1 else None  # else the hostfile's counts
+    command = deepspeed_command(target, gpus_per_node=uniform, master_port=master_port,
+                                hostfile=hostfile, master_addr=next(iter(slots)))
     return LaunchPlan(command, env, files)
 
 
@@ -166,46 +229,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)    # options may follow the overrides
     target = resolve_launch_target(args.config, args.overrides, args.task)
     extra = _parse_env_pairs(args.env)
     env = dict(os.environ)
-    hosts = hosts_from_environment(args.hosts, {**env, **extra})
+    hosts = read_hostfile(args.hostfile) if args.hostfile else hosts_from_environment(args.hosts, {**env, **extra})
     if len(hosts) <= 1 and not torch.cuda.is_available():
         # this node's ranks run on CPU: named, deepspeed's launchers do not warn once each that they guessed
         env.setdefault("DS_ACCELERATOR", "cpu")
     plan = plan_launch(target, hosts=hosts, gpus_per_node=args.gpus_per_node, master_port=args.master_port,
                        env=env, extra=extra)
-    shown = (f"DS_ENV_FILE={shlex.quote(plan.env['DS_ENV_FILE'])} " if plan.files else "") + shlex.join(plan.command)
+    command = (f"DS_ENV_FILE={shlex.quote(plan.env['DS_ENV_FILE'])} " if plan.files else "") + shlex.join(plan.command)
     if args.dry_run:
         for path, text in plan.files.items():
             print(f"# {path}\n{text}")
-        print(shown)
+        print(command)
         return 0
     for path, text in plan.files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    print(f"distaff launch: {shown}", file=sys.stderr, flush=True)
+    print(f"distaff launch: {command}", file=sys.stderr, flush=True)
     return run_forwarding_signals(plan.command, plan.env, target.module, to_ranks=not plan.files)
-
-
-def runs_module(cmdline: list[str], module: str) -> bool:
-    """Is ``cmdline`` ``python ... -m module ...``? (deepspeed's own processes name the module as an argument)"""
-    return any(a == "-m" and b == module for a, b in zip(cmdline, cmdline[1:]))
-
-
-def trainer_processes(launcher_pid: int, module: str) -> list:
-    """This node's processes under ``launcher_pid`` that run ``module`` (the ranks, and their forked workers)."""
-    import psutil
-
-    found = []
-    for proc in psutil.Process(launcher_pid).children(recursive=True):
-        try:
-            if runs_module(proc.cmdline(), module):
-                found.append(proc)
-        except psutil.Error:       # gone since the listing
-            pass
-    return found
 
 
 def run_forwarding_signals(command: list[str], env: dict[str, str], module: str, *, to_ranks: bool) -> int:
@@ -216,23 +260,13 @@ def run_forwarding_signals(command: list[str], env: dict[str, str], module: str,
     30 s later. Here only this process gets it, and on one node (``to_ranks``) hands the signal to the
     ranks alone: they checkpoint at the step boundary and exit 75, which deepspeed returns; a second
     Ctrl-C ends them at once. Before any rank has started, the launch is stopped. Several nodes: the
-    signal goes to deepspeed's runner, whose pdsh handler signals every node."""
-    import psutil
-
+    signal goes to deepspeed's runner, whose pdsh handler signals every node. Should this process die
+    without a word (SIGKILL), its watcher stops the job the same way (:mod:`distaff.launch.watcher`)."""
     proc = subprocess.Popen(command, env=env, start_new_session=True)
+    watcher = start_watcher(proc.pid, module, to_ranks=to_ranks)
 
     def forward(signum: int, frame) -> None:
-        if not to_ranks:
-            proc.send_signal(signum)
-            return
-        ranks = trainer_processes(proc.pid, module)
-        if not ranks:                  # none started yet: nothing to save, stop the whole launch
-            os.killpg(proc.pid, signal.SIGTERM)
-        for rank in ranks:
-            try:
-                rank.send_signal(signum)
-            except psutil.Error:       # exited meanwhile
-                pass
+        signal_job(proc.pid, module, signum, to_ranks=to_ranks)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -240,3 +274,8 @@ def run_forwarding_signals(command: list[str], env: dict[str, str], module: str,
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        watcher.stdin.close()          # the job is over: the watcher finds nothing left and ends
+        try:
+            watcher.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass

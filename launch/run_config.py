@@ -1,7 +1,8 @@
 """What a launcher needs from a run config: where the run lives and what it is called.
 
 The config is loaded and validated by the trainer's own loader, so a bad key or value fails at
-submit time on the login node instead of minutes later on the compute nodes.
+submit time on the login node instead of minutes later on the compute nodes; every text a launcher
+writes (the run's name and folder, the config path, the overrides) holds no control character.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from distaff.launch.script_values import plain_text
 from distaff.train.finetune.config import load_finetune_config
 from distaff.train.run.config import config_file, load_config
 
@@ -35,6 +37,11 @@ class LaunchTarget:
         """Arguments of ``python -m <module>`` for this run."""
         return ["--config", str(self.config), *self.overrides]
 
+    def text_values(self) -> list[tuple[str, str]]:
+        """(what, value) of every text of this target a launcher writes into a script or command."""
+        return [("run.name", self.name), ("run.out_dir", str(self.out_dir)), ("--config", str(self.config)),
+                *(("override", item) for item in self.overrides)]
+
 
 def add_task_argument(parser) -> None:
     parser.add_argument("--task", choices=sorted(TASKS), default="pretrain",
@@ -49,9 +56,13 @@ def resolve_launch_target(config: str | Path, overrides: list[str], task: str = 
     elsewhere (another node's home, a Slurm job's cwd) still write to the same run directory.
     """
     _, load, kind = TASKS[task]
+    plain_text("--config", str(config))
+    for item in overrides:        # before the YAML reader sees them: one message for every control character
+        plain_text("override", item)
     config = config_file(config, kind).resolve()
     cfg = load(config, overrides)
-    out_dir = Path(cfg.run.out_dir).resolve()
+    plain_text("run.name", cfg.run.name)
+    out_dir = Path(plain_text("run.out_dir", cfg.run.out_dir)).resolve()
     pinned = [item for item in overrides if not item.startswith("run.out_dir=")]
     pinned.append(f"run.out_dir={out_dir}")
     return LaunchTarget(config=config, out_dir=out_dir, name=cfg.run.name, overrides=tuple(pinned), task=task,

@@ -22,6 +22,7 @@ does not inherit the job's ``--cpus-per-task``).
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import shutil
@@ -31,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from distaff.launch.run_config import LaunchTarget, add_task_argument, resolve_launch_target
+from distaff.launch.script_values import (plain_text, sbatch_extra, sbatch_option, slurm_path_pattern,
+                                          slurm_time)
 from distaff.train.core.errors import ConfigError, RunFailure, command_main
 from distaff.train.core.exit_codes import EXIT_PREEMPTED
 
@@ -96,33 +99,45 @@ def _validate(spec: SlurmJobSpec) -> None:
         if size is not None and not _MEMORY.fullmatch(size):
             raise ConfigError(f"{name} {size!r}: expected a Slurm size such as 64G, 4000M or 4000 (MB)")
     for line in spec.sbatch_lines:
-        if "\n" in line or not line.startswith("-"):
-            raise ConfigError(f"--sbatch {line!r}: expected one sbatch option such as --qos=high")
-        if line.split("=")[0] in _NO_KILL:
+        if sbatch_extra(line).split("=")[0] in _NO_KILL:
             raise ConfigError(f"--sbatch {line!r}: with it a node failure leaves the job running without that "
                              "node's ranks, and it fails instead of being requeued; leave it out")
+    if spec.time is not None:
+        slurm_time(spec.time)
+    _validate_text(spec)
+
+
+def _validate_text(spec: SlurmJobSpec) -> None:
+    """Every other value the script holds: no control characters (a newline would end a ``#SBATCH`` line or
+    the per-node heredoc and run the rest as a command); the header and the body quote the rest."""
+    values = [*spec.target.text_values(), ("the submit directory", str(spec.workdir)),
+              ("the python path", spec.python), ("--partition", spec.partition), ("--account", spec.account),
+              ("--job-name", spec.job_name)]
+    for what, value in values:
+        if value is not None:
+            plain_text(what, value)
 
 
 def _sbatch_header(spec: SlurmJobSpec) -> list[str]:
     options = [
-        f"--job-name={spec.job_name or spec.target.name}",
-        f"--nodes={spec.nodes}",
-        "--ntasks-per-node=1",
-        f"--cpus-per-task={spec.cpus}",
+        sbatch_option("job-name", spec.job_name or spec.target.name, what="--job-name" if spec.job_name else "run.name"),
+        sbatch_option("nodes", spec.nodes),
+        sbatch_option("ntasks-per-node", 1),
+        sbatch_option("cpus-per-task", spec.cpus),
         spec.memory_option(),
-        f"--output={spec.log_dir}/%x-%j.out",
-        "--open-mode=append",
-        "--requeue",
-        f"--signal=USR1@{spec.signal_lead_s}",
-        f"--chdir={spec.workdir}",
+        sbatch_option("output", f"{slurm_path_pattern(str(spec.log_dir))}/%x-%j.out", what="run.out_dir"),
+        sbatch_option("open-mode", "append"),
+        sbatch_option("requeue"),
+        sbatch_option("signal", f"USR1@{spec.signal_lead_s}"),
+        sbatch_option("chdir", str(spec.workdir), what="the submit directory"),
     ]
     if not spec.cpu:
-        options.append(f"--gpus-per-node={spec.ranks_per_node}")  # a step gets the job's GPUs by default
+        options.append(sbatch_option("gpus-per-node", spec.ranks_per_node))  # a step gets the job's GPUs by default
     if spec.exclusive:
-        options.append("--exclusive")
-    options += [f"--{name}={value}" for name, value in
+        options.append(sbatch_option("exclusive"))
+    options += [sbatch_option(name, value) for name, value in
                 (("partition", spec.partition), ("account", spec.account), ("time", spec.time)) if value]
-    options += spec.sbatch_lines
+    options += [sbatch_extra(line) for line in spec.sbatch_lines]
     return [f"#SBATCH {option}" for option in options]
 
 
@@ -143,9 +158,10 @@ def render_sbatch_script(spec: SlurmJobSpec) -> str:
     cpu_env = "export DS_ACCELERATOR=cpu\n" if spec.cpu else ""
     # what the ranks inherit (nproc would answer OMP_NUM_THREADS instead)
     affinity = shlex.join([spec.python, "-c", "import os; print(len(os.sched_getaffinity(0)))"])
-    node_log = f"{spec.log_dir}/%x-%j-node%n.out"
+    node_log = f"{slurm_path_pattern(str(spec.log_dir))}/%x-%j-node%n.out"
     return f"""#!/bin/bash
 # Written by `distaff slurm submit` for run {spec.target.name!r} ({spec.target.out_dir}).
+# Every node runs {spec.python}: its venv must be on a filesystem all nodes mount at that same path.
 {header}
 
 # A requeued attempt keeps its job id: same logs, rendezvous port and W&B run.
@@ -193,6 +209,45 @@ exit "$status"
 """
 
 
+NODE_LOCAL_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/local", "/localscratch", "/scratch/local")
+NODE_LOCAL_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
+def _mount_type(path: Path) -> str:
+    """The filesystem type of the mount that holds ``path`` (from /proc/self/mounts; "" where unknown)."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return ""
+    best, kind = "", ""
+    for line in mounts:
+        fields = line.split()
+        if len(fields) > 2:
+            point = fields[1].replace("\\040", " ")
+            if (str(path) == point or str(path).startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+                best, kind = point, fields[2]
+    return kind
+
+
+def node_local_reason(python: str, env: dict[str, str]) -> str | None:
+    """Why the venv of ``python`` looks local to this node (a temporary folder, a RAM filesystem), or None."""
+    path = Path(python).absolute()
+    local = [d for d in (*NODE_LOCAL_DIRS, env.get("TMPDIR", "")) if d and d != "/"]
+    under = next((d for d in local if path == Path(d) or Path(d) in path.parents), None)
+    if under is not None:
+        return f"it is under {under}"
+    kind = _mount_type(path)
+    return f"it is on a {kind} filesystem" if kind in NODE_LOCAL_FILESYSTEMS else None
+
+
+def warn_if_node_local(python: str, env: dict[str, str]) -> None:
+    reason = node_local_reason(python, env)
+    if reason:
+        print(f"distaff slurm: warning: every node runs {python}, but {reason}, usually local to this node; the "
+              "job fails on nodes that do not have it: make the venv on a filesystem all nodes share (the home or "
+              "project folder)", file=sys.stderr)
+
+
 def sbatch_command(script: Path) -> list[str]:
     return ["sbatch", "--parsable", str(script)]
 
@@ -210,7 +265,8 @@ def submit(spec: SlurmJobSpec) -> str:
     return proc.stdout.strip().split(";")[0]  # --parsable prints "JOBID[;CLUSTER]"
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """``distaff slurm`` and its ``submit`` subcommand (parsed on its own: options may follow the overrides)."""
     parser = argparse.ArgumentParser(prog="distaff slurm", description="Run pretraining or fine-tuning as a Slurm job.")
     commands = parser.add_subparsers(dest="command", required=True)
     sub = commands.add_parser(
@@ -238,7 +294,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--sbatch", action="append", default=[], metavar="OPTION", help="extra #SBATCH option")
     sub.add_argument("--dry-run", action="store_true", help="print the script and the command, submit nothing")
     sub.add_argument("overrides", nargs="*", help="config overrides dotted.key=value")
-    return parser
+    return parser, sub
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,13 +302,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    parser, submit_parser = _parser()
+    if not argv or argv[0] != "submit":
+        parser.parse_args(argv)            # help, or the usage error naming the subcommands
+    args = submit_parser.parse_intermixed_args(argv[1:])
     target = resolve_launch_target(args.config, args.overrides, args.task)
     spec = SlurmJobSpec(
         target=target, nodes=args.nodes, ranks_per_node=args.gpus_per_node, cpu=args.cpu,
         cpus_per_task=args.cpus_per_task, mem=args.mem, mem_per_cpu=args.mem_per_cpu, exclusive=args.exclusive,
         partition=args.partition, account=args.account, time=args.time, job_name=args.job_name,
         signal_lead_s=args.signal_lead, sbatch_lines=tuple(args.sbatch))
+    render_sbatch_script(spec)            # refuse bad values before any warning
+    warn_if_node_local(spec.python, dict(os.environ))
     if args.dry_run:
         print(f"# {spec.script_path}\n{render_sbatch_script(spec)}")
         print(f"# submit with:\n{shlex.join(sbatch_command(spec.script_path))}")

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from distaff.launch.hostlist import HostlistError, expand_hostlist
+from distaff.launch.hostlist import MAX_HOSTS, HostlistError, expand_hostlist
 
 pytestmark = pytest.mark.unit
 
@@ -41,3 +41,24 @@ def test_bad_hostlist_names_the_problem(spec: str, problem: str) -> None:
     with pytest.raises(HostlistError, match=re.escape(problem)) as info:
         expand_hostlist(spec)
     assert repr(spec) in str(info.value)
+
+
+@pytest.mark.parametrize("spec", ["a;touch F,b", "a,$(id)", "n[1-2]`id`", "a b", "-oProxyCommand=x", "a|b",
+                                  "n[1-2]&", "x'y", "a\nb", "é.example"])
+def test_host_names_a_shell_or_pdsh_would_read_are_refused(spec: str) -> None:
+    """The red-team repro: the first host reached deepspeed's remote shell command unquoted as --master_addr."""
+    with pytest.raises(ValueError, match="not a host name|control character"):
+        expand_hostlist(spec)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("spec", ["n[0-99999999]", "a[0-9999],b", "r[0-999]n[0-999]", "x[1-10001]",
+                                  "n[0-99999999999999999999999999]"])
+def test_ranges_beyond_the_host_limit_are_refused_before_expanding(spec: str) -> None:
+    with pytest.raises(HostlistError, match=f"names more than {MAX_HOSTS:,} hosts"):
+        expand_hostlist(spec)
+
+
+def test_the_limit_itself_is_accepted() -> None:
+    hosts = expand_hostlist(f"n[1-{MAX_HOSTS}]")
+    assert len(hosts) == MAX_HOSTS and hosts[-1] == f"n{MAX_HOSTS}"

@@ -240,7 +240,7 @@ def test_overrides_are_shell_quoted(run_config: Path, monkeypatch) -> None:
 @pytest.mark.parametrize("change, problem", [
     ({"nodes": 0}, "--nodes must be >= 1"), ({"ranks_per_node": 0}, "--gpus-per-node must be >= 1"),
     ({"sbatch_lines": ("qos=high",)}, "expected one sbatch option"),
-    ({"sbatch_lines": ("--qos=a\n#SBATCH --x",)}, "expected one sbatch option"),
+    ({"sbatch_lines": ("--qos=a\n#SBATCH --x",)}, "contains a control character (U+000A, a newline)"),
     ({"cpus_per_task": 0}, "--cpus-per-task must be >= 1"),
     ({"mem": "64G", "mem_per_cpu": "4G"}, "--mem and --mem-per-cpu exclude each other"),
     ({"mem": "64 GB"}, "--mem '64 GB': expected a Slurm size such as 64G"),
