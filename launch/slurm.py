@@ -311,7 +311,7 @@ def _main(argv: list[str]) -> int:
         target=target, nodes=args.nodes, ranks_per_node=args.gpus_per_node, cpu=args.cpu,
         cpus_per_task=args.cpus_per_task, mem=args.mem, mem_per_cpu=args.mem_per_cpu, exclusive=args.exclusive,
         partition=args.partition, account=args.account, time=args.time, job_name=args.job_name,
-        signal_lead_s=args.signal_lead, sbatch_lines=tuple(args.sbatch))
+        signal_lead_s=args.signal_lead, sbatch_lines=tuple(args.sbatch), python=sys.executable)
     render_sbatch_script(spec)            # refuse bad values before any warning
     warn_if_node_local(spec.python, dict(os.environ))
     if args.dry_run:

@@ -17,6 +17,7 @@ from pretrain_fixtures import REPO, prepare_data, rank_env, wandb_runs, write_co
 
 from distaff.train.tools.ablate import (PlannedRun, load_ablation, main, paired_differences, plan_runs, run_parallel,
                                   variant_config, write_job_scripts)
+from distaff.train.core.exit_codes import EXIT_PREEMPTED
 from distaff.train.core.runlock import DirLock
 from distaff.train.run.config import ConfigError
 
@@ -100,7 +101,8 @@ def test_an_interrupted_ablation_resumes_the_stopped_run_to_its_budget(base_conf
         time.sleep(0.05)
     ablate.send_signal(signal.SIGTERM)
     output = ablate.communicate(timeout=200)[0]
-    assert ablate.returncode == 130, output[-3000:]
+    assert ablate.returncode == EXIT_PREEMPTED, output[-3000:]
+    assert "interrupted (SIGTERM); the runs in progress saved a checkpoint" in output
     stopped = json.loads((second / "summary.json").read_text())
     assert stopped.get("finished") is not True and 5 <= stopped["steps"] < 40, stopped
 

@@ -10,8 +10,8 @@ variant of the first seed, then the second seed...), so a partial ablation holds
 A run whose ``summary.json`` says it finished the planned number of steps is not run again; any other
 run is started again and resumes from its latest checkpoint, so an interrupted ablation continues where
 it stopped and only runs of the planned length are compared. A failed run is reported with its log and
-the others go on; Ctrl-C or SIGTERM stops the runs in progress (SIGTERM: each saves a checkpoint it
-resumes from). One ablation at a time per ``out_dir``: a second is refused, naming the first (the lock
+the others go on; Ctrl-C or SIGTERM stops the runs in progress (each gets SIGTERM: it saves a checkpoint
+it resumes from) and exits 75, as a run does (run the same command again to continue). One ablation at a time per ``out_dir``: a second is refused, naming the first (the lock
 runs take, ``runlock.py``).
 
 The report, read back from each run's ``summary.json`` and ``metrics.jsonl``: ``ablation.csv``
@@ -66,6 +66,7 @@ import yaml
 
 from distaff.train.core.config_yaml import load_yaml
 from distaff.train.core.errors import RunFailure, command_main, shown
+from distaff.train.core.exit_codes import EXIT_PREEMPTED
 from distaff.train.core.runlock import DirLock
 from distaff.train.core.threads import threads_per_rank
 from distaff.train.data.errors import DataError
@@ -342,7 +343,7 @@ def run_all(cfg: AblationConfig, runs: list[PlannedRun]) -> list[str]:
 
 
 def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def run_parallel(jobs: list[tuple[str, list[str], PlannedRun]], parallel: int, env: dict[str, str]) -> list[str]:
@@ -559,16 +560,21 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the planned runs' commands, run nothing")
     args = parser.parse_args(argv)
     cfg = load_ablation(args.config)
+    previous = signal.signal(signal.SIGTERM, _interrupt)   # SIGTERM stops like Ctrl-C, whatever is under way
     try:
         if args.dry_run:
             return _ablate(cfg, args)
         # one ablation per out_dir, by the lock runs take: two would run, report and log over each other
         with DirLock(cfg.root, f"{args.config}: out_dir"):
             return _ablate(cfg, args)
-    except KeyboardInterrupt:
-        print("distaff ablate: interrupted; finished runs keep their summaries: run the same command again to "
-              "continue", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:
+        how = "SIGTERM" if str(stop) == "SIGTERM" else "Ctrl-C"
+        print(f"distaff ablate: interrupted ({how}); the runs in progress saved a checkpoint, finished runs keep "
+              f"their summaries; exiting with {EXIT_PREEMPTED} (run the same command again to continue)",
+              file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _ablate(cfg: AblationConfig, args: argparse.Namespace) -> int:
