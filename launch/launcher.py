@@ -70,10 +70,9 @@ def format_deepspeed_env(variables: Mapping[str, str]) -> str:
         if not name.isidentifier():
             raise ConfigError(f".deepspeed_env: {name!r} is not a valid variable name")
         bad = sorted({char for char in value if char in '\n\r"$`\\'})
-        if not bad:
-            plain_text(f".deepspeed_env: value of {name}", value)
         if bad:
             raise ConfigError(f".deepspeed_env: value of {name} contains {bad}, which cannot be passed to other nodes")
+        plain_text(f".deepspeed_env: value of {name}", value)
         lines.append(f"{name}={value}\n")
     return "".join(lines)
 

@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 
+import psutil       # imported here, never first inside a signal handler (a second Ctrl-C would see it half-made)
+
 GRACE_S = 120.0          # for the ranks' checkpoint, as `distaff ablate` allows a run it stops
 POLL_S = 0.2
 
@@ -33,8 +35,6 @@ def runs_module(cmdline: list[str], module: str) -> bool:
 
 def group_processes(pgid: int) -> list:
     """The live (not zombie) processes of process group ``pgid``."""
-    import psutil
-
     found = []
     for proc in psutil.process_iter():
         try:
@@ -48,8 +48,6 @@ def group_processes(pgid: int) -> list:
 def trainer_processes(pgid: int, module: str) -> list:
     """This node's processes of the job (process group ``pgid``) that run ``module``: the ranks, and their
     forked workers."""
-    import psutil
-
     found = []
     for proc in group_processes(pgid):
         try:
@@ -63,8 +61,6 @@ def trainer_processes(pgid: int, module: str) -> list:
 def signal_job(runner_pid: int, module: str, signum: int, *, to_ranks: bool) -> None:
     """``signum`` to the job's ranks (one node; with none started yet, SIGTERM to the whole job), or to the runner
     (several nodes: its pdsh handler signals every node). The runner leads the job's process group."""
-    import psutil
-
     if not to_ranks:
         try:
             os.kill(runner_pid, signum)
