@@ -517,9 +517,9 @@ def _makespan(works: list[Work], warps: int, blocks: int, gpu: static_perf.Gpu, 
     return max(free)
 
 
-def _tensor_bytes(args: tuple) -> float:
+def _tensor_bytes(args: tuple, kwargs: dict) -> float:
     """The bytes of a launch's distinct tensor arguments: what it must move through HBM at least once."""
-    seen = {id(a): a for a in args if isinstance(a, torch.Tensor)}
+    seen = {id(a): a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
     return float(sum(t.numel() * t.element_size() for t in seen.values()))
 
 
@@ -542,7 +542,7 @@ def estimate_launch(impl: str, launch: tuple, w: Workload, gpu: static_perf.Gpu)
         picks = (main["paths"][0], main["paths"][-1]) if len(names) == 2 else (main["paths"][0],)
         paths = [(name, static_perf.instructions(mix) * warps / (bm * bn), mix) for name, mix in zip(names, picks)]
     l2 = sum(x.bytes for x in works) * warps
-    unique = _tensor_bytes(args)
+    unique = _tensor_bytes(args, kwargs)
     miss = max(0.0, 1.0 - gpu.l2_mb * 1e6 / unique) if unique else 0.0
     hbm = (min(unique, l2 or unique), min(unique, l2 or unique) + max(0.0, l2 - unique) * miss)
     return KernelEstimate(impl, kernel.__name__, f"{bm}x{bn}" if bm and bn else "-", warps, row.stages,
