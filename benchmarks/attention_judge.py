@@ -792,7 +792,10 @@ def as_json(results: dict) -> dict:
     """The estimates for other tools (a planner reads attention times from it): the calibration with each
     anchor's residual, and one record per (workload, implementation, pass) with the GPU modelled, the
     pass's milliseconds at the low and the high end (kernels, outside work, launch gaps and host syncs),
-    and each launch's static figures. All figures are ESTIMATES."""
+    and each launch's static figures. ``ms_low`` / ``ms_high`` are the estimates at the 300- and the
+    600-cycle round trip (``total_ms`` = ``ms_high``, what the bar is judged on); each end has its own
+    calibration factor, so for a kernel that hides its latency ``ms_low`` can exceed ``ms_high``. All
+    figures are ESTIMATES."""
     cal = calibration()
     records = []
     for w, result in results.items():

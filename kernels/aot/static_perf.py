@@ -329,10 +329,12 @@ class _Scoreboard:
     mma_done: float = 0.0
     stores_done: float = 0.0
 
-    def issue(self, instr: Instruction) -> None:
+    def issue(self, instr: Instruction) -> float:
+        """Issue ``instr``; return the cycles it waited beyond its turn."""
         sources, dests = registers(instr)
         start = max([self.time] + [self.ready.get(r, 0.0) for r in sources])
         start = self._wait(instr, start)
+        waited = start - self.time
         self.time = start + self.interval
         base = instr.base
         if base == "LDGSTS":
@@ -346,6 +348,7 @@ class _Scoreboard:
             self.stores_done = max(self.stores_done, start + self.lat.global_)
         for r in dests:
             self.ready[r] = start + _result_latency(instr, self.lat)
+        return waited
 
     def _wait(self, instr: Instruction, start: float) -> float:
         """The issue time after what the instruction waits for besides its registers."""
@@ -361,6 +364,19 @@ class _Scoreboard:
         if base == "BAR":
             return start + self.lat.barrier
         return start
+
+
+def chain_waits(code: list[Instruction], warps: int, lat: Latency, iterations: int = 1) -> dict[str, float]:
+    """Where the last walk of :func:`chain_cycles` waits: cycles waited per source line, largest first (what
+    to prefetch, hoist or remove)."""
+    board, waits = _Scoreboard(lat, max(1.0, warps / 4)), {}
+    for walk in range(iterations):
+        for instr in code:
+            if instr.base not in SKIPPED:
+                waited = board.issue(instr)
+                if walk == iterations - 1 and waited > 0:
+                    waits[instr.line] = waits.get(instr.line, 0.0) + waited
+    return dict(sorted(waits.items(), key=lambda kv: -kv[1]))
 
 
 def chain_cycles(code: list[Instruction], warps: int, lat: Latency, iterations: int = 1) -> float:

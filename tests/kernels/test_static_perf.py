@@ -205,3 +205,11 @@ def test_copy_groups_and_warpgroup_products_are_waited_for_where_the_code_waits(
     # product runs 2*64*64*16 FLOPs at the SM's rate before the wait returns
     mma = 2 * 64 * 64 * 16 / sp.SM90_TENSOR_FLOPS_PER_CYCLE
     assert sp.chain_cycles(code, 4, low) == pytest.approx(300 + 1 + mma + 1)
+
+
+@pytest.mark.unit
+def test_chain_waits_name_the_line_that_waits() -> None:
+    code = sp.parse_listing('\t//## File "/k/a.py", line 7\n' + CHAIN)
+    low = sp.LATENCIES[0]
+    # the add (its turn at cycle 2) waits for the load (ready at 300), the barrier 20: both on line 7 here
+    assert sp.chain_waits(code, 4, low) == {"/k/a.py:7": 298 + low.barrier}
