@@ -42,6 +42,7 @@ class Instruction:
     predicated: bool     # guarded by @P / @!P
     target: int | None   # branch target address
     line: str            # "file:line" of the source the compiler attributes it to
+    operands: str = ""   # the text after the opcode, guard predicate first ("@!P0 R4, desc[UR4][R2.64]")
 
     @property
     def base(self) -> str:
@@ -99,8 +100,9 @@ def parse_listing(text: str) -> list[Instruction]:
             labels.update({label: address for label in pending})
             pending = []
             target = _TARGET.search(m["rest"])
-            rows.append((address, m["op"], bool(m["pred"]), target["label"] if target else None, line))
-    return [Instruction(a, op, pred, labels.get(t) if t else None, ln) for a, op, pred, t, ln in rows]
+            rows.append((address, m["op"], m["pred"] or "", target["label"] if target else None, line, m["rest"]))
+    return [Instruction(a, op, bool(pred), labels.get(t) if t else None, ln, pred + rest)
+            for a, op, pred, t, ln, rest in rows]
 
 
 # --------------------------------------------------------------------------- control flow
@@ -197,40 +199,204 @@ def instructions(mix: dict) -> int:
     return sum(v for k, v in mix.items() if k in CLASSES)
 
 
+_WIDTHS = ((".128", 16), (".64", 8), (".U16", 2), (".S16", 2), (".U8", 1), (".S8", 1))
+
+
+def global_bytes(instr: Instruction) -> int:
+    """Bytes one warp's global load, store, copy or atomic moves (all 32 lanes, predicated or not), else 0."""
+    if instr.kind != "global" or instr.base in ("LDGDEPBAR",):
+        return 0
+    width = next((w for suffix, w in _WIDTHS if suffix in instr.opcode), 4)
+    return 32 * width
+
+
 def _mix(block: Block) -> dict:
-    mix = {k: 0 for k in (*CLASSES, "flops")}
+    mix = {k: 0 for k in (*CLASSES, "flops", "bytes")}
     for instr in block.instructions:
         if instr.base not in SKIPPED:
             mix[instr.kind] += 1
             mix["flops"] += tensor_flops(instr.opcode)
+            mix["bytes"] += global_bytes(instr)
     return mix
 
 
 def loop_extremes(blocks: dict[int, Block], loop: Loop) -> tuple[dict, dict]:
     """The instruction mixes of the cheapest and the dearest path from the loop's header back to it (fewest
-    and most warp-instructions), by dynamic programming over the body in address order (its forward
-    edges form a DAG; inner back edges are not followed)."""
-    best: dict[int, tuple[dict, dict]] = {}
+    and most warp-instructions)."""
+    (cheap, _), (dear, _) = loop_paths(blocks, loop)
+    return cheap, dear
+
+
+def loop_paths(blocks: dict[int, Block], loop: Loop) -> tuple[tuple[dict, list], tuple[dict, list]]:
+    """``(mix, block starts)`` of the cheapest and the dearest path from the loop's header back to it, by
+    dynamic programming over the body in address order (its forward edges form a DAG; inner back edges
+    are not followed)."""
+    best: dict[int, tuple] = {}
     order = sorted(loop.body)
-    ends: list[tuple[dict, dict]] = []
+    ends: list[tuple] = []
     for start in order:
         own = _mix(blocks[start])
         if start == loop.header:
-            cheap = dear = own
+            cheap = dear = (own, [start])
         else:
             preds = [best[p] for p in order if p in best and start in blocks[p].successors and p < start]
             if not preds:
                 continue
-            cheap = _add(min((c for c, _ in preds), key=instructions), own)
-            dear = _add(max((d for _, d in preds), key=instructions), own)
+            low = min((c for c, _ in preds), key=lambda path: instructions(path[0]))
+            high = max((d for _, d in preds), key=lambda path: instructions(path[0]))
+            cheap, dear = (_add(low[0], own), low[1] + [start]), (_add(high[0], own), high[1] + [start])
         best[start] = (cheap, dear)
         if loop.header in blocks[start].successors:
             ends.append((cheap, dear))
-    return min((c for c, _ in ends), key=instructions), max((d for _, d in ends), key=instructions)
+    return (min((c for c, _ in ends), key=lambda path: instructions(path[0])),
+            max((d for _, d in ends), key=lambda path: instructions(path[0])))
 
 
 def _add(a: dict, b: dict) -> dict:
     return {k: a[k] + b[k] for k in a}
+
+
+# --------------------------------------------------------------------------- latency: an in-order scoreboard
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Cycles from an instruction's issue to its result, by what it waits on (stated model inputs, not
+    measurements): ``global`` is a load's round trip through L2 (a mix with HBM misses at the high end)."""
+
+    name: str
+    global_: int
+    shared: int = 30      # LDS / LDSM / SHFL
+    tensor: int = 24      # HMMA result
+    mufu: int = 20
+    special: int = 20     # S2R, S2UR, LDC
+    alu: int = 5
+    barrier: int = 20     # BAR.SYNC once every warp has arrived
+    fence: int = 10       # MEMBAR / FENCE at block scope
+
+
+LATENCIES = (Latency("low", 300), Latency("high", 600))
+PIPELINE_WALKS = 4  # a loop path's steady state: up to 3 iterations of prefetch in flight
+SM90_TENSOR_FLOPS_PER_CYCLE = 989e12 / (132 * 1.98e9)  # one SM's dense bf16 rate: how long an HGMMA runs
+_REGISTER = re.compile(r"\b(U?R\d+|U?P\d)\b")
+_NO_DEST = ("ST", "STG", "STS", "STL", "RED", "REDG", "BAR", "BRA", "BRX", "JMP", "EXIT", "RET", "MEMBAR", "FENCE",
+            "DEPBAR", "WARPGROUP", "LDGDEPBAR", "LDGSTS", "BSSY", "BSYNC", "NOP", "WARPSYNC", "SYNCS", "CALL",
+            "HGMMA", "ERRBAR", "CCTL", "BREAK")
+
+
+def _dest_width(instr: Instruction) -> int:
+    op = instr.opcode
+    if ".128" in op or (instr.base == "LDSM" and op.endswith(".4")) or (instr.base == "HMMA" and ".F32" in op):
+        return 4
+    return 2 if ".64" in op or ".WIDE" in op or (instr.base in ("LDSM", "HMMA") and op.endswith(".2")) else 1
+
+
+@functools.lru_cache(maxsize=None)
+def registers(instr: Instruction) -> tuple[list[str], list[str]]:
+    """``(sources, destinations)`` of an instruction: the registers it reads (guard included) and those
+    whose value it produces (a vector destination covers its consecutive registers)."""
+    guard, _, body = instr.operands.rpartition(" ") if instr.operands.startswith("@") else ("", "", instr.operands)
+    tokens = [t.strip() for t in body.split(",")]
+    if instr.base in _NO_DEST or not tokens or not _REGISTER.fullmatch(tokens[0].split(".")[0]):
+        return _REGISTER.findall(guard + " " + body), []
+    first = tokens[0].split(".")[0]
+    prefix, number = re.match(r"(U?[RP])(\d+)", first).groups()
+    dests = [f"{prefix}{int(number) + i}" for i in range(_dest_width(instr))]
+    return _REGISTER.findall(guard + " " + ",".join(tokens[1:])), dests
+
+
+def _result_latency(instr: Instruction, lat: Latency) -> int:
+    base = instr.base
+    if base in ("LDG", "ATOMG", "LDL"):
+        return lat.global_
+    if base in ("LDS", "LDSM", "SHFL", "ATOMS"):
+        return lat.shared
+    return {"HMMA": lat.tensor, "MUFU": lat.mufu, "S2R": lat.special, "S2UR": lat.special, "LDC": lat.special,
+            "CS2R": lat.special}.get(base, lat.alu)
+
+
+@dataclass
+class _Scoreboard:
+    """One warp's in-order walk: when each register's value is ready, and the asynchronous work in flight
+    (cp.async groups, warpgroup MMAs, global stores)."""
+
+    lat: Latency
+    interval: float            # cycles between two issues of this warp (its block's warps share 4 schedulers)
+    time: float = 0.0
+    ready: dict = field(default_factory=dict)
+    copies: list = field(default_factory=list)   # completion of each committed cp.async group
+    open_copy: float = 0.0
+    mma_done: float = 0.0
+    stores_done: float = 0.0
+
+    def issue(self, instr: Instruction) -> float:
+        """Issue ``instr``; return the cycles it waited beyond its turn."""
+        sources, dests = registers(instr)
+        start = max([self.time] + [self.ready.get(r, 0.0) for r in sources])
+        start = self._wait(instr, start)
+        waited = start - self.time
+        self.time = start + self.interval
+        base = instr.base
+        if base == "LDGSTS":
+            self.open_copy = max(self.open_copy, start + self.lat.global_)
+        elif base == "LDGDEPBAR":
+            self.copies.append(self.open_copy)
+            self.open_copy = 0.0
+        elif base == "HGMMA":
+            self.mma_done = max(self.mma_done, start) + tensor_flops(instr.opcode) * 4 / SM90_TENSOR_FLOPS_PER_CYCLE
+        elif base in ("STG", "RED", "REDG", "ATOMG"):
+            self.stores_done = max(self.stores_done, start + self.lat.global_)
+        for r in dests:
+            self.ready[r] = start + _result_latency(instr, self.lat)
+        return waited
+
+    def _wait(self, instr: Instruction, start: float) -> float:
+        """The issue time after what the instruction waits for besides its registers."""
+        base, op = instr.base, instr.opcode
+        if base == "DEPBAR" and "SB0" in instr.operands:      # cp.async.wait_group N
+            keep = int(instr.operands.rsplit(",", 1)[-1].strip(" ;"), 0) if "," in instr.operands else 0
+            done, self.copies = self.copies[:max(0, len(self.copies) - keep)], self.copies[max(0, len(self.copies) - keep):]
+            return max([start] + done)
+        if base == "WARPGROUP" and "DEPBAR" in op:            # wgmma.wait_group
+            return max(start, self.mma_done)
+        if base == "MEMBAR":
+            return max(start, self.stores_done) if ("GPU" in op or "SYS" in op) else start + self.lat.fence
+        if base == "BAR":
+            return start + self.lat.barrier
+        return start
+
+
+def chain_waits(code: list[Instruction], warps: int, lat: Latency, iterations: int = 1) -> dict[str, float]:
+    """Where the last walk of :func:`chain_cycles` waits: cycles waited per source line, largest first (what
+    to prefetch, hoist or remove)."""
+    board, waits = _Scoreboard(lat, max(1.0, warps / 4)), {}
+    for walk in range(iterations):
+        for instr in code:
+            if instr.base not in SKIPPED:
+                waited = board.issue(instr)
+                if walk == iterations - 1 and waited > 0:
+                    waits[instr.line] = waits.get(instr.line, 0.0) + waited
+    return dict(sorted(waits.items(), key=lambda kv: -kv[1]))
+
+
+def chain_cycles(code: list[Instruction], warps: int, lat: Latency, iterations: int = 1) -> float:
+    """Cycles one warp takes to walk ``code`` in order, waiting on each operand's producer (the dependent
+    chain of round trips and barriers), issuing one instruction per ``warps / 4`` cycles at best. A loop
+    path is walked ``iterations`` times and the last walk's cycles returned: the steady state, where loads
+    a pipelined loop issued one or more iterations ahead have arrived."""
+    board = _Scoreboard(lat, max(1.0, warps / 4))
+    marks = [0.0]
+    for _ in range(iterations):
+        for instr in code:
+            if instr.base not in SKIPPED:
+                board.issue(instr)
+        marks.append(board.time)
+    return marks[-1] - marks[-2]
+
+
+def with_chains(mix: dict, code: list[Instruction], warps: int, iterations: int) -> dict:
+    """``mix`` with its chain in cycles at each latency (``chain_low``, ``chain_high``)."""
+    return {**mix, **{f"chain_{lat.name}": chain_cycles(code, warps, lat, iterations) for lat in LATENCIES}}
 
 
 # --------------------------------------------------------------------------- TTGIR: repeated warps
@@ -300,12 +466,14 @@ class Gpu:
     max_warps_per_sm: int = 64
     max_blocks_per_sm: int = 32
     schedulers: int = 4
+    l2_mb: float = 50.0
+    l2_tb_s: tuple = (7.0, 5.5)   # L2 bandwidth assumed at the low and the high end of an estimate
 
 
 GPUS = {
-    80: Gpu("A100 SXM 80GB", 80, 108, 1.41, 312.0, 2.04, 164 * 1024),
+    80: Gpu("A100 SXM 80GB", 80, 108, 1.41, 312.0, 2.04, 164 * 1024, l2_mb=40.0, l2_tb_s=(5.5, 4.5)),
     90: Gpu("H100 SXM", 90, 132, 1.98, 989.0, 3.35, 228 * 1024),
-    100: Gpu("B200", 100, 148, 1.965, 2250.0, 8.0, 228 * 1024),
+    100: Gpu("B200", 100, 148, 1.965, 2250.0, 8.0, 228 * 1024, l2_mb=126.0, l2_tb_s=(12.0, 10.0)),
 }
 H200 = Gpu("H200", 90, 132, 1.98, 989.0, 4.8, 228 * 1024)
 
@@ -355,10 +523,15 @@ def kernel_figures(cubin: Path, ttgir: str) -> KernelFigures:
     code = disassemble(cubin)
     blocks = basic_blocks(code)
     found = tensor_loops(blocks)
+    warps = int(m[1]) if (m := re.search(r'"ttg\.num-warps" = (\d+)', ttgir)) else 4
     in_loops = {i.address for lp in found for b in lp.body for i in blocks[b].instructions}
-    straight = _mix(Block(0, [i for i in code if i.address not in in_loops]))
-    entries = [{"line": blocks[lp.latch].instructions[-1].line, "paths": list(loop_extremes(blocks, lp))}
-               for lp in found]
+    rest = [i for i in code if i.address not in in_loops]
+    straight = with_chains(_mix(Block(0, rest)), rest, warps, 1)
+    entries = []
+    for lp in found:
+        paths = [with_chains(mix, [i for b in starts for i in blocks[b].instructions], warps, PIPELINE_WALKS)
+                 for mix, starts in loop_paths(blocks, lp)]
+        entries.append({"line": blocks[lp.latch].instructions[-1].line, "paths": paths})
     dots = [(d.m, d.n, d.k, d.warp_group, d.repetition) for d in ttgir_dots(ttgir)]
     return KernelFigures(entries, straight, dots)
 

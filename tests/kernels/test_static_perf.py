@@ -154,3 +154,62 @@ def test_a_compiled_tile_loop_is_found_with_its_products(tmp_path) -> None:
     assert (loops, wgmma, float(repetition)) == ("1", "True", 1.0)
     assert int(instructions) > 0
     assert int(flops) == 2 * (2 * 64 * 64 * 64) // 4  # two 64 x 64 x 64 products per tile, a quarter per warp
+
+
+# A load, an independent add, then the load's use; then a loop body that consumes last iteration's load
+# before issuing the next one (a one-deep prefetch).
+CHAIN = """
+        /*0000*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0010*/                   IADD3 R9, R9, 0x1, RZ ;
+        /*0020*/                   FADD R10, R7, R9 ;
+        /*0030*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0040*/                   STG.E desc[UR4][R2.64], R10 ;
+"""
+PREFETCH = """
+        /*0000*/                   FADD R10, R4, R10 ;
+        /*0010*/                   LDG.E R4, desc[UR4][R2.64] ;
+"""
+
+
+@pytest.mark.unit
+def test_the_scoreboard_charges_a_dependent_round_trip_and_hides_a_prefetched_one() -> None:
+    code = sp.parse_listing(CHAIN)
+    assert sp.registers(code[0]) == (["UR4", "R2"], ["R4", "R5", "R6", "R7"])  # a 128-bit load fills 4
+    assert sp.registers(code[4]) == (["UR4", "R2", "R10"], [])  # a store produces nothing
+    low, high = sp.LATENCIES
+    # FADD waits for the load (issued at 0): 300 / 600, then the barrier, then the store; 4 warps: 1 cycle each
+    assert sp.chain_cycles(code, 4, low) == 300 + 1 + low.barrier + 1 + 1
+    assert sp.chain_cycles(code, 4, high) - sp.chain_cycles(code, 4, low) == 300
+    assert sp.chain_cycles(code, 8, low) == 300 + 2 + low.barrier + 2 + 2  # 8 warps share 4 schedulers
+    loop = sp.parse_listing(PREFETCH)
+    # each iteration waits for the previous one's load: a full round trip per iteration...
+    assert sp.chain_cycles(loop, 4, low, iterations=3) == 300 + 1
+    # ...and the bytes of each global instruction are counted for every lane
+    assert [sp.global_bytes(i) for i in code] == [512, 0, 0, 0, 128]
+
+
+@pytest.mark.unit
+def test_copy_groups_and_warpgroup_products_are_waited_for_where_the_code_waits() -> None:
+    listing = """
+        /*0000*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR4][R2.64] ;
+        /*0010*/                   LDGDEPBAR ;
+        /*0020*/                   LDGSTS.E.BYPASS.128 [R3+0x800], desc[UR4][R2.64+0x80] ;
+        /*0030*/                   LDGDEPBAR ;
+        /*0040*/                   DEPBAR.LE SB0, 0x1 ;
+        /*0050*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24, gsb0 ;
+        /*0060*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+"""
+    code = sp.parse_listing(listing)
+    low = sp.LATENCIES[0]
+    # the first group is waited for (300 after its issue at 0), the second is left in flight; then the
+    # product runs 2*64*64*16 FLOPs at the SM's rate before the wait returns
+    mma = 2 * 64 * 64 * 16 / sp.SM90_TENSOR_FLOPS_PER_CYCLE
+    assert sp.chain_cycles(code, 4, low) == pytest.approx(300 + 1 + mma + 1)
+
+
+@pytest.mark.unit
+def test_chain_waits_name_the_line_that_waits() -> None:
+    code = sp.parse_listing('\t//## File "/k/a.py", line 7\n' + CHAIN)
+    low = sp.LATENCIES[0]
+    # the add (its turn at cycle 2) waits for the load (ready at 300), the barrier 20: both on line 7 here
+    assert sp.chain_waits(code, 4, low) == {"/k/a.py:7": 298 + low.barrier}
