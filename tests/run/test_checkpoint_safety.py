@@ -81,6 +81,7 @@ def test_export_refuses_a_pickled_payload(sample_data, tmp_path_factory, tmp_pat
     newest = shutil.copytree(run / "checkpoints" / "step-00000008", tmp_path / "checkpoints" / "step-00000008")
     marker = tmp_path / "code-ran"
     torch.save({"optimizer_state_dict": CreatesMarker(marker)}, newest / OPTIM_STATES)
+    write_file_list(newest)                     # else the file list alone refuses it (test_export)
     assert export_main([str(newest), str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert "refusing to load" in err and OPTIM_STATES in err

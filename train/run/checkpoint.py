@@ -73,14 +73,14 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     root = Path(root)
     marker = root / LATEST
     if marker.is_file():
-        name = marker.read_text().strip()
-        candidate = root / name
-        if candidate.resolve().parent != root.resolve() or not name.startswith("step-"):
+        name = marker.read_text(errors="replace").strip()
+        # checked before any path is made of it: a NUL byte would make Path.resolve raise
+        if not name.startswith("step-") or not name.isprintable() or (root / name).resolve().parent != root.resolve():
             raise DataError(f"{marker}: names {shown(name)}, which is not a checkpoint folder inside {root}; a run "
                             f"resumes from its own checkpoints only: delete {marker} (the newest complete step-* "
                             "is then used) or set checkpoint.resume to a checkpoint folder")
-        if is_complete(candidate):
-            return candidate
+        if is_complete(root / name):
+            return root / name
     complete = [p for p in root.glob("step-*") if is_complete(p)]
     return max(complete, key=lambda p: p.name) if complete else None
 
