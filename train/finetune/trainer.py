@@ -280,6 +280,9 @@ class FinetuneTrainer(RunBase):
 
     # ---------------------------------------------------------------- closing
 
+    def _resolved_config(self) -> dict[str, Any]:
+        return finetune_config_to_dict(self.cfg)
+
     def _summary(self) -> dict[str, Any]:
         cfg, state, out_dir = self.cfg, self.state, self.cfg.out_dir
         plot = plot_metrics(out_dir / "metrics.jsonl", out_dir / PLOT_FILE) if cfg.logging.plot else None

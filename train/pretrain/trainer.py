@@ -158,6 +158,9 @@ class Trainer(RunBase):
 
     # ---------------------------------------------------------------- closing
 
+    def _resolved_config(self) -> dict[str, Any]:
+        return config_to_dict(self.cfg)
+
     def _summary(self) -> dict[str, Any]:
         return summarize(self.cfg, self.state, self.manifest, latest_checkpoint(self.checkpointer.root),
                              self.layout.world_size)

@@ -35,7 +35,7 @@ from distaff.train.core.threads import configure_threads
 from distaff.train.core.watchdog import Watchdog
 from distaff.train.model.config import ModelConfig
 from distaff.train.run.checkpoint import Checkpointer, Stateful, latest_checkpoint
-from distaff.train.run.config import ConfigError
+from distaff.train.run.config import ConfigError, config_fingerprint, fingerprinted
 from distaff.train.run.engine import initialize, set_lr
 from distaff.train.run.metrics import MetricsLogger, WandbSink, system_info
 from distaff.train.run.steps import optimizer_step, train_step
@@ -313,6 +313,11 @@ class RunBase:
         """After a completed loop: the final checkpoint first, then the final evaluation."""
         raise NotImplementedError
 
+    def _resolved_config(self) -> dict[str, Any]:
+        """The resolved config as plain values (what ``config.yaml`` holds): its fingerprint goes into the summary
+        (``distaff ablate`` reuses a finished run only when it matches)."""
+        raise NotImplementedError
+
     def _summary(self) -> dict[str, Any]:
         """Rank 0: the run's figures for ``summary.json``; draws the plot and prints a report."""
         raise NotImplementedError
@@ -322,7 +327,9 @@ class RunBase:
         signal writes one too, to be resumed: its step count alone does not say so)."""
         if not self.layout.is_main:
             return
-        summary = {**self._summary(), "finished": exit_code == 0}
+        resolved = fingerprinted(self._resolved_config())
+        summary = {**self._summary(), "finished": exit_code == 0, "config_fingerprint": config_fingerprint(resolved),
+                   "fingerprinted_config": resolved}
         (self.cfg.out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
         if self.metrics.wandb is not None:
             self.metrics.wandb.summary(summary)
