@@ -380,7 +380,7 @@ class Checkpointer:
         load_dir, tag, universal = folder.parent, folder.name, contextlib.nullcontext()
         if resized and has_partitioned_state(folder):
             report = print if self.rank == 0 else lambda message: None
-            load_dir, tag = folder, universal_folder(folder, self.rank, self.barrier, report).name
+            load_dir, tag = folder, universal_folder(folder, self.rank, self.barrier, report, self.from_rank0).name
             universal = universal_loading(self.engine)
         with universal, weights_only_loads():  # DeepSpeed's checkpoint engine would unpickle with weights_only=False
             loaded, _ = self.engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,

@@ -284,7 +284,7 @@ class RunBase:
         """``train.max_nonfinite_steps`` skipped steps in a row stop the run before this step is saved."""
         in_a_row = self.nonfinite_in_a_row
         if in_a_row >= self.cfg.train.max_nonfinite_steps:
-            raise FloatingPointError(
+            raise RunFailure(       # one line, exit 1: the cause is the run's numbers, not a bug to trace back
                 f"the loss was not finite for {in_a_row} steps in a row (up to step {self.state.step}); stopping "
                 f"without saving (those steps left the weights unchanged; latest checkpoint: "
                 f"{latest_checkpoint(self.checkpointer.root)}); lower optim.lr or check the data")
@@ -342,13 +342,40 @@ def parse_args(prog: str, description: str, argv: list[str]) -> argparse.Namespa
     parser.add_argument("--config", help="run config YAML")
     # the deepspeed launcher appends --local_rank unless run with --no_local_rank; LOCAL_RANK is read from the env
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--check", action="store_true",
+                        help="check the config, the data and that a checkpoint to resume fits this run, then exit "
+                             "(no engine is built, nothing is trained or written)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (presets, file and overrides merged) as YAML and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=3e-4")
     return parser.parse_args(take_debug_flag(argv))
 
 
+@dataclass(frozen=True)
+class Inspection:
+    """What ``--print-config`` and ``--check`` do for one trainer: the resolved config as plain values, and the
+    checks of a run that builds no engine (a one-line summary, or an error in the one style)."""
+    resolved: Callable[[Any], dict[str, Any]]
+    check: Callable[[Any], str]
+
+
+def _inspect(prog: str, args: argparse.Namespace, cfg: Any, inspection: Inspection) -> int:
+    import yaml
+
+    if args.print_config:
+        print(yaml.safe_dump(inspection.resolved(cfg), sort_keys=False), end="")
+        return 0
+    try:
+        print(f"{prog}: OK: {inspection.check(cfg)}", flush=True)
+    except Exception as err:  # noqa: BLE001 - reported in the one style
+        return report(prog, err)
+    return 0
+
+
 def run_main(prog: str, description: str, argv: list[str] | None, load: Callable[[str | None, list[str]], Any],
-             train: Callable[[Any, dist_utils.DistEnv], int]) -> int:
-    """Parse the command line, load the config with ``load``, run ``train`` on this rank; the exit code.
+             train: Callable[[Any, dist_utils.DistEnv], int], inspection: Inspection | None = None) -> int:
+    """Parse the command line, load the config with ``load``, run ``train`` on this rank (or with ``--check`` /
+    ``--print-config``, ``inspection``'s instead); the exit code.
 
     Errors are reported as every command reports them (:mod:`distaff.train.core.errors`), naming the rank when
     there are several. A config error is raised by every rank together, so the process group is shut
@@ -359,6 +386,8 @@ def run_main(prog: str, description: str, argv: list[str] | None, load: Callable
         cfg = load(args.config, args.overrides)
     except Exception as err:  # noqa: BLE001 - reported in the one style
         return report(prog, err)
+    if inspection is not None and (args.check or args.print_config):
+        return _inspect(prog, args, cfg, inspection)
     dist_utils.die_with_launcher()
     layout = dist_utils.env_from_environ()
     dist_utils.quiet_library_warnings(layout.rank)
