@@ -235,3 +235,22 @@ def test_an_epoch_run_resumed_on_fewer_ranks_keeps_its_epochs_and_schedule(model
     assert epochs == sorted(epochs) and epochs[2] == pytest.approx(3 / per_epoch_2)
     peak = lrs.index(max(lrs))
     assert peak < 3 and all(a >= b for a, b in zip(lrs[peak:], lrs[peak + 1:])), lrs   # one warmup, then decay
+
+
+def test_finetune_check_and_print_config_start_nothing(model_dir, tmp_path, capsys):
+    from distaff.train.finetune.config import finetune_config_to_dict, load_finetune_config
+    from distaff.train.finetune.trainer import main
+
+    import yaml
+
+    config = write_ft_config(tmp_path / "ft.yaml", model_dir, tmp_path / "run")
+    assert main(["--config", str(config), "--print-config", "optim.lr=0.25"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed == finetune_config_to_dict(load_finetune_config(str(config), ["optim.lr=0.25"]))
+    assert main(["--config", str(config), "--check"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("distaff finetune: OK: ") and f"a new run in {tmp_path / 'run'}" in out, out
+    assert "8 steps" in out and not (tmp_path / "run").exists()
+    assert main(["--config", str(config), "--check", "data.train=/nowhere.tsv"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "/nowhere.tsv" in err

@@ -50,7 +50,7 @@ def test_check_says_what_a_run_would_do_without_training(finished, capsys, tmp_p
     code, out, _ = _check(config, capsys, f"run.out_dir={tmp_path / 'new'}")
     assert code == 0 and f"a new run in {tmp_path / 'new'}" in out and not (tmp_path / "new").exists()
     assert sorted(p.name for p in run.rglob("*")) == listing                    # nothing written
-    moved = shutil.copytree(load_run_config(str(config)).data.dir, tmp_path / "moved-data")
+    moved = shutil.copytree(load_run_config(str(config), []).data.dir, tmp_path / "moved-data")
     code, out, _ = _check(config, capsys, f"data.dir={moved}")                  # the same data elsewhere: fine
     assert code == 0, out
     code, _, err = _check(config, capsys, "data.dir=/nowhere")

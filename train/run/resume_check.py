@@ -54,12 +54,14 @@ def resume_problem(folder: Path, run: RunIdentity) -> str | None:
         if value is not None and value != mine[key]:
             return f"{key}: {shown(value)} in checkpoint {folder}, {shown(mine[key])} in this run"
     old_model = meta.get("model_config", {})
-    changed = [name for name in sorted(set(old_model) | set(run.model))
+    names = [*run.model, *(name for name in old_model if name not in run.model)]   # ModelConfig's field order
+    changed = [name for name in names
                if name not in RESUME_FREE_MODEL_FIELDS and old_model.get(name) != run.model.get(name)]
     if changed:
-        name = changed[0]
+        name, also = changed[0], ", ".join(f"model.{n} {shown(old_model.get(n))} -> {shown(run.model.get(n))}"
+                                           for n in changed[1:4])
         return (f"model.{name}: {shown(old_model.get(name))} in checkpoint {folder}, {shown(run.model.get(name))} in "
-                f"this run{f' ({len(changed) - 1} more model field(s) differ)' if len(changed) > 1 else ''}")
+                f"this run{f' (also {also})' if also else ''}")
     return run.data_problem(rank_state(folder, 0).get("data", {}), f"checkpoint {folder}")
 
 
