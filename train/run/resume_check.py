@@ -54,9 +54,9 @@ def resume_problem(folder: Path, run: RunIdentity) -> str | None:
         if value is not None and value != mine[key]:
             return f"{key}: {shown(value)} in checkpoint {folder}, {shown(mine[key])} in this run"
     old_model = meta.get("model_config", {})
-    names = [*run.model, *(name for name in old_model if name not in run.model)]   # ModelConfig's field order
-    changed = [name for name in names
-               if name not in RESUME_FREE_MODEL_FIELDS and old_model.get(name) != run.model.get(name)]
+    # in ModelConfig's field order; a field the checkpoint predates (or this version dropped) is not compared
+    changed = [name for name in run.model if name in old_model and name not in RESUME_FREE_MODEL_FIELDS
+               and old_model[name] != run.model[name]]
     if changed:
         name, also = changed[0], ", ".join(f"model.{n} {shown(old_model.get(n))} -> {shown(run.model.get(n))}"
                                            for n in changed[1:4])
