@@ -179,3 +179,14 @@ def test_hf_folder_starts_the_encoder(model_dir, tmp_path):
     for key, tensor in ours.weights.items():
         torch.testing.assert_close(theirs.weights[key], tensor, rtol=0, atol=0, msg=key)
     assert theirs.config.to_dict() == ours.config.to_dict()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("unset", ["data.columns=[]", "data.columns=null"])
+def test_a_presets_columns_can_be_unset_by_an_override(unset):
+    """sentiment-cpu names a header-less file's columns; a file with a header row needs them unset."""
+    from distaff.train.finetune.trainer import input_format
+
+    assert load_finetune_config("sentiment-cpu", ["model.init_from=/m"]).data.columns == ["label", "text"]
+    cfg = load_finetune_config("sentiment-cpu", ["model.init_from=/m", unset])
+    assert cfg.data.columns == [] and input_format(cfg).columns is None and input_format(cfg).has_header

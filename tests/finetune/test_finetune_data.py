@@ -154,7 +154,7 @@ def test_unknown_label_and_dev_class_missing_from_train(tmp_path: Path, tokenize
     dev = _write(tmp_path / "dev.tsv", "label\ttext\npos\td\nneutral\te\n")
     with pytest.raises(DataError, match=r"dev\.tsv:3: class 'neutral' does not occur in the train set"):
         load_labelled(train, InputFormat(), tokenizer, 32, regression=False, dev_file=dev)
-    with pytest.raises(DataError, match=r"dev\.tsv:3: unknown label 'neutral' \(labels: \['neg', 'pos'\]\)"):
+    with pytest.raises(DataError, match=r"dev\.tsv:3: unknown label 'neutral' \(data\.labels: 2 classes: 'neg', 'pos'\)"):
         load_labelled(train, InputFormat(), tokenizer, 32, regression=False, dev_file=dev, labels=["neg", "pos"])
     with pytest.raises(DataError, match=r"train\.tsv:3: unknown label 'pos'"):
         load_labelled(train, InputFormat(), tokenizer, 32, regression=False, dev_file=dev, labels=["neg", "x"])
@@ -524,3 +524,39 @@ def test_two_gloo_ranks_share_the_epoch_and_gather_the_dev_set_once(tokenizer_di
     assert got["metrics"] == pytest.approx(compute_metrics(logits, labels, weights))
     steps = len(data.train) // (2 * TRAIN_BATCH)
     assert len(got["train_ids"]) == len(set(got["train_ids"])) == steps * 2 * TRAIN_BATCH
+
+
+@pytest.mark.unit
+def test_a_column_named_twice_in_the_header_is_refused(tmp_path: Path):
+    path = tmp_path / "twice.tsv"
+    path.write_text("label\ttext\ttext\npos\ta\tb\nneg\tc\td\n")
+    with pytest.raises(DataError, match=r"twice\.tsv: column 'text' appears twice in the header"):
+        read_examples(path, InputFormat(), regression=False)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("odd", ["²", "--1", "1_000", "٣x"])
+def test_labels_that_only_look_numeric_sort_as_text(odd: str):
+    make = lambda labels: [Example("t", None, label, f"f:{i}") for i, label in enumerate(labels)]  # noqa: E731
+    assert label_names(make(["10", "2", odd])) == sorted(["10", "2", odd])
+    assert label_names(make(["10", "-2", "3"])) == ["-2", "3", "10"]
+
+
+@pytest.mark.unit
+def test_unseen_class_error_names_a_few_classes_and_the_count():
+    names = [f"class{i}" for i in range(2000)]
+    with pytest.raises(DataError) as err:
+        encode_labels([Example("t", None, "other", "dev.tsv:7")], names)
+    message = str(err.value)
+    assert "dev.tsv:7: class 'other'" in message and "2000 classes: 'class0'" in message and len(message) < 300
+
+
+@pytest.mark.unit
+def test_a_corrupt_gzip_file_is_named_as_one(tmp_path: Path):
+    rows = [(str(i % 2), f"some text number {i} with words") for i in range(3000)]
+    data = bytearray(_labelled_file(tmp_path / "ok.tsv.gz", rows).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad = tmp_path / "bad.tsv.gz"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=r"bad\.tsv\.gz: corrupt gzip file \(CRC check failed"):
+        read_examples(bad, InputFormat(), regression=False)

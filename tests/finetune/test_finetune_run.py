@@ -195,3 +195,62 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank_with_the_epoch_re_dealt(model
         "run resumes only with the settings it started with: restore data.batch_size, or start over with "
         "checkpoint.resume=none (or another run.out_dir)")
     assert not list((record / "refused").iterdir())                       # no engine was built
+
+
+@pytest.mark.timeout(600)
+def test_an_epoch_run_resumed_on_fewer_ranks_keeps_its_epochs_and_schedule(model_dir, tmp_path):
+    """The red-team repro: 2 ranks by epochs, stopped at step 3, resumed on 1 rank. The run reads train.epochs
+    epochs of data in all (not k steps more), the epoch counter never goes back and the learning rate continues
+    its decay (no dip, no second warmup)."""
+    import gzip
+
+    from finetune_fixtures import MOVIES
+
+    with gzip.open(MOVIES, "rt") as handle:
+        rows = handle.read().splitlines()[:100]
+    small = tmp_path / "small.tsv"
+    small.write_text("\n".join(rows) + "\n")
+    config = write_ft_config(tmp_path / "ft.yaml", model_dir, tmp_path / "run", optim=FULL_RUN_OPTIM,
+                             train={"max_steps": 0, "epochs": 2}, logging={"every": 1}, eval={"every": 0},
+                             data={"train": str(small)})
+    probe, record = (str(Path(__file__).with_name("finetune_probe.py")),), tmp_path / "record"
+    for part in ("first", "resumed"):
+        (record / part).mkdir(parents=True)
+    log = lambda: (tmp_path / "rank0.log").read_text()   # noqa: E731
+    first = spawn_ranks(config, tmp_path, program=probe, env={"PROBE_STOP_AT": "3", "PROBE_RECORD": str(record / "first")})
+    assert wait_all(first, timeout=300) == [75, 75], log()[-3000:]
+    resumed = spawn_ranks(config, tmp_path, world_size=1, program=probe, env={"PROBE_RECORD": str(record / "resumed")})
+    assert wait_all(resumed, timeout=300) == [0], log()[-3000:]
+
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    train_examples = summary["train_examples"]                      # 90: 5 steps of 2 x 8 per epoch, 11 of 8
+    read = sum(len(_examples(record / "first" / f"examples-rank{r}.jsonl")) for r in (0, 1))
+    read += len(_examples(record / "resumed" / "examples-rank0.jsonl"))
+    per_epoch_2, per_epoch_1 = train_examples // 16, train_examples // 8
+    assert summary["steps"] == 3 + round((2 - 3 / per_epoch_2) * per_epoch_1), summary
+    assert abs(read - 2 * train_examples) < 16 and summary["epochs"] == pytest.approx(2.0, abs=0.1), (read, summary)
+    records = [r for r in metrics(tmp_path / "run") if "loss" in r]
+    epochs, lrs = [r["epoch"] for r in records], [r["lr"] for r in records]
+    assert [r["step"] for r in records] == list(range(1, summary["steps"] + 1))
+    assert epochs == sorted(epochs) and epochs[2] == pytest.approx(3 / per_epoch_2)
+    peak = lrs.index(max(lrs))
+    assert peak < 3 and all(a >= b for a, b in zip(lrs[peak:], lrs[peak + 1:])), lrs   # one warmup, then decay
+
+
+def test_finetune_check_and_print_config_start_nothing(model_dir, tmp_path, capsys):
+    from distaff.train.finetune.config import finetune_config_to_dict, load_finetune_config
+    from distaff.train.finetune.trainer import main
+
+    import yaml
+
+    config = write_ft_config(tmp_path / "ft.yaml", model_dir, tmp_path / "run")
+    assert main(["--config", str(config), "--print-config", "optim.lr=0.25"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed == finetune_config_to_dict(load_finetune_config(str(config), ["optim.lr=0.25"]))
+    assert main(["--config", str(config), "--check"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("distaff finetune: OK: ") and f"a new run in {tmp_path / 'run'}" in out, out
+    assert "8 steps" in out and not (tmp_path / "run").exists()
+    assert main(["--config", str(config), "--check", "data.train=/nowhere.tsv"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "/nowhere.tsv" in err

@@ -45,6 +45,8 @@ def test_non_finite_loss_skips_steps_then_stops_without_saving_nan_weights(stage
     assert wait_all(spawn_ranks(config, tmp_path), timeout=180) == [EXIT_FAILURE] * 2, _log(tmp_path)
     log = (tmp_path / "rank0.log").read_text()
     assert "the loss was not finite for 3 steps in a row" in log, log
+    assert "Traceback" not in log and [line for line in log.splitlines() if "not finite for" in line][0].startswith(
+        "distaff pretrain: rank 0: "), log       # one line, no traceback
     records = [r for r in metrics(run_dir) if "loss" in r]
     assert records[-1]["nonfinite_steps"] == 3 and records[-1]["step"] == records[0]["step"] + 3
     latest = latest_checkpoint(run_dir / "checkpoints")

@@ -88,6 +88,15 @@ def test_latest_naming_a_checkpoint_outside_the_run_is_refused(tmp_path, marker)
             find()
 
 
+def test_a_nul_byte_in_latest_is_one_line(tmp_path):
+    """Path.resolve raises ValueError on a NUL byte: the marker is checked before any path is made of it."""
+    root = tmp_path / "checkpoints"
+    _fake_complete(root, 8)
+    (root / "latest").write_bytes(b"step-00\x0000008\n")
+    with pytest.raises(DataError, match=r"latest: names 'step-00\\x0000008', which is not a checkpoint folder"):
+        latest_checkpoint(root)
+
+
 class _FakeEngine:
     """Stands in for DeepSpeed, whose own files are not what these tests are about."""
 

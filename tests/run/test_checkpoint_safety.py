@@ -81,6 +81,7 @@ def test_export_refuses_a_pickled_payload(sample_data, tmp_path_factory, tmp_pat
     newest = shutil.copytree(run / "checkpoints" / "step-00000008", tmp_path / "checkpoints" / "step-00000008")
     marker = tmp_path / "code-ran"
     torch.save({"optimizer_state_dict": CreatesMarker(marker)}, newest / OPTIM_STATES)
+    write_file_list(newest)                     # else the file list alone refuses it (test_export)
     assert export_main([str(newest), str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert "refusing to load" in err and OPTIM_STATES in err
@@ -103,3 +104,24 @@ def test_export_keeps_a_non_empty_folder_unless_overwrite(sample_data, tmp_path_
         os.umask(umask)
     assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o644   # not safetensors' 0600
     assert (out / "config.json").read_text() != "the user's own\n"
+
+
+@pytest.mark.timeout(300)
+def test_a_pickled_payload_met_while_resizing_is_one_line_on_every_rank(sample_data, tmp_path_factory, tmp_path):
+    """The 2-rank checkpoint resumed on 3 ranks goes through rank 0's conversion to a universal checkpoint: the
+    refusal reaches every rank as the same line (exit 2), none dies on a closed connection, no code runs."""
+    from pretrain_fixtures import spawn_ranks, wait_all
+
+    run = _two_checkpoints(tmp_path_factory.getbasetemp(), sample_data)
+    copy, config = _copy(run, tmp_path, sample_data)
+    newest, marker = copy / "checkpoints" / "step-00000008", tmp_path / "code-ran"
+    torch.save({"optimizer_state_dict": CreatesMarker(marker)}, newest / OPTIM_STATES)
+    write_file_list(newest)                     # a crafted checkpoint can carry a matching file list
+    codes = wait_all(spawn_ranks(config, tmp_path, world_size=3), timeout=240)
+    logs = [(tmp_path / f"rank{r}.log").read_text() for r in range(3)]
+    assert codes == [2, 2, 2], "\n".join(logs)[-4000:]
+    for rank, log in enumerate(logs):
+        errors = [line for line in log.splitlines() if line.startswith("distaff pretrain:")]
+        assert len(errors) == 1 and f"rank {rank}: " in errors[0] and "refusing to load" in errors[0], log[-2000:]
+        assert OPTIM_STATES in errors[0] and "Traceback" not in log
+    assert not marker.exists()

@@ -172,7 +172,28 @@ def test_a_yaml_alias_bomb_is_refused_at_once_from_a_file_and_an_override(tmp_pa
         assert main(argv) == EXIT_BAD_CONFIG
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and len(err) < 300, err[:500]
-        assert f"distaff pretrain: {source}: its YAML aliases expand to more than 10,000 values" in err
+        assert f"distaff pretrain: {source}: its YAML aliases add more than 10,000 values" in err
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("nested", ["[" * 5000 + "]" * 5000, "[" * 80 + "]" * 80,
+                                    "".join("  " * i + f"k{i}:\n" for i in range(3000)) + "  " * 3000 + "v: 1\n"])
+def test_deeply_nested_yaml_is_one_line(tmp_path, capsys, nested):
+    from distaff.train.pretrain.trainer import EXIT_BAD_CONFIG, main
+
+    config = tmp_path / "deep.yaml"
+    config.write_text(f"data:\n  dir: /d\nwandb:\n  tags: {nested}\n" if nested.startswith("[") else nested)
+    assert main(["--config", str(config)]) == EXIT_BAD_CONFIG
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "nested" in err and str(config) in err, err[:500]
+
+
+def test_a_long_written_out_list_is_not_an_alias_bomb(tmp_path):
+    """Only values that aliases add count: 20,000 labels written out are a config, not an attack."""
+    from distaff.train.core.config_yaml import load_yaml
+
+    labels = load_yaml("labels: [" + ", ".join(f"c{i}" for i in range(20_000)) + "]", "ft.yaml")["labels"]
+    assert len(labels) == 20_000
 
 
 def test_anchors_and_merge_keys_within_the_bound_still_work(tmp_path):

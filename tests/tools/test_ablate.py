@@ -19,7 +19,7 @@ from distaff.train.tools.ablate import (PlannedRun, load_ablation, main, paired_
                                   variant_config, write_job_scripts)
 from distaff.train.core.exit_codes import EXIT_PREEMPTED
 from distaff.train.core.runlock import DirLock
-from distaff.train.run.config import ConfigError
+from distaff.train.run.config import ConfigError, config_fingerprint
 
 VARIANTS = [{"name": "relative", "overrides": {"model.emd": False}},
             {"name": "rope", "overrides": {"model.emd": False, "model.relative_attention": False,
@@ -80,8 +80,19 @@ def test_tiny_ablation_end_to_end_and_resumed(base_config, tmp_path):
         "relative seed 3", "rope seed 3", "relative seed 4", "rope seed 4"]       # seed by seed
     (run_id, _history), = wandb_runs(root / "runs" / "rope" / "seed-4")
     assert run_id
-    again = _ablate(config, tmp_path)
+    renamed = _ablation(tmp_path, base_config, parallel=2, name="renamed")   # only W&B's group changes
+    again = _ablate(renamed, tmp_path)
     assert again.returncode == 0 and again.stdout.count("done before") == 4, again.stdout[-2000:]
+    assert list(csv.DictReader(open(root / "ablation.csv"))) == rows
+
+    # the red-team repro: an edited variant is not reported with the old run's numbers
+    edited = [VARIANTS[0], {**VARIANTS[1], "overrides": {**VARIANTS[1]["overrides"], "optim.lr": 0.0123}}]
+    stale = _ablate(_ablation(tmp_path, base_config, parallel=2, variants=edited), tmp_path)
+    message = stale.stderr.strip()
+    assert stale.returncode == 2 and "done before" not in stale.stdout and len(message.splitlines()) == 1, message
+    assert f"{root / 'runs' / 'rope' / 'seed-3'}: this run was made with other settings" in message
+    assert "optim.lr: 0.001 -> 0.0123" in message or "optim.lr: " in message and "0.0123" in message
+    assert f"delete {root / 'runs' / 'rope' / 'seed-3'}" in message
     assert list(csv.DictReader(open(root / "ablation.csv"))) == rows
 
 
@@ -194,9 +205,10 @@ def _job(tmp_path, name: str, body: str) -> tuple[str, list[str], PlannedRun]:
 
 
 # a run: notes its start and end times, then writes its summary, finished after the 1 step planned
+EMPTY = config_fingerprint({})     # the fingerprint of the (empty) config the fake runs below are planned with
 FINISHING = ("OUT.mkdir(parents=True); t0 = time.time(); time.sleep(3)\n"
              "(OUT / 'summary.json').write_text(json.dumps({'start': t0, 'end': time.time(), 'finished': True, "
-             "'steps': 1}))")
+             f"'steps': 1, 'config_fingerprint': '{EMPTY}'}}))")
 
 
 @pytest.mark.unit
@@ -223,7 +235,7 @@ def test_a_signal_stops_the_runs_in_progress_and_keeps_finished_summaries(tmp_pa
             "(OUT / 'pid').write_text(str(os.getpid())); time.sleep(120)")
     # 2 slots: quick finishes, then the two long runs hold both until the signal, so `never` cannot start
     jobs = [_job(tmp_path, "quick", "OUT.mkdir(parents=True); (OUT / 'summary.json').write_text("
-                            "'{\"finished\": true, \"steps\": 1}')"),
+                            f"'{{\"finished\": true, \"steps\": 1, \"config_fingerprint\": \"{EMPTY}\"}}')"),
             _job(tmp_path, "long-1", long), _job(tmp_path, "long-2", long), _job(tmp_path, "never", FINISHING)]
     # SIGINT as a terminal delivers it: a background shell (CI under nohup, `cmd &`) starts us with SIGINT
     # ignored, and Python then never turns it into KeyboardInterrupt

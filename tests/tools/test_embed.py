@@ -140,3 +140,14 @@ def test_an_hf_folder_with_only_a_pickled_bin_is_refused_naming_the_file(small_m
     with pytest.raises(ConfigError, match=re.escape(f"model.init_from: {folder / 'pytorch_model.bin'}: refusing")):
         load_encoder(folder, {})
     assert not marker.exists()
+
+
+def test_out_holding_files_needs_overwrite(small_model_dir, sentences, tmp_path, capsys):
+    out = tmp_path / "used"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    args = ["--model", str(small_model_dir), "--input", str(sentences), "--out", str(out)]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not an empty folder; pass --overwrite" in err
+    assert main([*args, "--overwrite"]) == 0 and (out / "embeddings.npy").is_file()

@@ -134,3 +134,24 @@ def test_grow_a_checkpoint_and_continue_pretraining(sample_data, tmp_path_factor
 def test_grow_cli_names_a_bad_model(tmp_path, capsys):
     assert main([str(tmp_path / "nowhere"), str(tmp_path / "out"), "--num-layers", "4"]) == 2
     assert "nowhere: not a model" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_grow_cli_refuses_a_zero_size_instead_of_copying(small_model_dir, tmp_path, capsys):
+    assert main([str(small_model_dir), str(tmp_path / "out"), "--hidden-size", "0"]) == 2
+    assert "--hidden-size 0: must be a multiple" in capsys.readouterr().err
+    assert main([str(small_model_dir), str(tmp_path / "out"), "--num-layers", "0"]) == 2
+    assert "--num-layers 0: fewer than" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.integration
+def test_grow_overwrite_leaves_no_old_file_behind(small_model_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale.txt").write_text("from an earlier model")
+    assert main([str(small_model_dir), str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err and (out / "stale.txt").exists()
+    assert main([str(small_model_dir), str(out), "--overwrite"]) == 0
+    assert not (out / "stale.txt").exists() and (out / "model.safetensors").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]      # no temporary folder left beside it

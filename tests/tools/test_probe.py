@@ -127,6 +127,26 @@ def test_bad_input_is_one_line_naming_it(small_model_dir: Path, sample_data: Pat
     assert "gone/data" in err and "--pretraining-data" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("text", ["", "One short line. Another one here.\n", "all lower case text. " * 400])
+def test_text_without_enough_sentences_is_one_line_naming_the_count(small_model_dir: Path, tmp_path: Path, capsys,
+                                                                   text: str):
+    path = tmp_path / "few.txt"
+    path.write_text(text)
+    code = main(["--text", str(path), "--model", str(small_model_dir), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "0 usable sentences" in err and "at least 100" in err and "few.txt" in err
+
+
+def test_a_text_column_that_only_looks_like_an_index_is_a_name(small_model_dir: Path, tmp_path: Path, capsys):
+    table = tmp_path / "t.tsv"
+    table.write_text("a\tb\nx\ty\n")
+    assert main(["--text", str(table), "--text-column", "²", "--model", str(small_model_dir),
+                 "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no column '²'" in err, err
+
+
 def test_the_demo_script_asks_for_the_demo_first(tmp_path: Path):
     script = Path(__file__).resolve().parents[2] / "scripts" / "probe-demo.sh"
     done = subprocess.run(["bash", str(script)], env={**os.environ, "DISTAFF_DEMO_DIR": str(tmp_path / "none")},

@@ -1,11 +1,13 @@
 """Reading config YAML (run, fine-tuning, model and ablation configs, ``key=value`` overrides) strictly.
 
-``yaml.safe_load`` plus three refusals, each a one-line :class:`ConfigError` naming the source and line:
+``yaml.safe_load`` plus four refusals, each a one-line :class:`ConfigError` naming the source and line:
 
 * a key written twice in one mapping (YAML keeps the last silently: a run with the value the user did not
   mean); merged keys (``<<: *base``) may still be overridden;
-* aliases that expand to more than :data:`MAX_VALUES` values (an "alias bomb": a few hundred bytes that
-  expand to billions of values and hang whatever walks or prints them), or an alias inside itself;
+* aliases whose expansion adds more than :data:`MAX_ALIAS_VALUES` values to those written (an "alias bomb": a
+  few hundred bytes that expand to billions of values and hang whatever walks or prints them), or an alias
+  inside itself; values written out are never counted against it (a 50,000-name ``data.labels`` list is fine);
+* values nested more than :data:`MAX_DEPTH` levels deep (or too deep for PyYAML's recursive reader);
 * a syntax error, reported as ``<source>, line N: <problem>`` instead of PyYAML's multi-line snippet.
 """
 
@@ -18,7 +20,8 @@ from yaml.nodes import MappingNode, Node, SequenceNode
 
 from distaff.train.core.errors import ConfigError
 
-MAX_VALUES = 10_000     # values (scalars and collections) a config may hold once its aliases are expanded
+MAX_ALIAS_VALUES = 10_000   # values (scalars and collections) a config's aliases may add when expanded
+MAX_DEPTH = 64              # levels of nesting: the deepest config section is a handful
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
@@ -38,27 +41,44 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def _expanded_size(node: Node, sizes: dict[int, int], open_nodes: set[int], source: str) -> int:
-    """The number of values ``node`` stands for with every alias expanded, saturating above MAX_VALUES."""
+def _expanded_size(node: Node, sizes: dict[int, int], open_nodes: set[int], source: str, limit: int) -> int:
+    """The number of values ``node`` stands for with every alias expanded, saturating above ``limit``; a value
+    nested more than :data:`MAX_DEPTH` levels deep is refused."""
     key = id(node)
     if key in sizes:
         return sizes[key]
     if key in open_nodes:
         raise ConfigError(f"{source}, line {node.start_mark.line + 1}: a YAML alias refers to the value it is part "
                           "of (an endless value); write the values out")
+    if len(open_nodes) >= MAX_DEPTH:
+        raise ConfigError(f"{source}, line {node.start_mark.line + 1}: values nested more than {MAX_DEPTH} levels "
+                          "deep; no config needs that many: flatten it")
     open_nodes.add(key)
-    if isinstance(node, SequenceNode):
-        children = node.value
-    elif isinstance(node, MappingNode):
-        children = [child for pair in node.value for child in pair]
-    else:
-        children = []
     size = 1
-    for child in children:
-        size = min(size + _expanded_size(child, sizes, open_nodes, source), MAX_VALUES + 1)
+    for child in _children(node):
+        size = min(size + _expanded_size(child, sizes, open_nodes, source, limit), limit + 1)
     open_nodes.discard(key)
     sizes[key] = size
     return size
+
+
+def _children(node: Node) -> list[Node]:
+    if isinstance(node, SequenceNode):
+        return node.value
+    if isinstance(node, MappingNode):
+        return [child for pair in node.value for child in pair]
+    return []
+
+
+def _written_size(root: Node) -> int:
+    """The number of distinct values written (an alias is the node it names, so it adds nothing)."""
+    seen, todo = set(), [root]
+    while todo:
+        node = todo.pop()
+        if id(node) not in seen:
+            seen.add(id(node))
+            todo.extend(_children(node))
+    return len(seen)
 
 
 def _one_line(err: yaml.YAMLError, source: str) -> str:
@@ -77,11 +97,15 @@ def load_yaml(text: str, source: str) -> Any:
         node = loader.get_single_node()
         if node is None:
             return None
-        if _expanded_size(node, {}, set(), source) > MAX_VALUES:
-            raise ConfigError(f"{source}: its YAML aliases expand to more than {MAX_VALUES:,} values (an alias bomb?); "
+        written = _written_size(node)
+        if _expanded_size(node, {}, set(), source, written + MAX_ALIAS_VALUES) > written + MAX_ALIAS_VALUES:
+            raise ConfigError(f"{source}: its YAML aliases add more than {MAX_ALIAS_VALUES:,} values (an alias bomb?); "
                               "write the values out")
         return loader.construct_document(node)
     except yaml.YAMLError as err:
         raise ConfigError(_one_line(err, source)) from None
+    except RecursionError:      # PyYAML's composer recurses once per level before any check of ours runs
+        raise ConfigError(f"{source}: values nested too deeply for the YAML reader; no config needs that many "
+                          "levels: flatten it") from None
     finally:
         loader.dispose()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Iterator
@@ -54,3 +56,27 @@ def file_sha256(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+@contextmanager
+def replaced_folder(out: str | Path) -> Iterator[Path]:
+    """A fresh folder beside ``out`` to write into; when the block succeeds it takes ``out``'s place whole (none of
+    the old folder's files survive: a stale ``added_tokens.json`` would change the tokenizer), else it is removed
+    and ``out`` stays as it was."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fresh = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(fresh, 0o777 & ~mask)      # mkdtemp makes it 0700
+    try:
+        yield fresh
+    except BaseException:
+        shutil.rmtree(fresh, ignore_errors=True)
+        raise
+    old = fresh.with_name(fresh.name.replace(".partial-", ".old-"))
+    if out.exists():
+        os.replace(out, old)
+    os.replace(fresh, out)
+    fsync_dir(out.parent)
+    shutil.rmtree(old, ignore_errors=True)

@@ -53,15 +53,18 @@ explicit list they are the train set's distinct values, sorted numerically when 
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import gzip
 import hashlib
 import json
 import logging
 import math
 import re
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -207,6 +210,7 @@ def _delimited_rows(path: Path, fmt: InputFormat) -> Iterator[tuple[int, dict[Se
             width = (len(fields), "the header" if fmt.has_header else f"line {row_line}")
             if fmt.has_header:
                 names = tuple(fields)
+                _check_unique(path, names, "the header")
                 _check_names(path, names, fmt)
                 continue
         if len(fields) != width[0]:
@@ -228,6 +232,14 @@ def _csv_rows(reader: Iterator[list[str]], path: Path, current: list[int]) -> It
                             f"{'the end of the file' if 'end of data' in str(err) else f'line {current[0]}'} "
                             f"(csv: {err}); close the quote, or double a quote inside a field (\"\")") from None
         raise DataError(f"{path}:{current[0]}: {err}") from None
+
+
+def _check_unique(path: Path, names: Sequence[str], where: str) -> None:
+    """A column named twice would be read from its last occurrence: the other one silently ignored."""
+    twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if twice is not None:
+        raise DataError(f"{path}: column {twice!r} appears twice in {where} {list(names)[:20]}; give every column "
+                        "its own name (or set data.columns)")
 
 
 def _check_names(path: Path, names: Sequence[str], fmt: InputFormat) -> None:
@@ -320,10 +332,34 @@ def class_name(value: object, where: str) -> str:
     return str(int(number)) if number.is_integer() else repr(number)
 
 
+@contextlib.contextmanager
+def _blame_corrupt_gzip(path: Path) -> Iterator[None]:
+    """A flipped bit in a gzipped file decompresses to garbage that is caught (by the CRC) only at its end, so the
+    first error seen is a garbled row: when a ``.gz`` file's row is wrong, check the whole stream and name the
+    real cause."""
+    try:
+        yield
+    except DataError:
+        if not path.name.endswith(".gz"):
+            raise
+        try:
+            with gzip.open(path, "rb") as f:
+                while f.read(1 << 20):
+                    pass
+        except (OSError, EOFError, zlib.error) as err:
+            raise DataError(f"{path}: corrupt gzip file ({err}); re-create or re-download it") from None
+        raise
+
+
 def read_examples(path: str | Path, fmt: InputFormat, *, regression: bool,
                   stats: ReadStats | None = None) -> list[Example]:
     """Every example of a labelled file, checked; empty texts are skipped and counted in ``stats``."""
     path = check_labelled_file(path)
+    with _blame_corrupt_gzip(path):
+        return _read_examples(path, fmt, regression, stats)
+
+
+def _read_examples(path: Path, fmt: InputFormat, regression: bool, stats: ReadStats | None) -> list[Example]:
     stats = stats if stats is not None else ReadStats()
     examples, empty = [], 0
     for lineno, row in _rows(path, fmt):
@@ -351,8 +387,9 @@ def read_texts(path: str | Path, column: Selector, columns: Sequence[str] | None
     (header row or ``columns``) or by 0-based index in a headerless file. Same checks and errors as above."""
     path = check_labelled_file(path)
     fmt = InputFormat(text_column=column, label_column=column, columns=tuple(columns) if columns else None)
-    texts = [_text(_field(row, column, "text_column", f"{path}:{lineno}"), column, f"{path}:{lineno}")
-             for lineno, row in _rows(path, fmt)]
+    with _blame_corrupt_gzip(path):
+        texts = [_text(_field(row, column, "text_column", f"{path}:{lineno}"), column, f"{path}:{lineno}")
+                 for lineno, row in _rows(path, fmt)]
     texts = [text for text in texts if text.strip()]
     if not texts:
         raise DataError(f"{path}: no text in column {column!r}")
@@ -367,12 +404,17 @@ def label_names(train: Sequence[Example], explicit: Sequence[str] | None = None)
         return _explicit_names(explicit)
     _check_label_kinds(train)
     found = {str(example.label) for example in train}
-    numeric = all(name.lstrip("-").isdigit() for name in found)
-    names = sorted(found, key=int if numeric else str)
+    names = sorted(found, key=_label_order(found))
     if len(names) < 2:
         raise DataError(f"{train[0].where.rsplit(':', 1)[0]}: only one label value {names} in the train set; "
                         "classification needs two or more (or list them in `labels`)")
     return names
+
+
+def _label_order(names: set[str]) -> Callable[[str], object]:
+    """Numeric order when every name is a number as :func:`parse_number` reads one (``-1``, ``10``; not
+    ``²``, which ``str.isdigit`` calls a digit, nor ``--1``), else text order."""
+    return (lambda name: parse_number(name)) if all(parse_number(n) is not None for n in names) else str
 
 
 def _explicit_names(explicit: Sequence[str]) -> list[str]:
@@ -417,11 +459,17 @@ def encode_labels(examples: Sequence[Example], names: Sequence[str] | None, *, e
     for i, example in enumerate(examples):
         if example.label not in index:
             if explicit:
-                raise DataError(f"{example.where}: unknown label {example.label!r} (labels: {list(names)})")
-            raise DataError(f"{example.where}: class {example.label!r} does not occur in the train set "
-                            f"(its classes: {list(names)}); list every class in `labels` to allow it")
+                raise DataError(f"{example.where}: unknown label {shown(example.label)} (data.labels: {_few(names)})")
+            raise DataError(f"{example.where}: class {shown(example.label)} does not occur in the train set "
+                            f"(its {_few(names)}); list every class in data.labels to allow it")
         ids[i] = index[example.label]
     return ids
+
+
+def _few(names: Sequence[str], shown_at_most: int = 8) -> str:
+    """``N classes: a, b, c, ...``: a long list of classes named in part, so that the error stays one line."""
+    listed = ", ".join(shown(name) for name in names[:shown_at_most])
+    return f"{len(names)} classes: {listed}{', ...' if len(names) > shown_at_most else ''}"
 
 
 def hold_out(examples: Sequence[Example], fraction: float, seed: int,

@@ -29,10 +29,11 @@ from distaff.train.finetune.sift import SiFT
 from distaff.train.model.classifier import DebertaForSequenceClassification
 from distaff.train.model.config import ConfigError
 from distaff.train.model.flops import train_flops_per_token
-from distaff.train.run.checkpoint import Checkpointer, RNGState, latest_checkpoint, rank_state, resume_candidate
+from distaff.train.run.checkpoint import Checkpointer, RNGState, latest_checkpoint
+from distaff.train.run.resume_check import RunIdentity, check_resumable
 from distaff.train.run.engine import layer_decay_groups
 from distaff.train.run.metrics import PLOT_FILE, Throughput, peak_memory_gb, plot_metrics
-from distaff.train.run.runtime import RunBase, TrainState, check_data_fits_model, run_main
+from distaff.train.run.runtime import Inspection, RunBase, TrainState, check_data_fits_model, run_main
 from distaff.train.run.schedule import lr_at
 from distaff.train.run.steps import Objective
 from distaff.train.run.steps import forward_batch, to_device
@@ -48,6 +49,12 @@ class FinetuneState(TrainState):
     last_eval_step: int = -1
     evals_without_improvement: int = 0
     stopped_early: bool = False
+    # the epoch arithmetic across a resume on another number of ranks (another number of steps per epoch):
+    # the epochs done and the step count when the steps per epoch last changed, and their first value
+    steps_per_epoch: int = 0
+    first_steps_per_epoch: int = 0
+    epochs_before: float = 0.0
+    steps_before: int = 0
 
 
 class ClassificationObjective(Objective):
@@ -91,14 +98,15 @@ def load_data(cfg: FinetuneConfig, tokenizer) -> LabelledData:
                          labels=data.labels or None)
 
 
-class FinetuneTrainer(RunBase):
-    """One rank of a fine-tuning run: ``FinetuneTrainer(cfg, layout).run()``; returns the exit code."""
+class FinetunePlan:
+    """A fine-tuning run up to its engine: the encoder, tokenizer and labelled data loaded, the batches dealt, the
+    steps planned and a checkpoint to resume checked. Built by every rank of a run, and by ``--check``."""
 
     def __init__(self, cfg: FinetuneConfig, layout: dist_utils.DistEnv):
-        super().__init__(cfg, layout)
-        source = load_encoder(cfg.model.init_from, cfg.model.overrides)
-        self.tokenizer = resolve_tokenizer(source, cfg.data.tokenizer, cfg.model.init_from)
-        self.model_cfg = source.config
+        self.cfg, self.layout = cfg, layout
+        self.source = load_encoder(cfg.model.init_from, cfg.model.overrides)
+        self.tokenizer = resolve_tokenizer(self.source, cfg.data.tokenizer, cfg.model.init_from)
+        self.model_cfg = self.source.config
         check_data_fits_model(self.model_cfg, cfg.data.max_len, f"data.max_len {cfg.data.max_len}",
                               "lower data.max_len (the architecture is model.init_from's)")
         self.data = load_data(cfg, self.tokenizer)
@@ -107,7 +115,48 @@ class FinetuneTrainer(RunBase):
                                    world_size=layout.world_size, seed=cfg.run.seed, pad_id=self.tokenizer.pad_id,
                                    packed=cfg.data.packing == "varlen")
         self.steps_per_epoch, self.max_steps = self._plan_steps()
-        self._check_resumable()
+        self.resume_from = self._check_resumable()
+
+    def _plan_steps(self) -> tuple[int, int]:
+        """Optimizer steps per epoch and in the run (``train.max_steps``, else ``train.epochs`` epochs)."""
+        cfg = self.cfg
+        per_epoch = self.loader.steps_per_epoch // cfg.train.grad_accum
+        if per_epoch == 0:
+            raise ConfigError(f"train.grad_accum: {cfg.train.grad_accum} micro-batches exceed the "
+                              f"{self.loader.steps_per_epoch} an epoch of {cfg.data.train} holds on "
+                              f"{self.layout.world_size} rank(s)")
+        return per_epoch, cfg.train.max_steps or cfg.train.epochs * per_epoch
+
+    def _check_resumable(self) -> Path | None:
+        """A checkpoint this run would resume from with another model, ZeRO stage, task or seed, or whose batches
+        were dealt otherwise (another batch size or data), is refused now, before the engine is built, naming the
+        key (train/run/resume_check.py, shared with pretraining)."""
+        cfg = self.cfg
+        return check_resumable(cfg.checkpoint.resume, cfg.out_dir / "checkpoints",
+                               RunIdentity(model=self.model_cfg.to_dict(), seed=cfg.run.seed,
+                                           zero_stage=cfg.zero.stage, objective=cfg.data.task,
+                                           data_problem=self.loader.resume_problem))
+
+
+def check_run(cfg: FinetuneConfig) -> str:
+    """``distaff finetune --check``: everything a run checks before building its engine; a summary line."""
+    plan = FinetunePlan(cfg, dist_utils.DistEnv(0, dist_utils.env_from_environ().world_size, 0))
+    labels = "regression" if cfg.regression else f"{plan.num_labels} classes"
+    return (f"config, model {cfg.model.init_from} and data fit ({len(plan.data.train)} train / {len(plan.data.dev)} dev "
+            f"examples, {labels}); " + (f"resumes from {plan.resume_from}" if plan.resume_from else
+                                         f"a new run in {cfg.out_dir}")
+            + f"; {plan.max_steps} steps ({plan.steps_per_epoch} per epoch) on {plan.layout.world_size} rank(s)")
+
+
+class FinetuneTrainer(RunBase):
+    """One rank of a fine-tuning run: ``FinetuneTrainer(cfg, layout).run()``; returns the exit code."""
+
+    def __init__(self, cfg: FinetuneConfig, layout: dist_utils.DistEnv):
+        super().__init__(cfg, layout)
+        plan = FinetunePlan(cfg, layout)
+        source, self.tokenizer, self.model_cfg, self.data = plan.source, plan.tokenizer, plan.model_cfg, plan.data
+        self.num_labels, self.loader = plan.num_labels, plan.loader
+        self.steps_per_epoch, self.max_steps = plan.steps_per_epoch, plan.max_steps
         self.engine = self._initialize_engine(lambda: self._build_model(source.weights), self._param_groups())
         sift = SiFT(cfg.sift, self.engine.module) if cfg.sift.enabled else None
         self.objective = ClassificationObjective(sift)
@@ -126,25 +175,6 @@ class FinetuneTrainer(RunBase):
         self.batches = iter(self.loader)
 
     # ---------------------------------------------------------------- building
-
-    def _plan_steps(self) -> tuple[int, int]:
-        """Optimizer steps per epoch and in the run (``train.max_steps``, else ``train.epochs`` epochs)."""
-        cfg = self.cfg
-        per_epoch = self.loader.steps_per_epoch // cfg.train.grad_accum
-        if per_epoch == 0:
-            raise ConfigError(f"train.grad_accum: {cfg.train.grad_accum} micro-batches exceed the "
-                              f"{self.loader.steps_per_epoch} an epoch of {cfg.data.train} holds on "
-                              f"{self.layout.world_size} rank(s)")
-        return per_epoch, cfg.train.max_steps or cfg.train.epochs * per_epoch
-
-    def _check_resumable(self) -> None:
-        """A checkpoint this run would resume from whose batches were dealt otherwise (another batch size, seed
-        or data) is refused now, before the engine is built, naming the key."""
-        folder = resume_candidate(self.cfg.checkpoint.resume, self.cfg.out_dir / "checkpoints")
-        if folder is not None:
-            problem = self.loader.resume_problem(rank_state(folder, 0).get("data", {}), f"checkpoint {folder}")
-            if problem:
-                raise ConfigError(problem)
 
     def _build_model(self, weights: dict[str, torch.Tensor]) -> DebertaForSequenceClassification:
         model = DebertaForSequenceClassification(self.model_cfg, self.num_labels, self.cfg.model.pooler_dropout)
@@ -181,6 +211,30 @@ class FinetuneTrainer(RunBase):
 
     # ---------------------------------------------------------------- the loop
 
+    def _restore(self) -> Path | None:
+        resumed_from = super()._restore()
+        self._continue_plan()
+        self.finished_before = resumed_from is not None and self._done()
+        return resumed_from
+
+    def _continue_plan(self) -> None:
+        """A run by epochs resumed with another number of steps per epoch (other ranks or batch size) keeps its
+        epochs: the epochs done so far are carried over, and the steps left are counted in the new steps."""
+        state = self.state
+        if state.steps_per_epoch and state.steps_per_epoch != self.steps_per_epoch:
+            state.epochs_before, state.steps_before = self._epoch(state.step), state.step
+        state.steps_per_epoch = self.steps_per_epoch
+        state.first_steps_per_epoch = state.first_steps_per_epoch or self.steps_per_epoch
+        if not self.cfg.train.max_steps:
+            left = max(0.0, self.cfg.train.epochs - state.epochs_before)
+            self.max_steps = state.steps_before + round(left * self.steps_per_epoch)
+
+    def _epoch(self, step: int) -> float:
+        """Epochs of data read after optimizer step ``step``: never less after a resume than before it."""
+        state = self.state
+        per_epoch = state.steps_per_epoch or self.steps_per_epoch
+        return state.epochs_before + (step - state.steps_before) / per_epoch
+
     def _done(self) -> bool:
         return self.state.step >= self.max_steps or self.state.stopped_early
 
@@ -194,14 +248,23 @@ class FinetuneTrainer(RunBase):
                 f"raise {length.split('=')[0]} to continue it")
 
     def _lr(self, step: int) -> float:
-        optim = self.cfg.optim
-        warmup = optim.warmup_steps or round(optim.warmup_ratio * self.max_steps)
-        return lr_at(step, lr=optim.lr, warmup_steps=warmup, max_steps=self.max_steps, schedule=optim.schedule,
+        """By steps with ``train.max_steps``; by epochs otherwise, counted in this run's steps per epoch, so that a
+        resume on other ranks continues the schedule where it was (no second warmup, no jump)."""
+        optim, state = self.cfg.optim, self.state
+        if self.cfg.train.max_steps or not state.first_steps_per_epoch:
+            at, total, scale = step, self.max_steps, 1.0
+        else:
+            # the steps this many ranks would have taken to get here (exactly ``step`` when nothing was resized)
+            at = state.epochs_before * self.steps_per_epoch + (step - state.steps_before)
+            total = self.cfg.train.epochs * self.steps_per_epoch
+            scale = self.steps_per_epoch / state.first_steps_per_epoch     # warmup_steps were the first ranks' steps
+        warmup = optim.warmup_steps * scale if optim.warmup_steps else round(optim.warmup_ratio * total)
+        return lr_at(at, lr=optim.lr, warmup_steps=warmup, max_steps=total, schedule=optim.schedule,
                      min_lr_ratio=optim.min_lr_ratio)
 
     def _log_train(self, values: dict[str, float]) -> None:
         grad_norm = self.engine.get_global_grad_norm()
-        self.metrics.log({"step": self.state.step, "epoch": self.state.step / self.steps_per_epoch, **values,
+        self.metrics.log({"step": self.state.step, "epoch": self._epoch(self.state.step), **values,
                           "lr": self._lr(self.state.step - 1),
                           "grad_norm": None if grad_norm is None else float(grad_norm),
                           "nonfinite_steps": self.state.nonfinite_steps, "peak_mem_gb": peak_memory_gb(),
@@ -280,11 +343,14 @@ class FinetuneTrainer(RunBase):
 
     # ---------------------------------------------------------------- closing
 
+    def _resolved_config(self) -> dict[str, Any]:
+        return finetune_config_to_dict(self.cfg)
+
     def _summary(self) -> dict[str, Any]:
         cfg, state, out_dir = self.cfg, self.state, self.cfg.out_dir
         plot = plot_metrics(out_dir / "metrics.jsonl", out_dir / PLOT_FILE) if cfg.logging.plot else None
         best = latest_checkpoint(out_dir / BEST_DIR)
-        summary = {"steps": state.step, "epochs": state.step / self.steps_per_epoch, "max_steps": self.max_steps,
+        summary = {"steps": state.step, "epochs": self._epoch(state.step), "max_steps": self.max_steps,
                    "stopped_early": state.stopped_early, "task": cfg.data.task, "labels": self.data.label_names,
                    "train_examples": len(self.data.train), "dev_examples": len(self.data.dev),
                    "skipped": dict(self.data.stats.skipped), "metric": cfg.metric,
@@ -310,5 +376,13 @@ def train(cfg: FinetuneConfig, layout: dist_utils.DistEnv) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main("distaff finetune", __doc__.splitlines()[0], argv, load_finetune_config, train)
+    return run_main("distaff finetune", __doc__.splitlines()[0], argv, load_finetune_config, train,
+                    Inspection(resolved=finetune_config_to_dict, check=_check_run))
+
+
+def _check_run(cfg: FinetuneConfig) -> str:
+    try:
+        return check_run(cfg)
+    except DataError as err:
+        raise ConfigError(str(err)) from None
 

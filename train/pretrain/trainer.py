@@ -29,7 +29,8 @@ from distaff.train.run.config import ConfigError, RunConfig, config_to_dict, loa
 from distaff.train.run.engine import loss_scale
 from distaff.train.run.metrics import PLOT_FILE, Throughput, padding_fraction, peak_memory_gb, plot_metrics, warn
 from distaff.train.run.model_folder import load_initial_weights
-from distaff.train.run.runtime import RunBase, TrainState, check_data_fits_model, parse_args as runtime_parse_args, run_main
+from distaff.train.run.resume_check import RunIdentity, check_resumable
+from distaff.train.run.runtime import Inspection, RunBase, TrainState, check_data_fits_model, parse_args as runtime_parse_args, run_main
 from distaff.train.run.schedule import lr_at
 from distaff.train.run.steps import Evaluator
 
@@ -61,6 +62,7 @@ class Trainer(RunBase):
         for section, model_cfg in self.objective.model_configs().items():
             check_data_fits_model(model_cfg, self.loader.seq_len, f"data.dir: seq_len {self.loader.seq_len}",
                                   "raise it or prepare the data with a smaller --seq-len", section)
+        check_resumable(cfg.checkpoint.resume, cfg.out_dir / "checkpoints", run_identity(cfg, self.objective, self.loader))
         self.engine = self._initialize_engine(self._build_model)
         self.state = TrainState()
         self.checkpointer = self._build_checkpointer(tokenizer.path)
@@ -81,9 +83,7 @@ class Trainer(RunBase):
         shared = dict(rank=layout.rank, world_size=layout.world_size, seed=cfg.run.seed,
                       masking=self.objective.masking)
         seq_len = self.manifest.seq_len
-        loader = PretrainLoader(cfg.data.dir, self.manifest, tokenizer, batch_size=cfg.data.batch_size,
-                                num_workers=cfg.data.num_workers, token_budget=cfg.data.token_budget(seq_len),
-                                **shared)
+        loader = train_loader(cfg, layout, self.manifest, tokenizer, self.objective)
         eval_loader = EvalLoader(cfg.data.dir, self.manifest, tokenizer,
                                  batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
                                  token_budget=cfg.data.token_budget(seq_len, eval=True), **shared)
@@ -158,9 +158,52 @@ class Trainer(RunBase):
 
     # ---------------------------------------------------------------- closing
 
+    def _resolved_config(self) -> dict[str, Any]:
+        return config_to_dict(self.cfg)
+
     def _summary(self) -> dict[str, Any]:
         return summarize(self.cfg, self.state, self.manifest, latest_checkpoint(self.checkpointer.root),
                              self.layout.world_size)
+
+
+def train_loader(cfg: RunConfig, layout: dist_utils.DistEnv, manifest: Manifest, tokenizer: TokenizerInfo,
+                 objective) -> PretrainLoader:
+    return PretrainLoader(cfg.data.dir, manifest, tokenizer, batch_size=cfg.data.batch_size,
+                          num_workers=cfg.data.num_workers, token_budget=cfg.data.token_budget(manifest.seq_len),
+                          rank=layout.rank, world_size=layout.world_size, seed=cfg.run.seed, masking=objective.masking)
+
+
+def check_run(cfg: RunConfig) -> str:
+    """``distaff pretrain --check``: the data, the model it gives and a checkpoint to resume, checked as a run
+    checks them before building its engine (as rank 0 of ``WORLD_SIZE``, default 1); a summary line."""
+    layout = dist_utils.DistEnv(0, dist_utils.env_from_environ().world_size, 0)
+    manifest, tokenizer = open_data_dir(cfg.data.dir)
+    model_cfg = build_model_config(cfg, tokenizer)
+    objective = objective_for(cfg, model_cfg)
+    loader = train_loader(cfg, layout, manifest, tokenizer, objective)
+    for section, checked in objective.model_configs().items():
+        check_data_fits_model(checked, loader.seq_len, f"data.dir: seq_len {loader.seq_len}",
+                              "raise it or prepare the data with a smaller --seq-len", section)
+    resume = check_resumable(cfg.checkpoint.resume, cfg.out_dir / "checkpoints", run_identity(cfg, objective, loader))
+    return (f"config, data {cfg.data.dir} (seq_len {manifest.seq_len}, tokenizer of {tokenizer.vocab_size} pieces) and "
+            f"model ({model_cfg.num_hidden_layers} layers, hidden {model_cfg.hidden_size}, {cfg.train.objective}) fit; "
+            + (f"resumes from {resume}" if resume else f"a new run in {cfg.out_dir}")
+            + f"; {cfg.train.max_steps} steps on {layout.world_size} rank(s)")
+
+
+def run_identity(cfg: RunConfig, objective, loader: PretrainLoader) -> RunIdentity:
+    """What a checkpoint must match for this run to resume it (train/run/resume_check.py); the data by what the
+    loader was built from (the shards' sample counts and the tokenizer's fingerprint), not by its path."""
+    data = loader.state_dict()["data"]
+
+    def data_problem(state: dict, where: str) -> str | None:
+        if state.get("data", data) == data:
+            return None
+        return (f"data.dir: the data of {where} differ from this run's {cfg.data.dir} (other shards, or another "
+                "tokenizer)")
+
+    return RunIdentity(model=objective.model_cfg.to_dict(), seed=cfg.run.seed, zero_stage=cfg.zero.stage,
+                       objective=cfg.train.objective, data_problem=data_problem)
 
 
 def unigram_baseline_accuracy(manifest: Manifest) -> float | None:
@@ -232,5 +275,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main("distaff pretrain", __doc__.splitlines()[0], argv, load_run_config, train)
+    return run_main("distaff pretrain", __doc__.splitlines()[0], argv, load_run_config, train,
+                    Inspection(resolved=config_to_dict, check=check_run))
 

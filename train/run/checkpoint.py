@@ -73,14 +73,14 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     root = Path(root)
     marker = root / LATEST
     if marker.is_file():
-        name = marker.read_text().strip()
-        candidate = root / name
-        if candidate.resolve().parent != root.resolve() or not name.startswith("step-"):
+        name = marker.read_text(errors="replace").strip()
+        # checked before any path is made of it: a NUL byte would make Path.resolve raise
+        if not name.startswith("step-") or not name.isprintable() or (root / name).resolve().parent != root.resolve():
             raise DataError(f"{marker}: names {shown(name)}, which is not a checkpoint folder inside {root}; a run "
                             f"resumes from its own checkpoints only: delete {marker} (the newest complete step-* "
                             "is then used) or set checkpoint.resume to a checkpoint folder")
-        if is_complete(candidate):
-            return candidate
+        if is_complete(root / name):
+            return root / name
     complete = [p for p in root.glob("step-*") if is_complete(p)]
     return max(complete, key=lambda p: p.name) if complete else None
 
@@ -380,7 +380,7 @@ class Checkpointer:
         load_dir, tag, universal = folder.parent, folder.name, contextlib.nullcontext()
         if resized and has_partitioned_state(folder):
             report = print if self.rank == 0 else lambda message: None
-            load_dir, tag = folder, universal_folder(folder, self.rank, self.barrier, report).name
+            load_dir, tag = folder, universal_folder(folder, self.rank, self.barrier, report, self.from_rank0).name
             universal = universal_loading(self.engine)
         with universal, weights_only_loads():  # DeepSpeed's checkpoint engine would unpickle with weights_only=False
             loaded, _ = self.engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,

@@ -8,6 +8,8 @@ is a :class:`ConfigError` naming the dotted key. The ``model`` section is a pres
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import typing
 from dataclasses import dataclass, field, fields
@@ -229,6 +231,8 @@ def _check_value(key: str, value: Any, annotation: Any) -> Any:
             raise ConfigError(f"{key}: must be a mapping, got {shown(value)} ({type(value).__name__})")
         return value
     if origin is list:
+        if value is None:       # `key=null` (or `key:` in a file) unsets a preset's list: data.columns=null
+            return []
         if not isinstance(value, list):
             raise ConfigError(f"{key}: must be a list, got {shown(value)} ({type(value).__name__})")
         return [_check_value(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
@@ -439,3 +443,36 @@ def save_config(cfg: RunConfig, path: str | Path, model_config: ModelConfig | No
     if model_config is not None:
         values["model"] = {**values["model"], **model_config.to_dict()}
     Path(path).write_text(yaml.safe_dump(values, sort_keys=False))
+
+
+# Keys that change what a run logs, where it writes and how it waits, never the numbers it produces: a run's
+# fingerprint leaves them out, so renaming a W&B run or checkpointing more often does not make it stale.
+NOT_FINGERPRINTED = ("wandb", "logging", "checkpoint", "distributed", "run.name", "run.out_dir")
+
+
+def fingerprinted(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A resolved config (``config_to_dict`` or the fine-tuning one) as flat ``section.key`` values, without
+    :data:`NOT_FINGERPRINTED`."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        name = prefix + str(key)
+        if name in NOT_FINGERPRINTED:
+            continue
+        if isinstance(value, dict) and value:
+            flat.update(fingerprinted(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def config_fingerprint(values: dict[str, Any]) -> str:
+    """sha256 of the canonical JSON of :func:`fingerprinted` ``values``: two runs with one fingerprint were
+    asked for the same training."""
+    text = json.dumps(fingerprinted(values), sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """``key: old -> new`` for every fingerprinted value that differs between two flat configs."""
+    return [f"{key}: {shown(old.get(key))} -> {shown(new.get(key))}" for key in sorted(set(old) | set(new))
+            if old.get(key) != new.get(key)]

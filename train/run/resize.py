@@ -22,8 +22,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
+from distaff.train.core.errors import UserError
 from distaff.train.core.files import fsync_dir
 from distaff.train.core.safe_load import weights_only_loads
+from distaff.train.data.errors import DataError
 
 UNIVERSAL = "universal"
 _PARTIAL_UNIVERSAL = ".partial-universal"
@@ -44,23 +46,45 @@ def _convert(folder: Path, out: Path) -> None:
         with weights_only_loads(), contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
             ds_to_universal.main(args)
     except Exception as err:
+        refusal = _refusal(err)
+        if refusal is not None:     # a pickled payload: the one-line refusal, not the converter's chatter
+            raise refusal from None
         raise RuntimeError(f"{folder}: converting to DeepSpeed's universal checkpoint failed: {err}\n"
                            f"{chatter.getvalue()[-2000:]}") from err
     finally:
         (folder / "latest_universal").unlink(missing_ok=True)  # the converter's own marker; we name the tag
 
 
+def _refusal(err: BaseException) -> UserError | None:
+    """Our refusal to unpickle (or other bad-input error) wherever the converter's worker re-raised it."""
+    seen = err
+    while seen is not None:
+        if isinstance(seen, UserError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def universal_folder(folder: Path, rank: int, barrier: Callable[[], None],
-                     report: Callable[[str], None] = print) -> Path:
-    """``folder/universal``, converted by rank 0 if it is not there yet; collective."""
-    done = folder / UNIVERSAL
+                     report: Callable[[str], None] = print,
+                     from_rank0: Callable[[str], str] = lambda text: text) -> Path:
+    """``folder/universal``, converted by rank 0 if it is not there yet; collective. A checkpoint rank 0 refuses
+    to convert (a pickled payload) is the same one-line :class:`DataError` on every rank (``from_rank0``: rank 0's
+    text on every rank), not one rank's error and the others' lost connection."""
+    done, refusal = folder / UNIVERSAL, ""
     if rank == 0 and not done.is_dir():
         partial = folder / _PARTIAL_UNIVERSAL
         shutil.rmtree(partial, ignore_errors=True)
         report(f"distaff: converting {folder} to a universal checkpoint (its optimizer state is split by rank)")
-        _convert(folder, partial)
-        os.replace(partial, done)
-        fsync_dir(folder)
+        try:
+            _convert(folder, partial)
+            os.replace(partial, done)
+            fsync_dir(folder)
+        except UserError as err:
+            refusal = str(err)
+    refusal = from_rank0(refusal)
+    if refusal:
+        raise DataError(refusal)
     barrier()
     if not done.is_dir():
         raise FileNotFoundError(f"{done}: rank 0's universal checkpoint is not visible here; "

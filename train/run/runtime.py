@@ -35,7 +35,7 @@ from distaff.train.core.threads import configure_threads
 from distaff.train.core.watchdog import Watchdog
 from distaff.train.model.config import ModelConfig
 from distaff.train.run.checkpoint import Checkpointer, Stateful, latest_checkpoint
-from distaff.train.run.config import ConfigError
+from distaff.train.run.config import ConfigError, config_fingerprint, fingerprinted
 from distaff.train.run.engine import initialize, set_lr
 from distaff.train.run.metrics import MetricsLogger, WandbSink, system_info
 from distaff.train.run.steps import optimizer_step, train_step
@@ -284,7 +284,7 @@ class RunBase:
         """``train.max_nonfinite_steps`` skipped steps in a row stop the run before this step is saved."""
         in_a_row = self.nonfinite_in_a_row
         if in_a_row >= self.cfg.train.max_nonfinite_steps:
-            raise FloatingPointError(
+            raise RunFailure(       # one line, exit 1: the cause is the run's numbers, not a bug to trace back
                 f"the loss was not finite for {in_a_row} steps in a row (up to step {self.state.step}); stopping "
                 f"without saving (those steps left the weights unchanged; latest checkpoint: "
                 f"{latest_checkpoint(self.checkpointer.root)}); lower optim.lr or check the data")
@@ -313,6 +313,11 @@ class RunBase:
         """After a completed loop: the final checkpoint first, then the final evaluation."""
         raise NotImplementedError
 
+    def _resolved_config(self) -> dict[str, Any]:
+        """The resolved config as plain values (what ``config.yaml`` holds): its fingerprint goes into the summary
+        (``distaff ablate`` reuses a finished run only when it matches)."""
+        raise NotImplementedError
+
     def _summary(self) -> dict[str, Any]:
         """Rank 0: the run's figures for ``summary.json``; draws the plot and prints a report."""
         raise NotImplementedError
@@ -322,7 +327,9 @@ class RunBase:
         signal writes one too, to be resumed: its step count alone does not say so)."""
         if not self.layout.is_main:
             return
-        summary = {**self._summary(), "finished": exit_code == 0}
+        resolved = fingerprinted(self._resolved_config())
+        summary = {**self._summary(), "finished": exit_code == 0, "config_fingerprint": config_fingerprint(resolved),
+                   "fingerprinted_config": resolved}
         (self.cfg.out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
         if self.metrics.wandb is not None:
             self.metrics.wandb.summary(summary)
@@ -335,13 +342,40 @@ def parse_args(prog: str, description: str, argv: list[str]) -> argparse.Namespa
     parser.add_argument("--config", help="run config YAML")
     # the deepspeed launcher appends --local_rank unless run with --no_local_rank; LOCAL_RANK is read from the env
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--check", action="store_true",
+                        help="check the config, the data and that a checkpoint to resume fits this run, then exit "
+                             "(no engine is built, nothing is trained or written)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (presets, file and overrides merged) as YAML and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=3e-4")
     return parser.parse_args(take_debug_flag(argv))
 
 
+@dataclass(frozen=True)
+class Inspection:
+    """What ``--print-config`` and ``--check`` do for one trainer: the resolved config as plain values, and the
+    checks of a run that builds no engine (a one-line summary, or an error in the one style)."""
+    resolved: Callable[[Any], dict[str, Any]]
+    check: Callable[[Any], str]
+
+
+def _inspect(prog: str, args: argparse.Namespace, cfg: Any, inspection: Inspection) -> int:
+    import yaml
+
+    if args.print_config:
+        print(yaml.safe_dump(inspection.resolved(cfg), sort_keys=False), end="")
+        return 0
+    try:
+        print(f"{prog}: OK: {inspection.check(cfg)}", flush=True)
+    except Exception as err:  # noqa: BLE001 - reported in the one style
+        return report(prog, err)
+    return 0
+
+
 def run_main(prog: str, description: str, argv: list[str] | None, load: Callable[[str | None, list[str]], Any],
-             train: Callable[[Any, dist_utils.DistEnv], int]) -> int:
-    """Parse the command line, load the config with ``load``, run ``train`` on this rank; the exit code.
+             train: Callable[[Any, dist_utils.DistEnv], int], inspection: Inspection | None = None) -> int:
+    """Parse the command line, load the config with ``load``, run ``train`` on this rank (or with ``--check`` /
+    ``--print-config``, ``inspection``'s instead); the exit code.
 
     Errors are reported as every command reports them (:mod:`distaff.train.core.errors`), naming the rank when
     there are several. A config error is raised by every rank together, so the process group is shut
@@ -352,6 +386,8 @@ def run_main(prog: str, description: str, argv: list[str] | None, load: Callable
         cfg = load(args.config, args.overrides)
     except Exception as err:  # noqa: BLE001 - reported in the one style
         return report(prog, err)
+    if inspection is not None and (args.check or args.print_config):
+        return _inspect(prog, args, cfg, inspection)
     dist_utils.die_with_launcher()
     layout = dist_utils.env_from_environ()
     dist_utils.quiet_library_warnings(layout.rank)

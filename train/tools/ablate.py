@@ -7,7 +7,10 @@ after another as subprocesses (``launcher: sequential``: plain ``python`` for on
 split evenly between them) or are written as job scripts to start elsewhere (``launcher: script``;
 ``distaff ablate --config ABL.yaml --report`` then gathers them). Runs go seed by seed (every
 variant of the first seed, then the second seed...), so a partial ablation holds paired results.
-A run whose ``summary.json`` says it finished the planned number of steps is not run again; any other
+A run whose ``summary.json`` says it finished the planned number of steps, with the planned config (the
+fingerprint of its resolved config: every key but ``wandb``, ``logging``, ``checkpoint``, ``distributed``,
+``run.name`` and ``run.out_dir``), is not run again; a run made with other settings (a variant edited since) is
+refused, naming the changed keys, until its folder is deleted; any other
 run is started again and resumes from its latest checkpoint, so an interrupted ablation continues where
 it stopped and only runs of the planned length are compared. A failed run is reported with its log and
 the others go on; Ctrl-C or SIGTERM stops the runs in progress (each gets SIGTERM: it saves a checkpoint
@@ -70,7 +73,8 @@ from distaff.train.core.exit_codes import EXIT_PREEMPTED
 from distaff.train.core.runlock import DirLock
 from distaff.train.core.threads import threads_per_rank
 from distaff.train.data.errors import DataError
-from distaff.train.run.config import ConfigError, RunConfig, config_file, load_config
+from distaff.train.run.config import (ConfigError, RunConfig, changed_keys, config_file, config_fingerprint,
+                                     config_to_dict, fingerprinted, load_config)
 from distaff.train.run.metrics import save_figure
 from distaff.train.run.runtime import SUMMARY_FILE
 
@@ -126,6 +130,7 @@ class PlannedRun:
     out_dir: Path
     overrides: list[str]            # key=value for `distaff pretrain`
     max_steps: int
+    config: dict[str, Any] = field(default_factory=dict)   # the run's resolved config, fingerprinted()
 
     @property
     def summary_path(self) -> Path:
@@ -144,11 +149,21 @@ class PlannedRun:
     def done(self) -> bool:
         """Finished, and with the step count the plan gives it: only such runs are compared."""
         summary = self.summary()
-        return summary is not None and summary.get("finished") is True and summary.get("steps") == self.max_steps
+        return (summary is not None and summary.get("finished") is True and summary.get("steps") == self.max_steps
+                and summary.get("config_fingerprint") == config_fingerprint(self.config))
 
     def check_plan(self) -> None:
-        """A run that finished more steps than the plan gives it cannot be brought to the plan's length."""
+        """A run made with other settings than the plan now gives it (a variant edited since) is not reused, nor
+        resumed under the new ones; a run that finished more steps than the plan gives it cannot be brought to the
+        plan's length."""
         summary = self.summary() or {}
+        if summary and summary.get("config_fingerprint") != config_fingerprint(self.config):
+            changed = changed_keys(summary.get("fingerprinted_config") or {}, self.config)
+            what = (f"with other settings than the ablation now gives it ({'; '.join(changed[:4])}"
+                    f"{'; ...' if len(changed) > 4 else ''})" if "fingerprinted_config" in summary
+                    else "by a distaff that recorded no config fingerprint")
+            raise ConfigError(f"{self.out_dir}: this run was made {what}; its results would be reported under the new "
+                              f"settings: delete {self.out_dir} to run it again with them, or restore the variant")
         if summary.get("finished") is True and summary.get("steps", 0) > self.max_steps:
             raise ConfigError(f"{self.summary_path}: the run finished {summary['steps']} steps but the ablation now "
                               f"gives it {self.max_steps} (were tokens, the batch size or ranks changed?); restore "
@@ -296,8 +311,10 @@ def plan_runs(cfg: AblationConfig) -> list[PlannedRun]:
             extra = {"run.out_dir": str(out_dir), "run.name": f"{variant.name}-seed-{seed}",
                      "train.max_steps": max_steps, "eval.every": every, "logging.every": every,
                      "wandb.group": cfg.name, "wandb.name": f"{variant.name}-seed-{seed}"}
-            variant_config(cfg, variant, seed, extra)  # the exact config the run will read, checked
-            runs.append(PlannedRun(variant.name, seed, out_dir, run_overrides(cfg, variant, seed, extra), max_steps))
+            resolved = variant_config(cfg, variant, seed, extra)  # the exact config the run will read, checked
+            config = json.loads(json.dumps(fingerprinted(config_to_dict(resolved)), default=str))  # as summary.json has it
+            runs.append(PlannedRun(variant.name, seed, out_dir, run_overrides(cfg, variant, seed, extra), max_steps,
+                                   config))
     return runs
 
 

@@ -162,13 +162,15 @@ def _whitening(args: argparse.Namespace, x: np.ndarray, out: Path, saved) -> tup
 
 def embed(args: argparse.Namespace) -> Path:
     """Write ``embeddings.npy`` (float32) and ``embeddings.json`` (plus the transform) under ``args.out``."""
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+        raise FileExistsError(f"--out {out}: exists and is not an empty folder; pass --overwrite to write into it")
     saved = load_transform(args.transform) if args.transform else None
     pooling = _pooling(args, saved[2] if saved else None)
     texts = read_lines(args.input)
     encoder, config, tokenizer = model_and_tokenizer(args.model, args.tokenizer)
     max_length = args.max_length or config.max_position_embeddings
     x = embed_ids(encoder, encode(texts, tokenizer, max_length), pooling, args.batch_size)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     whitening = _whitening(args, x, out, saved)
     if whitening is not None:
@@ -196,6 +198,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-length", type=int, default=0, help="tokens per text, [CLS]/[SEP] included "
                         "(default: the model's max_position_embeddings)")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--overwrite", action="store_true", help="write into --out even if it already holds files")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fitting sample")
     args = parser.parse_args(argv)
     if args.whiten and args.transform:

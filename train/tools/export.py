@@ -20,6 +20,7 @@ from pathlib import Path
 
 from distaff.train.core.distributed import quiet_library_warnings
 from distaff.train.core.errors import ConfigError, command_main
+from distaff.train.core.files import replaced_folder
 from distaff.train.core.threads import configure_threads
 from distaff.train.run.checkpoint import META
 from distaff.train.run.weights import CLASSIFIER_TASK, find_checkpoint, fp32_state_dict, model_from_meta
@@ -27,8 +28,10 @@ from distaff.train.run.weights import CLASSIFIER_TASK, find_checkpoint, fp32_sta
 
 def check_out_dir(out: Path, overwrite: bool) -> None:
     """Refuse to write into a folder that already holds files (the user's config.json, say) unless told to."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise FileExistsError(f"{out}: exists and is not an empty folder; pass --overwrite to replace its files")
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out}: exists and is not a folder; name a folder to write")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out}: exists and is not an empty folder; pass --overwrite to replace it")
 
 
 def export(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | None = None,
@@ -36,10 +39,16 @@ def export(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | None
     """Write the HF folder for ``checkpoint`` into ``out`` (an RTD run's discriminator, or with
     ``generator`` its generator; a fine-tuning run's best checkpoint, or with ``latest`` its latest);
     returns ``out``."""
-    from distaff.train.model.hf import classifier_to_hf, discriminator_to_hf, to_hf
-
     check_out_dir(Path(out), overwrite)
     folder = find_checkpoint(checkpoint, latest)
+    with replaced_folder(out) as fresh:     # --overwrite: no file of the old folder survives
+        _write(folder, fresh, tokenizer, generator)
+    return Path(out)
+
+
+def _write(folder: Path, out: Path, tokenizer: str | Path | None, generator: bool) -> Path:
+    from distaff.train.model.hf import classifier_to_hf, discriminator_to_hf, to_hf
+
     meta = json.loads((folder / META).read_text())
     tokenizer = tokenizer or (folder / "tokenizer" if (folder / "tokenizer").is_dir() else None)
     if tokenizer is None:

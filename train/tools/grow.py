@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from distaff.train.core.errors import command_main
+from distaff.train.core.files import replaced_folder
 from distaff.train.core.threads import configure_threads
 from distaff.train.model.config import ConfigError, ModelConfig
 from distaff.train.model.deberta import DebertaForMaskedLM, Layer
@@ -197,9 +198,12 @@ def _main(argv: list[str]) -> int:
     check_out_dir(Path(args.out), args.overwrite)
     model, tokenizer = load_model(args.model)
     small = model.config
-    grown = grow_model(model, args.hidden_size or small.hidden_size, args.num_layers or small.num_hidden_layers,
+    # "is None", not "or": --hidden-size 0 is a value to refuse, not "keep the size"
+    grown = grow_model(model, small.hidden_size if args.hidden_size is None else args.hidden_size,
+                       small.num_hidden_layers if args.num_layers is None else args.num_layers,
                        args.intermediate_size, args.heads, args.seed)
-    save_model_folder(grown, args.out, tokenizer)
+    with replaced_folder(args.out) as fresh:     # --overwrite: no file of the old folder survives
+        save_model_folder(grown, fresh, tokenizer)
     before, after = (sum(p.numel() for p in m.parameters()) / 1e6 for m in (model, grown))
     c = grown.config
     print(f"distaff grow: wrote {args.out}: {before:.2f}M -> {after:.2f}M parameters (hidden {c.hidden_size}, "

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
 import subprocess
@@ -51,7 +52,7 @@ from distaff.train.finetune.classifier_init import load_encoder
 from distaff.train.finetune.labelled import CSV_SUFFIXES, TSV_SUFFIXES, Example, hold_out, read_examples, read_texts
 from distaff.train.tools.baselines import BUNDLED_COLUMNS, PROBE_L2, bag_of_words, fit_and_score, frozen_encoder
 from distaff.train.tools.probe_overlap import pretrained_on, run_data_dir
-from distaff.train.tools.probe_tasks import TASKS, build_tasks, probe_sentences
+from distaff.train.tools.probe_tasks import MAX_WORDS, MIN_SENTENCES, MIN_WORDS, TASKS, build_tasks, probe_sentences
 
 BOW = "bag of words"
 RANDOM = "random"
@@ -73,7 +74,8 @@ def read_documents(paths: Sequence[Path], column: str | None) -> list[str]:
         if path.name.endswith(TSV_SUFFIXES + CSV_SUFFIXES):
             if column is None:
                 raise ConfigError(f"--text {path}: a TSV/CSV file needs --text-column (a header name or 0-based index)")
-            documents.extend(read_texts(path, int(column) if column.isdigit() else column))
+            # an index only when written in ASCII digits: "²".isdigit() is True, but int("²") fails
+            documents.extend(read_texts(path, int(column) if re.fullmatch("[0-9]+", column) else column))
         else:
             documents.extend(doc.text for doc in iter_documents([path], ReadOptions(text_field=column or "text")))
     return documents
@@ -94,6 +96,7 @@ def overlap_sources(args: argparse.Namespace, encoders: Sequence[Encoder]) -> tu
 def held_out_sentences(args: argparse.Namespace, encoders: Sequence[Encoder]) -> tuple[list[str], dict]:
     """The sentences of ``--text`` that no data dir of the pretraining text holds, and the check's report."""
     sentences = probe_sentences(read_documents(args.text, args.text_column))
+    _check_enough(sentences, args, "before the overlap check")
     data_dirs, unchecked = overlap_sources(args, encoders)
     seen = np.zeros(len(sentences), dtype=bool)
     for data_dir in data_dirs:
@@ -101,9 +104,17 @@ def held_out_sentences(args: argparse.Namespace, encoders: Sequence[Encoder]) ->
     kept = [s for s, dropped in zip(sentences, seen) if not dropped]
     if args.max_sentences:
         kept = kept[:args.max_sentences]
+    _check_enough(kept, args, f"{len(sentences)} sentences, {int(seen.sum())} of them in the pretraining text")
     report = {"sentences": len(sentences), "in_pretraining_text": int(seen.sum()), "kept": len(kept),
               "pretraining_data": [str(d) for d in data_dirs], "unchecked_models": unchecked}
     return kept, report
+
+
+def _check_enough(sentences: list[str], args: argparse.Namespace, detail: str) -> None:
+    if len(sentences) < MIN_SENTENCES:
+        raise ConfigError(f"--text: {len(sentences)} usable sentences in {', '.join(map(str, args.text))} ({detail}; "
+                          f"usable: {MIN_WORDS}-{MAX_WORDS} words, starting with a capital letter after . ! or ?); "
+                          f"the tasks need at least {MIN_SENTENCES}: give more (or other) text")
 
 
 def write_tasks(out: Path, sentences: list[str], args: argparse.Namespace, report: dict) -> dict[str, Path]:

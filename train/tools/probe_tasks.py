@@ -35,6 +35,7 @@ import numpy as np
 TASKS = ("bshift", "coordinv", "sentlen", "wc")
 MIN_WORDS, MAX_WORDS = 5, 40
 SENTLEN_BINS = 6
+MIN_SENTENCES = 100     # fewer, and a task's dev split (--dev-fraction of it) is too small to measure accuracy on
 WC_WORDS, WC_SKIP = 10, 50
 CONJUNCTIONS = ("and", "but", "or", "so", "yet", "nor")
 
@@ -176,6 +177,8 @@ def wc_words(sentences: Sequence[str]) -> list[str]:
 def wc(sentences: Sequence[str], seed: int) -> tuple[list[ProbeExample], list[str]]:
     """The examples (label: the index of the word) and the words."""
     words = wc_words(sentences)
+    if len(words) < WC_WORDS:
+        return [], words    # too few distinct words: no task (probe.py says so)
     by_word: dict[int, list[str]] = {i: [] for i in range(len(words))}
     for sentence in sentences:
         held = {w.lower() for w in WORD.findall(sentence)} & set(words)
