@@ -1,6 +1,6 @@
 """Regenerate the attention table `distaff plan` reads (train/plan/attention_table.json) from the judge.
 
-    python benchmarks/attention_table.py            # every target the judge has, N 128/512/1024, d 64/128
+    python benchmarks/attention_table.py            # every target the judge has, N 512/1024, d 64/128
     python benchmarks/attention_table.py --targets 90 --lengths 512 --jobs 2
 
 Each row is the static attention judge's ESTIMATE (benchmarks/attention_judge.py: compiled code read for
@@ -31,8 +31,11 @@ TOKENS = 16384
 
 
 def row(w: judge.Workload) -> dict:
-    """The judge's forward and backward estimate of distaff on ``w`` (milliseconds)."""
-    passes = judge.estimate("distaff", w)
+    """The judge's forward and backward estimate of distaff on ``w`` (milliseconds), or why there is none."""
+    try:
+        passes = judge.estimate("distaff", w)
+    except Exception as err:  # noqa: BLE001 - a workload the judge cannot read is reported, not fatal
+        return {**asdict(w), "error": f"{type(err).__name__}: {err}"}
     return {**asdict(w), "heads": judge.HEADS, "tokens": w.n * w.batch, "dtype": "bf16",
             **{f"{p}_ms": round(passes[p].total_ms, 4) for p in judge.PASSES}}
 
@@ -40,7 +43,8 @@ def row(w: judge.Workload) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", type=int, nargs="+", default=sorted(judge.static_perf.GPUS))
-    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024])
+    # the judge reads the tile loops of the compiled kernels; at N=128 a loop of one tile is no loop to read
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--dropouts", type=float, nargs="+", default=[0.0, 0.1])
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
@@ -50,8 +54,15 @@ def main(argv: list[str] | None = None) -> int:
                  for d in args.head_dims for p in args.dropouts]
     judge.calibration()  # compiled once here, read from the disk cache by the workers
     with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        rows = list(pool.map(row, workloads))
-    gpus = {str(cc): asdict(judge.static_perf.GPUS[cc]) for cc in args.targets}
+        results = list(pool.map(row, workloads))
+    rows = [r for r in results if "error" not in r]
+    for r in results:
+        if "error" in r:
+            print(f"skipped sm_{r['cc']} N={r['n']} d={r['head_dim']}: {r['error'][:300]}")
+    if not rows:
+        print("the judge estimated no workload; the table is unchanged")
+        return 1
+    gpus = {str(cc): asdict(judge.static_perf.GPUS[cc]) for cc in sorted({r["cc"] for r in rows})}
     table = {"source": "benchmarks/attention_judge.py estimate('distaff', ...): ESTIMATES from compiled code, "
                        "calibrated on DisentangledFlash's published H200 timings; no GPU ran",
              "regenerate": "python benchmarks/attention_table.py", "gpus": gpus, "rows": rows}

@@ -6,6 +6,6 @@ offload, every saved activation of a layer, the MLM head, the allocator margin),
 communication), the published anchors it is checked against (anchors), the live-tensor tracker that
 checks the memory model against a real step (measure) and the command (cli).
 
-May import distaff.train.core, distaff.train.model and distaff.train.run (never a trainer's loop);
-imported by distaff.launch (the one-line summary of `slurm submit` / `launch --dry-run`).
+Imports: distaff.train.core, distaff.train.model and distaff.train.run (never a trainer's loop). Imported
+by distaff.launch (the one-line summary of `slurm submit` / `launch --dry-run`) and `distaff plan`.
 """

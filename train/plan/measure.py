@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,9 @@ class LiveTensors(TorchDispatchMode):
 def live_storages(extra: list[torch.Tensor] = ()) -> dict[int, torch.UntypedStorage]:
     """Every tensor storage alive now that Python can reach (the garbage collector's tensors plus ``extra``)."""
     found: dict[int, torch.UntypedStorage] = {}
-    tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)] + list(extra)
+    with warnings.catch_warnings():   # isinstance() on every object touches deprecated torch module attributes
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)] + list(extra)
     for tensor in tensors:
         if tensor.device.type == "meta":
             continue

@@ -2,14 +2,15 @@
 
 Model states (per rank, ``W`` data-parallel ranks, ``P`` parameters, weights in the run's precision):
 
-- weights: ``P`` (ZeRO 0-2) or ``P / W`` (ZeRO 3) in the run precision;
+- weights: ``P`` (ZeRO 0-2) or ``P / W`` (ZeRO 3, plus the prefetch bucket of gathered weights) in the run
+  precision;
 - gradients: ZeRO 0-1 keep every gradient (``P``, run precision); ZeRO 2-3 keep their partition (``P / W``)
   plus DeepSpeed's contiguous reduce bucket (``reduce_bucket_size`` = 5e8 elements, two with ``overlap_comm``
   on GPUs): allocated whole, whatever the model's size, so small models see it dominate;
 - optimizer (torch AdamW): the fp32 master partition DeepSpeed clones (ZeRO >= 1, even in fp32), ``exp_avg``
-  and ``exp_avg_sq`` in fp32 over ``P / W`` (ZeRO >= 1) or ``P`` (ZeRO 0, plus fp32 masters with half
-  precision); offloaded to the host with ``zero.offload_optimizer``; the step's temporaries (one fp32
-  partition-sized buffer for ``sqrt(v)``, one for the fp32 gradient partition).
+  and ``exp_avg_sq`` in fp32 over ``P / W`` (ZeRO >= 1); without ZeRO ``P`` of them: fp16 runs DeepSpeed's
+  FP16 optimizer (fp32 masters and moments), bf16 plain AdamW on the bf16 weights (bf16 moments, no masters);
+  offloaded to the host with ``zero.offload_optimizer``; the step's temporary (one moment-sized buffer).
 
 Activations (what autograd keeps from the forward for the backward), per layer application, for ``T`` tokens
 of hidden ``D``, feed-forward ``I``, ``H`` heads, activation bytes ``a``: the layer input, Q/K/V, the attention
@@ -33,6 +34,7 @@ from distaff.train.model.config import ModelConfig
 from distaff.train.model.flops import layer_applications
 
 REDUCE_BUCKET = 500_000_000         # DeepSpeed's default zero_optimization.reduce_bucket_size (elements)
+PREFETCH_BUCKET = 50_000_000       # DeepSpeed's default stage3_prefetch_bucket_size (elements)
 LABELLED = 0.15                     # masked fraction of the collator's default
 LOGITS_CHUNK = 1 << 24              # the fused MLM loss's logits chunk (kernels/mlm_loss.py LOGITS_CHUNK_ELEMENTS)
 GIB = 1024 ** 3
@@ -54,6 +56,7 @@ class Setting:
     fused: bool = True               # Triton kernels (GPU) or the PyTorch reference (CPU)
     overlap_comm: bool = True        # DeepSpeed's ZeRO setting: True on GPUs (train/run/engine.py)
     dropout: bool = True
+    labelled: float = LABELLED       # fraction of tokens the MLM head reads (T-TA: all)
 
 
 @dataclass
@@ -90,15 +93,18 @@ def model_states(s: Setting) -> dict[str, float]:
     """Weights, gradients, optimizer states and their buffers per rank (bytes)."""
     a, p, w = _act_bytes(s.precision), s.params, s.ranks
     shard = p / w if s.zero >= 1 else p
-    half = s.precision != "fp32"
     states = {"weights": p * a / (w if s.zero == 3 else 1) * (0 if s.offload_param else 1)}
     states["gradients"] = p * a / (w if s.zero >= 2 else 1)
     if s.zero >= 2:
         states["reduce bucket"] = REDUCE_BUCKET * a * (2 if s.overlap_comm else 1)
-    master = shard * 4 if (s.zero >= 1 or half) else 0
+    if s.zero == 3:   # the weights gathered ahead of use (stage3_prefetch_bucket_size, 5e7 elements)
+        states["gathered weights (prefetch)"] = min(p, PREFETCH_BUCKET) * a
+    # ZeRO >= 1 steps an fp32 partition; without ZeRO, fp16 runs DeepSpeed's FP16 optimizer (fp32 masters)
+    # and bf16 plain AdamW on the bf16 weights (moments in bf16)
+    fp32_moments = s.zero >= 1 or s.precision != "bf16"
     on_gpu = 0 if s.offload_optimizer else 1
-    states["fp32 master weights"] = master * on_gpu
-    states["Adam moments"] = 2 * shard * 4 * on_gpu
+    states["fp32 master weights"] = (shard * 4 if s.zero >= 1 or s.precision == "fp16" else 0) * on_gpu
+    states["Adam moments"] = 2 * shard * (4 if fp32_moments else 2) * on_gpu
     return states
 
 
@@ -119,7 +125,7 @@ def layer_activations(cfg: ModelConfig, s: Setting, tokens: int) -> float:
 def head_activations(cfg: ModelConfig, s: Setting, tokens: int) -> tuple[float, float]:
     """The MLM head's saved bytes and its largest transient (bytes) for ``tokens`` positions."""
     a, d, e, v = _act_bytes(s.precision), cfg.hidden_size, cfg.embedding_size, cfg.vocab_size
-    rows = round(tokens * LABELLED)
+    rows = round(tokens * s.labelled)
     kept = rows * (d + 2 * e) * a + rows * 8 * 2                                # dense in, GELU out, LN in, stats
     if s.fused:
         kept += v * e * 4 + v * 4 + rows * e * a                                 # decoder gradient, bias, rows
@@ -178,9 +184,10 @@ def _phases(s: Setting, states: dict[str, float], acts: dict[str, float], temp: 
     fixed = sum(states.values()) - states["gradients"]
     shard = s.params / s.ranks if s.zero >= 1 else s.params
     flat_copy = min(s.params, REDUCE_BUCKET) * _act_bytes(s.precision) if s.zero == 0 else 0
+    step_temp = 0 if s.offload_optimizer else shard * (4 if s.zero >= 1 or s.precision != "bf16" else 2)
     return {"start of backward": fixed + table + sum(acts.values()) + max(temp.values()),
             "end of backward": fixed + (3 * table if s.zero >= 2 else states["gradients"] + 2 * table),
-            "optimizer step": fixed + states["gradients"] + max(flat_copy, 0 if s.offload_optimizer else shard * 4)}
+            "optimizer step": fixed + states["gradients"] + max(flat_copy, step_temp)}
 
 
 def step_peak(s: Setting) -> Breakdown:
