@@ -49,6 +49,8 @@ class Assumptions:
                 f"{self.bandwidth_efficiency:.0%} of HBM bandwidth; collectives at {self.link_efficiency:.0%} of "
                 f"the link",
                 "attention: the static judge's estimate (no GPU ran), see the attention row's source",
+                "ZeRO 3: prefetched gathers hidden under compute when it is long enough; its per-module hook and "
+                "gather latency is not modelled (ZeRO 3 is an upper bound on speed)",
                 "no data-loading, logging, evaluation or checkpoint time; steady state after warm-up"]
 
 
@@ -74,8 +76,6 @@ def _rows_for(arch: int, head_dim: int, dropout: float) -> list[dict]:
     if not rows:   # another head dim: the nearest one, scaled by d (work per score is linear in d)
         dims = sorted({r["head_dim"] for r in attention_table()["rows"] if r["cc"] == arch},
                       key=lambda d: abs(d - head_dim))
-        if not dims:
-            return []
         rows = [{**r, "fwd_ms": r["fwd_ms"] * head_dim / dims[0], "bwd_ms": r["bwd_ms"] * head_dim / dims[0]}
                 for r in attention_table()["rows"] if r["cc"] == arch and r["head_dim"] == dims[0]]
     chosen = min({r["dropout"] for r in rows}, key=lambda p: abs(p - dropout))
@@ -120,6 +120,9 @@ def attention_seconds(cfg: ModelConfig, gpu: GpuKind, seq_len: int, tokens: int)
     arch, factor, how = table_arch(gpu)
     rows = _rows_for(arch, cfg.head_dim, cfg.attention_probs_dropout_prob)
     per = _per_token_head_ms(rows, seq_len) * factor
+    if rows[0]["dropout"] != cfg.attention_probs_dropout_prob or rows[0]["head_dim"] != cfg.head_dim:
+        how += (f"; read from the table's d={rows[0]['head_dim']}, dropout {rows[0]['dropout']:g} rows (time linear "
+                f"in d) for d={cfg.head_dim}, dropout {cfg.attention_probs_dropout_prob:g}")
     terms = len(cfg.pos_att_type) if cfg.relative_attention else 0
     if terms == 0:   # the table's kernels compute c2p and p2c: keep the content part's FLOP share
         span = 2 * cfg.att_span
