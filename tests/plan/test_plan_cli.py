@@ -139,3 +139,27 @@ def test_slurm_dry_run_prints_the_plan_line_and_warns_when_it_does_not_fit(tmp_p
                              capture_output=True, text=True, timeout=120)
     assert too_big.returncode == 0 and "DOES NOT FIT" in too_big.stderr
     assert "distaff slurm: warning: the plan says micro-batch 512 needs" in too_big.stderr
+
+
+@pytest.mark.unit
+def test_attention_scales_with_tokens_heads_and_length():
+    from distaff.train.plan.step_time import attention_seconds
+
+    cfg = load_config("deberta-v3-base").model_config()
+    h100 = kind("H100-SXM")
+    one, two = (attention_seconds(cfg, h100, 512, tokens)[0] for tokens in (16384, 32768))
+    assert two == pytest.approx(2 * one)
+    rows = [r for r in attention_table()["rows"] if r["cc"] == 90 and r["n"] == 512]
+    per_layer = (rows[0]["fwd_ms"] + rows[0]["bwd_ms"]) / 1e3 * cfg.num_attention_heads / rows[0]["heads"]
+    assert one == pytest.approx(per_layer * 13)          # 11 encoder layers + 2 EMD applications
+    short, mid, long = (attention_seconds(cfg, h100, n, 16384)[0] for n in (256, 768, 4096))
+    assert short < one < mid < long
+    assert attention_seconds(cfg, kind("H100-PCIe"), 512, 16384)[0] == pytest.approx(one * 989 / 756)
+
+
+@pytest.mark.unit
+def test_the_distaff_command_knows_plan(capsys):
+    from distaff.launch import cli as distaff_cli
+
+    assert distaff_cli.main(["plan", "--list-gpus"]) == 0
+    assert "| H200 | 140.4 |" in capsys.readouterr().out
