@@ -112,8 +112,10 @@ def layer_activations(cfg: ModelConfig, s: Setting, tokens: int) -> float:
     """Bytes one layer application keeps for its backward."""
     a, d, i, h = _act_bytes(s.precision), cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
     mask = tokens * d if s.dropout and cfg.hidden_dropout_prob > 0 else 0
-    # input, Q, K, V, attention out, LayerNorm-1 input, attended (LN-1 out), LayerNorm-2 input
-    hidden = (8 if s.fused else 7) * tokens * d * a
+    # the layer input (also both residuals), Q, K, V (the fused op's contiguous copies; the reference keeps the
+    # projections' outputs), the attention output, its [B, N, D] relayout as the output projection's input
+    # (a view on the reference path), the LayerNorm-1 input, attended (LN-1 out), the LayerNorm-2 input
+    hidden = (9 if s.fused else 8) * tokens * d * a
     ffn = 2 * tokens * i * a
     stats = 2 * tokens * 8 + tokens // s.seq_len * h * s.seq_len * 4          # LN mean/rstd, attention lse
     terms = len(cfg.pos_att_type) if cfg.relative_attention else 0
