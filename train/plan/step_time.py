@@ -109,9 +109,9 @@ def table_arch(gpu: GpuKind) -> tuple[int, float, str]:
         arch = FALLBACK.get(arch) if FALLBACK.get(arch) in archs else min(archs, key=lambda a: (abs(a - gpu.arch), a))
     reference = attention_table()["gpus"][str(arch)]
     factor = reference["tensor_tflops"] / gpu.tflops
-    scaled = f"scaled by dense peak {reference['tensor_tflops']:g}/{gpu.tflops:g} TFLOP/s"
+    scaled = f"times the dense-peak ratio {reference['tensor_tflops']:g}/{gpu.tflops:g} TFLOP/s"
     if arch != gpu.arch:
-        return arch, factor, f"judge has no sm_{gpu.arch} target: scaled from sm_{arch} ({reference['name']}), {scaled}"
+        return arch, factor, f"judge has no sm_{gpu.arch} target: scaled from sm_{arch} ({reference['name']}) {scaled}"
     return arch, factor, f"judge, sm_{arch} ({reference['name']})" + ("" if abs(factor - 1) < 0.01 else f", {scaled}")
 
 
