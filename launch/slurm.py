@@ -254,12 +254,13 @@ def _main(argv: list[str]) -> int:
         cpus_per_task=args.cpus_per_task, mem=args.mem, mem_per_cpu=args.mem_per_cpu, exclusive=args.exclusive,
         partition=args.partition, account=args.account, time=args.time, job_name=args.job_name,
         signal_lead_s=args.signal_lead, sbatch_lines=tuple(args.sbatch))
+    script = render_sbatch_script(spec)   # a bad request is refused before anything is printed
     if not args.cpu:   # the plan's line for this job (memory per GPU, fit, estimated time)
         from distaff.train.plan.planner import print_launch_summary
 
         print_launch_summary(target, args.gpus_per_node, args.nodes, args.gpu_kind, "distaff slurm")
     if args.dry_run:
-        print(f"# {spec.script_path}\n{render_sbatch_script(spec)}")
+        print(f"# {spec.script_path}\n{script}")
         print(f"# submit with:\n{shlex.join(sbatch_command(spec.script_path))}")
         return 0
     job_id = submit(spec)
