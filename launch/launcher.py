@@ -178,6 +178,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT)
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="extra variable for every node (repeatable)")
+    parser.add_argument("--gpu-kind", help="GPU kind for the plan's line (distaff plan --list-gpus; default A100-80GB)")
     parser.add_argument("--dry-run", action="store_true", help="print the files and the command, run nothing")
     parser.add_argument("overrides", nargs="*", help="config overrides dotted.key=value")
     return parser
@@ -240,6 +241,11 @@ def _main(argv: list[str]) -> int:
                        env=env, extra=extra)
     command = (f"DS_ENV_FILE={shlex.quote(plan.env['DS_ENV_FILE'])} " if plan.files else "") + shlex.join(plan.command)
     if args.dry_run:
+        if torch.cuda.is_available() or args.gpu_kind:   # the plan's line for this job
+            from distaff.train.plan.planner import print_launch_summary
+
+            print_launch_summary(target, args.gpus_per_node or max(1, torch.cuda.device_count()), max(1, len(hosts)),
+                                 args.gpu_kind, "distaff launch")
         for path, text in plan.files.items():
             print(f"# {path}\n{text}")
         print(command)

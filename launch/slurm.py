@@ -292,6 +292,7 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     sub.add_argument("--signal-lead", type=int, default=DEFAULT_SIGNAL_LEAD_S,
                      help="seconds before the time limit at which the ranks checkpoint and requeue")
     sub.add_argument("--sbatch", action="append", default=[], metavar="OPTION", help="extra #SBATCH option")
+    sub.add_argument("--gpu-kind", help="GPU kind for the plan's line (distaff plan --list-gpus; default A100-80GB)")
     sub.add_argument("--dry-run", action="store_true", help="print the script and the command, submit nothing")
     sub.add_argument("overrides", nargs="*", help="config overrides dotted.key=value")
     return parser, sub
@@ -312,10 +313,14 @@ def _main(argv: list[str]) -> int:
         cpus_per_task=args.cpus_per_task, mem=args.mem, mem_per_cpu=args.mem_per_cpu, exclusive=args.exclusive,
         partition=args.partition, account=args.account, time=args.time, job_name=args.job_name,
         signal_lead_s=args.signal_lead, sbatch_lines=tuple(args.sbatch), python=sys.executable)
-    render_sbatch_script(spec)            # refuse bad values before any warning
+    script = render_sbatch_script(spec)   # a bad request is refused before anything is printed
     warn_if_node_local(spec.python, dict(os.environ))
+    if not args.cpu:   # the plan's line for this job (memory per GPU, fit, estimated time)
+        from distaff.train.plan.planner import print_launch_summary
+
+        print_launch_summary(target, args.gpus_per_node, args.nodes, args.gpu_kind, "distaff slurm")
     if args.dry_run:
-        print(f"# {spec.script_path}\n{render_sbatch_script(spec)}")
+        print(f"# {spec.script_path}\n{script}")
         print(f"# submit with:\n{shlex.join(sbatch_command(spec.script_path))}")
         return 0
     job_id = submit(spec)

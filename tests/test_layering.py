@@ -30,8 +30,11 @@ ALLOWED = {
                                "distaff.train.run"},
     "distaff.train.tools": {"distaff.kernels", "distaff.train.core", "distaff.train.data", "distaff.train.model",
                             "distaff.train.run", "distaff.train.pretrain", "distaff.train.finetune"},
+    # The plan reads run configs and models (meta-device parameter counts), never a trainer's loop.
+    "distaff.train.plan": {"distaff.train.core", "distaff.train.model", "distaff.train.run"},
     # The launchers read configs and start trainers as processes: never a trainer's loop.
-    "distaff.launch": {"distaff.train.core", "distaff.train.run.config", "distaff.train.finetune.config"},
+    "distaff.launch": {"distaff.train.core", "distaff.train.run.config", "distaff.train.finetune.config",
+                       "distaff.train.plan"},
 }
 MAX_MODULES = {"kernels": 12, "train": 12, "tests": 20}
 

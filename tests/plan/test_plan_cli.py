@@ -1,0 +1,165 @@
+"""``distaff plan``: every run preset on six GPU kinds in under 5 s each, what fits where, the time split,
+bad input as one line, and the launchers' summary line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+
+from distaff.train.core import presets
+from distaff.train.core.errors import ConfigError
+from distaff.train.plan import cli
+from distaff.train.plan.gpus import KINDS, kind, parse_gpus, parse_spec
+from distaff.train.plan.memory import step_peak
+from distaff.train.plan.planner import largest_micro_batch, make_plan
+from distaff.train.plan.step_time import attention_table
+from distaff.train.run.config import load_config
+
+KINDS_CHECKED = ("A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "L40S", "RTX-4090", "B200")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("preset", presets.preset_names("run"))
+def test_every_run_preset_plans_on_every_kind_fast(preset):
+    cfg = load_config(preset)
+    make_plan(cfg, "8xA100-80GB")   # the first plan pays for the one-off imports
+    for name in KINDS_CHECKED:
+        start = time.perf_counter()
+        plan = make_plan(cfg, f"8x{name}")
+        assert time.perf_counter() - start < 5.0
+        assert plan.time.total > 0 and plan.tokens_per_s > 0 and 0 < plan.mfu < 1
+        assert all(value >= 0 for value in plan.time.parts.values())
+        assert plan.memory.total > plan.memory.peak > 0
+        assert plan.gpu_hours == pytest.approx(plan.hours * 8)
+
+
+@pytest.mark.unit
+def test_largest_micro_batch_fits_and_one_more_does_not():
+    plan = make_plan(load_config("deberta-v3-base"), "8xA100-40GB")
+    largest = plan.largest_micro_batch
+    assert largest > 1
+    fits = [step_peak(replace(plan.setting, micro_batch=b)).total <= plan.gpu.memory_bytes for b in (largest, largest + 1)]
+    assert fits == [True, False]
+    assert largest_micro_batch(plan.setting, kind("RTX-4090")) < largest
+
+
+@pytest.mark.unit
+def test_zero_stages_offload_and_checkpointing_move_memory_the_right_way():
+    cfg = load_config("deberta-v3-base", ["model.preset=deberta-v3-large"])
+    totals = make_plan(cfg, "8xA100-80GB").zero_fits
+    assert totals[1] < totals[0]
+    base, zero3 = make_plan(cfg, "8xA100-80GB", zero=1), make_plan(cfg, "8xA100-80GB", zero=3)
+    assert zero3.memory.items["weights"] == pytest.approx(base.memory.items["weights"] / 8)
+    # DeepSpeed's reduce bucket (5e8 elements, two with overlap_comm) is allocated whole at ZeRO 2-3
+    assert zero3.memory.items["reduce bucket"] == 2 * 5e8 * 2 and "reduce bucket" not in base.memory.items
+    offloaded = make_plan(cfg, "8xA100-80GB", zero=1, offload=True)
+    assert offloaded.memory.items["Adam moments"] == 0 < base.memory.items["Adam moments"]
+    checkpointed = make_plan(load_config("deberta-v3-base", ["model.preset=deberta-v3-large",
+                                                             "model.activation_checkpointing=true"]), "8xA100-80GB")
+    assert checkpointed.memory.items["encoder layers"] < base.memory.items["encoder layers"] / 5
+    assert checkpointed.time.parts["GEMMs"] > base.time.parts["GEMMs"]   # the recomputed forward
+
+
+@pytest.mark.unit
+def test_more_nodes_more_tokens_and_slower_links_expose_communication():
+    cfg = load_config("deberta-v3-base")
+    one, four = make_plan(cfg, "8xH100-SXM"), make_plan(cfg, "8xH100-SXM", nodes=4)
+    assert four.tokens_per_s > 3 * one.tokens_per_s
+    pcie = make_plan(cfg, "8xL40S", zero=3, nodes=4, micro_batch=2)   # too little compute to hide it
+    assert pcie.time.parts["ZeRO communication (exposed)"] > 0
+
+
+@pytest.mark.unit
+def test_kinds_without_a_judge_target_say_what_they_are_scaled_from():
+    judged = {r["cc"] for r in attention_table()["rows"]}
+    assert {80, 90} <= judged
+    plan = make_plan(load_config("deberta-v3-base"), "8xL40S")
+    assert "no sm_89 target: scaled from sm_80" in plan.time.attention_source
+
+
+@pytest.mark.unit
+def test_the_report_labels_estimates_and_prints_assumptions(capsys):
+    assert cli.main(["--config", "deberta-v3-base", "--gpus", "8xA100-80GB"]) == 0
+    out = capsys.readouterr().out
+    assert "ESTIMATE" in out and "assumptions:" in out and "largest micro-batch that fits" in out
+    assert cli.main(["--config", "deberta-v3-base", "--gpus", "8xH200", "--json", "--zero", "2"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["zero"] == 2 and data["fits"] is True and data["estimate"]["tokens_per_s"] > 0
+    assert data["memory_bytes"]["reduce bucket"] > 0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("argv,message", [
+    (["--config", "deberta-v3-base", "--gpus", "8xV100"], "unknown GPU kind 'V100'; known kinds: A100-40GB"),
+    (["--config", "deberta-v3-base", "--gpus", "A100"], "expected COUNTxKIND"),
+    (["--config", "deberta-v3-base", "--gpus", "8xRTX-4090", "--micro-batch", "4096"], "--micro-batch 4096: needs"),
+    (["--config", "deberta-v3-base", "--gpus", "8xA100", "--gpu-spec", "memory_gib=3"], "--gpu-spec: expected"),
+    (["--gpus", "8xA100"], "--config and --gpus are required"),
+])
+def test_bad_input_is_one_line(argv, message, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("distaff plan: ") and message in err
+
+
+@pytest.mark.unit
+def test_a_config_with_no_model_is_one_line(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  dir: somewhere\ntrain:\n  max_steps: 10\n")
+    assert cli.main(["--config", str(path), "--gpus", "8xA100-80GB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no model" in err
+
+
+@pytest.mark.unit
+def test_gpu_spec_and_kind_names():
+    spec = parse_spec("name=MI250X,memory_gib=64,tflops=383,hbm_tb_s=3.2,like=A100-80GB")
+    assert parse_gpus("4xMI250X", spec) == (4, spec)
+    assert spec.memory_gib == 64 and spec.intra_gb_s == KINDS["A100-80GB"].intra_gb_s
+    assert kind("h100") is KINDS["H100-SXM"] and kind("rtx 4090") is KINDS["RTX-4090"]
+    with pytest.raises(ConfigError):
+        parse_spec("name=X,tflops=-1")
+
+
+@pytest.mark.unit
+def test_slurm_dry_run_prints_the_plan_line_and_warns_when_it_does_not_fit(tmp_path):
+    command = [sys.executable, "-m", "distaff.launch.cli", "slurm", "submit", "--config", "deberta-v3-base",
+               "--nodes", "1", "--gpus-per-node", "8", "--dry-run"]
+    out_dir = f"run.out_dir={tmp_path / 'run'}"
+    fits = subprocess.run(command + ["--gpu-kind", "A100-80GB", out_dir], capture_output=True, text=True,
+                          timeout=120)
+    assert fits.returncode == 0, fits.stderr
+    assert "distaff slurm: plan: 1x8xA100-80GB" in fits.stderr and "warning" not in fits.stderr
+    too_big = subprocess.run(command + ["--gpu-kind", "RTX-4090", out_dir, "data.batch_size=512"],
+                             capture_output=True, text=True, timeout=120)
+    assert too_big.returncode == 0 and "DOES NOT FIT" in too_big.stderr
+    assert "distaff slurm: warning: the plan says micro-batch 512 needs" in too_big.stderr
+
+
+@pytest.mark.unit
+def test_attention_scales_with_tokens_heads_and_length():
+    from distaff.train.plan.step_time import attention_seconds
+
+    cfg = load_config("deberta-v3-base").model_config()
+    h100 = kind("H100-SXM")
+    one, two = (attention_seconds(cfg, h100, 512, tokens)[0] for tokens in (16384, 32768))
+    assert two == pytest.approx(2 * one)
+    rows = [r for r in attention_table()["rows"] if r["cc"] == 90 and r["n"] == 512]
+    per_layer = (rows[0]["fwd_ms"] + rows[0]["bwd_ms"]) / 1e3 * cfg.num_attention_heads / rows[0]["heads"]
+    assert one == pytest.approx(per_layer * 13)          # 11 encoder layers + 2 EMD applications
+    short, mid, long = (attention_seconds(cfg, h100, n, 16384)[0] for n in (256, 768, 4096))
+    assert short < one < mid < long
+    assert attention_seconds(cfg, kind("H100-PCIe"), 512, 16384)[0] == pytest.approx(one * 989 / 756)
+
+
+@pytest.mark.unit
+def test_the_distaff_command_knows_plan(capsys):
+    from distaff.launch import cli as distaff_cli
+
+    assert distaff_cli.main(["plan", "--list-gpus"]) == 0
+    assert "| H200 | 140.4 |" in capsys.readouterr().out

@@ -1,0 +1,142 @@
+"""``distaff plan --config RUN.yaml --gpus 8xA100-80GB [--nodes N] [--micro-batch B] [--zero S] [--offload]``.
+
+Prints, per GPU: the model states, the activations of one micro-batch by part, the transients and the
+allocator margin, whether it fits, the largest micro-batch that fits and each ZeRO stage's total; then the
+step time by part, tokens/s, MFU and the time and GPU-hours to ``train.max_steps``: every time an ESTIMATE,
+its assumptions printed. ``--json`` writes the same as one JSON object; ``--list-gpus`` the kinds;
+``--anchors`` the published measurements the time model is checked against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+from distaff.train.core.errors import ConfigError, command_main
+from distaff.train.plan import gpus as gpu_kinds
+from distaff.train.plan.memory import GIB
+from distaff.train.plan.planner import Plan, make_plan, summary
+from distaff.train.plan.step_time import Assumptions
+
+PROG = "distaff plan"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="run config YAML, or a run preset's name (deberta-v3-base)")
+    parser.add_argument("--gpus", help="GPUs per node as COUNTxKIND, e.g. 8xA100-80GB (--list-gpus)")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--micro-batch", type=int, help="sequences per GPU per micro-step (default: data.batch_size)")
+    parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default: zero.stage)")
+    parser.add_argument("--offload", action="store_true", default=None, help="optimizer states on the host")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the prepared data's)")
+    parser.add_argument("--gpu-spec", help="a kind not in the table: name=N,memory_gib=..,tflops=..,hbm_tb_s=..,"
+                                           "intra_gb_s=..,inter_gb_s=..[,like=KIND]")
+    parser.add_argument("--gemm-efficiency", type=float, default=Assumptions.gemm_efficiency)
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    parser.add_argument("--list-gpus", action="store_true", help="print the GPU kinds and exit")
+    parser.add_argument("--anchors", action="store_true", help="plan the published measurements, print ratios")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides of the run config")
+    return parser
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:8.2f} GiB"
+
+
+def memory_lines(plan: Plan) -> list[str]:
+    s, m = plan.setting, plan.memory
+    lines = [f"memory per GPU ({s.params / 1e6:,.1f} M parameters, {s.precision}, ZeRO {s.zero}"
+             f"{' + optimizer offload' if s.offload_optimizer else ''}, micro-batch {s.micro_batch} x {s.seq_len}, "
+             f"{s.ranks} GPUs):"]
+    lines += [f"  {name:<36} {_gib(value)}" for name, value in m.items.items() if value]
+    lines += [f"  peak at the {max(m.phases, key=m.phases.get):<28} {_gib(m.peak)}",
+              f"  allocator margin (5% + 1 GiB context)  {_gib(m.margin)}",
+              f"  total {_gib(m.total)} of {plan.gpu.memory_gib:.1f} GiB: {'fits' if plan.fits else 'DOES NOT FIT'}",
+              f"  largest micro-batch that fits: {plan.largest_micro_batch}",
+              "  ZeRO stages at this micro-batch: " + ", ".join(
+                  f"{stage}: {total / GIB:.1f} GiB {'fits' if total <= plan.gpu.memory_bytes else 'no'}"
+                  for stage, total in plan.zero_fits.items())]
+    return lines
+
+
+def time_lines(plan: Plan) -> list[str]:
+    t = plan.time
+    lines = [f"step time (ESTIMATE; {plan.grad_accum} micro-batches per step, {plan.nodes} node(s) of "
+             f"{plan.per_node} x {plan.gpu.name}):"]
+    lines += [f"  {name:<32} {seconds * 1e3:10.1f} ms" for name, seconds in t.parts.items()]
+    lines += [f"  {'total':<32} {t.total * 1e3:10.1f} ms",
+              f"  tokens/s (all GPUs)  {plan.tokens_per_s:,.0f}   MFU {plan.mfu:.1%}   "
+              f"to {plan.max_steps:,} steps: {plan.hours:,.1f} h, {plan.gpu_hours:,.0f} GPU-hours (estimates)",
+              "assumptions:", f"  sequence length {plan.setting.seq_len} from {plan.seq_source}",
+              f"  attention: {t.attention_source}"]
+    return lines + [f"  {line}" for line in plan.assumptions.lines()]
+
+
+def as_json(plan: Plan) -> dict:
+    s = plan.setting
+    return {"gpu": asdict(plan.gpu), "gpus_per_node": plan.per_node, "nodes": plan.nodes,
+            "params": s.params, "precision": s.precision, "zero": s.zero, "offload_optimizer": s.offload_optimizer,
+            "micro_batch": s.micro_batch, "seq_len": s.seq_len, "seq_len_source": plan.seq_source,
+            "memory_bytes": {**plan.memory.items, "peak": plan.memory.peak, "margin": plan.memory.margin,
+                             "total": plan.memory.total}, "phases_bytes": plan.memory.phases,
+            "fits": plan.fits, "largest_micro_batch": plan.largest_micro_batch,
+            "zero_stage_total_bytes": {str(k): v for k, v in plan.zero_fits.items()},
+            "estimate": {"step_seconds": plan.time.parts, "step_total_s": plan.time.total,
+                         "tokens_per_s": plan.tokens_per_s, "mfu": plan.mfu, "hours": plan.hours,
+                         "gpu_hours": plan.gpu_hours, "attention_source": plan.time.attention_source},
+            "assumptions": plan.assumptions.lines(), "summary": summary(plan)}
+
+
+def _run_config(path: str, overrides: list[str]):
+    """The run config; a plan needs its model, not its data (an unset ``data.dir`` is allowed)."""
+    from distaff.train.run.config import config_from_dict, read_config_values
+
+    values = read_config_values(path, overrides)
+    if not (values.get("model") or {}).get("preset") and not (values.get("model") or {}).get("init_from"):
+        raise ConfigError(f"{path}: no model (model.preset or model.init_from); set one, e.g. "
+                          "model.preset=deberta-v3-base")
+    data = values.setdefault("data", {}) if isinstance(values.get("data", {}), dict) else values["data"]
+    if isinstance(data, dict):
+        data.setdefault("dir", "(not prepared yet)")
+    return config_from_dict(values)
+
+
+def _body(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.list_gpus:
+        print("\n".join(gpu_kinds.table_rows()))
+        return 0
+    if args.anchors:
+        from distaff.train.plan.anchors import anchor_lines
+
+        print("\n".join(anchor_lines()))
+        return 0
+    if not args.config or not args.gpus:
+        raise ConfigError("--config and --gpus are required (e.g. --config deberta-v3-base --gpus 8xA100-80GB)")
+    cfg = _run_config(args.config, args.overrides)
+    spec = gpu_kinds.parse_spec(args.gpu_spec) if args.gpu_spec else None
+    if not 0 < args.gemm_efficiency <= 1:
+        raise ConfigError(f"--gemm-efficiency: must be in (0, 1], got {args.gemm_efficiency}")
+    plan = make_plan(cfg, args.gpus, args.nodes, micro_batch=args.micro_batch, zero=args.zero, offload=args.offload,
+                     seq_len=args.seq_len, gpu_spec=spec, assumptions=Assumptions(gemm_efficiency=args.gemm_efficiency))
+    if args.micro_batch is not None and not plan.fits:
+        raise ConfigError(f"--micro-batch {args.micro_batch}: needs {plan.memory.total / GIB:.1f} GiB per GPU, "
+                          f"more than the {plan.gpu.memory_gib:.1f} GiB of a {plan.gpu.name}; the largest that fits "
+                          f"is {plan.largest_micro_batch}" + ("" if plan.largest_micro_batch else
+                                                               "; try --zero 3, --offload or more GPUs"))
+    if args.json:
+        print(json.dumps(as_json(plan), indent=1))
+    else:
+        print("\n".join([summary(plan), "", *memory_lines(plan), "", *time_lines(plan)]))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return command_main(PROG, _body, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

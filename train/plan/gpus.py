@@ -1,0 +1,115 @@
+"""GPU kinds the plan knows: memory, dense bf16/fp16 peak, HBM bandwidth, links; ``--gpus 8xA100-80GB``.
+
+Figures are vendor datasheet values (dense, no sparsity); memory is what ``nvidia-smi`` reports (MiB).
+Links are per GPU and per direction: ``intra`` between GPUs of a node (NVLink, or PCIe for cards without
+it), ``inter`` between nodes (the InfiniBand NIC per GPU of the usual system: HDR 200 Gb/s for A100 systems,
+NDR 400 Gb/s for H100/H200/B200, 100 Gb/s Ethernet/RoCE for PCIe workstation cards).
+``arch`` is the compute capability the attention table is read at; kinds with no table of their own say
+which one they are scaled from (by the dense peak ratio) in ``attention_from``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from distaff.train.core.errors import ConfigError, shown
+
+MIB = 1024 ** 2
+
+
+@dataclass(frozen=True)
+class GpuKind:
+    name: str
+    memory_bytes: float
+    tflops: float            # dense bf16/fp16 tensor peak, TFLOP/s
+    fp32_tflops: float       # fp32 (non-tensor) peak, TFLOP/s
+    hbm_tb_s: float          # device memory bandwidth, TB/s
+    intra_gb_s: float        # GPU-GPU in a node, GB/s per direction
+    inter_gb_s: float        # node-node per GPU, GB/s per direction
+    arch: int                # compute capability (80, 89, 90, 100)
+
+    @property
+    def memory_gib(self) -> float:
+        return self.memory_bytes / 1024 ** 3
+
+
+KINDS = {k.name: k for k in (
+    GpuKind("A100-40GB", 40960 * MIB, 312, 19.5, 1.555, 300, 25, 80),
+    GpuKind("A100-80GB", 81920 * MIB, 312, 19.5, 2.039, 300, 25, 80),
+    GpuKind("H100-SXM", 81559 * MIB, 989, 67, 3.35, 450, 50, 90),
+    GpuKind("H100-PCIe", 81559 * MIB, 756, 51, 2.0, 64, 50, 90),
+    GpuKind("H200", 143771 * MIB, 989, 67, 4.8, 450, 50, 90),
+    GpuKind("L40S", 46068 * MIB, 362, 91.6, 0.864, 32, 12.5, 89),
+    GpuKind("RTX-4090", 24564 * MIB, 165, 82.6, 1.008, 32, 12.5, 89),
+    GpuKind("B200", 183359 * MIB, 2250, 80, 8.0, 900, 50, 100),
+)}
+ALIASES = {"A100": "A100-80GB", "H100": "H100-SXM", "4090": "RTX-4090", "RTX4090": "RTX-4090"}
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def kind(name: str) -> GpuKind:
+    """The kind named (case, dashes and spaces ignored; ``A100`` = A100-80GB, ``H100`` = H100-SXM)."""
+    wanted = _key(ALIASES.get(name, name))
+    for known in KINDS.values():
+        if _key(known.name) == wanted:
+            return known
+    for alias, target in ALIASES.items():
+        if _key(alias) == wanted:
+            return KINDS[target]
+    raise ConfigError(f"--gpus: unknown GPU kind {shown(name)}; known kinds: {', '.join(KINDS)} "
+                      "(or describe it with --gpu-spec)")
+
+
+def parse_gpus(text: str, extra: GpuKind | None = None) -> tuple[int, GpuKind]:
+    """``8xA100-80GB`` -> (8, the kind); ``extra`` (from ``--gpu-spec``) answers to its own name."""
+    match = re.fullmatch(r"\s*(\d+)\s*[x*]\s*(.+?)\s*", text)
+    if not match or int(match.group(1)) < 1:
+        raise ConfigError(f"--gpus: expected COUNTxKIND per node (e.g. 8xA100-80GB), got {shown(text)}")
+    name = match.group(2)
+    if extra is not None and _key(name) == _key(extra.name):
+        return int(match.group(1)), extra
+    return int(match.group(1)), kind(name)
+
+
+SPEC_KEYS = {"memory_gib": "memory_bytes", "tflops": "tflops", "fp32_tflops": "fp32_tflops",
+             "hbm_tb_s": "hbm_tb_s", "intra_gb_s": "intra_gb_s", "inter_gb_s": "inter_gb_s", "arch": "arch"}
+
+
+def parse_spec(text: str) -> GpuKind:
+    """``--gpu-spec name=MI250,memory_gib=64,tflops=181,hbm_tb_s=1.6,intra_gb_s=100,inter_gb_s=25[,like=A100-80GB]``:
+    a kind not in the table; unset fields come from ``like`` (default A100-80GB)."""
+    values = dict(item.split("=", 1) for item in text.split(",") if "=" in item)
+    bad = [item for item in text.split(",") if "=" not in item]
+    unknown = sorted(set(values) - set(SPEC_KEYS) - {"name", "like"})
+    if bad or unknown or "name" not in values:
+        raise ConfigError(f"--gpu-spec: expected name=NAME,KEY=VALUE,... with keys {', '.join(SPEC_KEYS)} (and "
+                          f"like=KIND for the rest), got {shown(text)}")
+    base = kind(values.pop("like", "A100-80GB"))
+    changes: dict = {"name": values.pop("name")}
+    for key, value in values.items():
+        try:
+            number = float(value)
+        except ValueError:
+            raise ConfigError(f"--gpu-spec: {key} must be a number, got {shown(value)}") from None
+        if number <= 0:
+            raise ConfigError(f"--gpu-spec: {key} must be positive, got {value}")
+        field = SPEC_KEYS[key]
+        changes[field] = number * 1024 ** 3 if key == "memory_gib" else (int(number) if key == "arch" else number)
+    return replace(base, **changes)
+
+
+def table_rows() -> list[str]:
+    """The kinds as a markdown table (for the docs and ``distaff plan --list-gpus``)."""
+    lines = ["| kind | memory GiB | bf16 TFLOP/s (dense) | HBM TB/s | intra-node GB/s | inter-node GB/s | sm |",
+             "|---|---|---|---|---|---|---|"]
+    for k in KINDS.values():
+        lines.append(f"| {k.name} | {k.memory_gib:.1f} | {k.tflops:g} | {k.hbm_tb_s:g} | {k.intra_gb_s:g} | "
+                     f"{k.inter_gb_s:g} | {k.arch} |")
+    return lines
+
+
+__all__ = ["GpuKind", "KINDS", "kind", "parse_gpus", "parse_spec", "table_rows"]

@@ -1,0 +1,191 @@
+"""A run config on a cluster -> the plan: memory per GPU, what fits, step time, tokens/s, MFU, GPU-hours.
+
+:func:`make_plan` reads the run config (model, micro-batch, precision, ZeRO, objective, max_steps), the
+sequence length (the prepared data's manifest when its folder exists, else ``--seq-len``, else the model's
+``max_position_embeddings``) and the GPU kind; :func:`plan_summary_line` is the one line the launchers print.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from distaff.train.core.errors import ConfigError
+from distaff.train.model.config import ModelConfig
+from distaff.train.model.flops import train_flops_per_token
+from distaff.train.plan import gpus as gpu_kinds
+from distaff.train.plan.gpus import GpuKind
+from distaff.train.plan.memory import GIB, Breakdown, Setting, count_params, step_peak
+from distaff.train.plan.step_time import Assumptions, StepTime, step_time
+from distaff.train.run.config import RunConfig
+
+MAX_MICRO_BATCH = 1 << 16
+
+
+@dataclass
+class Plan:
+    gpu: GpuKind
+    per_node: int
+    nodes: int
+    setting: Setting
+    memory: Breakdown
+    largest_micro_batch: int
+    zero_fits: dict[int, float]          # ZeRO stage -> bytes per GPU (peak + margin) at this micro-batch
+    time: StepTime
+    grad_accum: int
+    max_steps: int
+    seq_source: str
+    assumptions: Assumptions
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.gpu.memory_bytes
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.setting.micro_batch * self.setting.seq_len * self.grad_accum * self.setting.ranks
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.time.total
+
+    @property
+    def flops_per_token(self) -> float:
+        s = self.setting
+        return sum(train_flops_per_token(cfg, s.seq_len, s.labelled if n == 0 else 0.0)
+                   for n, cfg in enumerate(s.models))
+
+    @property
+    def mfu(self) -> float:
+        peak = self.gpu.fp32_tflops if self.setting.precision == "fp32" else self.gpu.tflops
+        return self.tokens_per_s * self.flops_per_token / (self.setting.ranks * peak * 1e12)
+
+    @property
+    def hours(self) -> float:
+        return self.max_steps * self.time.total / 3600
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.hours * self.setting.ranks
+
+
+def sequence_length(cfg: RunConfig, model: ModelConfig, given: int | None) -> tuple[int, str]:
+    """The run's sequence length and where it came from."""
+    if given is not None:
+        if given < 1:
+            raise ConfigError(f"--seq-len: must be positive, got {given}")
+        return given, "--seq-len"
+    manifest = Path(cfg.data.dir) / "manifest.json"
+    if manifest.is_file():
+        try:
+            return int(json.loads(manifest.read_text())["seq_len"]), f"{manifest}"
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"{manifest}: no readable seq_len; pass --seq-len") from None
+    return model.max_position_embeddings, "model.max_position_embeddings (no prepared data; --seq-len sets it)"
+
+
+def models_of(cfg: RunConfig) -> tuple[ModelConfig, ...]:
+    """The models the engine trains: the MLM model, or the RTD generator and discriminator."""
+    model = cfg.model_config(**({"tta": True, "emd": False} if cfg.train.objective == "tta" else {}))
+    if cfg.train.objective == "rtd":
+        return cfg.generator_config(model), replace(model, emd=False)
+    return (model,)
+
+
+def base_setting(cfg: RunConfig, ranks: int, seq_len: int, micro_batch: int | None, zero: int | None,
+                 offload: bool | None) -> Setting:
+    """The memory model's inputs for ``cfg`` on ``ranks`` GPUs, with the command line's overrides."""
+    models = models_of(cfg)
+    stage = cfg.zero.stage if zero is None else zero
+    offload_optimizer = cfg.zero.offload_optimizer if offload is None else offload
+    if offload_optimizer and stage == 0:
+        raise ConfigError("--offload: optimizer offload needs ZeRO >= 1; add --zero 1 (or 2, 3)")
+    batch = cfg.data.batch_size if micro_batch is None else micro_batch
+    if batch < 1:
+        raise ConfigError(f"--micro-batch: must be positive, got {batch}")
+    sharing = cfg.rtd.embedding_sharing if cfg.train.objective == "rtd" else None
+    return Setting(models=models, params=count_params(models, sharing), seq_len=seq_len, micro_batch=batch,
+                   precision=cfg.train.precision, zero=stage, ranks=ranks, offload_optimizer=offload_optimizer,
+                   offload_param=cfg.zero.offload_param and stage == 3, fused=True, overlap_comm=True,
+                   dropout=any(m.hidden_dropout_prob > 0 for m in models),
+                   labelled=1.0 if cfg.train.objective == "tta" else cfg.data.masking.mlm_probability)
+
+
+def largest_micro_batch(s: Setting, gpu: GpuKind) -> int:
+    """The largest micro-batch whose peak plus margin fits ``gpu`` (0 when not even one sequence fits)."""
+    def fits(batch: int) -> bool:
+        return step_peak(replace(s, micro_batch=batch)).total <= gpu.memory_bytes
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= MAX_MICRO_BATCH and fits(high):
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def make_plan(cfg: RunConfig, gpus: str, nodes: int = 1, *, micro_batch: int | None = None,
+              zero: int | None = None, offload: bool | None = None, seq_len: int | None = None,
+              gpu_spec: GpuKind | None = None, assumptions: Assumptions = Assumptions()) -> Plan:
+    """The plan of ``cfg`` on ``nodes`` nodes of ``gpus`` (``8xA100-80GB``)."""
+    if nodes < 1:
+        raise ConfigError(f"--nodes: must be positive, got {nodes}")
+    per_node, gpu = gpu_kinds.parse_gpus(gpus, gpu_spec)
+    models = models_of(cfg)
+    length, source = sequence_length(cfg, models[-1], seq_len)
+    s = base_setting(cfg, per_node * nodes, length, micro_batch, zero, offload)
+    memory = step_peak(s)
+    stages = {stage: step_peak(replace(s, zero=stage, offload_optimizer=s.offload_optimizer and stage > 0)).total
+              for stage in (0, 1, 2, 3)}
+    return Plan(gpu=gpu, per_node=per_node, nodes=nodes, setting=s, memory=memory,
+                largest_micro_batch=largest_micro_batch(s, gpu), zero_fits=stages,
+                time=step_time(s, gpu, nodes, cfg.train.grad_accum, assumptions), grad_accum=cfg.train.grad_accum,
+                max_steps=cfg.train.max_steps, seq_source=source, assumptions=assumptions)
+
+
+def summary(plan: Plan) -> str:
+    """One line: memory per GPU against the card, micro-batch room, tokens/s, MFU and GPU-hours (estimates)."""
+    s = plan.setting
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    return (f"plan: {plan.nodes}x{plan.per_node}x{plan.gpu.name}, ZeRO {s.zero}, micro-batch {s.micro_batch} x "
+            f"{s.seq_len} tokens: {plan.memory.total / GIB:.1f} of {plan.gpu.memory_gib:.1f} GiB per GPU, {verdict} "
+            f"(largest micro-batch {plan.largest_micro_batch}); estimate {plan.tokens_per_s:,.0f} tokens/s, MFU "
+            f"{plan.mfu:.0%}, {plan.hours:,.1f} h = {plan.gpu_hours:,.0f} GPU-hours for {plan.max_steps:,} steps")
+
+
+def plan_summary_line(cfg: RunConfig, gpus: str, nodes: int = 1) -> tuple[str, bool]:
+    """The launchers' line for the job they write, and whether it fits (a warning follows when not)."""
+    plan = make_plan(cfg, gpus, nodes)
+    return summary(plan), plan.fits
+
+
+def cpu_run_setting(cfg: RunConfig, ranks: int, seq_len: int) -> Setting:
+    """The setting of ``cfg`` run on CPU ranks (what :mod:`distaff.train.plan.measure` measures): the PyTorch
+    reference kernels, and no communication overlap (gloo; train/run/engine.py turns it off without CUDA)."""
+    return replace(base_setting(cfg, ranks, seq_len, None, None, None), fused=False, overlap_comm=False)
+
+
+DEFAULT_KIND = "A100-80GB"
+
+
+def print_launch_summary(target, gpus_per_node: int, nodes: int, gpu_kind: str | None, prog: str) -> None:
+    """What the launchers print (stderr) for the pretraining job they write: the plan's line, and a warning when
+    the job does not fit. ``target`` is the launcher's ``LaunchTarget`` (config, overrides, task)."""
+    if target.task != "pretrain":
+        return
+    from distaff.train.run.config import load_config
+
+    cfg = load_config(target.config, list(target.overrides))
+    plan = make_plan(cfg, f"{gpus_per_node}x{gpu_kind or DEFAULT_KIND}", nodes)
+    assumed = "" if gpu_kind else f" [GPU kind assumed {DEFAULT_KIND}: --gpu-kind sets it]"
+    print(f"{prog}: {summary(plan)}{assumed}", file=sys.stderr)
+    if not plan.fits:
+        print(f"{prog}: warning: the plan says micro-batch {plan.setting.micro_batch} needs "
+              f"{plan.memory.total / GIB:.1f} GiB per GPU, more than a {plan.gpu.name} has (largest that fits: "
+              f"{plan.largest_micro_batch}); lower data.batch_size and raise train.grad_accum, or raise zero.stage "
+              f"(distaff plan --config ... --gpus ... shows each)", file=sys.stderr)

@@ -1,0 +1,215 @@
+"""Estimated time of one optimizer step on a GPU kind, split into its parts; every figure is an ESTIMATE.
+
+- GEMMs: the model's matrix-multiply FLOPs (:mod:`distaff.train.model.flops`, forward + backward) less the
+  attention's score and value products, at ``gemm_efficiency`` of the dense bf16/fp16 peak (fp32 runs: the
+  fp32 peak);
+- attention: the static judge's estimate of distaff's fused kernels (``attention_table.json``, written by
+  ``python benchmarks/attention_table.py``) for the kind's architecture, head dim and sequence length, scaled
+  by tokens x heads x layer applications; kinds without a table row are scaled from the nearest architecture
+  by the ratio of dense peaks, and say so; content-only attention (no c2p/p2c) is scaled by its FLOP share;
+- fused ops (LayerNorm, bias-GELU, dropout, residual adds, embeddings, the MLM loss's softmax): bytes moved at
+  ``bandwidth_efficiency`` of HBM bandwidth;
+- optimizer: AdamW reads and writes ~ 4+4+4 fp32 bytes per parameter of the rank's shard twice, plus the
+  gradient read and the weight write, at ``bandwidth_efficiency`` of HBM; offloaded: a CPU Adam at
+  ``CPU_ADAM_PARAMS_S`` parameters/s per rank plus the PCIe copies;
+- ZeRO communication (ring collectives, ``(W-1)/W`` of the volume crosses each GPU's slowest link, at
+  ``link_efficiency``): ZeRO 0 all-reduces the gradients after the last micro-step (2x the volume, not
+  overlapped); ZeRO 1 reduce-scatters them at the accumulation boundary (not overlapped); ZeRO 2 reduce-scatters
+  every micro-step overlapped with the backward (``overlap_comm``; only what exceeds the backward shows);
+  ZeRO 1-2 all-gather the updated weights after the step (not overlapped); ZeRO 3 all-gathers the weights for
+  the forward and again for the backward and reduce-scatters the gradients every micro-step, prefetched
+  and overlapped with compute (only what exceeds it shows).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from distaff.train.model.config import ModelConfig
+from distaff.train.model.flops import layer_applications, train_flops_per_token
+from distaff.train.plan.gpus import GpuKind
+from distaff.train.plan.memory import Setting
+
+TABLE = Path(__file__).with_name("attention_table.json")
+CPU_ADAM_PARAMS_S = 1.0e9      # DeepSpeed CPU Adam, parameters per second per rank (many cores, AVX-512)
+PCIE_GB_S = 25.0               # host <-> GPU copies of the offloaded optimizer
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    gemm_efficiency: float = 0.65
+    bandwidth_efficiency: float = 0.7
+    link_efficiency: float = 0.8
+
+    def lines(self) -> list[str]:
+        return [f"GEMMs at {self.gemm_efficiency:.0%} of the dense peak; fused ops and the optimizer at "
+                f"{self.bandwidth_efficiency:.0%} of HBM bandwidth; collectives at {self.link_efficiency:.0%} of "
+                f"the link",
+                "attention: the static judge's estimate (no GPU ran), see the attention row's source",
+                "ZeRO 3: prefetched gathers hidden under compute when it is long enough; its per-module hook and "
+                "gather latency is not modelled (ZeRO 3 is an upper bound on speed)",
+                "no data-loading, logging, evaluation or checkpoint time; steady state after warm-up"]
+
+
+@dataclass
+class StepTime:
+    """Seconds per optimizer step by part (all estimates), what the attention figure came from."""
+
+    parts: dict[str, float] = field(default_factory=dict)
+    attention_source: str = ""
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+
+@lru_cache(maxsize=1)
+def attention_table() -> dict:
+    return json.loads(TABLE.read_text())
+
+
+def _rows_for(arch: int, head_dim: int, dropout: float) -> list[dict]:
+    rows = [r for r in attention_table()["rows"] if r["cc"] == arch and r["head_dim"] == head_dim]
+    if not rows:   # another head dim: the nearest one, scaled by d (work per score is linear in d)
+        dims = sorted({r["head_dim"] for r in attention_table()["rows"] if r["cc"] == arch},
+                      key=lambda d: abs(d - head_dim))
+        rows = [{**r, "fwd_ms": r["fwd_ms"] * head_dim / dims[0], "bwd_ms": r["bwd_ms"] * head_dim / dims[0]}
+                for r in attention_table()["rows"] if r["cc"] == arch and r["head_dim"] == dims[0]]
+    chosen = min({r["dropout"] for r in rows}, key=lambda p: abs(p - dropout))
+    return sorted((r for r in rows if r["dropout"] == chosen), key=lambda r: r["n"])
+
+
+def _per_token_head_ms(rows: list[dict], n: int) -> float:
+    """Forward + backward ms per token per head at length ``n``: linear in ``n`` between the table's lengths,
+    proportional to ``n`` beyond them (the score work per token grows with ``n``)."""
+    cost = [(r["n"], (r["fwd_ms"] + r["bwd_ms"]) / (r["tokens"] * r["heads"])) for r in rows]
+    if n <= cost[0][0]:
+        return cost[0][1] * n / cost[0][0]
+    for (n0, c0), (n1, c1) in zip(cost, cost[1:]):
+        if n <= n1:
+            return c0 + (c1 - c0) * (n - n0) / (n1 - n0)
+    return cost[-1][1] * n / cost[-1][0]
+
+
+# Where a kind's architecture has no judge rows: Ada (sm_89) has Ampere's SM (mma.sync, no wgmma or TMA), so it
+# is read from sm_80; Blackwell (sm_100), when absent, from Hopper (sm_90); others from the nearest number.
+FALLBACK = {89: 80, 86: 80, 100: 90, 120: 90}
+
+
+def table_arch(gpu: GpuKind) -> tuple[int, float, str]:
+    """The architecture whose table rows stand for ``gpu``, the time factor, and how that was chosen: the
+    kind's own when the judge has it (scaled by dense peak when the kind is slower than the judge's GPU of
+    that architecture), else the related architecture's scaled by the ratio of dense peaks."""
+    archs = {r["cc"] for r in attention_table()["rows"]}
+    arch = gpu.arch
+    if arch not in archs:
+        arch = FALLBACK.get(arch) if FALLBACK.get(arch) in archs else min(archs, key=lambda a: (abs(a - gpu.arch), a))
+    reference = attention_table()["gpus"][str(arch)]
+    factor = reference["tensor_tflops"] / gpu.tflops
+    scaled = f"times the dense-peak ratio {reference['tensor_tflops']:g}/{gpu.tflops:g} TFLOP/s"
+    if arch != gpu.arch:
+        return arch, factor, f"judge has no sm_{gpu.arch} target: scaled from sm_{arch} ({reference['name']}) {scaled}"
+    return arch, factor, f"judge, sm_{arch} ({reference['name']})" + ("" if abs(factor - 1) < 0.01 else f", {scaled}")
+
+
+def attention_seconds(cfg: ModelConfig, gpu: GpuKind, seq_len: int, tokens: int) -> tuple[float, str]:
+    """Forward + backward attention seconds of ``tokens`` tokens through every layer application."""
+    arch, factor, how = table_arch(gpu)
+    rows = _rows_for(arch, cfg.head_dim, cfg.attention_probs_dropout_prob)
+    per = _per_token_head_ms(rows, seq_len) * factor
+    if rows[0]["dropout"] != cfg.attention_probs_dropout_prob or rows[0]["head_dim"] != cfg.head_dim:
+        how += (f"; read from the table's d={rows[0]['head_dim']}, dropout {rows[0]['dropout']:g} rows (time linear "
+                f"in d) for d={cfg.head_dim}, dropout {cfg.attention_probs_dropout_prob:g}")
+    terms = len(cfg.pos_att_type) if cfg.relative_attention else 0
+    if terms == 0:   # the table's kernels compute c2p and p2c: keep the content part's FLOP share
+        span = 2 * cfg.att_span
+        per *= 4 * seq_len / (4 * seq_len + 2 * 2 * min(seq_len, span))
+        how += "; content-only attention scaled by its FLOP share"
+    applications = layer_applications(cfg) if cfg.emd else cfg.num_hidden_layers
+    return per * tokens * cfg.num_attention_heads * applications / 1e3, how
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward + backward FLOPs per token of the score and value products (in flops.py's count)."""
+    terms = len(cfg.pos_att_type) if cfg.relative_attention else 0
+    per_layer = 4 * seq_len * cfg.hidden_size + terms * 2 * cfg.hidden_size * min(seq_len, 2 * cfg.att_span)
+    applications = layer_applications(cfg) if cfg.emd else cfg.num_hidden_layers
+    return 3.0 * per_layer * applications
+
+
+def fused_bytes_per_token(cfg: ModelConfig, act_bytes: int, labelled: float) -> float:
+    """HBM bytes per token of the elementwise and normalisation kernels, forward and backward: per layer two
+    residual LayerNorms (read 2, write 1; backward read 3, write 2), two dropouts (read 1 write 2; backward 2,1),
+    the bias-GELU (read 1 write 1 of I; backward read 2 write 1), the attention relayout copies (4 of D);
+    the MLM loss writes and reads the float32 logits of labelled rows three times."""
+    d, i = cfg.hidden_size, cfg.intermediate_size
+    per_layer = (2 * (3 + 5) + 2 * (3 + 3) + 4) * d + (2 + 3) * i
+    applications = layer_applications(cfg) if cfg.emd else cfg.num_hidden_layers
+    head = labelled * cfg.vocab_size * 4 * 3
+    return per_layer * applications * act_bytes + head + 8 * cfg.embedding_size * act_bytes
+
+
+def _link_bytes_s(gpu: GpuKind, nodes: int, a: Assumptions) -> float:
+    """Bytes/s of a ring collective's slowest hop: NVLink/PCIe inside a node, the NIC between nodes."""
+    link = gpu.intra_gb_s if nodes == 1 else min(gpu.intra_gb_s, gpu.inter_gb_s)
+    return link * 1e9 * a.link_efficiency
+
+
+def compute_seconds(s: Setting, gpu: GpuKind, a: Assumptions) -> tuple[dict[str, float], str]:
+    """GEMM, attention and fused-op seconds of one micro-batch (recomputation included), and the attention's
+    source."""
+    tokens, act = s.micro_batch * s.seq_len, (4 if s.precision == "fp32" else 2)
+    peak = (gpu.fp32_tflops if s.precision == "fp32" else gpu.tflops) * 1e12
+    parts = {"GEMMs": 0.0, "attention": 0.0, "fused ops": 0.0}
+    source = ""
+    for n, cfg in enumerate(s.models):
+        labelled = s.labelled if n == 0 else 0.0     # an RTD discriminator has no MLM head
+        gemm = (train_flops_per_token(cfg, s.seq_len, labelled) - attention_flops_per_token(cfg, s.seq_len))
+        recompute = 4 / 3 if cfg.activation_checkpointing else 1.0
+        parts["GEMMs"] += gemm * tokens / (peak * a.gemm_efficiency) * recompute
+        attn, source = attention_seconds(cfg, gpu, s.seq_len, tokens)
+        if s.precision == "fp32":
+            attn *= gpu.tflops / gpu.fp32_tflops
+            source += "; fp32 scaled by the bf16/fp32 peak ratio"
+        parts["attention"] += attn * recompute
+        parts["fused ops"] += (fused_bytes_per_token(cfg, act, labelled) * tokens
+                               / (gpu.hbm_tb_s * 1e12 * a.bandwidth_efficiency) * recompute)
+    return parts, source
+
+
+def communication_seconds(s: Setting, gpu: GpuKind, nodes: int, grad_accum: int, backward_s: float,
+                          micro_s: float, a: Assumptions) -> float:
+    """Seconds of ZeRO communication per optimizer step that no computation hides."""
+    w = s.ranks
+    if w == 1:
+        return 0.0
+    one_pass = (w - 1) / w * s.params * (4 if s.precision == "fp32" else 2) / _link_bytes_s(gpu, nodes, a)
+    if s.zero == 0:
+        return 2 * one_pass
+    if s.zero == 1:
+        return 2 * one_pass                                   # reduce-scatter at the boundary + all-gather
+    if s.zero == 2:
+        return max(0.0, one_pass - backward_s) * grad_accum + one_pass
+    return max(0.0, 3 * one_pass - micro_s) * grad_accum
+
+
+def optimizer_seconds(s: Setting, gpu: GpuKind, a: Assumptions) -> float:
+    shard = s.params / s.ranks if s.zero >= 1 else s.params
+    weight_bytes = 4 if s.precision == "fp32" else 2
+    if s.offload_optimizer:
+        return shard / CPU_ADAM_PARAMS_S + shard * (4 + weight_bytes) / (PCIE_GB_S * 1e9)
+    return shard * (4 * 6 + 4 + weight_bytes) / (gpu.hbm_tb_s * 1e12 * a.bandwidth_efficiency)
+
+
+def step_time(s: Setting, gpu: GpuKind, nodes: int, grad_accum: int, a: Assumptions = Assumptions()) -> StepTime:
+    """Seconds of one optimizer step (``grad_accum`` micro-batches) by part: all estimates."""
+    micro, source = compute_seconds(s, gpu, a)
+    micro_s = sum(micro.values())
+    parts = {name: value * grad_accum for name, value in micro.items()}
+    parts["optimizer"] = optimizer_seconds(s, gpu, a)
+    parts["ZeRO communication (exposed)"] = communication_seconds(s, gpu, nodes, grad_accum, micro_s * 2 / 3,
+                                                                  micro_s, a)
+    return StepTime(parts, source)
