@@ -24,6 +24,7 @@ import torch
 
 from distaff.launch.hostlist import expand_hostlist
 from distaff.launch.run_config import LaunchTarget, add_task_argument, resolve_launch_target
+from distaff.train.core import presets
 from distaff.train.core.errors import command_main
 from distaff.train.core.errors import ConfigError
 
@@ -114,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="distaff launch", description="Run pretraining or fine-tuning under the deepspeed launcher.",
         epilog="Remaining key=value arguments are config overrides, e.g. optim.lr=3e-4.")
-    parser.add_argument("--config", required=True, help="run config YAML")
+    parser.add_argument("--config", required=True, help=f"run config: {presets.CONFIG_HELP}")
     add_task_argument(parser)
     parser.add_argument("--hosts", help="hostlist, e.g. 'gpu[01-03,07]' or 'a,b' (default: the Slurm "
                         "allocation, else this node only)")

@@ -18,9 +18,9 @@ import yaml
 from distaff.train.run.config import (CheckpointSection, DeepSpeedSection, DistributedSection, LoggingSection, OptimSection,
                      RunSection, WandbSection, ZeroSection, _build, _check_value, check_engine_sections, check_ranges,
                      check_seed, read_config_values)
-from distaff.train.core.errors import shown
+from distaff.train.core.errors import ConfigError, reject_unknown_keys, shown
 from distaff.train.finetune.sift import SiftConfig
-from distaff.train.model.config import ConfigError, ModelConfig, reject_unknown_keys
+from distaff.train.model.config import ModelConfig
 from distaff.train.run.model_folder import FREE_FIELDS
 
 __all__ = ["ConfigError", "FinetuneConfig", "load_finetune_config", "finetune_config_to_dict"]

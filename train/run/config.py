@@ -18,9 +18,9 @@ import yaml
 
 from distaff.train.core import presets
 from distaff.train.core.config_yaml import load_yaml
-from distaff.train.core.errors import shown
+from distaff.train.core.errors import ConfigError, closest, reject_unknown_keys, shown
 from distaff.train.data.collator import MaskingConfig
-from distaff.train.model.config import ConfigError, ModelConfig, load_model_config, reject_unknown_keys
+from distaff.train.model.config import ModelConfig, load_model_config
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "parse_overrides", "save_config", "config_to_dict"]
 
@@ -401,8 +401,10 @@ def config_file(value: str | Path, kind: str = "run") -> Path:
         return path
     preset = presets.preset_file(str(value), kind)
     if preset is None:
+        guess = closest(str(value), presets.preset_names(kind))
         raise ConfigError(f"config file not found: {value} (nor a {kind} preset of that name; presets: "
-                          f"{', '.join(presets.preset_names(kind))})")
+                          f"{', '.join(presets.preset_names(kind))}; `distaff presets` describes them)"
+                          + (f"; did you mean {guess}?" if guess else ""))
     return preset
 
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from distaff.train.core import distributed as dist_utils
+from distaff.train.core import presets
 from distaff.train.core.errors import DEBUG_FLAG, RunFailure, report, take_debug_flag
 from distaff.train.core.exit_codes import EXIT_PREEMPTED
 from distaff.train.core.runlock import DirLock
@@ -332,7 +333,7 @@ class RunBase:
 def parse_args(prog: str, description: str, argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=prog, description=description,
                                      epilog=f"{DEBUG_FLAG}: print the traceback of any error")
-    parser.add_argument("--config", help="run config YAML")
+    parser.add_argument("--config", help=f"run config: {presets.CONFIG_HELP}")
     # the deepspeed launcher appends --local_rank unless run with --no_local_rank; LOCAL_RANK is read from the env
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=3e-4")
