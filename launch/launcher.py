@@ -25,6 +25,7 @@ import torch
 from distaff.launch.hostlist import expand_hostlist
 from distaff.launch.run_config import LaunchTarget, add_task_argument, resolve_launch_target
 from distaff.train.core import presets
+from distaff.train.core.verbosity import verbose
 from distaff.train.core.errors import command_main
 from distaff.train.core.errors import ConfigError
 
@@ -97,6 +98,7 @@ def deepspeed_command(target: LaunchTarget, *, gpus_per_node: int | None, master
     if gpus_per_node is not None:
         cmd += ["--num_gpus", str(gpus_per_node)]
     # The trainer reads LOCAL_RANK from the environment; deepspeed would also append --local_rank.
+    cmd += ["--log_level", "info" if verbose() else "warning"]
     cmd += ["--master_port", str(master_port), "--no_local_rank", "--module", target.module]
     return cmd + target.trainer_args()
 

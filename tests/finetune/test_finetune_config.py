@@ -179,3 +179,21 @@ def test_hf_folder_starts_the_encoder(model_dir, tmp_path):
     for key, tensor in ours.weights.items():
         torch.testing.assert_close(theirs.weights[key], tensor, rtol=0, atol=0, msg=key)
     assert theirs.config.to_dict() == ours.config.to_dict()
+
+
+@pytest.mark.unit
+def test_label_names_give_the_export_readable_labels_and_refuse_what_names_no_class():
+    from distaff.train.finetune.labelled import display_names
+
+    cfg = load_finetune_config("sentiment-cpu", [])
+    assert display_names(["0", "1"], cfg.data.label_names) == ["negative", "positive"]   # the preset names them
+    assert display_names(["0", "1"], {}) == ["0", "1"] and display_names(None, {"0": "x"}) is None
+    assert display_names(["0", "1", "2"], {"1.0": "one"}) == ["0", "one", "2"]     # 1.0 is the class "1"
+    with pytest.raises(ConfigError, match=r"data.label_names: \['3'\] is not a label of the data"):
+        display_names(["0", "1"], {3: "three"})
+    with pytest.raises(ConfigError, match="two classes would both be called"):
+        display_names(["0", "1"], {0: "same", 1: "same"})
+    with pytest.raises(ConfigError, match=r"data.label_names.0: must be a non-empty name"):
+        load_finetune_config("sentiment-cpu", ["data.label_names={0: ''}"])
+    with pytest.raises(ConfigError, match="data.label_names: a regression task"):
+        load_finetune_config("sentiment-cpu", ["data.task=regression", "eval.metric=pearson"])

@@ -119,3 +119,12 @@ def test_config_help_points_at_the_preset_listing(command, capsys):
         cli.main([*command, "--help"])
     assert info.value.code == 0
     assert "`distaff presets` lists them" in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_large_run_preset_is_the_base_one_with_the_large_model_and_a_2048_sequence_batch():
+    base, large = load_config("deberta-v3-base"), load_config("deberta-v3-large")
+    model = large.model_config()
+    assert (model.num_hidden_layers, model.hidden_size, model.num_attention_heads) == (24, 1024, 16)
+    assert large.data.batch_size * large.train.grad_accum * 8 == 2048
+    assert (large.optim, large.train.precision, large.zero.stage) == (base.optim, "bf16", 1)
+    assert model.emd and large.run.out_dir == "runs/deberta-v3-large"

@@ -23,6 +23,7 @@ import traceback
 from typing import Any, Callable, Iterable
 
 from distaff.train.core.exit_codes import EXIT_BAD_CONFIG, EXIT_FAILURE
+from distaff.train.core.verbosity import take_verbose_flag
 
 EXIT_BAD_INPUT = EXIT_BAD_CONFIG
 DEBUG_FLAG = "--debug"
@@ -118,8 +119,9 @@ def report(prog: str, err: BaseException, where: str = "", hint: str = "") -> in
 
 
 def command_main(prog: str, body: Callable[[list[str]], int], argv: list[str] | None) -> int:
-    """Run ``body(argv)`` (``argv`` without ``--debug``) and report what it raises; the exit status."""
-    argv = take_debug_flag(sys.argv[1:] if argv is None else list(argv))
+    """Run ``body(argv)`` (``argv`` without ``--debug`` and ``--verbose``) and report what it raises; the exit
+    status."""
+    argv = take_verbose_flag(take_debug_flag(sys.argv[1:] if argv is None else list(argv)))
     try:
         return int(body(argv) or 0)
     except Exception as err:  # noqa: BLE001 - every failure is reported in the one style

@@ -8,6 +8,7 @@ is a :class:`ConfigError` naming the dotted key. The ``model`` section is a pres
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import typing
 from dataclasses import dataclass, field, fields
@@ -132,6 +133,7 @@ class LoggingSection:
     every: int = 10
     progress_bar: bool = True           # tqdm bar on rank 0, when stderr is a terminal
     plot: bool = True
+    tensorboard: bool = False           # TensorBoard event files in <run.out_dir>/tensorboard (the tensorboard extra)
 
 
 @dataclass
@@ -314,6 +316,9 @@ def check_engine_sections(cfg: Any) -> None:
     if not cfg.run.out_dir:
         raise ConfigError("run.out_dir: required")
     check_seed("run.seed", cfg.run.seed)
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("logging.tensorboard: the tensorboard package is not installed; pip install "
+                          "'distaff[tensorboard]' (the tensorboard extra), or set logging.tensorboard=false")
 
 
 def _validate(cfg: RunConfig) -> None:

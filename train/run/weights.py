@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from distaff.train.core.safe_load import safe_load, weights_only_loads
+from distaff.train.core.verbosity import library_chatter_hidden
 from distaff.train.model.classifier import DebertaForSequenceClassification
 from distaff.train.model.config import ModelConfig
 from distaff.train.model.deberta import DebertaForMaskedLM
@@ -45,7 +46,8 @@ def fp32_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
         # ZeRO 1-3 and bf16 keep the fp32 master weights partitioned in the optimizer files
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        with weights_only_loads():  # zero_to_fp32 itself would unpickle with weights_only=False
+        # zero_to_fp32 itself would unpickle with weights_only=False; it prints and draws a bar for every load
+        with weights_only_loads(), library_chatter_hidden():
             return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
     states = safe_load(checkpoint / MODEL_STATES)
     return {k: v.float() for k, v in states["module"].items()}
