@@ -11,7 +11,7 @@ threads (at least 1), reduced to what the cores left idle by other processes all
 machine's CPU time), with a one-line notice saying so; ``OMP_NUM_THREADS`` is exported with that value
 for the processes it starts. Importing ``distaff.train`` sets ``OMP_WAIT_POLICY=PASSIVE`` (unless set), read
 when torch loads its OpenMP runtime: idle OpenMP workers sleep instead of spinning, so a thread that waits
-takes no CPU time from a neighbour (2 threads beside other jobs: 2.2x faster than spinning, as fast as 1).
+takes no CPU time from a neighbour.
 """
 
 from __future__ import annotations
