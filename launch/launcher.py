@@ -97,9 +97,10 @@ def deepspeed_command(target: LaunchTarget, *, gpus_per_node: int | None, master
         cmd += ["--hostfile", str(hostfile), "--master_addr", str(master_addr)]
     if gpus_per_node is not None:
         cmd += ["--num_gpus", str(gpus_per_node)]
-    # The trainer reads LOCAL_RANK from the environment; deepspeed would also append --local_rank.
-    cmd += ["--log_level", "info" if verbose() else "warning"]
-    cmd += ["--master_port", str(master_port), "--no_local_rank", "--module", target.module]
+    # The trainer reads LOCAL_RANK from the environment; deepspeed would also append --local_rank. The
+    # runner's own INFO lines (the command it runs, the world info) only with --verbose.
+    cmd += ["--master_port", str(master_port), "--log_level", "info" if verbose() else "warning",
+            "--no_local_rank", "--module", target.module]
     return cmd + target.trainer_args()
 
 

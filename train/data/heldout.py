@@ -60,12 +60,13 @@ def _token_counts(processor, texts: list[str]) -> list[int]:
 
 def choose_heldout(inputs: Sequence[str], tokenizer_dir: str, read: ReadOptions) -> HeldoutChoice:
     """Count each document's tokens until every 100th document holds enough (or the corpus ends); choose k."""
+    paths = check_inputs(inputs)                   # the prepare's own errors, in its order
     processor = load_tokenizer_info(tokenizer_dir).processor()
     lengths: list[int] = []
     batch: list[str] = []
     chars = 0
     stats = ReadStats()
-    for path in check_inputs(inputs):
+    for path in paths:
         for doc in iter_file_documents(path, read, stats):
             batch.append(doc.text)
             chars += len(doc.text)
