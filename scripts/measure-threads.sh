@@ -8,6 +8,7 @@
 #
 #   bash scripts/measure-threads.sh                          # about 8 minutes on a loaded 2-core machine
 #   FT_STEPS=40 PT_STEPS=60 bash scripts/measure-threads.sh # longer runs, steadier figures
+#   LOADS=cpu bash scripts/measure-threads.sh                # only the rows beside two CPU-bound processes
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,6 +17,7 @@ DEMO="${DISTAFF_DEMO_DIR:-runs/demo}"
 OUT="${DISTAFF_THREADS_DIR:-runs/threads}"
 FT_STEPS="${FT_STEPS:-10}"
 PT_STEPS="${PT_STEPS:-12}"
+LOADS="${LOADS:-none cpu}"
 PY="$REPO/.venv/bin/python"
 BIN="$REPO/.venv/bin"
 CORES=$(nproc)
@@ -88,7 +90,7 @@ echo "for 2 ranks) on $CORES cores; fine-tuning $FT_STEPS steps, pretraining $PT
 echo
 echo "| run | load added | threads | threads/rank | tokens/s | seconds | load avg |"
 echo "| --- | --- | --- | --- | ---: | ---: | ---: |"
-for load in none cpu; do
+for load in $LOADS; do
   measure finetune "$load" "" default
   measure finetune "$load" 1 one
   [ "$SHARE_FT" = 1 ] || measure finetune "$load" "$SHARE_FT" share

@@ -4,6 +4,7 @@ presets`` lists them all with what each is for; a mistyped key names the closest
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -40,9 +41,9 @@ def test_a_name_resolves_from_any_folder_and_a_path_still_works(tmp_path, monkey
     assert load_config(REPO / "configs" / "run" / "deberta-v3-base.yaml").train.precision == "bf16"
 
 
-@pytest.mark.parametrize("value, kind, meant", [("tiny", "run", "tiny-cpu"), ("configs/run/nowhere.yaml", "run", None),
-                                                ("tiny-cpu", "finetune", "sentiment-cpu"), ("nothing", "ablation", None),
-                                                ("sentiment-cup", "finetune", "sentiment-cpu")])
+@pytest.mark.parametrize("value, kind, meant", [
+    ("tiny", "run", "tiny-cpu"), ("configs/run/nowhere.yaml", "run", None), ("tiny-cpu", "finetune", "sentiment-cpu"),
+    ("nothing", "ablation", None), ("sentiment-cup", "finetune", "sentiment-cpu")])
 def test_an_unknown_name_lists_the_presets_of_its_kind_and_the_closest(value, kind, meant, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError) as info:
@@ -62,8 +63,7 @@ def test_distaff_presets_lists_every_preset_of_every_kind_with_its_first_comment
                          if line.startswith("#"))
             text = description(kind, name)
             assert text and text in first and not text.endswith((",", "-")), (kind, name, text)
-            assert f"  {name}  " in out.replace(" " * 3, "  ") or f"  {name} " in out
-            assert text in out
+            assert re.search(rf"^  {re.escape(name)} +{re.escape(text)}$", out, re.M), (name, text)
     assert "deberta-v3-large" in out.split("model:")[1] and "tiny-cpu" in out.split("model:")[0]
     assert cli.main(["presets", "model"]) == 0 and "run:" not in capsys.readouterr().out
 
