@@ -6,6 +6,7 @@ import importlib
 import sys
 
 from distaff.train.core.errors import take_debug_flag
+from distaff.train.core.verbosity import take_verbose_flag
 
 # subcommand -> (module with a ``main(argv)``, one-line help)
 COMMANDS = {
@@ -19,20 +20,22 @@ COMMANDS = {
     "embed": ("distaff.train.tools.embed", "sentence embeddings of a text file, optional whitening (distaff embed ...)"),
     "probe": ("distaff.train.tools.probe", "probing tasks (word order, length, words) for frozen and fine-tuned encoders"),
     "plan": ("distaff.train.plan.cli", "memory per GPU, micro-batch, ZeRO stage, tokens/s, MFU, GPU-hours before booking"),
+    "presets": ("distaff.train.core.presets", "list the installed run, model, fine-tune and ablation presets"),
     "launch": ("distaff.launch.launcher", "run pretraining (or --task finetune) under the deepspeed launcher"),
     "slurm": ("distaff.launch.slurm", "write and submit a Slurm job for pretraining (or --task finetune)"),
 }
 
 
 def _usage() -> str:
-    lines = ["usage: distaff COMMAND [ARGS ...] [--debug]", "", "commands:"]
+    lines = ["usage: distaff COMMAND [ARGS ...] [--debug] [--verbose]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "Bad input is one line and exit status 2; --debug (anywhere) adds the traceback of any error."]
+    lines += ["", "Bad input is one line and exit status 2; --debug (anywhere) adds the traceback of any error;",
+              "--verbose (anywhere) shows the libraries' own INFO lines, progress bars and warnings."]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = take_debug_flag(sys.argv[1:] if argv is None else argv)
+    argv = take_verbose_flag(take_debug_flag(sys.argv[1:] if argv is None else argv))
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0

@@ -29,7 +29,9 @@ from distaff.launch.hostlist import expand_hostlist
 from distaff.launch.run_config import LaunchTarget, add_task_argument, resolve_launch_target
 from distaff.launch.script_values import host_name, plain_text, remote_argument
 from distaff.launch.watcher import signal_job, start_watcher
+from distaff.train.core import presets
 from distaff.train.core.errors import ConfigError, command_main, shown
+from distaff.train.core.verbosity import verbose
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -147,8 +149,10 @@ def deepspeed_command(target: LaunchTarget, *, gpus_per_node: int | None, master
         cmd += ["--hostfile", str(hostfile), "--master_addr", str(master_addr)]
     if gpus_per_node is not None:
         cmd += ["--num_gpus", str(gpus_per_node)]
-    # The trainer reads LOCAL_RANK from the environment; deepspeed would also append --local_rank.
-    cmd += ["--master_port", str(master_port), "--no_local_rank", "--module", target.module]
+    # The trainer reads LOCAL_RANK from the environment; deepspeed would also append --local_rank. The
+    # runner's own INFO lines (the command it runs, the world info) only with --verbose.
+    cmd += ["--master_port", str(master_port), "--log_level", "info" if verbose() else "warning",
+            "--no_local_rank", "--module", target.module]
     return cmd + target.trainer_args()
 
 
@@ -166,7 +170,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="distaff launch", description="Run pretraining or fine-tuning under the deepspeed launcher.",
         epilog="Remaining key=value arguments are config overrides, e.g. optim.lr=3e-4.")
-    parser.add_argument("--config", required=True, help="run config YAML")
+    parser.add_argument("--config", required=True, help=f"run config: {presets.CONFIG_HELP}")
     add_task_argument(parser)
     hosts = parser.add_mutually_exclusive_group()
     hosts.add_argument("--hosts", help="hostlist, e.g. 'gpu[01-03,07]' or 'a,b' (default: the Slurm "

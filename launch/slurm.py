@@ -34,6 +34,7 @@ from pathlib import Path
 from distaff.launch.run_config import LaunchTarget, add_task_argument, resolve_launch_target
 from distaff.launch.script_values import (plain_text, sbatch_extra, sbatch_option, slurm_path_pattern,
                                           slurm_time)
+from distaff.train.core import presets
 from distaff.train.core.errors import ConfigError, RunFailure, command_main
 from distaff.train.core.exit_codes import EXIT_PREEMPTED
 
@@ -273,7 +274,7 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "submit", help="write the sbatch script into the run dir and submit it",
         epilog="Remaining key=value arguments are config overrides. Extra sbatch options need '=': "
                "--sbatch=--qos=high.")
-    sub.add_argument("--config", required=True, help="run config YAML")
+    sub.add_argument("--config", required=True, help=f"run config: {presets.CONFIG_HELP}")
     add_task_argument(sub)
     sub.add_argument("--nodes", type=int, required=True)
     sub.add_argument("--gpus-per-node", type=int, required=True, help="ranks per node (one per GPU)")

@@ -28,9 +28,9 @@ rm -rf "$OUT"
 mkdir -p "$OUT"
 echo "== distaff demo: tokenizer (SentencePiece, 4000 pieces) on ${SAMPLE[*]}"
 "$BIN/distaff" tokenizer train --input "${SAMPLE[@]}" --vocab-size 4000 --out "$OUT/tokenizer"
-echo "== shards: 128-token sequences, 2% of the documents held out"
+echo "== shards: 128-token sequences, enough documents held out for 20,000 held-out tokens"
 "$BIN/distaff" data prepare --input "${SAMPLE[@]}" --tokenizer "$OUT/tokenizer" --seq-len 128 --pack-documents \
-    --heldout-fraction 0.02 --shard-mb 0.2 --out "$OUT/data" --no-progress
+    --shard-mb 0.2 --out "$OUT/data" --no-progress
 echo "== pretraining the tiny-cpu preset on $RANKS rank(s) under the deepspeed launcher"
 PORT=$("$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 "$BIN/distaff" launch --config tiny-cpu --gpus-per-node "$RANKS" --master-port "$PORT" \

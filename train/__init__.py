@@ -6,3 +6,9 @@ variants) <- ``run`` (config, engine, checkpoints, metrics: what every run share
 ``finetune`` (the trainers) <- ``tools`` (ablate, grow, embed, probe, export). All may import ``distaff.kernels``
 except ``core``; nothing here imports ``distaff.launch``.
 """
+
+import os
+
+# Before any torch import of an entry point: OpenMP workers that wait sleep instead of spinning against the
+# other processes of the machine (train/core/threads.py). The user's own OMP_WAIT_POLICY wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -190,3 +190,20 @@ def test_a_presets_columns_can_be_unset_by_an_override(unset):
     assert load_finetune_config("sentiment-cpu", ["model.init_from=/m"]).data.columns == ["label", "text"]
     cfg = load_finetune_config("sentiment-cpu", ["model.init_from=/m", unset])
     assert cfg.data.columns == [] and input_format(cfg).columns is None and input_format(cfg).has_header
+
+
+def test_label_names_give_the_export_readable_labels_and_refuse_what_names_no_class():
+    from distaff.train.finetune.labelled import display_names
+
+    cfg = load_finetune_config("sentiment-cpu", [])
+    assert display_names(["0", "1"], cfg.data.label_names) == ["negative", "positive"]   # the preset names them
+    assert display_names(["0", "1"], {}) == ["0", "1"] and display_names(None, {"0": "x"}) is None
+    assert display_names(["0", "1", "2"], {"1.0": "one"}) == ["0", "one", "2"]     # 1.0 is the class "1"
+    with pytest.raises(ConfigError, match=r"data.label_names: \['3'\] is not a label of the data"):
+        display_names(["0", "1"], {3: "three"})
+    with pytest.raises(ConfigError, match="two classes would both be called"):
+        display_names(["0", "1"], {0: "same", 1: "same"})
+    with pytest.raises(ConfigError, match=r"data.label_names.0: must be a non-empty name"):
+        load_finetune_config("sentiment-cpu", ["data.label_names={0: ''}"])
+    with pytest.raises(ConfigError, match="data.label_names: a regression task"):
+        load_finetune_config("sentiment-cpu", ["data.task=regression", "eval.metric=pearson"])

@@ -34,7 +34,8 @@ def model_dir(tmp_path_factory) -> Path:
 def full_run(model_dir, tmp_path_factory) -> Path:
     """8 steps on 2 ranks, dev evaluated at steps 4 and 8, layer-wise lr decay on."""
     tmp = tmp_path_factory.mktemp("ft-full")
-    config = write_ft_config(tmp / "ft.yaml", model_dir, tmp / "run", optim=FULL_RUN_OPTIM)
+    config = write_ft_config(tmp / "ft.yaml", model_dir, tmp / "run", optim=FULL_RUN_OPTIM,
+                             data={"label_names": {0: "negative", 1: "positive"}})
     proc = torchrun(config, tmp, module=FT_MODULE)
     assert proc.returncode == 0, run_log(proc)
     return tmp / "run"
@@ -104,7 +105,8 @@ def test_export_loads_in_transformers_with_the_same_logits(full_run, tmp_path):
     summary = json.loads((full_run / "summary.json").read_text())
     ours, meta = classifier_from_checkpoint(Path(summary["best_checkpoint"]))
     theirs = AutoModelForSequenceClassification.from_pretrained(out).eval()
-    assert theirs.config.id2label == {0: "0", 1: "1"}
+    assert theirs.config.id2label == {0: "negative", 1: "positive"}          # data.label_names
+    assert theirs.config.label2id == {"negative": 0, "positive": 1}
     assert theirs.config.problem_type == "single_label_classification"
     tokenizer = AutoTokenizer.from_pretrained(out)
     texts = ["A gorgeous, funny film.", "Dull and far too long; I left early.", "It is a movie."]

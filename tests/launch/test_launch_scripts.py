@@ -59,7 +59,7 @@ def test_hostfile_and_deepspeed_env_from_slurm_nodelist(target) -> None:
     assert plan.command[:3] == [sys.executable, "-m", "deepspeed.launcher.runner"]
     assert plan.command[3:] == [
         "--hostfile", str(hostfile), "--master_addr", "gpu01", "--num_gpus", "4", "--master_port", "29600",
-        "--no_local_rank", "--module", "distaff.train.pretrain", *target.trainer_args()]
+        "--log_level", "warning", "--no_local_rank", "--module", "distaff.train.pretrain", *target.trainer_args()]
 
 
 def test_deepspeed_reads_our_hostfile(target) -> None:
@@ -115,8 +115,8 @@ def test_explicit_env_variables_reach_every_node_and_a_credential_is_refused_by_
 def test_single_node_needs_no_hostfile(target) -> None:
     plan = plan_launch(target, hosts=[], gpus_per_node=2, master_port=29500, env=NODE_ENV)
     assert plan.files == {} and "DS_ENV_FILE" not in plan.env
-    assert plan.command[3:] == ["--num_gpus", "2", "--master_port", "29500", "--no_local_rank",
-                                "--module", "distaff.train.pretrain", *target.trainer_args()]
+    assert plan.command[3:] == ["--num_gpus", "2", "--master_port", "29500", "--log_level", "warning",
+                                "--no_local_rank", "--module", "distaff.train.pretrain", *target.trainer_args()]
 
 
 def test_launch_dry_run_prints_files_and_command_and_writes_nothing(target, capsys, monkeypatch) -> None:

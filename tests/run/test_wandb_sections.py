@@ -1,6 +1,7 @@
 """W&B's run page as a dashboard: metrics in sections (train/, eval/, rtd/, optim/, perf/, progress/), charted
 against the optimizer step, the final held-out numbers in the run summary; read back from the offline run's
-``.wandb`` file. metrics.jsonl keeps the flat names."""
+``.wandb`` file. metrics.jsonl keeps the flat names. TensorBoard (``logging.tensorboard: true``) holds the same
+sections and values, read back from its event files."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import subprocess
 import pytest
 
 from distaff.train.run.metrics import WANDB_CHARTED, wandb_key, wandb_summary
-from pretrain_fixtures import (PYTHON, metrics, prepare_data, rank_env, read_wandb_records, run_log, wandb_runs,
-                               write_config)
+from pretrain_fixtures import (PYTHON, metrics, prepare_data, rank_env, read_wandb_records, run_log, tensorboard_scalars,
+                               wandb_runs, write_config)
 
 
 @pytest.mark.unit
@@ -41,7 +42,7 @@ def test_offline_run_files_hold_sections_step_axis_and_final_summary(sample_data
     data = prepare_data(tmp_path_factory.getbasetemp(), sample_data)
     out = tmp_path / "run"
     config = write_config(tmp_path / "run.yaml", data, out, train={"max_steps": 6}, eval={"every": 3, "batches": 2},
-                          logging={"every": 2, "progress_bar": False})
+                          logging={"every": 2, "progress_bar": False, "tensorboard": True})
     proc = subprocess.run([PYTHON, "-m", "distaff.train.pretrain", "--config", str(config)], env=rank_env(tmp_path),
                           cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, run_log(proc)
@@ -76,3 +77,12 @@ def test_offline_run_files_hold_sections_step_axis_and_final_summary(sample_data
     assert summary["eval/accuracy"] == final["eval_accuracy"]
     assert summary["eval/unigram_baseline_accuracy"] == final["unigram_baseline_accuracy"]
     assert summary["run/steps"] == 6 and summary["run/tokens"] == final["tokens"]
+
+    scalars = tensorboard_scalars(out / "tensorboard")
+    for step, row in history.items():
+        for key, value in row.items():
+            if not key.startswith("_") and key != "progress/step" and value is not None:
+                assert scalars[key][step] == pytest.approx(value, rel=1e-6), (key, step)
+    assert scalars["eval/unigram_baseline_accuracy"][6] == pytest.approx(final["unigram_baseline_accuracy"])
+    assert scalars["run/tokens"][6] == final["tokens"]
+

@@ -285,3 +285,13 @@ def namespaces_permitted() -> bool:
         return False
     probe = subprocess.run([unshare, "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"], capture_output=True)
     return probe.returncode == 0
+
+
+def tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
+    """tag -> {step: value} of every event file in ``folder``, read with TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run,) = [p for p in folder.iterdir() if p.name.startswith("events.out.tfevents")]
+    reader = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    reader.Reload()
+    return {tag: {event.step: event.value for event in reader.Scalars(tag)} for tag in reader.Tags()["scalars"]}

@@ -21,6 +21,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from distaff.train.core.verbosity import quiet_torch_warnings
+
 
 _had_process_group = False       # set by init_distributed: see exit_process
 
@@ -55,13 +57,15 @@ def env_from_environ() -> DistEnv:
 
 def quiet_library_warnings(rank: int) -> None:
     """One copy of each library warning per run: rank 0 alone prints Python's warnings (N ranks would print N
-    copies of e.g. torch's FutureWarnings from DeepSpeed's collectives). And no rank prints DeepSpeed's guess
+    copies of e.g. torch's FutureWarnings from DeepSpeed's collectives), and those FutureWarnings not at all
+    unless ``--verbose`` (:mod:`distaff.train.core.verbosity`). And no rank prints DeepSpeed's guess
     at its accelerator ("unable to detect" a GPU) on a machine without one: the CPU accelerator is named, as
     DeepSpeed would pick it. Call before DeepSpeed is imported."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if rank != 0:
         warnings.simplefilter("ignore")
+    quiet_torch_warnings()
 
 
 PR_SET_PDEATHSIG = 1

@@ -14,14 +14,16 @@ Imports nothing heavy: launchers use it without importing torch.
 
 from __future__ import annotations
 
+import difflib
 import errno
 import os
 import reprlib
 import sys
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from distaff.train.core.exit_codes import EXIT_BAD_CONFIG, EXIT_FAILURE
+from distaff.train.core.verbosity import take_verbose_flag
 
 EXIT_BAD_INPUT = EXIT_BAD_CONFIG
 DEBUG_FLAG = "--debug"
@@ -52,6 +54,27 @@ class RunFailure(RuntimeError):
 def shown(value: Any) -> str:
     """``repr(value)`` cut short: an error message never formats a huge value (a YAML alias bomb, a 30 MB text)."""
     return _repr.repr(value)
+
+
+def closest(word: str, choices: Iterable[str]) -> str | None:
+    """The choice most like ``word`` (a typo's intended key or name), or None when none is close."""
+    found = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def reject_unknown_keys(values: Iterable[str], known: Iterable[str], what: str, prefix: str = "",
+                        hint: str = "") -> None:
+    """A :class:`ConfigError` ``"<what> [<prefix>key, ...]<hint>; did you mean <prefix>known?"`` if ``values``
+    holds keys not in ``known``; the question names the closest known key of each unknown one that has one."""
+    known = list(known)
+    unknown = sorted(set(values) - set(known))
+    if not unknown:
+        return
+    guesses = {key: closest(key, known) for key in unknown}
+    meant = [f"{prefix}{guess!s}" + (f" for {prefix}{key}" if len(unknown) > 1 else "")
+             for key, guess in guesses.items() if guess is not None]
+    question = f"; did you mean {', '.join(meant)}?" if meant else ""
+    raise ConfigError(f"{what} {[prefix + key for key in unknown]}{hint}{question}")
 
 
 def is_bad_input(err: BaseException) -> bool:
@@ -96,8 +119,9 @@ def report(prog: str, err: BaseException, where: str = "", hint: str = "") -> in
 
 
 def command_main(prog: str, body: Callable[[list[str]], int], argv: list[str] | None) -> int:
-    """Run ``body(argv)`` (``argv`` without ``--debug``) and report what it raises; the exit status."""
-    argv = take_debug_flag(sys.argv[1:] if argv is None else list(argv))
+    """Run ``body(argv)`` (``argv`` without ``--debug`` and ``--verbose``) and report what it raises; the exit
+    status."""
+    argv = take_verbose_flag(take_debug_flag(sys.argv[1:] if argv is None else list(argv)))
     try:
         return int(body(argv) or 0)
     except Exception as err:  # noqa: BLE001 - every failure is reported in the one style

@@ -1,21 +1,31 @@
-"""CPU threads per process: the cores this process may run on, shared by the ranks of its node.
+"""CPU threads per process: the cores this process may run on, shared by the ranks of its node, fewer when
+other processes keep those cores busy.
 
 torch gives every process one intra-op thread per core of the machine, so N ranks on a node run
 N x cores threads, and their OpenMP workers spin against each other (and against anything else on the
 machine) at every parallel region: 2 CPU ranks on 2 cores with the default ran several times slower
-than with one thread each (README). Unless the user set ``OMP_NUM_THREADS``, an entry point calls
-:func:`configure_threads` before any work: torch gets ``affinity // ranks per node`` threads (at least
-1), and ``OMP_NUM_THREADS`` is exported with that value for the processes it starts.
+than with one thread each, and one process with 2 threads on 2 cores that other jobs kept busy ran 8x
+slower than with one (README, ``scripts/measure-threads.sh``). Unless the user set ``OMP_NUM_THREADS``, an
+entry point calls :func:`configure_threads` before any work: torch gets ``affinity // ranks per node``
+threads (at least 1), reduced to what the cores left idle by other processes allow (a short sample of the
+machine's CPU time), with a one-line notice saying so; ``OMP_NUM_THREADS`` is exported with that value
+for the processes it starts. Importing ``distaff.train`` sets ``OMP_WAIT_POLICY=PASSIVE`` (unless set), read
+when torch loads its OpenMP runtime: idle OpenMP workers sleep instead of spinning, so a thread that waits
+takes no CPU time from a neighbour.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 # Ranks on this node, as each launcher tells its ranks: torchrun, the deepspeed launcher, srun
 # (``--ntasks-per-node``); the first one set wins.
 LOCAL_WORLD_SIZE_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+SAMPLE_S = 0.3   # how long the machine's CPU time is watched before choosing
 
 
 def local_world_size(env: Mapping[str, str]) -> int:
@@ -32,20 +42,76 @@ def threads_per_rank(cores: int, ranks: int) -> int:
     return max(1, cores // max(1, ranks))
 
 
-def planned_threads(env: Mapping[str, str], affinity: set[int] | None = None) -> int | None:
-    """The intra-op threads for this process, or None when the user chose (``OMP_NUM_THREADS`` set)."""
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs since boot, from ``/proc/stat``; None where there is none."""
+    try:
+        with open("/proc/stat", encoding="ascii") as handle:
+            fields = [int(x) for x in handle.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)   # idle + iowait
+    total = sum(fields[:8])                                    # guest time is already counted in user
+    return total - idle, total
+
+
+def busy_cores(sample_s: float = SAMPLE_S) -> float:
+    """How many of the machine's cores other processes keep busy now: CPU time over ``sample_s`` seconds
+    while this process sleeps (the 1-minute load average where ``/proc/stat`` is missing)."""
+    before = _cpu_times()
+    if before is None:
+        return os.getloadavg()[0]
+    time.sleep(sample_s)
+    after = _cpu_times()
+    busy, total = after[0] - before[0], after[1] - before[1]
+    return (os.cpu_count() or 1) * busy / total if total > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    threads: int   # intra-op threads for this process
+    share: int     # the even share of the cores it would take on an idle machine
+    cores: int     # the cores of its affinity
+    busy: float    # cores other processes were keeping busy
+
+    def notice(self) -> str:
+        """The one line that says why fewer threads than the share were chosen."""
+        return (f"distaff: other processes keep {self.busy:.1f} of the {self.cores} cores busy: {self.threads} CPU "
+                f"thread(s) per rank instead of {self.share}; set OMP_NUM_THREADS to choose")
+
+
+def plan_threads(cores: int, ranks: int, busy: float) -> ThreadPlan:
+    """The share of ``cores`` each of ``ranks`` ranks takes, cut to the cores ``busy`` leaves idle (rounded:
+    a core half used by someone else is left to them). The other ranks of this node may be busy starting up
+    while the machine is watched, so up to ``ranks - 1`` busy cores are counted as theirs."""
+    share = threads_per_rank(cores, ranks)
+    others = max(0.0, busy - (ranks - 1))
+    idle_per_rank = (cores - others) / max(1, ranks)
+    return ThreadPlan(threads=max(1, min(share, int(idle_per_rank + 0.5))), share=share, cores=cores, busy=busy)
+
+
+def planned_threads(env: Mapping[str, str], affinity: set[int] | None = None,
+                    busy: float | None = None) -> ThreadPlan | None:
+    """The threads for this process, or None when the user chose (``OMP_NUM_THREADS`` set). ``busy``: the
+    cores other processes use (measured by :func:`busy_cores` when not given)."""
     if env.get("OMP_NUM_THREADS"):
         return None
     cores = len(os.sched_getaffinity(0) if affinity is None else affinity)
-    return threads_per_rank(cores, local_world_size(env))
+    ranks = local_world_size(env)
+    if threads_per_rank(cores, ranks) == 1:       # nothing to cut: skip the sample
+        return plan_threads(cores, ranks, 0.0)
+    return plan_threads(cores, ranks, busy_cores() if busy is None else busy)
 
 
-def configure_threads(env: dict[str, str] | os._Environ = os.environ, affinity: set[int] | None = None) -> int:
-    """Apply :func:`planned_threads` to torch and export it in ``env``; returns torch's thread count."""
+def configure_threads(env: dict[str, str] | os._Environ = os.environ, affinity: set[int] | None = None,
+                      busy: float | None = None) -> int:
+    """Apply :func:`planned_threads` to torch and export it in ``env``; returns torch's thread count. When the
+    busy machine cut the share, the first rank of the node says so on stderr."""
     import torch
 
-    threads = planned_threads(env, affinity)
-    if threads is not None:
-        torch.set_num_threads(threads)
-        env["OMP_NUM_THREADS"] = str(threads)
+    plan = planned_threads(env, affinity, busy)
+    if plan is not None:
+        torch.set_num_threads(plan.threads)
+        env["OMP_NUM_THREADS"] = str(plan.threads)
+        if plan.threads < plan.share and env.get("LOCAL_RANK", "0") in ("", "0"):
+            print(plan.notice(), file=sys.stderr, flush=True)
     return torch.get_num_threads()

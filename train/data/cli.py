@@ -10,12 +10,10 @@ from pathlib import Path
 from distaff.train.core.errors import command_main
 from distaff.train.core.runlock import DirLock
 from distaff.train.data.errors import DataError
+from distaff.train.data.heldout import MIN_HELDOUT_TOKENS, choose_heldout
 from distaff.train.data.prepare import PrepareConfig, prepare
 from distaff.train.data.sources import ReadOptions
 from distaff.train.data.verify import verify
-
-# Fewer held-out tokens leave evaluations a few hundred masked tokens: accuracy moves in coarse steps.
-MIN_HELDOUT_TOKENS = 20_000
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,7 +28,9 @@ def _parser() -> argparse.ArgumentParser:
                    "(default: documents are separated by blank lines)")
     p.add_argument("--text-field", default="text", help=".jsonl/.parquet field holding the text")
     p.add_argument("--pack-documents", action="store_true", help="fill sequences with several documents")
-    p.add_argument("--heldout-fraction", type=float, default=0.01, help="share of documents held out (0: none)")
+    p.add_argument("--heldout-fraction", type=float, default=None,
+                   help=f"share of documents held out (0: none; default: 1%%, more for a small corpus, so that the "
+                        f"held-out split holds {MIN_HELDOUT_TOKENS:,} tokens or more)")
     p.add_argument("--shard-mb", type=float, default=16.0, help="MB of raw text per shard")
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
     p.add_argument("--skip-bad", action="store_true", help="skip, count and log bad documents instead of failing")
@@ -40,14 +40,23 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _prepare(args: argparse.Namespace) -> int:
+def _heldout_every(args: argparse.Namespace, read: ReadOptions) -> int:
+    """Every k-th document held out: from --heldout-fraction, or chosen for the corpus (and said so)."""
+    if args.heldout_fraction is None:
+        choice = choose_heldout(args.input, args.tokenizer, read)
+        print(choice.line())
+        return choice.every
     if not 0.0 <= args.heldout_fraction < 1.0:
         raise DataError(f"--heldout-fraction {args.heldout_fraction} must lie in [0, 1)")
+    return round(1 / args.heldout_fraction) if args.heldout_fraction > 0 else 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    read = ReadOptions(doc_per_file=args.doc_per_file, text_field=args.text_field, skip_bad=args.skip_bad)
     config = PrepareConfig(
         inputs=tuple(args.input), tokenizer_dir=args.tokenizer, seq_len=args.seq_len, out_dir=args.out,
-        read=ReadOptions(doc_per_file=args.doc_per_file, text_field=args.text_field, skip_bad=args.skip_bad),
-        pack_documents=args.pack_documents, shard_mb=args.shard_mb,
-        heldout_every=round(1 / args.heldout_fraction) if args.heldout_fraction > 0 else 0,
+        read=read, pack_documents=args.pack_documents, shard_mb=args.shard_mb,
+        heldout_every=_heldout_every(args, read),
         progress=False if args.no_progress else None,
         **({} if args.workers is None else {"workers": args.workers}))
     with DirLock(Path(args.out), "--out"):     # one prepare per folder; a second is refused, naming the first

@@ -18,9 +18,9 @@ import yaml
 from distaff.train.run.config import (CheckpointSection, DeepSpeedSection, DistributedSection, LoggingSection, OptimSection,
                      RunSection, WandbSection, ZeroSection, _build, _check_value, check_engine_sections, check_ranges,
                      check_seed, read_config_values)
-from distaff.train.core.errors import shown
+from distaff.train.core.errors import ConfigError, reject_unknown_keys, shown
 from distaff.train.finetune.sift import SiftConfig
-from distaff.train.model.config import ConfigError, ModelConfig, reject_unknown_keys
+from distaff.train.model.config import ModelConfig
 from distaff.train.run.model_folder import FREE_FIELDS
 
 __all__ = ["ConfigError", "FinetuneConfig", "load_finetune_config", "finetune_config_to_dict"]
@@ -44,6 +44,8 @@ class LabelledDataSection:
     label_column: str = "label"
     task: Literal["classification", "regression"] = "classification"
     labels: list[str] = field(default_factory=list)           # classification: the label values, in id order
+    # classification: a readable name per label value ({0: negative, 1: positive}), the export's id2label
+    label_names: dict[str, str] = field(default_factory=dict)
     max_len: int = 128                  # tokens per example, [CLS] and [SEP]s included
     batch_size: int = 16                # examples per micro-batch per rank
     eval_batch_size: int = 0            # 0: batch_size
@@ -162,8 +164,12 @@ def _validate(cfg: FinetuneConfig) -> None:
     if bool(data.dev) == bool(data.dev_fraction):
         raise ConfigError("data.dev and data.dev_fraction: give a dev file or a fraction of data.train to hold out "
                           "(exactly one)")
-    if cfg.regression and data.labels:
-        raise ConfigError("data.labels: a regression task has numeric targets, not a list of labels")
+    if cfg.regression and (data.labels or data.label_names):
+        raise ConfigError(f"data.{'labels' if data.labels else 'label_names'}: a regression task has numeric "
+                          "targets, not labels")
+    for value, name in data.label_names.items():
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError(f"data.label_names.{value}: must be a non-empty name, got {shown(name)}")
     allowed = REGRESSION_METRICS if cfg.regression else CLASSIFICATION_METRICS
     if cfg.metric not in allowed:
         raise ConfigError(f"eval.metric: {cfg.metric!r} is not a {data.task} metric; choose one of {list(allowed)}")

@@ -550,6 +550,22 @@ def tokenize(examples: Sequence[Example], labels: np.ndarray, tokenizer: Tokeniz
     return LabelledSet(source, ids, types if pairs else None, labels, truncated)
 
 
+def display_names(names: list[str] | None, readable: dict) -> list[str] | None:
+    """Class id -> the name an export shows (``id2label``): ``readable[value]`` (``data.label_names``) where
+    given, else the label value itself. A value that is no class, or two classes given one name, is an error."""
+    if names is None or not readable:
+        return names
+    given = {class_name(value, "data.label_names"): str(name).strip() for value, name in readable.items()}
+    strange = sorted(set(given) - set(names))
+    if strange:
+        raise ConfigError(f"data.label_names: {strange} {'is' if len(strange) == 1 else 'are'} not a label of the "
+                          f"data (its labels: {names}); name those")
+    shown_names = [given.get(name, name) for name in names]
+    if len(set(shown_names)) < len(shown_names):
+        raise ConfigError(f"data.label_names: two classes would both be called {shown_names}; give each its own name")
+    return shown_names
+
+
 # -- all of it -----------------------------------------------------------------------------------------------
 @dataclass
 class LabelledData:

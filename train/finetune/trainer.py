@@ -22,7 +22,7 @@ from distaff.train.core import distributed as dist_utils
 from distaff.train.data.errors import DataError
 from distaff.train.finetune.classifier_init import load_encoder, resolve_tokenizer
 from distaff.train.finetune.config import FinetuneConfig, finetune_config_to_dict, load_finetune_config, save_finetune_config
-from distaff.train.finetune.labelled import InputFormat, LabelledData, load_labelled
+from distaff.train.finetune.labelled import InputFormat, LabelledData, display_names, load_labelled
 from distaff.train.finetune.labelled_batches import EvalBatches, TrainBatches, model_inputs
 from distaff.train.finetune.metrics import compute_metrics
 from distaff.train.finetune.sift import SiFT
@@ -195,7 +195,7 @@ class FinetuneTrainer(RunBase):
     def _checkpointer(self, root: Path, every: int, keep: int) -> Checkpointer:
         meta = {"task": CLASSIFIER_TASK, "config": finetune_config_to_dict(self.cfg),
                 "model_config": self.model_cfg.to_dict(), "num_labels": self.num_labels,
-                "label_names": self.data.label_names,
+                "label_names": display_names(self.data.label_names, self.cfg.data.label_names),
                 "pooler_dropout": self.cfg.model.pooler_dropout}
         per_rank = {"data": self.loader, "rng": RNGState(self.layout.rank)}
         return self._new_checkpointer(root, per_rank=per_rank, meta=meta, every=every, keep=keep,

@@ -11,23 +11,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 
 from distaff.kernels import IMPLS, attention_span
 from distaff.train.core import presets
 from distaff.train.core.config_yaml import load_yaml
-from distaff.train.core.errors import ConfigError, shown
+from distaff.train.core.errors import ConfigError, closest, reject_unknown_keys, shown
 
 POSITION_TERMS = ("c2p", "p2c")
-
-def reject_unknown_keys(values: Iterable[str], known: Iterable[str], what: str, prefix: str = "",
-                        hint: str = "") -> None:
-    """A :class:`ConfigError` ``"<what> [<prefix>key, ...]<hint>"`` if ``values`` holds keys not in ``known``."""
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ConfigError(f"{what} {[prefix + key for key in unknown]}{hint}")
-
 
 @dataclass
 class ModelConfig:
@@ -175,7 +167,9 @@ def load_model_config(preset_or_path: str | Path, **overrides: Any) -> ModelConf
     else:
         resource = presets.preset_file(str(preset_or_path), "model")
         if resource is None:
-            raise ConfigError(f"unknown model preset {str(preset_or_path)!r}; available: {preset_names()}")
+            guess = closest(str(preset_or_path), preset_names())
+            raise ConfigError(f"unknown model preset {str(preset_or_path)!r}; available: {preset_names()}"
+                              + (f"; did you mean {guess!r}?" if guess else ""))
         text, source = resource.read_text(), f"preset {preset_or_path}"
     values = load_yaml(text, source) or {}
     if not isinstance(values, dict):

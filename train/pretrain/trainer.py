@@ -218,13 +218,14 @@ def summarize(cfg: RunConfig, state: TrainState, manifest: Manifest, checkpoint:
               world_size: int) -> dict[str, Any]:
     """The figures of ``summary.json``, and a short printed report; the plot is drawn here too."""
     out_dir = cfg.out_dir
-    plot = plot_metrics(out_dir / "metrics.jsonl", out_dir / PLOT_FILE) if cfg.logging.plot else None
+    baseline = unigram_baseline_accuracy(manifest)
+    plot = plot_metrics(out_dir / "metrics.jsonl", out_dir / PLOT_FILE, baseline) if cfg.logging.plot else None
     summary = {"steps": state.step, "tokens": state.tokens, "samples": state.samples, "positions": state.positions,
                "padding_fraction": padding_fraction(state.tokens, state.positions), "packing": cfg.data.packing,
                "world_size": world_size, "train_time_s": round(state.train_time_s, 2),
                "tokens_per_s": state.tokens / state.train_time_s if state.train_time_s else None,
                **state.last_eval,
-               "unigram_baseline_accuracy": unigram_baseline_accuracy(manifest),
+               "unigram_baseline_accuracy": baseline,
                "run_dir": str(out_dir), "checkpoint": str(checkpoint) if checkpoint else None,
                "metrics": str(out_dir / "metrics.jsonl"), "plot": str(plot) if plot else None}
     lines = [f"steps {state.step}, {state.tokens:,} tokens on {world_size} rank(s) in {state.train_time_s:.0f} s"

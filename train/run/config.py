@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import math
 import typing
@@ -20,9 +21,9 @@ import yaml
 
 from distaff.train.core import presets
 from distaff.train.core.config_yaml import load_yaml
-from distaff.train.core.errors import shown
+from distaff.train.core.errors import ConfigError, closest, reject_unknown_keys, shown
 from distaff.train.data.collator import MaskingConfig
-from distaff.train.model.config import ConfigError, ModelConfig, load_model_config, reject_unknown_keys
+from distaff.train.model.config import ModelConfig, load_model_config
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "parse_overrides", "save_config", "config_to_dict"]
 
@@ -134,6 +135,7 @@ class LoggingSection:
     every: int = 10
     progress_bar: bool = True           # tqdm bar on rank 0, when stderr is a terminal
     plot: bool = True
+    tensorboard: bool = False           # TensorBoard event files in <run.out_dir>/tensorboard (the tensorboard extra)
 
 
 @dataclass
@@ -318,6 +320,9 @@ def check_engine_sections(cfg: Any) -> None:
     if not cfg.run.out_dir:
         raise ConfigError("run.out_dir: required")
     check_seed("run.seed", cfg.run.seed)
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("logging.tensorboard: the tensorboard package is not installed; pip install "
+                          "'distaff[tensorboard]' (the tensorboard extra), or set logging.tensorboard=false")
 
 
 def _validate(cfg: RunConfig) -> None:
@@ -405,8 +410,10 @@ def config_file(value: str | Path, kind: str = "run") -> Path:
         return path
     preset = presets.preset_file(str(value), kind)
     if preset is None:
+        guess = closest(str(value), presets.preset_names(kind))
         raise ConfigError(f"config file not found: {value} (nor a {kind} preset of that name; presets: "
-                          f"{', '.join(presets.preset_names(kind))})")
+                          f"{', '.join(presets.preset_names(kind))}; `distaff presets` describes them)"
+                          + (f"; did you mean {guess}?" if guess else ""))
     return preset
 
 

@@ -23,6 +23,7 @@ from distaff.train.run.config import WandbSection
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
+TENSORBOARD_DIR = "tensorboard"
 
 
 def warn(message: str) -> None:
@@ -130,6 +131,45 @@ class WandbSink:
         self.run = None
 
 
+class TensorBoardSink:
+    """TensorBoard event files in ``<out_dir>/tensorboard`` on rank 0, in W&B's sections (:func:`wandb_key`)
+    against the optimizer step; like W&B, a failure disables it and never stops training."""
+
+    def __init__(self, out_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter     # needs the tensorboard package (checked by config)
+
+        self.writer = SummaryWriter(log_dir=str(out_dir / TENSORBOARD_DIR))
+        self.step = 0
+
+    def _write(self, scalars: dict[str, Any], step: int) -> None:
+        if self.writer is None:
+            return
+        try:
+            for tag, value in scalars.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.writer.add_scalar(tag, value, step)
+            self.writer.flush()
+        except Exception as err:  # noqa: BLE001 - logging must never stop training
+            warn(f"TensorBoard disabled: {type(err).__name__}: {err}")
+            self.writer = None
+
+    def log(self, record: dict[str, Any], step: int) -> None:
+        self.step = step
+        self._write({wandb_key(k): v for k, v in record.items() if k != "step"}, step)
+
+    def summary(self, values: dict[str, Any]) -> None:
+        """At the last step: the run's totals (run/), the baseline and the best dev checkpoint (eval/); the final
+        held-out numbers are already there as the last evaluation."""
+        final = wandb_summary(values)
+        self._write({k: v for k, v in final.items() if not k.startswith("eval/") or "baseline" in k or "best" in k},
+                    self.step)
+
+    def finish(self, exit_code: int) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
 def _format_duration(seconds: float) -> str:
     seconds = int(max(0, seconds))
     h, rest = divmod(seconds, 3600)
@@ -175,11 +215,11 @@ class MetricsLogger:
     """Rank 0 writes; other ranks hold an inert logger so call sites need no rank checks."""
 
     def __init__(self, out_dir: Path, *, enabled: bool, max_steps: int, start_step: int, progress_bar: bool,
-                 wandb: WandbSink | None):
+                 sinks: list[WandbSink | TensorBoardSink] = ()):
         self.enabled = enabled
         self.max_steps = max_steps
         self.path = out_dir / METRICS_FILE
-        self.wandb = wandb
+        self.sinks = list(sinks)
         self.bar = None
         if not enabled:
             return
@@ -207,8 +247,8 @@ class MetricsLogger:
             print(line, flush=True)
         with open(self.path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
-        if self.wandb is not None:
-            self.wandb.log(record, step=record["step"])
+        for sink in self.sinks:
+            sink.log(record, step=record["step"])
 
     def advance(self, step: int) -> None:
         if self.bar is not None:
@@ -268,22 +308,45 @@ def peak_memory_gb() -> float:
 
 # (title, keys): what each panel shows, for whichever keys the run logged (MLM, RTD or fine-tuning).
 PLOT_PANELS = (("loss", ("loss", "gen_loss", "rtd_loss")),
-               ("accuracy", ("accuracy", "gen_accuracy", "rtd_accuracy", "rtd_auc", "f1", "mcc", "pearson", "spearman")))
+               ("accuracy", ("accuracy", "gen_accuracy", "rtd_accuracy", "rtd_auc", "f1", "mcc", "pearson", "spearman")),
+               ("learning rate", ("lr",)),
+               ("gradient norm", ("grad_norm",)),
+               ("tokens/s (all ranks)", ("tokens_per_s",)))
+PLOT_COLUMNS = 3
 
 
-def _plot_series(ax, key: str, train: list[dict], evals: list[dict]) -> None:
-    """``key`` from the train records and ``eval_<key>`` from the evaluations, where logged."""
+def _plot_series(ax, key: str, train: list[dict], evals: list[dict]) -> bool:
+    """``key`` from the train records and ``eval_<key>`` from the evaluations, where logged; whether any was."""
     color = None
     points = [(r["step"], r[key]) for r in train if r.get(key) is not None]
     if points:
         color = ax.plot(*zip(*points), label=key, linewidth=1)[0].get_color()
-    points = [(r["step"], r[f"eval_{key}"]) for r in evals if r.get(f"eval_{key}") is not None]
-    if points:
-        ax.plot(*zip(*points), "o--", color=color, label=f"held-out {key}")
+    held = [(r["step"], r[f"eval_{key}"]) for r in evals if r.get(f"eval_{key}") is not None]
+    if held:
+        ax.plot(*zip(*held), "o--", color=color, label=f"held-out {key}")
+    return bool(points or held)
 
 
-def plot_metrics(jsonl_path: Path, png_path: Path) -> Path | None:
-    """Loss and accuracy (MLM, or generator and discriminator with RTD) against steps (train and held-out) as a PNG; None if nothing was logged."""
+def _draw_panel(ax, title: str, keys: tuple[str, ...], train: list[dict], evals: list[dict],
+                baseline: float | None) -> None:
+    drawn = [_plot_series(ax, key, train, evals) for key in keys]
+    if title == "accuracy" and baseline is not None:
+        ax.axhline(baseline, color="grey", linestyle=":", label=f"unigram baseline {baseline:.3f}")
+    if not any(drawn):
+        ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
+    ax.set_xlabel("step")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if title == "learning rate":
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+
+
+def plot_metrics(jsonl_path: Path, png_path: Path, baseline: float | None = None) -> Path | None:
+    """Loss, accuracy (MLM, or generator and discriminator with RTD; with ``baseline``, the unigram-frequency
+    accuracy, as a line), learning rate, gradient norm and tokens/s against steps (train and held-out) as a
+    PNG; None if nothing was logged."""
     if not jsonl_path.is_file():
         return None
     records = [json.loads(line) for line in jsonl_path.read_text().splitlines() if line.strip()]
@@ -296,14 +359,12 @@ def plot_metrics(jsonl_path: Path, png_path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, (title, keys) in zip(axes, PLOT_PANELS):
-        for key in keys:
-            _plot_series(ax, key, train, evals)
-        ax.set_xlabel("step")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend()
+    rows = -(-len(PLOT_PANELS) // PLOT_COLUMNS)
+    fig, axes = plt.subplots(rows, PLOT_COLUMNS, figsize=(5 * PLOT_COLUMNS, 3.6 * rows), squeeze=False)
+    for ax, (title, keys) in zip(axes.flat, PLOT_PANELS):
+        _draw_panel(ax, title, keys, train, evals, baseline)
+    for ax in list(axes.flat)[len(PLOT_PANELS):]:
+        ax.axis("off")
     return save_figure(fig, png_path)
 
 

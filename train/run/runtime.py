@@ -28,16 +28,18 @@ import numpy as np
 import torch
 
 from distaff.train.core import distributed as dist_utils
+from distaff.train.core import presets
 from distaff.train.core.errors import DEBUG_FLAG, RunFailure, report, take_debug_flag
 from distaff.train.core.exit_codes import EXIT_PREEMPTED
 from distaff.train.core.runlock import DirLock
 from distaff.train.core.threads import configure_threads
+from distaff.train.core.verbosity import VERBOSE_FLAG, take_verbose_flag
 from distaff.train.core.watchdog import Watchdog
 from distaff.train.model.config import ModelConfig
 from distaff.train.run.checkpoint import Checkpointer, Stateful, latest_checkpoint
 from distaff.train.run.config import ConfigError, config_fingerprint, fingerprinted
 from distaff.train.run.engine import initialize, set_lr
-from distaff.train.run.metrics import MetricsLogger, WandbSink, system_info
+from distaff.train.run.metrics import MetricsLogger, TensorBoardSink, WandbSink, system_info
 from distaff.train.run.steps import optimizer_step, train_step
 
 SUMMARY_FILE = "summary.json"       # written by rank 0 when a run ends, "finished": true once it is complete
@@ -191,17 +193,20 @@ class RunBase:
                       what: str) -> MetricsLogger:
         """Rank 0 announces the run (``what`` appended to the line) and opens W&B with ``wandb_config`` (the
         resolved config); all ranks get a logger."""
-        cfg, sink = self.cfg, None
+        cfg, sinks = self.cfg, []
         if self.layout.is_main and not self.finished_before:
             parameters = sum(getattr(p, "ds_numel", p.numel()) for p in self.engine.module.parameters())
             print(f"distaff: {'resuming from ' + str(resumed_from) if resumed_from else 'starting a new run'}; "
                   f"{self.layout.world_size} rank(s) x {torch.get_num_threads()} CPU thread(s), ZeRO-{cfg.zero.stage}, "
                   f"{cfg.train.precision}, "
                   f"{parameters / 1e6:.2f}M parameters{what}", flush=True)
-            sink = WandbSink(cfg.wandb, run_name=cfg.run.name, out_dir=cfg.out_dir, run_id=self.state.wandb_run_id,
-                             config={**wandb_config, "system": system_info(self.layout.world_size)})
+            sinks.append(WandbSink(cfg.wandb, run_name=cfg.run.name, out_dir=cfg.out_dir,
+                                   run_id=self.state.wandb_run_id,
+                                   config={**wandb_config, "system": system_info(self.layout.world_size)}))
+            if cfg.logging.tensorboard:
+                sinks.append(TensorBoardSink(cfg.out_dir))
         return MetricsLogger(cfg.out_dir, enabled=self.layout.is_main, max_steps=max_steps,
-                             start_step=self.state.step, progress_bar=cfg.logging.progress_bar, wandb=sink)
+                             start_step=self.state.step, progress_bar=cfg.logging.progress_bar, sinks=sinks)
 
     # ---------------------------------------------------------------- the loop
 
@@ -331,15 +336,16 @@ class RunBase:
         summary = {**self._summary(), "finished": exit_code == 0, "config_fingerprint": config_fingerprint(resolved),
                    "fingerprinted_config": resolved}
         (self.cfg.out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
-        if self.metrics.wandb is not None:
-            self.metrics.wandb.summary(summary)
-            self.metrics.wandb.finish(exit_code)
+        for sink in self.metrics.sinks:
+            sink.summary(summary)
+            sink.finish(exit_code)
 
 
 def parse_args(prog: str, description: str, argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=prog, description=description,
-                                     epilog=f"{DEBUG_FLAG}: print the traceback of any error")
-    parser.add_argument("--config", help="run config YAML")
+                                     epilog=f"{DEBUG_FLAG}: print the traceback of any error; {VERBOSE_FLAG}: show the "
+                                            "libraries' INFO lines and warnings")
+    parser.add_argument("--config", help=f"run config: {presets.CONFIG_HELP}")
     # the deepspeed launcher appends --local_rank unless run with --no_local_rank; LOCAL_RANK is read from the env
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--check", action="store_true",
@@ -348,7 +354,7 @@ def parse_args(prog: str, description: str, argv: list[str]) -> argparse.Namespa
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config (presets, file and overrides merged) as YAML and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=3e-4")
-    return parser.parse_args(take_debug_flag(argv))
+    return parser.parse_args(take_verbose_flag(take_debug_flag(argv)))
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import torch
 
 from distaff.train.core.errors import UserError
 from distaff.train.core.safe_load import safe_load, weights_only_loads
+from distaff.train.core.verbosity import library_chatter_hidden
 from distaff.train.data.errors import DataError
 from distaff.train.model.classifier import DebertaForSequenceClassification
 from distaff.train.model.config import ModelConfig
@@ -66,7 +67,8 @@ def fp32_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
             # ZeRO 1-3 and bf16 keep the fp32 master weights partitioned in the optimizer files
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-            with weights_only_loads():  # zero_to_fp32 itself would unpickle with weights_only=False
+            # zero_to_fp32 itself would unpickle with weights_only=False; it prints and draws a bar for every load
+            with weights_only_loads(), library_chatter_hidden():
                 return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
         states = safe_load(checkpoint / MODEL_STATES)
     except (RuntimeError, EOFError, KeyError, ValueError, AssertionError) as err:

@@ -67,11 +67,12 @@ from typing import Any
 
 import yaml
 
+from distaff.train.core import presets
 from distaff.train.core.config_yaml import load_yaml
 from distaff.train.core.errors import RunFailure, command_main, shown
 from distaff.train.core.exit_codes import EXIT_PREEMPTED
 from distaff.train.core.runlock import DirLock
-from distaff.train.core.threads import threads_per_rank
+from distaff.train.core.threads import busy_cores, plan_threads
 from distaff.train.data.errors import DataError
 from distaff.train.run.config import (ConfigError, RunConfig, changed_keys, config_file, config_fingerprint,
                                      config_to_dict, fingerprinted, load_config)
@@ -329,14 +330,14 @@ def run_command(cfg: AblationConfig, run: PlannedRun, port: int) -> list[str]:
 
 def _run_env(ranks: int, parallel: int) -> dict[str, str]:
     """CPU machines need DeepSpeed's CPU accelerator; the ``ranks x parallel`` processes at once get an even
-    share of the cores each, unless the user set ``OMP_NUM_THREADS``."""
+    share of the cores each (cut to what other processes leave idle), unless the user set ``OMP_NUM_THREADS``."""
     import torch
 
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env.setdefault("DS_ACCELERATOR", "cpu")
     if not env.get("OMP_NUM_THREADS"):
-        env["OMP_NUM_THREADS"] = str(threads_per_rank(len(os.sched_getaffinity(0)), ranks * parallel))
+        env["OMP_NUM_THREADS"] = str(plan_threads(len(os.sched_getaffinity(0)), ranks * parallel, busy_cores()).threads)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "WANDB_RUN_ID"):  # each run is its own job
         env.pop(key, None)
     return env
@@ -572,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="distaff ablate", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="ablation YAML (see configs/ablation/)")
+    parser.add_argument("--config", required=True, help=f"ablation config: {presets.CONFIG_HELP}")
     parser.add_argument("--report", action="store_true", help="only gather finished runs into the report")
     parser.add_argument("--dry-run", action="store_true", help="print the planned runs' commands, run nothing")
     args = parser.parse_args(argv)

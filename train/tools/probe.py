@@ -235,8 +235,9 @@ def score_seed(seed: int, tasks: dict[str, Path], encoders: Sequence[Encoder], p
 
 
 def _stats(values: list[float]) -> dict:
+    """Mean and standard deviation over seeds; one seed measures no deviation (``std`` None)."""
     return {"per_seed": values, "mean": statistics.mean(values),
-            "std": statistics.stdev(values) if len(values) > 1 else 0.0}
+            "std": statistics.stdev(values) if len(values) > 1 else None}
 
 
 def summarise(rows: list[dict], encoders: Sequence[Encoder], random_arm: bool) -> dict:
@@ -255,7 +256,7 @@ def summarise(rows: list[dict], encoders: Sequence[Encoder], random_arm: bool) -
             continue
         seeds = sorted(set(values) & set(control))
         diff = _stats([values[s] - control[s] for s in seeds])
-        diff["std_ratio"] = diff["mean"] / diff["std"] if diff["std"] > 0 else None
+        diff["std_ratio"] = diff["mean"] / diff["std"] if diff["std"] else None
         differences.append({"method": method, "arm": arm, "labels": n, "task": task, "seeds": seeds, **diff})
     return {"rows": table, "differences": differences}
 
@@ -273,14 +274,21 @@ def format_table(summary: dict, tasks: Sequence[str]) -> str:
         lines.append(f"{label:<{width}}{line}")
     for d in summary["differences"]:
         ratio = "" if d["std_ratio"] is None else f" = {d['std_ratio']:.1f} std"
+        spread = (f"{d['mean']:+.3f} +- {d['std']:.3f}{ratio} (" + ", ".join(f"{v:+.3f}" for v in d["per_seed"])
+                  + ")" if d["std"] is not None else f"{d['mean']:+.3f} (one seed)")
         lines.append(f"{d['method']}{'' if d['labels'] == 'all' else ' ' + str(d['labels'])} {d['arm']} - {RANDOM}, "
-                     f"{d['task']}: {d['mean']:+.3f} +- {d['std']:.3f}{ratio} ("
-                     + ", ".join(f"{v:+.3f}" for v in d["per_seed"]) + ")")
+                     f"{d['task']}: {spread}")
     return "\n".join(lines)
 
 
 def _cell(row: dict) -> str:
-    return f"{row['mean']:.3f} +- {row['std']:.3f}" if len(row["per_seed"]) > 1 else f"{row['mean']:.3f}"
+    return f"{row['mean']:.3f} +- {row['std']:.3f}" if row["std"] is not None else f"{row['mean']:.3f}"
+
+
+def table_title(seeds: Sequence[int]) -> str:
+    """What the cells hold: a deviation only where two or more seeds measured one."""
+    return (f"mean +- std over seeds {list(seeds)}" if len(seeds) > 1 else
+            f"seed {seeds[0]} alone (no deviation measured: --seeds 1 2 3 gives mean +- std)")
 
 
 def parse_encoder(spec: str) -> Encoder:
@@ -361,7 +369,7 @@ def _main(argv: list[str]) -> int:
     args = parse_args(argv)
     configure_threads()
     results = run(args)
-    print(f"\n== dev accuracy, mean +- std over seeds {results['seeds']} ({results['seconds']:.0f} s; "
+    print(f"\n== dev accuracy, {table_title(results['seeds'])} ({results['seconds']:.0f} s; "
           f"{args.out / 'results.json'})\n" + format_table(results, args.tasks))
     return 0
 

@@ -1,0 +1,62 @@
+"""Rewrite the measured spans of README.md from the runs that produce them.
+
+A span is ``<!-- measured: NAME -->value<!-- /measured -->`` (inline) or the same two comments around lines
+(a block). ``scripts/refresh-doc-numbers.sh`` runs the commands, then this with the values:
+
+    python scripts/refresh_doc_numbers.py README.md runs/demo/summary.txt runs/demo/run/summary.json ELAPSED_S
+
+Values it fills: ``demo.summary`` (the demo's printed summary, as a code block), ``demo.elapsed``,
+``demo.tokens_per_s``, ``demo.loss``, ``demo.perplexity``, ``demo.accuracy``, ``demo.baseline``,
+``demo.tokens``, ``demo.when`` (date, machine and load average of the run). A span it has no value for is
+an error, so a new span cannot be left behind stale.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+SPAN = re.compile(r"<!-- measured: (?P<name>[\w.-]+) -->(?P<value>.*?)<!-- /measured -->", re.S)
+
+
+def demo_values(summary_text: str, summary: dict, elapsed_s: int) -> dict[str, str]:
+    """The README's demo figures from the demo's printed summary, its run's summary.json and its wall time."""
+    load = os.getloadavg()[0]
+    return {
+        "demo.summary": f"\n```\n{summary_text.strip()}\n```\n",
+        "demo.elapsed": f"{elapsed_s // 60}m{elapsed_s % 60:02d}s",
+        "demo.tokens_per_s": f"{summary['tokens_per_s']:,.0f}",
+        "demo.tokens": f"{summary['tokens']:,}",
+        "demo.loss": f"{summary['eval_loss']:.3f}",
+        "demo.perplexity": f"{summary['eval_perplexity']:.1f}",
+        "demo.accuracy": f"{summary['eval_accuracy']:.3f}",
+        "demo.baseline": f"{summary['unigram_baseline_accuracy']:.3f}",
+        "demo.when": f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()}-core {platform.machine()} machine, "
+                     f"load average {load:.1f} at the end",
+    }
+
+
+def rewrite(text: str, values: dict[str, str]) -> str:
+    """``text`` with every measured span's value replaced; a span without a value is a ValueError."""
+    missing = sorted({m["name"] for m in SPAN.finditer(text)} - set(values))
+    if missing:
+        raise ValueError(f"no value for the measured span(s) {missing}")
+    return SPAN.sub(lambda m: f"<!-- measured: {m['name']} -->{values[m['name']]}<!-- /measured -->", text)
+
+
+def main(argv: list[str]) -> int:
+    readme, summary_text, summary_json, elapsed = argv
+    values = demo_values(Path(summary_text).read_text(), json.loads(Path(summary_json).read_text()), int(elapsed))
+    path = Path(readme)
+    path.write_text(rewrite(path.read_text(), values))
+    print(f"{readme}: rewrote {len(SPAN.findall(path.read_text()))} measured span(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
