@@ -192,6 +192,7 @@ def test_a_presets_columns_can_be_unset_by_an_override(unset):
     assert cfg.data.columns == [] and input_format(cfg).columns is None and input_format(cfg).has_header
 
 
+@pytest.mark.unit
 def test_label_names_give_the_export_readable_labels_and_refuse_what_names_no_class():
     from distaff.train.finetune.labelled import display_names
 
