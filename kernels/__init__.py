@@ -3,7 +3,8 @@
 Every public op takes the keyword ``impl="auto" | "triton" | "reference"``: ``auto`` runs Triton on
 CUDA tensors and the reference elsewhere; ``triton`` forces the Triton path, which also runs on
 CPU tensors when ``TRITON_INTERPRET=1`` is set before import. The ops here only choose; each
-implementation writes its signature once (``reference.<op>`` and ``<module>.<op>``). This package
+implementation writes its signature once (``reference.<op>`` and ``<module>.<op>``), and ``library``
+registers them as ``distaff::`` custom ops with fake implementations (torch.compile, CUDA graphs). This package
 imports only torch and triton (the latter lazily, so the reference path works without a usable
 triton); it is imported by ``distaff.train``. What checks the kernels ahead of time (compiling for GPU
 targets, reading the compiled code) is apart, in ``distaff.kernels.aot``, and nothing here imports it.
@@ -12,24 +13,13 @@ targets, reading the compiled code) is apart, in ``distaff.kernels.aot``, and no
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 
 import torch
 
-from . import reference
+from . import library, reference
 from .contract import IGNORE_INDEX, IMPLS, TRITON_HEAD_DIMS, MaskedLMLoss
 from .relative_position import attention_span, bucket_table, relative_position_index
-
-# op name -> module holding its Triton implementation (a function of the same name).
-TRITON_MODULES = {
-    "disentangled_attention": "attention",
-    "disentangled_attention_varlen": "attention",
-    "layer_norm": "fused_layer_norm",
-    "bias_gelu": "gelu",
-    "masked_lm_loss": "mlm_loss",
-}
-
 
 def triton_available(device: torch.device | None = None) -> bool:
     """Whether the Triton path can run on ``device`` (CUDA, or any device under the interpreter)."""
@@ -51,15 +41,16 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 
 def _dispatched(name: str):
     """The public op ``name``: the reference's signature and docs plus ``impl``; the first
-    positional tensor decides the device."""
+    positional tensor decides the device. The Triton implementation runs as a ``distaff::`` custom op
+    (:mod:`.library`), and so does the reference while ``torch.compile`` traces (no graph break)."""
     reference_fn = getattr(reference, name)
 
     @functools.wraps(reference_fn)
     def op(first: torch.Tensor, *args, impl: str = "auto", **kwargs):
-        if resolve_impl(impl, first.device) == "reference":
+        resolved = resolve_impl(impl, first.device)
+        if resolved == "reference" and not torch.compiler.is_compiling():
             return reference_fn(first, *args, **kwargs)
-        module = importlib.import_module(f".{TRITON_MODULES[name]}", __name__)
-        return getattr(module, name)(first, *args, **kwargs)
+        return getattr(library, name)(first, *args, impl=resolved, **kwargs)
 
     return op
 
