@@ -88,6 +88,10 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_key: Op
                   impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, lse, end, seed)``: lse and end terms are the Triton backward's (empty for the reference);
     ``seed`` is the dropout seed drawn for this call, an int64 CPU scalar the backward reuses."""
+    if dropout_p > 0 and q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("distaff attention: dropout_p > 0 inside a CUDA graph capture would replay one dropout "
+                           "mask on every replay (the seed is a host value); capture with dropout_p=0 (e.g. "
+                           "attention_probs_dropout_prob=0 or eval mode) or leave the attention outside the graph")
     seed = dropout_seed(dropout_p)
     call = _call(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale, max_seqlen, position_buckets,
                  max_relative_positions, dropout_p, mask_diagonal, seed)
