@@ -265,7 +265,9 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
                residual: torch.Tensor | None = None, *, impl: str) -> torch.Tensor:
     """:func:`distaff.kernels.layer_norm` through ``distaff::layer_norm``."""
     if impl == "triton":
-        _triton("fused_layer_norm").check_inputs(x, weight, bias, residual)
+        from . import fused_layer_norm  # an import statement, not importlib: torch.compile traces this function
+
+        fused_layer_norm.check_inputs(x, weight, bias, residual)
     return _layer_norm_op(x, weight.contiguous(), bias.contiguous(), float(eps), residual, impl)[0]
 
 
@@ -317,7 +319,9 @@ _bias_gelu_op.register_autograd(_bias_gelu_backward, setup_context=_bias_gelu_se
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, *, impl: str) -> torch.Tensor:
     """:func:`distaff.kernels.bias_gelu` through ``distaff::bias_gelu``."""
     if impl == "triton":
-        _triton("gelu").check_inputs(x, bias)
+        from . import gelu
+
+        gelu.check_inputs(x, bias)
     return _bias_gelu_op(x, bias.contiguous(), impl)
 
 
@@ -383,7 +387,9 @@ def masked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if impl == "reference":
         args, chunks = (hidden, weight, bias), (0, 0)
     else:
-        args, chunks = _triton("mlm_loss").prepare(hidden, weight, bias, **options)
+        from . import mlm_loss
+
+        args, chunks = mlm_loss.prepare(hidden, weight, bias, **options)
     loss, num_labelled, num_correct, *_ = _masked_lm_loss_op(*args, labels, ignore_index, *chunks, needs_grad, impl)
     return MaskedLMLoss(loss, num_labelled, num_correct)
 

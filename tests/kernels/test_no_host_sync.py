@@ -2,7 +2,7 @@
 backward, runs under ``FakeTensorMode``, where any ``.item()``, ``int(tensor)``, ``.tolist()``,
 ``bool(tensor)`` or data-dependent shape (``nonzero``) raises, and a dispatch mode counts any
 ``aten._local_scalar_dense`` (what each of those reads goes through). Kernel launches are recorded,
-not run, so this needs neither a GPU nor the interpreter; every launch the real call makes is planned.
+not run (the suite's interpreter tiles), so this needs no GPU; every launch the real call makes is planned.
 """
 
 from __future__ import annotations
@@ -17,12 +17,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from distaff.kernels import attention, fused_layer_norm, gelu, mlm_loss
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(autouse=True)
-def gpu_tiles(monkeypatch):
-    """Plan the launches a GPU gets (sm_90 tiles), not the interpreter's."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 READS = {"_local_scalar_dense", "item", "nonzero", "equal", "is_nonzero"}
 

@@ -1,7 +1,8 @@
 """``torch.compile(fullgraph=True)`` of a DeBERTa layer through the fused ops (issue 30): the ``distaff::``
 custom ops trace with no graph break (fullgraph raises on one), the compiled layer's output and every
-parameter gradient equal eager's, and the MLM loss compiles too. CPU, reference implementation inside the
-ops; ``aot_eager`` traces forward and backward (AOT autograd) without generating code.
+parameter gradient equal eager's, and the MLM loss compiles too. CPU: the reference, or the Triton
+implementation under the interpreter, inside the ops; ``aot_eager`` traces forward and backward (AOT
+autograd) without generating code.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ def _run(layer: Layer, hidden, mask, rel) -> tuple[torch.Tensor, list]:
     return out, list(grads)
 
 
-def test_a_layer_compiles_whole_and_matches_eager() -> None:
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_a_layer_compiles_whole_and_matches_eager(impl) -> None:
+    """``triton``: the Triton implementation inside the ops, run by the interpreter the suite sets."""
     torch._dynamo.reset()
-    cfg = ModelConfig(**CONFIG)
+    cfg = ModelConfig(**CONFIG, attention_impl=impl, kernel_impl=impl)
     torch.manual_seed(0)
     layer = Layer(cfg).train()
     compiled = torch.compile(copy.deepcopy(layer), fullgraph=True, backend="aot_eager")
