@@ -23,32 +23,32 @@ CONFIG = dict(vocab_size=97, hidden_size=32, num_hidden_layers=1, num_attention_
               attention_probs_dropout_prob=0.0)
 
 
-def _inputs(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _inputs(cfg: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     hidden = torch.randn(2, 20, cfg.hidden_size, generator=gen)
     mask = torch.ones(2, 20, dtype=torch.long)
     mask[1, 13:] = 0
     rel = torch.randn(2 * cfg.att_span, cfg.hidden_size, generator=gen)
-    return hidden, mask, rel
+    return hidden.to(device), mask.to(device), rel.to(device)
 
 
 def _run(layer: Layer, hidden, mask, rel) -> tuple[torch.Tensor, list]:
     hidden, rel = hidden.clone().requires_grad_(), rel.clone().requires_grad_()
     out, _ = layer(hidden, mask, rel)
-    loss = (out * torch.linspace(-1, 1, out.shape[-1])).square().sum()
+    loss = (out * torch.linspace(-1, 1, out.shape[-1], device=out.device)).square().sum()
     grads = torch.autograd.grad(loss, [hidden, rel, *layer.parameters()])
     return out, list(grads)
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
-def test_a_layer_compiles_whole_and_matches_eager(impl) -> None:
+def test_a_layer_compiles_whole_and_matches_eager(impl, device) -> None:
     """``triton``: the Triton implementation inside the ops, run by the interpreter the suite sets."""
     torch._dynamo.reset()
     cfg = ModelConfig(**CONFIG, attention_impl=impl, kernel_impl=impl)
     torch.manual_seed(0)
-    layer = Layer(cfg).train()
+    layer = Layer(cfg).train().to(device)
     compiled = torch.compile(copy.deepcopy(layer), fullgraph=True, backend="aot_eager")
-    inputs = _inputs(cfg)
+    inputs = _inputs(cfg, device)
     want_out, want_grads = _run(layer, *inputs)
     got_out, got_grads = _run(compiled, *inputs)
     torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
@@ -56,24 +56,24 @@ def test_a_layer_compiles_whole_and_matches_eager(impl) -> None:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_the_graph_holds_the_custom_ops_and_no_break() -> None:
+def test_the_graph_holds_the_custom_ops_and_no_break(device) -> None:
     torch._dynamo.reset()
     cfg = ModelConfig(**CONFIG)
-    layer = Layer(cfg).train()
-    explanation = torch._dynamo.explain(layer)(*_inputs(cfg))
+    layer = Layer(cfg).train().to(device)
+    explanation = torch._dynamo.explain(layer)(*_inputs(cfg, device))
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
     code = explanation.graphs[0].code
     for op in ("distaff.attention", "distaff.layer_norm", "distaff.bias_gelu"):
         assert op in code, f"{op} is not in the traced graph"
 
 
-def test_the_masked_lm_loss_on_selected_rows_compiles_whole() -> None:
+def test_the_masked_lm_loss_on_selected_rows_compiles_whole(device) -> None:
     torch._dynamo.reset()
     cfg = ModelConfig(**CONFIG)
-    model = DebertaForMaskedLM(cfg)
+    model = DebertaForMaskedLM(cfg).to(device)
     gen = torch.Generator().manual_seed(2)
-    rows = torch.randn(7, cfg.hidden_size, generator=gen, requires_grad=True)
-    targets = torch.randint(0, cfg.vocab_size, (7,), generator=gen)
+    rows = torch.randn(7, cfg.hidden_size, generator=gen).to(device).requires_grad_()
+    targets = torch.randint(0, cfg.vocab_size, (7,), generator=gen).to(device)
 
     def loss_of(rows, targets):
         result = model.labelled_loss(model.lm_head.transform(rows), targets)
@@ -87,21 +87,21 @@ def test_the_masked_lm_loss_on_selected_rows_compiles_whole() -> None:
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
-def test_opcheck_passes_for_every_op(impl) -> None:
+def test_opcheck_passes_for_every_op(impl, device) -> None:
     """Schema, fake implementation, autograd registration and AOT dispatch agree with the real op
     (``triton`` runs under the CPU interpreter the suite sets)."""
     gen = torch.Generator().manual_seed(3)
 
     def t(*shape, grad=True):
-        return torch.randn(*shape, generator=gen).requires_grad_(grad)
+        return torch.randn(*shape, generator=gen).to(device).requires_grad_(grad)
 
     q, k, v, kr, qr = t(1, 2, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16), t(2, 16, 16), t(2, 16, 16)
-    mask = torch.ones(1, 8, dtype=torch.long)
+    mask = torch.ones(1, 8, dtype=torch.long, device=device)
     cases = [
         (torch.ops.distaff.attention, (q, k, v, kr, qr, mask, None, None, 0.1, 0, 8, 16, 0.0, False, impl)),
         (torch.ops.distaff.layer_norm, (t(3, 16), t(16), t(16), 1e-5, t(3, 16), impl)),
         (torch.ops.distaff.bias_gelu, (t(3, 16), t(16), impl)),
-        (torch.ops.distaff.masked_lm_loss, (t(5, 16), t(40, 16), t(40), torch.randint(0, 40, (5,), generator=gen),
+        (torch.ops.distaff.masked_lm_loss, (t(5, 16), t(40, 16), t(40), torch.randint(0, 40, (5,), generator=gen).to(device),
                                             None, 64, 64, [True, True, True], impl)),
     ]
     for op, args in cases:
