@@ -13,6 +13,7 @@ targets, reading the compiled code) is apart, in ``distaff.kernels.aot``, and no
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 
 import torch
@@ -20,6 +21,16 @@ import torch
 from . import library, reference
 from .contract import IGNORE_INDEX, IMPLS, TRITON_HEAD_DIMS, MaskedLMLoss
 from .relative_position import attention_span, bucket_table, relative_position_index
+
+# op name -> module holding its Triton implementation (a function of the same name).
+TRITON_MODULES = {
+    "disentangled_attention": "attention",
+    "disentangled_attention_varlen": "attention",
+    "layer_norm": "fused_layer_norm",
+    "bias_gelu": "gelu",
+    "masked_lm_loss": "mlm_loss",
+}
+
 
 def triton_available(device: torch.device | None = None) -> bool:
     """Whether the Triton path can run on ``device`` (CUDA, or any device under the interpreter)."""
@@ -41,16 +52,19 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 
 def _dispatched(name: str):
     """The public op ``name``: the reference's signature and docs plus ``impl``; the first
-    positional tensor decides the device. The Triton implementation runs as a ``distaff::`` custom op
-    (:mod:`.library`), and so does the reference while ``torch.compile`` traces (no graph break)."""
+    positional tensor decides the device. While ``torch.compile`` traces, either implementation runs as
+    a ``distaff::`` custom op (:mod:`.library`: no graph break); eager calls run it directly."""
     reference_fn = getattr(reference, name)
 
     @functools.wraps(reference_fn)
     def op(first: torch.Tensor, *args, impl: str = "auto", **kwargs):
         resolved = resolve_impl(impl, first.device)
-        if resolved == "reference" and not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            return getattr(library, name)(first, *args, impl=resolved, **kwargs)
+        if resolved == "reference":
             return reference_fn(first, *args, **kwargs)
-        return getattr(library, name)(first, *args, impl=resolved, **kwargs)
+        module = importlib.import_module(f".{TRITON_MODULES[name]}", __name__)
+        return getattr(module, name)(first, *args, **kwargs)
 
     return op
 

@@ -6,8 +6,9 @@ fullgraph=True)`` traces a model through them without a graph break, and ``FakeT
 without touching data. Both implementations run inside: the Triton one (forward and backward kernels),
 and the reference, whose backward recomputes its forward under autograd (it is the CPU and test path).
 
-The public ops in :mod:`distaff.kernels` route here for the Triton implementation, and for the reference
-while ``torch.compile`` traces; eager reference calls run the reference directly (no recomputation).
+The public ops in :mod:`distaff.kernels` route here while ``torch.compile`` traces; eager calls run the
+implementation directly (no recomputation, and the Triton interpreter, which crashed intermittently inside
+these ops on CPU, is not involved).
 Only torch is imported at module level; the Triton modules are imported by the implementations that use them.
 """
 
