@@ -404,6 +404,7 @@ def main(argv=None) -> int:
     parser.add_argument("--peers", action="store_true",
                         help="N 512 and 8192, d 64 and 128, dropout 0 and 0.1, with time ratios to distaff")
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], help="head dims of --peers")
     parser.add_argument("--dropout", type=float, nargs="+", default=[0.0, 0.1])
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
@@ -433,7 +434,7 @@ def main(argv=None) -> int:
     print(environment(device) + "\n")
     if args.peers:
         print_peers(device, dtype, (512, 8192) if not args.cpu_smoke else lengths,
-                    (64, 128) if not args.cpu_smoke else (HEAD_DIM,), args.dropout, warmup, iters)
+                    args.head_dims if not args.cpu_smoke else (HEAD_DIM,), args.dropout, warmup, iters)
         return 0
     if not args.cpu_smoke:
         print_tile_paths(lengths)

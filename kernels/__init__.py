@@ -3,7 +3,8 @@
 Every public op takes the keyword ``impl="auto" | "triton" | "reference"``: ``auto`` runs Triton on
 CUDA tensors and the reference elsewhere; ``triton`` forces the Triton path, which also runs on
 CPU tensors when ``TRITON_INTERPRET=1`` is set before import. The ops here only choose; each
-implementation writes its signature once (``reference.<op>`` and ``<module>.<op>``). This package
+implementation writes its signature once (``reference.<op>`` and ``<module>.<op>``), and ``library``
+registers them as ``distaff::`` custom ops with fake implementations (torch.compile, CUDA graphs). This package
 imports only torch and triton (the latter lazily, so the reference path works without a usable
 triton); it is imported by ``distaff.train``. What checks the kernels ahead of time (compiling for GPU
 targets, reading the compiled code) is apart, in ``distaff.kernels.aot``, and nothing here imports it.
@@ -17,7 +18,7 @@ import os
 
 import torch
 
-from . import reference
+from . import library, reference
 from .contract import IGNORE_INDEX, IMPLS, TRITON_HEAD_DIMS, MaskedLMLoss
 from .relative_position import attention_span, bucket_table, relative_position_index
 
@@ -51,12 +52,16 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 
 def _dispatched(name: str):
     """The public op ``name``: the reference's signature and docs plus ``impl``; the first
-    positional tensor decides the device."""
+    positional tensor decides the device. While ``torch.compile`` traces, either implementation runs as
+    a ``distaff::`` custom op (:mod:`.library`: no graph break); eager calls run it directly."""
     reference_fn = getattr(reference, name)
 
     @functools.wraps(reference_fn)
     def op(first: torch.Tensor, *args, impl: str = "auto", **kwargs):
-        if resolve_impl(impl, first.device) == "reference":
+        resolved = resolve_impl(impl, first.device)
+        if torch.compiler.is_compiling():
+            return getattr(library, name)(first, *args, impl=resolved, **kwargs)
+        if resolved == "reference":
             return reference_fn(first, *args, **kwargs)
         module = importlib.import_module(f".{TRITON_MODULES[name]}", __name__)
         return getattr(module, name)(first, *args, **kwargs)

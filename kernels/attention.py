@@ -42,6 +42,7 @@ register spills (``compile_check``); the static speed figures are read by ``stat
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass, replace
@@ -781,49 +782,96 @@ def tile_paths(n: int, tiles: Tiles, position_buckets: int, max_relative_positio
     return TilePaths(saturated, blocks - saturated)
 
 
+@dataclass(frozen=True, eq=False)
+class DistanceTable:
+    """The bucket index of every distance in ``[-max_distance, max_distance]``, built once per shape on the
+    host (a pure function of the distances and the bucket settings), with the limits the backward's band
+    is planned from: no device value is ever read to plan a launch (issue 30: no host syncs)."""
+
+    host: torch.Tensor   # int32 [2 * max_distance + 1], on the CPU
+    key: tuple           # (max_distance, position_buckets, max_relative_positions)
+    top: int             # the largest bucket index
+    bottom_end: int      # the last distance in bucket 0 (or -max_distance - 1 when none is)
+    top_start: int       # the first distance in the top bucket (or max_distance + 1 when none is)
+
+    @property
+    def max_distance(self) -> int:
+        return self.key[0]
+
+
+@contextlib.contextmanager
+def _on_host():
+    """Host planning runs on real CPU tensors, also while a fake-tensor mode traces the op."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.inference_mode(False), torch.no_grad():
+        yield
+
+
 @functools.lru_cache(maxsize=64)
-def _distance_table(max_distance: int, position_buckets: int, max_relative_positions: int,
-                    device: torch.device) -> torch.Tensor:
-    """The reference bucket table, checked to rise by at most one per unit of distance.
+def _distance_table(max_distance: int, position_buckets: int, max_relative_positions: int) -> DistanceTable:
+    """The reference bucket table on the host, checked to rise by at most one per unit of distance.
 
     That property makes a chunk of distances map onto contiguous buckets (the band merge).
     """
-    table = bucket_table(max_distance, position_buckets, max_relative_positions, device)
-    step = int((table[1:] - table[:-1]).max().item()) if table.numel() > 1 else 0
-    if step > 1:
-        raise NotImplementedError(
-            f"position_buckets={position_buckets}, max_relative_positions={max_relative_positions}: the bucket "
-            f"index jumps by {step} between neighbouring distances; the Triton kernel needs steps <= 1 "
-            "(max_relative_positions >= about 2.7 * position_buckets / 2); use impl='reference'")
-    return table
+    with _on_host():
+        table = bucket_table(max_distance, position_buckets, max_relative_positions, "cpu")
+        step = int((table[1:] - table[:-1]).max()) if table.numel() > 1 else 0
+        if step > 1:
+            raise NotImplementedError(
+                f"position_buckets={position_buckets}, max_relative_positions={max_relative_positions}: the bucket "
+                f"index jumps by {step} between neighbouring distances; the Triton kernel needs steps <= 1 "
+                "(max_relative_positions >= about 2.7 * position_buckets / 2); use impl='reference'")
+        top = int(table[-1])
+        bottom_end = int((table == 0).sum()) - 1 - max_distance
+        top_start = max_distance - int((table == top).sum()) + 1 if top > 0 else max_distance + 1
+    return DistanceTable(table, (max_distance, position_buckets, max_relative_positions), top, bottom_end, top_start)
 
 
-def band_range(table: torch.Tensor, max_distance: int, n_ctx: int, tiles: Tiles, kernel: str) -> tuple[int, int]:
-    """``(lo, width)`` of a backward kernel's band: ``lo`` bounds every distance of a general tile's window
-    (a general window meets the unsaturated middle of the table), ``width`` the distances one block
+_DEVICE_COPIES: dict = {}  # (what the host tensor is, device) -> its device copy, reused by every later call
+_MAX_DEVICE_COPIES = 512
+
+
+def _on_device(key: tuple, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``: copied once per device and kept, so a call that CUDA graphs capture (after a
+    warm-up call) makes no host-to-device copy; under a fake-tensor mode a fresh fake copy, never kept."""
+    fake_mode = torch._guards.detect_fake_mode()
+    if fake_mode is not None:
+        return fake_mode.from_tensor(host).to(device)
+    copy = _DEVICE_COPIES.get((key, device))
+    if copy is None:
+        if len(_DEVICE_COPIES) >= _MAX_DEVICE_COPIES:
+            _DEVICE_COPIES.clear()
+        copy = _DEVICE_COPIES[(key, device)] = host.to(device)
+    return copy
+
+
+def band_range(table: DistanceTable, n_ctx: int, tiles: Tiles, kernel: str) -> tuple[int, int, int]:
+    """``(lo, hi, width)`` of a backward kernel's band: ``lo``/``hi`` bound every distance of a general tile's
+    window (a general window meets the unsaturated middle of the table), ``width`` the distances one block
     of the kernel ("dq": a query block, "dkdv": a key block) meets; the kernels start a block's band at
-    the larger of ``lo`` and its own smallest distance."""
-    top = int(table[-1])
-    bottom_end = int((table == 0).sum()) - 1 - max_distance  # last distance in bucket 0 (or below range)
-    top_start = max_distance - int((table == top).sum()) + 1 if top > 0 else max_distance + 1
+    the larger of ``lo`` and its own smallest distance. Host arithmetic only."""
     length = tiles.block_m + tiles.block_n - 1
     keys, queries = -(-n_ctx // tiles.block_n) * tiles.block_n, -(-n_ctx // tiles.block_m) * tiles.block_m
-    lo = max(bottom_end + 2 - length, -(keys - 1))
-    hi = min(top_start - 2 + length, queries - 1)
+    lo = max(table.bottom_end + 2 - length, -(keys - 1))
+    hi = min(table.top_start - 2 + length, queries - 1)
     block = keys + tiles.block_m - 1 if kernel == "dq" else queries + tiles.block_n - 1
     return lo, hi, max(1, min(hi - lo + 1, block))
 
 
-def band_folds(table: torch.Tensor, max_distance: int, lo: int, hi: int, chunk: int,
+@functools.lru_cache(maxsize=256)
+def band_folds(table: DistanceTable, lo: int, hi: int, chunk: int,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Per ``chunk``-distance chunk from ``lo`` up to ``hi``: int32 ``[first bucket, bucket count]`` and the
-    one-hot ``[distance, bucket]`` matrix in ``dtype`` that ``_band_gradients`` merges its columns with."""
-    offsets = torch.arange(chunk, device=table.device)
-    starts = torch.arange(lo, hi + 1, chunk, device=table.device)
-    buckets = table[starts[:, None] + offsets[None, :] + max_distance].long()
-    first = buckets[:, :1]
-    info = torch.cat([first, buckets[:, -1:] - first + 1], 1).to(torch.int32).contiguous()
-    return info, ((buckets - first)[:, :, None] == offsets[None, None, :]).to(dtype).contiguous()
+    one-hot ``[distance, bucket]`` matrix in ``dtype`` that ``_band_gradients`` merges its columns with
+    (host tensors, built once per shape)."""
+    with _on_host():
+        offsets = torch.arange(chunk)
+        starts = torch.arange(lo, hi + 1, chunk)
+        buckets = table.host[starts[:, None] + offsets[None, :] + table.max_distance].long()
+        first = buckets[:, :1]
+        info = torch.cat([first, buckets[:, -1:] - first + 1], 1).to(torch.int32).contiguous()
+        return info, ((buckets - first)[:, :, None] == offsets[None, None, :]).to(dtype).contiguous()
 
 
 @dataclass(frozen=True)
@@ -836,8 +884,8 @@ class _Problem:
     strides: tuple          # (batch, head, token) strides of q/k/v/o (head dim contiguous)
     stat_shape: tuple       # per-row statistics (lse, delta): [B, H, N] (padded) or [H, total_tokens] (packed)
     stat_strides: tuple     # (sequence, head) strides into them; the token stride is 1
-    table: torch.Tensor     # int32 bucket index of every distance from -max_distance to +max_distance
-    max_distance: int
+    table: DistanceTable    # bucket index of every distance from -max_distance to +max_distance (host)
+    device_table: torch.Tensor  # its device copy, from distance 0 on (what the kernels index)
     mask: torch.Tensor | None
     cu_seqlens: torch.Tensor | None
     two_span: int
@@ -864,7 +912,7 @@ class _Problem:
                **args) -> None:
         """Launch one of the attention kernels on ``grid``."""
         kernel[grid](
-            TABLE=self.table[self.max_distance:],  # element 0 is distance 0
+            TABLE=self.device_table,
             MASK=q if self.mask is None else self.mask,  # q stands in for absent optional tensors
             CU=q if self.cu_seqlens is None else self.cu_seqlens,
             SCALES=q if self.scales is None else self.scales,
@@ -963,8 +1011,10 @@ def _backward_kernel(problem: _Problem, kernel, name: str, q, has_term: bool, bu
     """Launch a backward kernel over (sequence, block) items of each head; its summed partials."""
     tiles = problem.tiles(name, q)
     items = problem.num_seqs * triton.cdiv(problem.n_ctx, tiles.block_m if name == "dq" else tiles.block_n)
-    lo, hi, band = band_range(problem.table, problem.max_distance, problem.n_ctx, tiles, name)
-    fold, merge = band_folds(problem.table, problem.max_distance, lo, hi, tiles.chunk, q.dtype)
+    lo, hi, band = band_range(problem.table, problem.n_ctx, tiles, name)
+    folds = band_folds(problem.table, lo, hi, tiles.chunk, q.dtype)
+    fold, merge = (_on_device((problem.table.key, lo, hi, tiles.chunk, q.dtype, i), t, q.device)
+                   for i, t in enumerate(folds))
     has_terms = args["KR"] is not q or args["QR"] is not q
     buffers = backward_buffers(tiles, problem.two_span, band, q, name, has_term, has_terms)
     programs = programs_per_head(items, buffers.program_bytes, budget, problem.n_heads, problem.slots(tiles))
@@ -1058,13 +1108,14 @@ def _make_problem(call: AttentionCall, *, num_seqs: int, n_ctx: int, strides: tu
     cc = capability(q.device)
     tiles = [tiles_for(kernel, q.shape[-1], q.dtype, cc) for kernel in KERNELS]
     max_distance = n_ctx + max(t.window + t.block_m + t.block_n for t in tiles)
-    table = _distance_table(max_distance, call.position_buckets, call.max_relative_positions, q.device)
+    table = _distance_table(max_distance, call.position_buckets, call.max_relative_positions)
+    device_table = _on_device(table.key, table.host, q.device)[max_distance:]  # element 0 is distance 0
     return _Problem(num_seqs=num_seqs, n_heads=heads, n_ctx=n_ctx,
                     strides=strides, stat_shape=stat_shape, stat_strides=stat_strides, table=table,
-                    max_distance=max_distance, mask=mask, cu_seqlens=cu_seqlens, two_span=two_span,
+                    device_table=device_table, mask=mask, cu_seqlens=cu_seqlens, two_span=two_span,
                     scale=1.0 if call.per_sequence_scale else call.softmax_scale,
                     scales=call.softmax_scale if call.per_sequence_scale else None, mask_diagonal=call.mask_diagonal,
-                    dropout_p=call.dropout_p, seed=dropout_seed(call.dropout_p), cc=cc, sms=multiprocessors(q.device))
+                    dropout_p=call.dropout_p, seed=dropout_seed(call.dropout_p) if call.seed is None else call.seed, cc=cc, sms=multiprocessors(q.device))
 
 
 def _tables_in(call: AttentionCall) -> list:
@@ -1072,27 +1123,39 @@ def _tables_in(call: AttentionCall) -> list:
     return [None if t is None else t.to(call.q.dtype).contiguous() for t in (call.pos_key, call.pos_query)]
 
 
+def plan(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Problem]:
+    """Contiguous ``q, k, v`` and the launch plan of a validated call, padded or packed (host work only:
+    no device value is read). The dropout seed is ``call.seed`` when given (the custom op's backward
+    replans with its forward's seed), else a fresh one."""
+    _check_kernel_inputs(call.q, {"k": call.k, "v": call.v, "pos_key": call.pos_key, "pos_query": call.pos_query,
+                                  "attention_mask": call.attention_mask, "cu_seqlens": call.cu_seqlens})
+    q, k, v = call.q.contiguous(), call.k.contiguous(), call.v.contiguous()
+    if call.cu_seqlens is None:
+        batch, heads, n, _ = q.shape
+        mask = None if call.attention_mask is None else call.attention_mask.ne(0).to(torch.int8).contiguous()
+        problem = _make_problem(call, num_seqs=batch, n_ctx=n, strides=(q.stride(0), q.stride(1), q.stride(2)),
+                                stat_shape=(batch, heads, n), stat_strides=(heads * n, n), mask=mask, cu_seqlens=None)
+    else:
+        total, heads, _ = q.shape
+        problem = _make_problem(call, num_seqs=call.cu_seqlens.numel() - 1, n_ctx=call.max_seqlen,
+                                strides=(0, q.stride(1), q.stride(0)), stat_shape=(heads, total),
+                                stat_strides=(0, total), mask=None,
+                                cu_seqlens=call.cu_seqlens.to(torch.int32).contiguous())
+    return q, k, v, problem
+
+
+def _apply(call: AttentionCall) -> torch.Tensor:
+    q, k, v, problem = plan(call)
+    return _DisentangledAttention.apply(q, k, v, *_tables_in(call), problem)
+
+
 @attention_op
 def disentangled_attention(call: AttentionCall) -> torch.Tensor:
     """Triton DeBERTa attention over ``[B, H, N, d]``; semantics of :func:`reference.disentangled_attention`."""
-    _check_kernel_inputs(call.q, {"k": call.k, "v": call.v, "pos_key": call.pos_key, "pos_query": call.pos_query,
-                                  "attention_mask": call.attention_mask})
-    batch, heads, n, _ = call.q.shape
-    q, k, v = call.q.contiguous(), call.k.contiguous(), call.v.contiguous()
-    mask = None if call.attention_mask is None else call.attention_mask.ne(0).to(torch.int8).contiguous()
-    problem = _make_problem(call, num_seqs=batch, n_ctx=n, strides=(q.stride(0), q.stride(1), q.stride(2)),
-                            stat_shape=(batch, heads, n), stat_strides=(heads * n, n), mask=mask, cu_seqlens=None)
-    return _DisentangledAttention.apply(q, k, v, *_tables_in(call), problem)
+    return _apply(call)
 
 
 @varlen_attention_op
 def disentangled_attention_varlen(call: AttentionCall) -> torch.Tensor:
     """Packed Triton form over ``[total_tokens, H, d]``; relative positions restart in every sequence."""
-    _check_kernel_inputs(call.q, {"k": call.k, "v": call.v, "pos_key": call.pos_key, "pos_query": call.pos_query,
-                                  "cu_seqlens": call.cu_seqlens})
-    total, heads, _ = call.q.shape
-    q, k, v = call.q.contiguous(), call.k.contiguous(), call.v.contiguous()
-    problem = _make_problem(call, num_seqs=len(call.bounds) - 1, n_ctx=call.max_seqlen,
-                            strides=(0, q.stride(1), q.stride(0)), stat_shape=(heads, total), stat_strides=(0, total),
-                            mask=None, cu_seqlens=call.cu_seqlens.to(torch.int32).contiguous())
-    return _DisentangledAttention.apply(q, k, v, *_tables_in(call), problem)
+    return _apply(call)

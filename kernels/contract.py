@@ -69,9 +69,23 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
 
 
+def readable_on_host(t: torch.Tensor) -> bool:
+    """Whether reading ``t``'s values costs no device sync: a real CPU tensor (a fake one has no values)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type == "cpu" and not is_fake(t)
+
+
+def check_on_device(ok: torch.Tensor, message: str) -> None:
+    """Assert ``ok`` (a bool tensor) without a host sync: on a GPU a failing check stops the stream with
+    ``message`` (a device-side assert, as an out-of-range index would); on the CPU it raises at once."""
+    torch._assert_async(ok, message)
+
+
 def check_varlen_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                        max_seqlen: int) -> list[int]:
-    """Validate the packed form; returns the sequence offsets (one host sync)."""
+                        max_seqlen: int) -> tuple[int, ...]:
+    """Validate the packed form. A CPU ``cu_seqlens`` is checked on the host and its offsets returned;
+    a device one is checked on the device (no host sync) and ``()`` returned."""
     if q.dim() != 3:
         raise ValueError(f"q must be [total_tokens, H, d], got shape {tuple(q.shape)}")
     for name, t in (("k", k), ("v", v)):
@@ -80,18 +94,31 @@ def check_varlen_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor of >= 2 offsets, got {cu_seqlens.dtype} "
                          f"{tuple(cu_seqlens.shape)}")
-    total, bounds = q.shape[0], cu_seqlens.tolist()
+    total = q.shape[0]
+    if not readable_on_host(cu_seqlens):
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        ok = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == total) & (lengths >= 0).all() & (lengths <= max_seqlen).all()
+        check_on_device(ok, f"cu_seqlens must rise from 0 to total_tokens={total} with no sequence longer than "
+                            f"max_seqlen={max_seqlen}")
+        return ()
+    bounds = cu_seqlens.tolist()
     if bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
         raise ValueError(f"cu_seqlens must rise from 0 to total_tokens={total}, got {bounds}")
     longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     if longest > max_seqlen:
         raise ValueError(f"a sequence in cu_seqlens has {longest} tokens, more than max_seqlen={max_seqlen}")
-    return bounds
+    return tuple(bounds)
 
 
 def dropout_seed(dropout_p: float) -> int:
-    # Drawn from torch's global generator, so torch.manual_seed makes dropout reproducible.
-    return int(torch.randint(0, 1 << 62, (1,)).item()) if dropout_p > 0 else 0
+    """A fresh kernel seed (0 without dropout), drawn on the host from torch's global CPU generator, so
+    torch.manual_seed makes dropout reproducible; no device value is read, also under a fake-tensor mode."""
+    if dropout_p <= 0:
+        return 0
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return int(torch.randint(0, 1 << 62, (1,)))
 
 
 class MaskedLMLoss(NamedTuple):
@@ -139,8 +166,9 @@ class AttentionCall:
     attention_mask: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
-    bounds: tuple = ()
+    bounds: tuple = ()  # host offsets when cu_seqlens is a CPU tensor, else () (never read from a device)
     mask_diagonal: bool = False  # query i never sees key i of its own sequence
+    seed: int | None = None  # the dropout seed; None: a fresh one (dropout_seed) per call
 
     @property
     def per_sequence_scale(self) -> bool:
@@ -180,19 +208,26 @@ def varlen_attention_op(implementation: Callable[[AttentionCall], torch.Tensor])
         # The padded contract's checker covers pos_key/pos_query and dropout_p on a one-token view.
         one = q[:1].transpose(0, 1)[None]
         check_attention_inputs(one, one, one, pos_key, pos_query, span, None, dropout_p)
-        check_softmax_scale(softmax_scale, len(bounds) - 1, q.device, "[S] (len(cu_seqlens) - 1)")
+        check_softmax_scale(softmax_scale, cu_seqlens.numel() - 1, q.device, "[S] (len(cu_seqlens) - 1)")
         scale = resolve_scale(softmax_scale, q.shape[-1], pos_key, pos_query)
         return implementation(AttentionCall(q, k, v, pos_key, pos_query, position_buckets, max_relative_positions,
                                             float(dropout_p), scale, cu_seqlens=cu_seqlens,
-                                            max_seqlen=int(max_seqlen), bounds=tuple(bounds),
+                                            max_seqlen=int(max_seqlen), bounds=bounds,
                                             mask_diagonal=bool(mask_diagonal)))
 
     return op
 
 
 def check_targets(targets: torch.Tensor, n_vocab: int, ignore_index: int | None) -> None:
-    """Every selected label is a vocabulary row (one host sync; a bad label would index out of bounds)."""
+    """Every selected label is a vocabulary row (a bad label would index out of bounds): on the host for
+    CPU labels, on the device (no host sync) otherwise."""
+    if not targets.numel():
+        return
+    if not readable_on_host(targets):
+        check_on_device(((targets >= 0) & (targets < n_vocab)).all(),
+                        f"a label is outside the vocabulary [0, {n_vocab}) and is not ignore_index={ignore_index}")
+        return
     bad = (targets < 0) | (targets >= n_vocab)
-    if targets.numel() and bool(bad.any()):
+    if bool(bad.any()):
         raise ValueError(f"label {targets[bad][0].item()} is outside the vocabulary [0, {n_vocab}) and is not "
                          f"ignore_index={ignore_index}")

@@ -84,7 +84,7 @@ def _row_block(n_cols: int) -> tuple[int, int]:
     return block, min(max(block // 256, 1), 16)
 
 
-def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+def check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                   residual: torch.Tensor | None) -> None:
     hidden = x.shape[-1]
     for name, t in (("weight", weight), ("bias", bias)):
@@ -161,5 +161,5 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
                residual: torch.Tensor | None = None) -> torch.Tensor:
     """``LayerNorm(x + residual)`` over the last dim; statistics in float32, output in the
     (promoted) input dtype. ``weight`` and ``bias`` are ``[hidden]`` tensors of any float dtype."""
-    _check_inputs(x, weight, bias, residual)
+    check_inputs(x, weight, bias, residual)
     return _LayerNorm.apply(x, weight.contiguous(), bias.contiguous(), float(eps), residual)

@@ -125,36 +125,55 @@ def masked_lm_loss_forward(rows: torch.Tensor, targets: torch.Tensor, weight: to
     return row_loss, correct, grads
 
 
+def loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                   ignore_index: int | None, needs_grad: tuple[bool, bool, bool], row_chunk: int, vocab_block: int):
+    """``loss, num_labelled, num_correct`` and the loss's gradients (hidden's in its full shape, weight's
+    and bias's in float32; None where not needed). Gradients are computed even when nothing is labelled:
+    they are then zero."""
+    with torch.autocast(hidden.device.type, enabled=False):  # the inputs are in the compute dtype already
+        positions, rows, targets = _labelled_rows(hidden, labels, ignore_index, weight.shape[0])
+        row_loss, correct, (grad_rows, grad_weight, grad_bias) = masked_lm_loss_forward(
+            rows, targets, weight, bias, needs_grad, row_chunk, vocab_block)
+    loss = row_loss.sum() / max(targets.numel(), 1)
+    num_labelled = torch.full((), targets.numel(), dtype=torch.int64, device=hidden.device)  # no host copy
+    if grad_rows is not None and positions is None:  # every row was labelled
+        grad_rows = grad_rows.reshape(hidden.shape)
+    elif grad_rows is not None:
+        grad_rows = grad_rows.new_zeros(hidden.shape).view(-1, hidden.shape[-1]).index_copy_(
+            0, positions, grad_rows).view(hidden.shape)
+    return loss, num_labelled, correct.sum(dtype=torch.int64), [grad_rows, grad_weight, grad_bias]
+
+
 class _MaskedLMLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, ignore_index, row_chunk, vocab_block):
-        positions, rows, targets = _labelled_rows(hidden, labels, ignore_index, weight.shape[0])
-        # Gradients are computed even when nothing is labelled: they are then zero.
-        row_loss, correct, grads = masked_lm_loss_forward(rows, targets, weight, bias, ctx.needs_input_grad[:3],
-                                                          row_chunk, vocab_block)
-        ctx.save_for_backward(positions, *grads)
-        ctx.hidden_shape, ctx.dtypes = hidden.shape, (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        loss = row_loss.sum() / max(targets.numel(), 1)
-        num_labelled = torch.tensor(targets.numel(), dtype=torch.int64, device=hidden.device)
-        num_correct = correct.sum(dtype=torch.int64)
+        loss, num_labelled, num_correct, grads = loss_and_grads(hidden, weight, bias, labels, ignore_index,
+                                                                ctx.needs_input_grad[:3], row_chunk, vocab_block)
+        ctx.save_for_backward(*grads)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.mark_non_differentiable(num_labelled, num_correct)
         return loss, num_labelled, num_correct
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_num_labelled, _grad_num_correct):
-        positions, grad_rows, grad_weight, grad_bias = ctx.saved_tensors
-        hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes
-        d_hidden = d_weight = d_bias = None
-        if grad_rows is not None and positions is None:  # every row was labelled
-            d_hidden = (grad_rows * grad_loss).to(hidden_dtype).reshape(ctx.hidden_shape)
-        elif grad_rows is not None:
-            d_hidden = grad_loss.new_zeros(ctx.hidden_shape, dtype=hidden_dtype)
-            d_hidden.view(-1, ctx.hidden_shape[-1]).index_copy_(0, positions, (grad_rows * grad_loss).to(hidden_dtype))
-        if grad_weight is not None:
-            d_weight = (grad_weight * grad_loss).to(weight_dtype)
-        if grad_bias is not None:
-            d_bias = (grad_bias * grad_loss).to(bias_dtype)
-        return d_hidden, d_weight, d_bias, None, None, None, None
+        grads = [None if g is None else (g * grad_loss).to(dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)]
+        return (*grads, None, None, None, None)
+
+
+def prepare(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, row_chunk: int | None = None,
+            vocab_block: int | None = None) -> tuple[tuple, tuple[int, int]]:
+    """The inputs in the compute dtype and the resolved ``(row_chunk, vocab_block)``."""
+    n_vocab = weight.shape[0]
+    if row_chunk is None:
+        row_chunk = max(1, LOGITS_CHUNK_ELEMENTS // n_vocab)
+        row_chunk = row_chunk // 64 * 64 or row_chunk
+    if vocab_block is None:
+        vocab_block = min(triton.next_power_of_2(n_vocab), MAX_VOCAB_BLOCK)
+    if row_chunk < 1 or vocab_block < 16 or vocab_block & (vocab_block - 1):
+        raise ValueError(f"row_chunk must be >= 1 and vocab_block a power of two >= 16, got {row_chunk}, {vocab_block}")
+    dtype = _compute_dtype(hidden, weight, bias)
+    inputs = (hidden.to(dtype), weight.to(dtype).contiguous(), None if bias is None else bias.to(dtype))
+    return inputs, (int(row_chunk), int(vocab_block))
 
 
 def masked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
@@ -165,24 +184,12 @@ def masked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
     ``hidden``: ``[..., E]``; ``weight``: ``[V, E]``; ``bias``: ``[V]`` or None; ``labels``:
     ``[...]``; ``ignore_index=None`` when every row is labelled (rows selected by the caller: no
-    second selection). ``row_chunk`` labelled rows are projected at a time (default: about
-    ``LOGITS_CHUNK_ELEMENTS / V``, a multiple of 64); ``vocab_block`` is the softmax kernel's slice
-    of the vocabulary (a power of two, default ``min(next_pow2(V), MAX_VOCAB_BLOCK)``).
+    second selection, and no host sync; with ``ignore_index`` the labelled rows are found with one).
+    ``row_chunk`` labelled rows are projected at a time (default: about ``LOGITS_CHUNK_ELEMENTS / V``, a
+    multiple of 64); ``vocab_block`` is the softmax kernel's slice of the vocabulary (a power of two,
+    default ``min(next_pow2(V), MAX_VOCAB_BLOCK)``).
     """
     check_masked_lm_inputs(hidden, weight, bias, labels)
-    n_vocab = weight.shape[0]
-    if row_chunk is None:
-        row_chunk = max(1, LOGITS_CHUNK_ELEMENTS // n_vocab)
-        row_chunk = row_chunk // 64 * 64 or row_chunk
-    if vocab_block is None:
-        vocab_block = min(triton.next_power_of_2(n_vocab), MAX_VOCAB_BLOCK)
-    if row_chunk < 1 or vocab_block < 16 or vocab_block & (vocab_block - 1):
-        raise ValueError(f"row_chunk must be >= 1 and vocab_block a power of two >= 16, got {row_chunk}, {vocab_block}")
-    dtype = _compute_dtype(hidden, weight, bias)
-    hidden, weight = hidden.to(dtype), weight.to(dtype).contiguous()
-    bias = None if bias is None else bias.to(dtype)
-    # Autocast is off inside: the inputs are already in the compute dtype.
-    with torch.autocast(hidden.device.type, enabled=False):
-        loss, num_labelled, num_correct = _MaskedLMLoss.apply(hidden, weight, bias, labels, ignore_index,
-                                                               int(row_chunk), int(vocab_block))
-    return MaskedLMLoss(loss, num_labelled, num_correct)
+    (hidden, weight, bias), (row_chunk, vocab_block) = prepare(hidden, weight, bias, row_chunk=row_chunk,
+                                                               vocab_block=vocab_block)
+    return MaskedLMLoss(*_MaskedLMLoss.apply(hidden, weight, bias, labels, ignore_index, row_chunk, vocab_block))

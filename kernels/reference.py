@@ -10,6 +10,7 @@ function is documented in ``docs/attention.md``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -153,8 +154,8 @@ def disentangled_attention(call: AttentionCall) -> torch.Tensor:
     scale = call.softmax_scale
     if call.per_sequence_scale:
         scale = scale.to(compute).view(-1, 1, 1, 1)
-    out = _ReferenceAttention.apply(*cast, index, mask, scale, call.mask_diagonal, call.dropout_p,
-                                    dropout_seed(call.dropout_p))
+    seed = dropout_seed(call.dropout_p) if call.seed is None else call.seed
+    out = _ReferenceAttention.apply(*cast, index, mask, scale, call.mask_diagonal, call.dropout_p, seed)
     return out.to(q.dtype)
 
 
@@ -164,13 +165,13 @@ def disentangled_attention_varlen(call: AttentionCall) -> torch.Tensor:
     ``cu_seqlens[s]:cu_seqlens[s+1]`` and relative positions restart in every sequence;
     ``softmax_scale`` may be a float32 ``[S]`` tensor, one scale per sequence."""
     outs = []
-    for s, (start, end) in enumerate(zip(call.bounds[:-1], call.bounds[1:])):
+    bounds = call.bounds or tuple(call.cu_seqlens.tolist())  # the reference slices on the host (one sync)
+    for s, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         seq = [t[start:end].transpose(0, 1).unsqueeze(0) for t in (call.q, call.k, call.v)]
         scale = call.softmax_scale[s:s + 1] if call.per_sequence_scale else call.softmax_scale
-        out = disentangled_attention(*seq, call.pos_key, call.pos_query, position_buckets=call.position_buckets,
-                                     max_relative_positions=call.max_relative_positions,
-                                     dropout_p=call.dropout_p, softmax_scale=scale,
-                                     mask_diagonal=call.mask_diagonal)
+        one = replace(call, q=seq[0], k=seq[1], v=seq[2], softmax_scale=scale, cu_seqlens=None, max_seqlen=0,
+                      bounds=(), seed=None if call.seed is None else (call.seed + s) % (1 << 62))
+        out = disentangled_attention.__wrapped__(one)  # validated above
         outs.append(out.squeeze(0).transpose(0, 1))
     return torch.cat(outs, 0)
 

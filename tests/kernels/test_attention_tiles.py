@@ -110,8 +110,8 @@ def test_backward_buffers_fit_the_budget_at_deberta_v3_base_shapes() -> None:
     grads = 3 * 32 * 12 * 512 * 64 * 2
     tiles = attention.tiles_for("dq", 64, torch.bfloat16, 90)
     reach = 512 + tiles.window + tiles.block_m + tiles.block_n
-    table = attention._distance_table(reach, 256, 512, torch.device("cpu"))
-    lo, _, band = attention.band_range(table, reach, 512, tiles, "dq")
+    table = attention._distance_table(reach, 256, 512)
+    lo, _, band = attention.band_range(table, 512, tiles, "dq")
     assert lo <= -511 and band == 512 + tiles.block_m - 1  # every distance a query block meets
     q = torch.empty(1, 1, 1, 64, dtype=torch.bfloat16)
     per_program = attention.backward_buffers(tiles, 512, band, q, "dq", True, True).program_bytes

@@ -1,0 +1,396 @@
+"""The ops as ``torch.library`` custom ops (namespace ``distaff``), so compiled and graph-captured models keep them.
+
+Each op is a forward custom op and, where its backward is not a few torch operations, a backward custom op,
+both with a fake (meta) implementation that only computes output shapes: ``torch.compile(model,
+fullgraph=True)`` traces a model through them without a graph break, and ``FakeTensorMode`` runs them
+without touching data. Both implementations run inside: the Triton one (forward and backward kernels),
+and the reference, whose backward recomputes its forward under autograd (it is the CPU and test path).
+
+The public ops in :mod:`distaff.kernels` route here while ``torch.compile`` traces; eager calls run the
+implementation directly (no recomputation, and the Triton interpreter, which crashed intermittently inside
+these ops on CPU, is not involved).
+Only torch is imported at module level; the Triton modules are imported by the implementations that use them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from dataclasses import replace
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from . import reference
+from .contract import (IGNORE_INDEX, AttentionCall, MaskedLMLoss, attention_op, check_masked_lm_inputs,
+                       dropout_seed, varlen_attention_op)
+
+
+def _triton(module: str):
+    return importlib.import_module(f".{module}", __package__)
+
+
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    """Stands in for an absent output (custom ops return tensors, never None)."""
+    return like.new_empty((0,))
+
+
+def _or_none(t: torch.Tensor) -> torch.Tensor | None:
+    return None if t.numel() == 0 and t.dim() == 1 else t
+
+
+@contextlib.contextmanager
+def _autograd():
+    """Autograd inside a custom op's implementation, which runs below the autograd dispatch keys: the
+    reference recomputes its forward under autograd to get its gradients."""
+    keys = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
+            | torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView))
+    excluded = torch._C._dispatch_tls_local_exclude_set() - keys
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded), torch.enable_grad():
+        yield
+
+
+def _reference_grads(fn: Callable, inputs: Sequence[torch.Tensor | None], grads: Sequence[torch.Tensor | None],
+                     *args) -> list[torch.Tensor]:
+    """Gradients of ``fn(*inputs, *args)``'s outputs, weighted by ``grads``, with respect to every floating
+    input (recomputed under autograd); an empty tensor for absent inputs."""
+    with _autograd():
+        leaves = [None if t is None else t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+        outs = fn(*leaves, *args)
+        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        wanted = [t for t in leaves if t is not None and t.requires_grad]
+        found = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+    by_leaf = dict(zip(map(id, wanted), found))
+    return [torch.empty(0) if t is None else
+            (by_leaf.get(id(t)) if by_leaf.get(id(t)) is not None else torch.zeros_like(t)) for t in leaves]
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _call(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale, max_seqlen, position_buckets,
+          max_relative_positions, dropout_p, mask_diagonal, seed) -> AttentionCall:
+    return AttentionCall(q, k, v, pos_key, pos_query, position_buckets, max_relative_positions, dropout_p,
+                         scale if scales is None else scales, attention_mask=mask, cu_seqlens=cu_seqlens,
+                         max_seqlen=max_seqlen, mask_diagonal=mask_diagonal, seed=seed)
+
+
+def _reference_attention(call: AttentionCall) -> torch.Tensor:
+    fn = reference.disentangled_attention if call.cu_seqlens is None else reference.disentangled_attention_varlen
+    return fn.__wrapped__(call)
+
+
+@torch.library.custom_op("distaff::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_key: Optional[torch.Tensor],
+                  pos_query: Optional[torch.Tensor], mask: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+                  scales: Optional[torch.Tensor], scale: float, max_seqlen: int, position_buckets: int,
+                  max_relative_positions: int, dropout_p: float, mask_diagonal: bool,
+                  impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, lse, end, seed)``: lse and end terms are the Triton backward's (empty for the reference);
+    ``seed`` is the dropout seed drawn for this call, an int64 CPU scalar the backward reuses."""
+    if dropout_p > 0 and q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("distaff attention: dropout_p > 0 inside a CUDA graph capture would replay one dropout "
+                           "mask on every replay (the seed is a host value); capture with dropout_p=0 (e.g. "
+                           "attention_probs_dropout_prob=0 or eval mode) or leave the attention outside the graph")
+    seed = dropout_seed(dropout_p)
+    call = _call(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale, max_seqlen, position_buckets,
+                 max_relative_positions, dropout_p, mask_diagonal, seed)
+    seed_tensor = torch.tensor(seed, dtype=torch.int64)
+    if impl == "reference":
+        with torch.no_grad():
+            return _reference_attention(call), _empty(q), _empty(q), seed_tensor
+    attention = _triton("attention")
+    q, k, v, problem = attention.plan(call)
+    return (*attention.attention_forward(q, k, v, pos_key, pos_query, problem), seed_tensor)
+
+
+def _stat_shape(q: torch.Tensor, packed: bool) -> tuple:
+    return (q.shape[1], q.shape[0]) if packed else tuple(q.shape[:3])
+
+
+@_attention_op.register_fake
+def _(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale, max_seqlen, position_buckets,
+      max_relative_positions, dropout_p, mask_diagonal, impl):
+    seed = torch.empty((), dtype=torch.int64, device="cpu")
+    if impl == "reference":
+        return torch.empty_like(q), _empty(q), _empty(q), seed
+    stats = _stat_shape(q, cu_seqlens is not None)
+    end = (4, *stats) if pos_key is not None or pos_query is not None else (1,)
+    return (torch.empty_like(q), q.new_empty(stats, dtype=torch.float32), q.new_empty(end, dtype=torch.float32),
+            seed)
+
+
+@torch.library.custom_op("distaff::attention_backward", mutates_args=())
+def _attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           pos_key: Optional[torch.Tensor], pos_query: Optional[torch.Tensor],
+                           mask: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+                           scales: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, end: torch.Tensor,
+                           seed: torch.Tensor, scale: float, max_seqlen: int, position_buckets: int,
+                           max_relative_positions: int, dropout_p: float, mask_diagonal: bool,
+                           impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dq, dk, dv, d_pos_key, d_pos_query`` (empty for an absent table)."""
+    call = _call(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale, max_seqlen, position_buckets,
+                 max_relative_positions, dropout_p, mask_diagonal, int(seed))  # a CPU scalar: no device sync
+    if impl == "reference":
+        grads = _reference_grads(lambda *t: _reference_attention(replace(call, q=t[0], k=t[1], v=t[2], pos_key=t[3],
+                                                                         pos_query=t[4])),
+                                 [q, k, v, pos_key, pos_query], [grad_out])
+    else:
+        attention = _triton("attention")
+        q, k, v, problem = attention.plan(call)
+        grads = attention.attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, end, problem)
+    return tuple(_empty(q) if g is None or t is None else g.to(t.dtype)
+                 for g, t in zip(grads, (q, k, v, pos_key, pos_query)))
+
+
+@_attention_backward_op.register_fake
+def _(grad_out, q, k, v, pos_key, pos_query, *args):
+    return tuple(_empty(q) if t is None else torch.empty_like(t) for t in (q, k, v, pos_key, pos_query))
+
+
+_ATTENTION_ARGS = ("mask", "cu_seqlens", "scales", "scale", "max_seqlen", "position_buckets",
+                   "max_relative_positions", "dropout_p", "mask_diagonal", "impl")
+
+
+def _attention_setup(ctx, inputs, output) -> None:
+    q, k, v, pos_key, pos_query, mask, cu_seqlens, scales = inputs[:8]
+    out, lse, end, seed = output
+    ctx.save_for_backward(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse, end, seed)
+    ctx.options = inputs[8:]
+
+
+def _attention_backward(ctx, grad_out, _lse, _end, _seed):
+    q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse, end, seed = ctx.saved_tensors
+    grads = _attention_backward_op(grad_out, q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse, end,
+                                   seed, *ctx.options)
+    return (*(_or_none(g) for g in grads), None, None, None, *(None,) * len(ctx.options))
+
+
+_attention_op.register_autograd(_attention_backward, setup_context=_attention_setup)
+
+
+def _attention(impl: str) -> Callable[[AttentionCall], torch.Tensor]:
+    def run(call: AttentionCall) -> torch.Tensor:
+        tables = [None if t is None else t.to(call.q.dtype).contiguous() for t in (call.pos_key, call.pos_query)]
+        scale = call.softmax_scale
+        out, _, _, _ = _attention_op(call.q.contiguous(), call.k.contiguous(), call.v.contiguous(), *tables,
+                                     call.attention_mask, call.cu_seqlens, scale if call.per_sequence_scale else None,
+                                     1.0 if call.per_sequence_scale else float(scale), call.max_seqlen,
+                                     call.position_buckets, call.max_relative_positions, call.dropout_p,
+                                     call.mask_diagonal, impl)
+        return out
+
+    return run
+
+
+def disentangled_attention(*args, impl: str, **kwargs) -> torch.Tensor:
+    """:func:`distaff.kernels.disentangled_attention` through ``distaff::attention``."""
+    return attention_op(_attention(impl))(*args, **kwargs)
+
+
+def disentangled_attention_varlen(*args, impl: str, **kwargs) -> torch.Tensor:
+    """:func:`distaff.kernels.disentangled_attention_varlen` through ``distaff::attention``."""
+    return varlen_attention_op(_attention(impl))(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- layer norm
+
+
+@torch.library.custom_op("distaff::layer_norm", mutates_args=())
+def _layer_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                   residual: Optional[torch.Tensor], impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, mean, rstd)``; the float32 row statistics are the Triton backward's (empty for the reference)."""
+    if impl == "reference":
+        with torch.no_grad():
+            return reference.layer_norm(x, weight, bias, eps, residual), _empty(x), _empty(x)
+    kernel, n_cols = _triton("fused_layer_norm"), x.shape[-1]
+    out_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    res2d = None if residual is None else residual.reshape(-1, n_cols).contiguous()
+    out, mean, rstd = kernel.layer_norm_forward(x.reshape(-1, n_cols).contiguous(), res2d, weight, bias, eps, out_dtype)
+    return out.reshape(x.shape), mean, rstd
+
+
+@_layer_norm_op.register_fake
+def _(x, weight, bias, eps, residual, impl):
+    out_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    out = x.new_empty(x.shape, dtype=out_dtype)
+    if impl == "reference":
+        return out, _empty(x), _empty(x)
+    rows = x.numel() // x.shape[-1]
+    return out, x.new_empty((rows,), dtype=torch.float32), x.new_empty((rows,), dtype=torch.float32)
+
+
+@torch.library.custom_op("distaff::layer_norm_backward", mutates_args=())
+def _layer_norm_backward_op(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                            eps: float, residual: Optional[torch.Tensor], mean: torch.Tensor, rstd: torch.Tensor,
+                            impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dx, d_weight, d_bias, d_residual`` (empty without a residual), each in its input's dtype."""
+    if impl == "reference":
+        grads = _reference_grads(reference.layer_norm, [x, weight, bias], [grad_out], eps, residual)
+        dx = grads[0]
+    else:
+        n_cols = x.shape[-1]
+        res2d = None if residual is None else residual.reshape(-1, n_cols).contiguous()
+        dx, dw, db = _triton("fused_layer_norm").layer_norm_backward(
+            grad_out.reshape(-1, n_cols).contiguous(), x.reshape(-1, n_cols).contiguous(), res2d, weight, mean, rstd)
+        dx = dx.reshape(x.shape)
+        grads = [dx, dw, db]
+    # d(x + residual)/dx = d(x + residual)/d residual: both get dx, in their own dtype.
+    return (dx.to(x.dtype), grads[1].to(weight.dtype), grads[2].to(bias.dtype),
+            _empty(x) if residual is None else dx.to(residual.dtype, copy=True))
+
+
+@_layer_norm_backward_op.register_fake
+def _(grad_out, x, weight, bias, eps, residual, mean, rstd, impl):
+    return (torch.empty_like(x), torch.empty_like(weight), torch.empty_like(bias),
+            _empty(x) if residual is None else torch.empty_like(residual))
+
+
+def _layer_norm_setup(ctx, inputs, output) -> None:
+    x, weight, bias, eps, residual, impl = inputs
+    ctx.save_for_backward(x, weight, bias, residual, output[1], output[2])
+    ctx.eps, ctx.impl = eps, impl
+
+
+def _layer_norm_backward(ctx, grad_out, _mean, _rstd):
+    x, weight, bias, residual, mean, rstd = ctx.saved_tensors
+    dx, dw, db, dres = _layer_norm_backward_op(grad_out, x, weight, bias, ctx.eps, residual, mean, rstd, ctx.impl)
+    return dx, dw, db, None, _or_none(dres), None
+
+
+_layer_norm_op.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+               residual: torch.Tensor | None = None, *, impl: str) -> torch.Tensor:
+    """:func:`distaff.kernels.layer_norm` through ``distaff::layer_norm``."""
+    if impl == "triton":
+        from . import fused_layer_norm  # an import statement, not importlib: torch.compile traces this function
+
+        fused_layer_norm.check_inputs(x, weight, bias, residual)
+    return _layer_norm_op(x, weight.contiguous(), bias.contiguous(), float(eps), residual, impl)[0]
+
+
+# --------------------------------------------------------------------------- bias + GELU
+
+
+@torch.library.custom_op("distaff::bias_gelu", mutates_args=())
+def _bias_gelu_op(x: torch.Tensor, bias: torch.Tensor, impl: str) -> torch.Tensor:
+    if impl == "reference":
+        with torch.no_grad():
+            return reference.bias_gelu(x, bias)
+    return _triton("gelu").bias_gelu_forward(x.reshape(-1, x.shape[-1]).contiguous(), bias).reshape(x.shape)
+
+
+@_bias_gelu_op.register_fake
+def _(x, bias, impl):
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, bias.dtype))
+
+
+@torch.library.custom_op("distaff::bias_gelu_backward", mutates_args=())
+def _bias_gelu_backward_op(grad_out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
+                           impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if impl == "reference":
+        dx, d_bias = _reference_grads(reference.bias_gelu, [x, bias], [grad_out])
+    else:
+        x2d = x.reshape(-1, x.shape[-1]).contiguous()
+        dx, d_bias = _triton("gelu").bias_gelu_backward(grad_out.reshape(x2d.shape).contiguous(), x2d, bias)
+    return dx.reshape(x.shape).to(x.dtype), d_bias.to(bias.dtype)
+
+
+@_bias_gelu_backward_op.register_fake
+def _(grad_out, x, bias, impl):
+    return torch.empty_like(x), torch.empty_like(bias)
+
+
+def _bias_gelu_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.impl = inputs[2]
+
+
+def _bias_gelu_backward(ctx, grad_out):
+    x, bias = ctx.saved_tensors
+    return (*_bias_gelu_backward_op(grad_out, x, bias, ctx.impl), None)
+
+
+_bias_gelu_op.register_autograd(_bias_gelu_backward, setup_context=_bias_gelu_setup)
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor, *, impl: str) -> torch.Tensor:
+    """:func:`distaff.kernels.bias_gelu` through ``distaff::bias_gelu``."""
+    if impl == "triton":
+        from . import gelu
+
+        gelu.check_inputs(x, bias)
+    return _bias_gelu_op(x, bias.contiguous(), impl)
+
+
+# --------------------------------------------------------------------------- masked-LM loss
+
+
+@torch.library.custom_op("distaff::masked_lm_loss", mutates_args=())
+def _masked_lm_loss_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                       labels: torch.Tensor, ignore_index: Optional[int], row_chunk: int, vocab_block: int,
+                       needs_grad: list[bool], impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                   torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``loss, num_labelled, num_correct`` and the loss's gradients (unscaled by the incoming gradient) with
+    respect to hidden, weight and bias, computed in the forward pass (the fused kernel's design); empty
+    where ``needs_grad`` says no."""
+    if impl == "reference":
+        with _autograd():
+            leaves = [None if t is None else t.detach().requires_grad_(need)
+                      for t, need in zip((hidden, weight, bias), needs_grad)]
+            result = reference.masked_lm_loss(*leaves, labels, ignore_index)
+            wanted = [t for t in leaves if t is not None and t.requires_grad]
+            found = iter(torch.autograd.grad(result.loss, wanted) if wanted else ())
+        grads = [next(found) if t is not None and t.requires_grad else None for t in leaves]
+        loss, num_labelled, num_correct = result.loss.detach(), result.num_labelled, result.num_correct
+    else:
+        loss, num_labelled, num_correct, grads = _triton("mlm_loss").loss_and_grads(
+            hidden, weight, bias, labels, ignore_index, tuple(needs_grad), row_chunk, vocab_block)
+    return (loss, num_labelled, num_correct,
+            *(_empty(hidden) if g is None else g for g in grads))
+
+
+@_masked_lm_loss_op.register_fake
+def _(hidden, weight, bias, labels, ignore_index, row_chunk, vocab_block, needs_grad, impl):
+    scalar = hidden.new_empty((), dtype=torch.float32)
+    counts = [hidden.new_empty((), dtype=torch.int64) for _ in range(2)]
+    grad_dtype = hidden.dtype if impl == "triton" else None
+    shapes = [(hidden, grad_dtype or hidden.dtype), (weight, torch.float32 if impl == "triton" else weight.dtype),
+              (bias, torch.float32 if impl == "triton" else None if bias is None else bias.dtype)]
+    grads = [_empty(hidden) if t is None or not need else t.new_empty(t.shape, dtype=dtype)
+             for (t, dtype), need in zip(shapes, needs_grad)]
+    return (scalar, *counts, *grads)
+
+
+def _masked_lm_loss_setup(ctx, inputs, output) -> None:
+    hidden, weight, bias = inputs[:3]
+    ctx.save_for_backward(*output[3:])
+    ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+
+
+def _masked_lm_loss_backward(ctx, grad_loss, _num_labelled, _num_correct, *_grads):
+    grads = [None if g.numel() == 0 and g.dim() == 1 or dtype is None else (g * grad_loss).to(dtype)
+             for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)]
+    return (*grads, None, None, None, None, None, None)
+
+
+_masked_lm_loss_op.register_autograd(_masked_lm_loss_backward, setup_context=_masked_lm_loss_setup)
+
+
+def masked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                   ignore_index: int | None = IGNORE_INDEX, *, impl: str, **options) -> MaskedLMLoss:
+    """:func:`distaff.kernels.masked_lm_loss` through ``distaff::masked_lm_loss``."""
+    check_masked_lm_inputs(hidden, weight, bias, labels)
+    needs_grad = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    if impl == "reference":
+        args, chunks = (hidden, weight, bias), (0, 0)
+    else:
+        from . import mlm_loss
+
+        args, chunks = mlm_loss.prepare(hidden, weight, bias, **options)
+    loss, num_labelled, num_correct, *_ = _masked_lm_loss_op(*args, labels, ignore_index, *chunks, needs_grad, impl)
+    return MaskedLMLoss(loss, num_labelled, num_correct)
+
