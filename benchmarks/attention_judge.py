@@ -125,6 +125,16 @@ def _nbytes(value) -> float:
     return 0.0
 
 
+def _on_device(values) -> bool:
+    """Whether any tensor among ``values`` (nested in lists/tuples) lives on the (fake) GPU."""
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.device.type != "cpu":
+            return True
+        if isinstance(v, (list, tuple)) and _on_device(v):
+            return True
+    return False
+
+
 class _OutsideWork(TorchDispatchMode):
     """Records the FLOPs (matrix products) and bytes (inputs read, outputs written) of every torch
     operation, views and allocations excluded."""
@@ -136,6 +146,8 @@ class _OutsideWork(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
+        if not _on_device([*args, *(kwargs or {}).values(), out]):
+            return out  # host work on CPU tensors (tables computed once per shape): no GPU time, no sync
         if name in _SYNCS:  # .item(), int(t), .tolist(): the host waits for the device
             self.syncs.append(name)
             return out
