@@ -48,7 +48,9 @@ def load_judge(path: Path | None) -> dict | None:
     if path is None or not path.is_file():
         return None
     estimates = {}
-    for record in json.loads(path.read_text()):
+    data = json.loads(path.read_text())
+    # `attention_judge.py --json` writes {"estimated", "calibration", "records": [...]}; a bare list is records too
+    for record in data["records"] if isinstance(data, dict) else data:
         if "total_ms" not in record:
             continue
         w = record["workload"]

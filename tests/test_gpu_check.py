@@ -50,6 +50,9 @@ def test_the_report_puts_each_measured_time_beside_the_judges_estimate(tmp_path)
     assert any("no attention dropout in its kernel" in line for line in table)
     assert not any("| 3.000 |" in line for line in table)  # d = 128 is another table
     assert report.load_judge(tmp_path / "absent.json") is None
+    wrapped = tmp_path / "wrapped.json"   # what attention_judge.py --json writes
+    wrapped.write_text(json.dumps({"estimated": True, "calibration": {}, "records": json.loads(judge.read_text())}))
+    assert report.load_judge(wrapped) == report.load_judge(judge) != {}
     assert "no judge file" in report.joined_table(rows, None, 90)
 
 
@@ -58,7 +61,9 @@ def test_the_report_puts_each_measured_time_beside_the_judges_estimate(tmp_path)
 def test_gpu_check_dry_run_resolves_every_step_and_writes_the_report(tmp_path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("OUT", None)
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh"), "--dry-run", "--out", str(tmp_path)],
+    # no judge file here: the report must say so (the join with one is the unit test's, above)
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh"), "--dry-run", "--out", str(tmp_path),
+                           "--judge", str(tmp_path / "absent.json")],
                           capture_output=True, text=True, env=env, timeout=880)
     assert done.returncode == 0, done.stderr[-3000:]
     report = (tmp_path / "gpu-check.md").read_text()
