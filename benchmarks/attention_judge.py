@@ -461,6 +461,17 @@ class Work:
         return Work(*(a * k for a in astuple(self)))
 
 
+def _tile_paths(kernel_name: str, figures) -> list[dict]:
+    """The paths of a distaff attention kernel's tile loops, fewest warp-instructions first: the saturated
+    path first, the general one last. The forward walks its key blocks in one loop per path (copies of one
+    inlined loop), the backward kernels in one loop with a branch."""
+    tile_loop = {"_attn_fwd": "for j0 in range(j_start, j_end, BLOCK_N)",
+                 "_attn_bwd_dkdv": "for i0 in range(0, seq_len, BLOCK_M)"}.get(kernel_name,
+                                                                              "for j0 in range(0, seq_len, BLOCK_N)")
+    return sorted((path for entry in figures.loops_at(tile_loop) for path in entry["paths"]),
+                  key=static_perf.instructions)
+
+
 def _distaff_program_work(kernel_name: str, kwargs: dict, grid: tuple, figures) -> list[Work]:
     """Per program of a distaff attention launch, from the tiles it walks on each path (the kernels' own
     saturation test on the bucket table), the band chunks of its backward blocks (their merge path, the
@@ -469,8 +480,8 @@ def _distaff_program_work(kernel_name: str, kwargs: dict, grid: tuple, figures) 
     tiles = distaff_attention.Tiles(bm, bn, kwargs["num_warps"], kwargs["num_stages"])
     saturated = distaff_attention.tile_saturation(n, tiles, BUCKETS, MAX_REL)
     by_key = kernel_name == "_attn_bwd_dkdv"
-    loop = figures.loop("for i0 in range(0, seq_len, BLOCK_M)" if by_key else "for j0 in range(0, seq_len, BLOCK_N)")
-    cheap, dear = Work.of(loop["paths"][0]), Work.of(loop["paths"][-1])
+    paths = _tile_paths(kernel_name, figures)
+    cheap, dear = Work.of(paths[0]), Work.of(paths[-1])
     chunk = Work.of(figures.loop("for c0 in range(")["paths"][-1]) if kernel_name != "_attn_fwd" and (
         kwargs["HAS_C2P"] if kernel_name == "_attn_bwd_dq" else kwargs["HAS_P2C"]) else None
     per_block = []
@@ -549,9 +560,12 @@ def estimate_launch(impl: str, launch: tuple, w: Workload, gpu: static_perf.Gpu)
     bm, bn = kwargs.get("BLOCK_M", 0), kwargs.get("BLOCK_N", 0)
     paths = []
     if figures.loops and bm and bn:
-        main = max(figures.loops, key=lambda e: e["paths"][-1]["flops"])
-        names = ("saturated", "general") if impl == "distaff" and len(main["paths"]) > 1 else ("tile",)
-        picks = (main["paths"][0], main["paths"][-1]) if len(names) == 2 else (main["paths"][0],)
+        if impl == "distaff" and kernel.__name__ in ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv"):
+            tile_paths = _tile_paths(kernel.__name__, figures)
+        else:
+            tile_paths = max(figures.loops, key=lambda e: e["paths"][-1]["flops"])["paths"]
+        names = ("saturated", "general") if impl == "distaff" and len(tile_paths) > 1 else ("tile",)
+        picks = (tile_paths[0], tile_paths[-1]) if len(names) == 2 else (tile_paths[0],)
         paths = [(name, static_perf.instructions(mix) * warps / (bm * bn), mix) for name, mix in zip(names, picks)]
     l2 = sum(x.bytes for x in works) * warps
     unique = _tensor_bytes(args, kwargs)

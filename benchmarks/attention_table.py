@@ -63,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         print("the judge estimated no workload; the table is unchanged")
         return 1
     gpus = {str(cc): asdict(judge.static_perf.GPUS[cc]) for cc in sorted({r["cc"] for r in rows})}
-    table = {"source": "benchmarks/attention_judge.py estimate('distaff', ...): ESTIMATES from compiled code, "
-                       "calibrated on DisentangledFlash's published H200 timings; no GPU ran",
+    anchors = "; ".join(sorted({anchor.source for anchor, _ in judge.calibration().anchors}))
+    table = {"source": "benchmarks/attention_judge.py estimate('distaff', ...): ESTIMATES from compiled code at the "
+                       "high (600-cycle) latency end, calibrated on published timings (" + anchors + "); no GPU ran",
              "regenerate": "python benchmarks/attention_table.py", "gpus": gpus, "rows": rows}
     args.out.write_text(json.dumps(table, indent=1) + "\n")
     for r in rows:

@@ -120,10 +120,11 @@ def _end_bias(END, stat_off, stat_numel, i0, j0, offs_m, offs_n, seq_len, top, B
     when ``TRANSPOSED``."""
     c = tl.zeros([BLOCK_M], tl.float32)
     p = tl.zeros([BLOCK_N], tl.float32)
+    end = tl.where(top, 1, 0).to(tl.int64)  # ``top`` may be a tensor or a constant
     if HAS_C2P:
-        c = _load_stat(END + top.to(tl.int64) * stat_numel + stat_off, i0, offs_m, seq_len, 0.0)
+        c = _load_stat(END + end * stat_numel + stat_off, i0, offs_m, seq_len, 0.0)
     if HAS_P2C:
-        p = _load_stat(END + (2 + top.to(tl.int64)) * stat_numel + stat_off, j0, offs_n, seq_len, 0.0)
+        p = _load_stat(END + (2 + end) * stat_numel + stat_off, j0, offs_n, seq_len, 0.0)
     if TRANSPOSED:
         bias = p[:, None] + c[None, :]
     else:
@@ -132,28 +133,88 @@ def _end_bias(END, stat_off, stat_numel, i0, j0, offs_m, offs_n, seq_len, top, B
 
 
 @triton.jit
-def _skewed_bias(q, k, kr_ptr, qr_ptr, table_ptr, scratch, r0, offs_m, offs_n, offs_d,
-                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
-                 SPLIT: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, TRANSPOSED: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    """c2p + p2c of a general tile (``[BM, BN]``, or ``[BN, BM]`` when ``TRANSPOSED``).
+def _position_rows(ptr, buckets, offs_d, HEAD_DIM: tl.constexpr):
+    """``[len(buckets), d]``: the rows of one head's position table (``Kr`` or ``Qr``) that ``buckets`` name."""
+    return tl.load(ptr + buckets[:, None] * HEAD_DIM + offs_d[None, :])
 
-    ``X = Q Krw^T`` and ``Y = K Qrw^T``, with ``Krw[c] = Kr[bucket(r0 + c)]`` one row per window distance,
-    are written to ``scratch`` (``[BM + BN, WINDOW]``, in ``SPLIT`` column slices to bound registers) and
-    read back skewed. The barrier makes every warp's stores visible before any warp reads; the caller
-    alternates two scratch buffers so the next tile's stores never race this tile's loads.
-    """
+
+@triton.jit
+def _window_buckets(table_ptr, r0, WINDOW: tl.constexpr, SPLIT: tl.constexpr):
+    """The buckets of the window's distances ``r0 .. r0 + WINDOW - 1``, as a tuple of ``SPLIT`` column slices."""
+    buckets = ()
+    for h in tl.static_range(SPLIT):
+        buckets = buckets + (tl.load(table_ptr + r0 + h * (WINDOW // SPLIT) + tl.arange(0, WINDOW // SPLIT)),)
+    return buckets
+
+
+@triton.jit
+def _window_rows(KR, QR, buckets, offs_d, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr,
+                 HAS_P2C: tl.constexpr):
+    """The position rows of a window, ``Krw[c] = Kr[bucket(r0 + c)]`` and ``Qrw`` alike, as tuples of
+    ``SPLIT`` column slices ``[WINDOW / SPLIT, d]``, from its buckets (:func:`_window_buckets`)."""
+    krw = ()
+    qrw = ()
+    for h in tl.static_range(SPLIT):
+        if HAS_C2P:
+            krw = krw + (_position_rows(KR, buckets[h], offs_d, HEAD_DIM),)
+        if HAS_P2C:
+            qrw = qrw + (_position_rows(QR, buckets[h], offs_d, HEAD_DIM),)
+    return krw, qrw
+
+
+@triton.jit
+def _window_product(a, rows, scratch, row0, offs_r, cols, WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+    """One column slice of one window product, ``a rows^T``, stored at ``scratch`` rows ``row0 + offs_r``."""
+    x = tl.dot(a, tl.trans(rows), input_precision=PRECISION)
+    tl.store(scratch + (row0 + offs_r[:, None]) * WINDOW + cols[None, :], x.to(scratch.dtype.element_ty))
+
+
+@triton.jit
+def _store_window_products(q, k, krw, qrw, scratch, offs_m, offs_n, BLOCK_M: tl.constexpr, WINDOW: tl.constexpr,
+                           SPLIT: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr,
+                           PRECISION: tl.constexpr):
+    """``X = Q Krw^T`` and ``Y = K Qrw^T`` of a general tile from its window rows (:func:`_window_rows`), into
+    ``scratch`` (``[BM + BN, WINDOW]``) for :func:`_skewed_read`."""
     for h in tl.static_range(SPLIT):
         cols = h * (WINDOW // SPLIT) + tl.arange(0, WINDOW // SPLIT)
-        buckets = tl.load(table_ptr + r0 + cols)
         if HAS_C2P:
-            krw = tl.load(kr_ptr + buckets[:, None] * HEAD_DIM + offs_d[None, :])
-            x = tl.dot(q, tl.trans(krw), input_precision=PRECISION)
-            tl.store(scratch + offs_m[:, None] * WINDOW + cols[None, :], x.to(scratch.dtype.element_ty))
+            _window_product(q, krw[h], scratch, 0, offs_m, cols, WINDOW, PRECISION)
         if HAS_P2C:
-            qrw = tl.load(qr_ptr + buckets[:, None] * HEAD_DIM + offs_d[None, :])
-            y = tl.dot(k, tl.trans(qrw), input_precision=PRECISION)
-            tl.store(scratch + (BLOCK_M + offs_n[:, None]) * WINDOW + cols[None, :], y.to(scratch.dtype.element_ty))
+            _window_product(k, qrw[h], scratch, BLOCK_M, offs_n, cols, WINDOW, PRECISION)
+
+
+@triton.jit
+def _window_products(q, k, KR, QR, table_ptr, scratch, r0, offs_m, offs_n, offs_d, HOIST: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr,
+                     HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, PRECISION: tl.constexpr):
+    """A general tile's window products into ``scratch``, computed in ``SPLIT`` column slices to bound
+    registers. With ``HOIST`` every slice's rows are loaded before any product: a load issued after a
+    scratch store cannot be moved above it (they may alias), so loading between the stores puts the round
+    trips one after another. Without it, each row block is loaded just before its product (fewest live
+    registers)."""
+    if HOIST:
+        krw, qrw = _window_rows(KR, QR, _window_buckets(table_ptr, r0, WINDOW, SPLIT), offs_d, HEAD_DIM, SPLIT,
+                                HAS_C2P, HAS_P2C)
+        _store_window_products(q, k, krw, qrw, scratch, offs_m, offs_n, BLOCK_M, WINDOW, SPLIT, HAS_C2P, HAS_P2C,
+                               PRECISION)
+    else:
+        for h in tl.static_range(SPLIT):
+            cols = h * (WINDOW // SPLIT) + tl.arange(0, WINDOW // SPLIT)
+            buckets = tl.load(table_ptr + r0 + cols)
+            if HAS_C2P:
+                _window_product(q, _position_rows(KR, buckets, offs_d, HEAD_DIM), scratch, 0, offs_m, cols, WINDOW,
+                                PRECISION)
+            if HAS_P2C:
+                _window_product(k, _position_rows(QR, buckets, offs_d, HEAD_DIM), scratch, BLOCK_M, offs_n, cols,
+                                WINDOW, PRECISION)
+
+
+@triton.jit
+def _skewed_read(scratch, offs_m, offs_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+                 HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """c2p + p2c of a general tile (``[BM, BN]``, or ``[BN, BM]`` when ``TRANSPOSED``): the window products
+    in ``scratch`` read back skewed. The barrier makes every warp's stores visible before any warp reads;
+    the caller alternates two scratch buffers so the next tile's stores never race this tile's loads."""
     tl.debug_barrier()
     rows = offs_m[:, None]
     cols = offs_n[None, :]
@@ -230,16 +291,23 @@ def _dropout_keep(seed, i0, j0, n_ctx, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N
     return _mix32(counter.to(tl.uint32) ^ key) >= threshold
 
 
+# A tile's path: where its c2p + p2c come from (a loop that walks one path only makes it a constant).
+CONTENT = tl.constexpr(0)    # no position terms
+GENERAL = tl.constexpr(1)    # window products read back skewed
+SATURATED = tl.constexpr(2)  # wholly in bucket 0 or the top bucket: end terms
+PER_TILE = tl.constexpr(3)   # any of the above, read per tile from the bucket table
+
+
 @triton.jit
 def _tile_scores(q, k, KR, QR, table_ptr, mask_ptr, END, scratch, stat_off, stat_numel, i0, j0, seq_len, scale,
                  offs_m, offs_n, offs_d, general,
                  TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  WINDOW: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr,
                  HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr, TRANSPOSED: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 HOIST: tl.constexpr, PRECISION: tl.constexpr):
     """Scores of tile ``(i0, j0)`` times ``scale * log2(e)`` (``-inf`` where not visible, whatever the scale:
-    a scale of 0 must not make ``-inf * 0``), whether it is saturated and at which end, and the count of
-    general tiles so far (it picks the scratch buffer)."""
+    a scale of 0 must not make ``-inf * 0``), whether it is saturated and at which end (read per tile from
+    the bucket table), and the count of general tiles so far (it picks the scratch buffer)."""
     if TRANSPOSED:
         s = tl.dot(k, tl.trans(q), input_precision=PRECISION)
     else:
@@ -252,8 +320,9 @@ def _tile_scores(q, k, KR, QR, table_ptr, mask_ptr, END, scratch, stat_off, stat
                            HAS_C2P, HAS_P2C, TRANSPOSED)
         else:
             buffer = scratch + (general % 2) * ((BLOCK_M + BLOCK_N) * WINDOW)
-            s += _skewed_bias(q, k, KR, QR, table_ptr, buffer, r0, offs_m, offs_n, offs_d, HEAD_DIM, BLOCK_M,
-                              BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, TRANSPOSED, PRECISION)
+            _window_products(q, k, KR, QR, table_ptr, buffer, r0, offs_m, offs_n, offs_d, HOIST, HEAD_DIM, BLOCK_M,
+                             WINDOW, SPLIT, HAS_C2P, HAS_P2C, PRECISION)
+            s += _skewed_read(buffer, offs_m, offs_n, BLOCK_M, BLOCK_N, WINDOW, HAS_C2P, HAS_P2C, TRANSPOSED)
             general += 1
     visible = _visible(mask_ptr, i0, j0, offs_m, offs_n, seq_len, BLOCK_M, BLOCK_N, HAS_MASK, MASK_DIAGONAL,
                        TRANSPOSED)
@@ -375,26 +444,79 @@ def _attn_end_terms(Q, K, KR, QR, CU, END, n_ctx, n_heads, stat_numel, stride_b,
 
 
 @triton.jit
-def _fwd_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, O, LSE, scratch, i0, seed, scale, dropout_p, n_ctx,
-               seq_len, base, rel_off, stat_off, stat_numel, stride_n,
-               TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               WINDOW: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr,
-               HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr, DROPOUT: tl.constexpr,
-               PRECISION: tl.constexpr):
-    """Output and base-2 log-sum-exp of query block ``i0``: online softmax over the key blocks."""
-    offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
-    q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    general = 0
-    for j0 in range(0, seq_len, BLOCK_N):
-        k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
+def _general_blocks(i0, seq_len, top_start, bottom_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``[lo, hi)``: the key blocks whose tiles with query block ``i0`` are general. Those before ``lo`` lie
+    wholly in the top bucket, those from ``hi`` on wholly in bucket 0 (the table is monotone, so a tile's
+    window ``[r0, r0 + BM + BN - 2]``, ``r0 = i0 - j0 - (BN - 1)``, decides by its ends). From host-known
+    limits: no table read or branch per tile, and the general loop can load its next tile's buckets ahead."""
+    end = tl.cdiv(seq_len, BLOCK_N) * BLOCK_N
+    last_top = i0 - (BLOCK_N - 1) - top_start            # the largest top-saturated j0, if >= 0
+    lo = tl.where(last_top >= 0, (tl.maximum(last_top, 0) // BLOCK_N + 1) * BLOCK_N, 0)
+    first_bottom = i0 + BLOCK_M - 1 - bottom_end          # the smallest j0 saturated in bucket 0, if > 0
+    hi = tl.where(first_bottom > 0, tl.cdiv(tl.maximum(first_bottom, 1), BLOCK_N) * BLOCK_N, 0)
+    lo = tl.minimum(lo, end)
+    return lo, tl.minimum(tl.maximum(hi, lo), end)
+
+
+@triton.jit
+def _path_scores(q, k, V, KR, QR, buckets, mask_ptr, END, scratch, stat_off, stat_numel, i0, j0, seq_len, scale,
+                 base, stride_n, offs_m, offs_n, offs_d, top, PATH: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr,
+                 HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """The forward's scores of tile ``(i0, j0)`` on path ``PATH``, as :func:`_tile_scores` gives them, and the
+    tile's V rows, loaded where they cost least (a general tile's after its window products). A general tile's
+    window ``buckets`` were loaded a tile ahead."""
+    if PATH == GENERAL:  # first: the round trip the products wait for
+        krw, qrw = _window_rows(KR, QR, buckets, offs_d, HEAD_DIM, SPLIT, HAS_C2P, HAS_P2C)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if PATH == GENERAL:
+        # consecutive general tiles alternate two scratch buffers: a tile's stores never race the last one's loads
+        buffer = scratch + ((j0 // BLOCK_N) % 2) * ((BLOCK_M + BLOCK_N) * WINDOW)
+        _store_window_products(q, k, krw, qrw, buffer, offs_m, offs_n, BLOCK_M, WINDOW, SPLIT, HAS_C2P, HAS_P2C,
+                               PRECISION)
+        v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)  # not held across the products
+        s += _skewed_read(buffer, offs_m, offs_n, BLOCK_M, BLOCK_N, WINDOW, HAS_C2P, HAS_P2C, False)
+    else:
         v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
-        s, _, _, general = _tile_scores(q, k, KR + rel_off, QR + rel_off, TABLE, mask_ptr, END, scratch, stat_off,
-                                        stat_numel, i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general,
-                                        TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C,
-                                        HAS_MASK, MASK_DIAGONAL, False, PRECISION)
+        if PATH == SATURATED:
+            s += _end_bias(END, stat_off, stat_numel, i0, j0, offs_m, offs_n, seq_len, top, BLOCK_M, BLOCK_N, HAS_C2P,
+                           HAS_P2C, False)
+    visible = _visible(mask_ptr, i0, j0, offs_m, offs_n, seq_len, BLOCK_M, BLOCK_N, HAS_MASK, MASK_DIAGONAL, False)
+    return tl.where(visible, s * (scale * LOG2E), float("-inf")), v
+
+
+@triton.jit
+def _fwd_tiles(acc, m_i, l_i, q, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0, j_start, j_end, seed, scale,
+               dropout_p, n_ctx, seq_len, base, stat_off, stat_numel, stride_n, offs_m, offs_n, offs_d, top,
+               PATH: tl.constexpr, TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr,
+               HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr, DROPOUT: tl.constexpr,
+               HOIST: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax over key blocks ``j_start, j_start + BN, ... < j_end``, all on path ``PATH`` (at the top
+    end when ``top``)."""
+    general = 0
+    buckets = ()
+    if PATH == GENERAL:
+        buckets = _window_buckets(TABLE, i0 - j_start - (BLOCK_N - 1), WINDOW, SPLIT)
+    for j0 in range(j_start, j_end, BLOCK_N):
+        current = buckets
+        if PATH == GENERAL and HOIST:  # the next tile's buckets, a tile ahead (the table reaches past the last)
+            buckets = _window_buckets(TABLE, i0 - j0 - (2 * BLOCK_N - 1), WINDOW, SPLIT)
+        elif PATH == GENERAL:
+            current = _window_buckets(TABLE, i0 - j0 - (BLOCK_N - 1), WINDOW, SPLIT)
+        k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
+        if PATH == PER_TILE:
+            s, _, _, general = _tile_scores(q, k, KR, QR, TABLE, mask_ptr, END, scratch, stat_off, stat_numel, i0,
+                                            j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM,
+                                            BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK,
+                                            MASK_DIAGONAL, False, HOIST, PRECISION)
+            v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
+        else:
+            s, v = _path_scores(q, k, V, KR, QR, current, mask_ptr, END, scratch, stat_off, stat_numel, i0, j0,
+                                seq_len, scale, base, stride_n, offs_m, offs_n, offs_d, top, PATH, HEAD_DIM,
+                                BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL,
+                                PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Rows with nothing visible yet keep m = -inf; subtract 0 so exp2 gives 0, not NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -405,6 +527,45 @@ def _fwd_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, O, LSE, scratch, i0, seed,
             p = tl.where(_dropout_keep(seed, i0, j0, n_ctx, dropout_p, BLOCK_M, BLOCK_N, False), p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _fwd_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, O, LSE, scratch, i0, seed, scale, dropout_p, n_ctx,
+               seq_len, base, rel_off, stat_off, stat_numel, stride_n, top_start, bottom_end,
+               TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               WINDOW: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr,
+               HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr, DROPOUT: tl.constexpr,
+               PATHS_APART: tl.constexpr, HOIST: tl.constexpr, PRECISION: tl.constexpr):
+    """Output and base-2 log-sum-exp of query block ``i0``: online softmax over the key blocks. With
+    ``PATHS_APART``, walked as three runs, the top-saturated tiles, the general ones and those saturated in
+    bucket 0; else in one loop that reads each tile's path from the table."""
+    offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
+    q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    KR, QR = KR + rel_off, QR + rel_off
+    if (HAS_C2P or HAS_P2C) and PATHS_APART:
+        lo, hi = _general_blocks(i0, seq_len, top_start, bottom_end, BLOCK_M, BLOCK_N)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0, 0, lo, seed,
+                                   scale, dropout_p, n_ctx, seq_len, base, stat_off, stat_numel, stride_n, offs_m,
+                                   offs_n, offs_d, True, SATURATED, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW,
+                                   SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST, PRECISION)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0, lo, hi, seed,
+                                   scale, dropout_p, n_ctx, seq_len, base, stat_off, stat_numel, stride_n, offs_m,
+                                   offs_n, offs_d, False, GENERAL, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW,
+                                   SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST, PRECISION)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0, hi, seq_len,
+                                   seed, scale, dropout_p, n_ctx, seq_len, base, stat_off, stat_numel, stride_n,
+                                   offs_m, offs_n, offs_d, False, SATURATED, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                   WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST, PRECISION)
+    else:
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0, 0, seq_len,
+                                   seed, scale, dropout_p, n_ctx, seq_len, base, stat_off, stat_numel, stride_n,
+                                   offs_m, offs_n, offs_d, False, PER_TILE if HAS_C2P or HAS_P2C else CONTENT,
+                                   TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK,
+                                   MASK_DIAGONAL, DROPOUT, HOIST, PRECISION)
     has_any = l_i > 0.0
     out = acc / tl.where(has_any, l_i, 1.0)[:, None]
     if DROPOUT:
@@ -419,11 +580,12 @@ def _fwd_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, O, LSE, scratch, i0, seed,
 @triton.jit
 def _attn_fwd(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, O, LSE, SCRATCH,
               seed, scale, dropout_p, n_ctx, n_heads, num_seqs, items_per_program, stat_numel, scratch_elements,
-              stride_b, stride_h, stride_n, stride_lb, stride_lh,
+              top_start, bottom_end, stride_b, stride_h, stride_n, stride_lb, stride_lh,
               TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               WINDOW: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr,
               HAS_MASK: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr,
-              MASK_DIAGONAL: tl.constexpr, PRECISION: tl.constexpr):
+              MASK_DIAGONAL: tl.constexpr, PATHS_APART: tl.constexpr, HOIST: tl.constexpr,
+              PRECISION: tl.constexpr):
     """Program (p, head) walks a run of (sequence, query block) items of one head."""
     pid, head = tl.program_id(0), tl.program_id(1)
     scratch = SCRATCH + (head * tl.num_programs(0) + pid).to(tl.int64) * scratch_elements
@@ -437,8 +599,9 @@ def _attn_fwd(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, O, LSE, SCRATCH,
         if i0 < seq_len:
             _fwd_block(Q, K, V, KR, QR, TABLE, MASK + seq * n_ctx, END, O, LSE, scratch, i0,
                        seed + seq * n_heads + head, _sequence_scale(SCALES, seq, scale, SCALE_PER_SEQ), dropout_p,
-                       n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, TWO_SPAN, HEAD_DIM, BLOCK_M,
-                       BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, PRECISION)
+                       n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, top_start, bottom_end,
+                       TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL,
+                       DROPOUT, PATHS_APART, HOIST, PRECISION)
         tl.debug_barrier()  # the next item's first tile may reuse the scratch buffer this one read last
 
 
@@ -468,7 +631,7 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
               TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
               HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
-              DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+              DROPOUT: tl.constexpr, HOIST: tl.constexpr, PRECISION: tl.constexpr):
     """dQ of query block ``i0`` (all key blocks), and its c2p gradient added to the partial dKr."""
     offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
     band = scratch + 2 * (BLOCK_M + BLOCK_N) * WINDOW
@@ -488,7 +651,7 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
         s, saturated, top, general = _tile_scores(
             q, k, KR + rel_off, QR + rel_off, TABLE, mask_ptr, END, scratch, stat_off, stat_numel, i0, j0, seq_len,
             scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C,
-            HAS_MASK, MASK_DIAGONAL, False, PRECISION)
+            HAS_MASK, MASK_DIAGONAL, False, HOIST, PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         _, ds = _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, scale, BLOCK_M, BLOCK_N, DROPOUT,
                              False)
@@ -521,7 +684,7 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, 
                  WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
                  HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr,
                  DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 HOIST: tl.constexpr, PRECISION: tl.constexpr):
     """Program (p, head) walks a run of (sequence, query block) items of one head into one partial dKr."""
     pid, head = tl.program_id(0), tl.program_id(1)
     program = (head * tl.num_programs(0) + pid).to(tl.int64)
@@ -538,9 +701,8 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, 
             _dq_block(Q, K, V, KR, QR, TABLE, MASK + seq * n_ctx, END, DO, LSE, DELTA, DQ, part_ptr, scratch, FOLD,
                       MERGE, i0, seed + seq * n_heads + head, _sequence_scale(SCALES, seq, scale, SCALE_PER_SEQ),
                       dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo, TWO_SPAN, HEAD_DIM,
-                      BLOCK_M,
-                      BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT,
-                      PRECISION)
+                      BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT,
+                      HOIST, PRECISION)
         tl.debug_barrier()
 
 
@@ -550,7 +712,7 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
                 TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
                 HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
-                DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+                DROPOUT: tl.constexpr, HOIST: tl.constexpr, PRECISION: tl.constexpr):
     """dK, dV of key block ``j0`` (all query blocks; tiles held as ``[BN, BM]``), and its p2c gradient
     added to the partial dQr."""
     offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
@@ -572,7 +734,7 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
         s, saturated, top, general = _tile_scores(
             q, k, KR + rel_off, QR + rel_off, TABLE, mask_ptr, END, scratch, stat_off, stat_numel, i0, j0, seq_len,
             scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C,
-            HAS_MASK, MASK_DIAGONAL, True, PRECISION)
+            HAS_MASK, MASK_DIAGONAL, True, HOIST, PRECISION)
         dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         p_dropped, ds = _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, scale, BLOCK_M, BLOCK_N,
                                      DROPOUT, True)
@@ -608,7 +770,7 @@ def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA
                    WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
                    HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr,
                    DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   HOIST: tl.constexpr, PRECISION: tl.constexpr):
     """Program (p, head) walks a run of (sequence, key block) items of one head into one partial dQr."""
     pid, head = tl.program_id(0), tl.program_id(1)
     program = (head * tl.num_programs(0) + pid).to(tl.int64)
@@ -627,7 +789,7 @@ def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA
                         _sequence_scale(SCALES, seq, scale, SCALE_PER_SEQ), dropout_p, n_ctx, seq_len, base, rel_off,
                         stat_off, stat_numel, stride_n, lo, TWO_SPAN,
                         HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK,
-                        MASK_DIAGONAL, DROPOUT, PRECISION)
+                        MASK_DIAGONAL, DROPOUT, HOIST, PRECISION)
         tl.debug_barrier()
 
 
@@ -657,6 +819,11 @@ class Tiles:
     num_warps: int
     num_stages: int
     columns: int = 64  # window columns per slice of the window products (fewer: fewer live registers)
+    # A general tile loads every slice's window rows before its products, so their round trips overlap, and
+    # the forward's general loop (``paths_apart``) loads the next tile's buckets a tile ahead. False, for
+    # tiles that spill otherwise: the backward and the one-loop forward load one slice's rows at a time, and
+    # the general loop loads its buckets in the tile that uses them.
+    hoist: bool = True
 
     @property
     def window(self) -> int:
@@ -673,6 +840,14 @@ class Tiles:
     def chunk(self) -> int:
         """Distances a backward block reads from its band at a time."""
         return min(64, self.window)
+
+    @property
+    def paths_apart(self) -> bool:
+        """Whether the forward walks its saturated and general tiles in separate loops. A loop of content
+        products alone lays its two chained products out as ``[warps, 1]`` (16 query rows a warp), so with
+        more than ``BLOCK_M / 16`` warps it would repeat products: those tiles keep one loop that branches
+        per tile (compile check: 8 warps on 64 rows issued each saturated tile's products twice)."""
+        return self.num_warps * 16 <= self.block_m
 
     def content_only(self) -> Tiles:
         """The forward's tiles without position terms: its two chained products give a warp 16 query rows
@@ -691,18 +866,22 @@ _TILES = {
     # d <= 32: the products with d columns need 64 rows on 4 warps (32 on 2) or warps repeat each other.
     ("half", 32, 90): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 32, 2, 1), dkdv=_T(32, 32, 2, 1)),
     ("half", 32, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(32, 16, 2, 1), dkdv=_T(16, 32, 2, 1)),
-    ("half", 32, 100): dict(fwd=_T(32, 64, 4, 1), dq=_T(32, 32, 2, 1), dkdv=_T(32, 32, 2, 1)),
+    ("half", 32, 100): dict(fwd=_T(32, 64, 4, 1), dq=_T(32, 32, 2, 1), dkdv=_T(32, 32, 2, 1, hoist=False)),
     ("half", 64, 90): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 64, 4, 1), dkdv=_T(64, 32, 4, 1)),
     # d = 128, dk/dv, sm_90 and sm_80: every tile without repeated warps spills in some configuration the
     # compile check covers (sm_90: 32 x 16 on 4 warps 8-16 B with p2c alone, 64 x 16 4-16 B, 16 x 16 on 2 8 B;
     # sm_80: 32 x 16 20-48 B, 16 x 16 on 2 88-116 B); 16 x 16 on 4 warps repeats half its products (issued /
     # unique 2.0) and spills nothing: the one exception to the no-repetition rule.
-    # d = 128 forward, sm_90: window products in 32-column slices (64 spilled 4 B with the diagonal mask).
-    ("half", 128, 90): dict(fwd=_T(64, 64, 8, 1, columns=32), dq=_T(32, 64, 8, 1), dkdv=_T(16, 16, 4, 1)),
+    # d = 128 forward, sm_90: window products in 32-column slices (64 spilled 4 B with the diagonal mask), rows
+    # not hoisted (hoisted, 4 B spilled).
+    ("half", 128, 90): dict(fwd=_T(64, 64, 8, 1, columns=32, hoist=False), dq=_T(32, 64, 8, 1),
+                            dkdv=_T(16, 16, 4, 1)),
     ("half", 64, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
     ("half", 128, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 32, 4, 1), dkdv=_T(16, 16, 4, 1)),
-    ("half", 64, 100): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 64, 4, 1), dkdv=_T(64, 64, 8, 1)),
-    ("half", 128, 100): dict(fwd=_T(32, 64, 4, 1), dq=_T(16, 64, 4, 1), dkdv=_T(64, 16, 4, 1)),
+    # sm_100: dk/dv rows not hoisted (hoisted, 8-96 B spilled); forward buckets not loaded ahead (20 B).
+    ("half", 64, 100): dict(fwd=_T(64, 64, 4, 1, hoist=False), dq=_T(32, 64, 4, 1),
+                            dkdv=_T(64, 64, 8, 1, hoist=False)),
+    ("half", 128, 100): dict(fwd=_T(32, 64, 4, 1), dq=_T(16, 64, 4, 1), dkdv=_T(64, 16, 4, 1, hoist=False)),
     ("fp32", 64, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(32, 32, 4, 1), dkdv=_T(32, 32, 4, 1)),
     ("fp32", 128, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
     ("fp32", 64, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
@@ -710,8 +889,9 @@ _TILES = {
     ("fp32", 64, 100): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 32, 4, 1), dkdv=_T(32, 32, 4, 1)),
     ("fp32", 128, 100): dict(fwd=_T(32, 16, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
 }
-# The interpreter runs programs one after another: few, larger tiles are fastest.
-INTERPRETER_TILES = Tiles(32, 32, 4, 1)
+# The interpreter runs programs one after another: few, larger tiles are fastest. Two warps make the forward
+# walk its paths apart, as on the GPU's 64-row tiles (tests take four warps for the one-loop forward).
+INTERPRETER_TILES = Tiles(32, 32, 2, 1)
 # Compute capability the host code plans for when its tensors are not on a GPU (the compile check
 # records launches for each target by setting it).
 PLANNED_CAPABILITY = 90
@@ -905,6 +1085,13 @@ class _Problem:
     def stat_numel(self) -> int:
         return int(torch.Size(self.stat_shape).numel())
 
+    def saturation_limits(self) -> dict[str, int]:
+        """The distances from which a tile's window lies wholly in the top bucket (``top_start``; never, when
+        the table's top is not the last bucket ``_end_bias`` reads) or up to which wholly in bucket 0
+        (``bottom_end``): the forward splits its key blocks by them (``_general_blocks``)."""
+        top = self.table.top_start if self.table.top == self.two_span - 1 else 2 ** 30
+        return {"top_start": top, "bottom_end": self.table.bottom_end}
+
     def tiles(self, kernel: str, q: torch.Tensor) -> Tiles:
         return tiles_for(kernel, q.shape[-1], q.dtype, self.cc)
 
@@ -923,7 +1110,7 @@ class _Problem:
             TWO_SPAN=self.two_span, HEAD_DIM=q.shape[-1], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
             WINDOW=tiles.window, SPLIT=tiles.split, HAS_C2P=has_c2p, HAS_P2C=has_p2c,
             HAS_MASK=self.mask is not None, VARLEN=self.cu_seqlens is not None, DROPOUT=self.dropout_p > 0,
-            SCALE_PER_SEQ=self.scales is not None, MASK_DIAGONAL=self.mask_diagonal,
+            SCALE_PER_SEQ=self.scales is not None, MASK_DIAGONAL=self.mask_diagonal, HOIST=tiles.hoist,
             PRECISION="tf32",  # fp32 inputs use TF32 tensor cores (docs/kernels.md); half inputs ignore it
             num_warps=tiles.num_warps, num_stages=tiles.num_stages, **args)
 
@@ -976,7 +1163,8 @@ def attention_forward(q, k, v, pos_key, pos_query, problem: _Problem):
     problem.launch(_attn_fwd, tiles, (programs, problem.n_heads), q, pos_key is not None, pos_query is not None,
                    Q=q, K=k, V=v, KR=q if pos_key is None else pos_key, QR=q if pos_query is None else pos_query,
                    END=end, O=out, LSE=lse, SCRATCH=scratch, items_per_program=triton.cdiv(items, programs),
-                   scratch_elements=scratch_elements)
+                   scratch_elements=scratch_elements, PATHS_APART=tiles.paths_apart,
+                   **problem.saturation_limits())
     return out, lse, end
 
 

@@ -65,6 +65,16 @@ def test_rerunning_a_finished_run_says_how_to_continue_without_evaluating_again(
     assert "eval step" not in again and "starting" not in again and "resuming" not in again
     assert metrics(out) == records and (out / "summary.json").read_text() == summary
     assert len(list((out / "wandb").glob("offline-run-*"))) == 1    # no W&B run opened for nothing
+    assert "changed since that run finished" not in again
+
+    # a changed learning rate is not silently ignored: the rerun names it and what to do instead
+    changed = write_config(tmp_path / "run.yaml", data, out, train={"max_steps": 6}, eval={"every": 3, "batches": 2},
+                           optim={"lr": 1e-3, "warmup_steps": 2})
+    assert wait_all(spawn_ranks(changed, tmp_path), timeout=240) == [0, 0], rank_logs(tmp_path)
+    third = (tmp_path / "rank0.log").read_text()
+    assert ("distaff: warning: changed since that run finished, and applied to nothing (it trains no further step): "
+            "optim.lr: 0.003 -> 0.001. To train with them, start a new run (another run.out_dir)") in third, third
+    assert metrics(out) == records and (out / "summary.json").read_text() == summary
 
 
 @pytest.mark.integration

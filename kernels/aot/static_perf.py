@@ -511,11 +511,16 @@ class KernelFigures:
 
     def loop(self, line_text: str) -> dict:
         """The loop whose back edge is on the source line containing ``line_text``."""
-        for entry in self.loops:
-            if line_text in source_line(entry["line"]):
-                return entry
-        raise KeyError(f"no tensor-core loop at a line containing {line_text!r}: "
-                       f"{[source_line(e['line']) for e in self.loops]}")
+        return self.loops_at(line_text)[0]
+
+    def loops_at(self, line_text: str) -> list[dict]:
+        """Every loop whose back edge is on a source line containing ``line_text`` (a helper the compiler
+        inlined at several call sites gives one loop per site)."""
+        found = [entry for entry in self.loops if line_text in source_line(entry["line"])]
+        if not found:
+            raise KeyError(f"no tensor-core loop at a line containing {line_text!r}: "
+                           f"{[source_line(e['line']) for e in self.loops]}")
+        return found
 
 
 def kernel_figures(cubin: Path, ttgir: str) -> KernelFigures:

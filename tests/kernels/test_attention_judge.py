@@ -3,9 +3,9 @@ DisentangledFlash 1.1.1 and FlashDeBERTa 0.0.8, compiled for an H100 (sm_90) fro
 code, with no GPU. The figures are ESTIMATES (a latency-aware model over the compiled SASS, calibrated on
 published timings of two kernel designs). The test asserts what holds after issue 30's judge: every
 calibration anchor within 1.5x of its published time at both latency ends; the bar cells the estimate meets
-at its high (600-cycle) end: distaff at or below 0.8x DisentangledFlash at N=8192 (B=2), forward and
-backward, dropout 0 and 0.1 (the N=512 cells and the 0.9x FlashDeBERTa cells are NOT met: docs/kernels.md
-shows the figures); the JSON a planner reads; Hopper's warpgroup MMA in every forward; no product repeated
+at its high (600-cycle) end (``MET``: every N=8192 cell against both peers, and the N=512 forward with
+dropout; the N=512 cells without dropout and the N=512 backward are NOT met: docs/kernels.md shows the
+figures); the JSON a planner reads; Hopper's warpgroup MMA in every forward; no product repeated
 across warps; no spill. Compiles are cached with the compile check's."""
 
 from __future__ import annotations
@@ -19,7 +19,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-BAR, RESIDUAL = 0.8, 1.5
+BAR, FD_BAR, RESIDUAL = 0.8, 0.9, 1.5
+# (N, dropout, pass, peer) cells where the high-end estimate meets the bar (FlashDeBERTa has no attention dropout).
+# Not met, and shown in docs/kernels.md: N=512 without dropout (forward 0.80x DisentangledFlash, 1.00x
+# FlashDeBERTa; backward 1.20x, 1.74x) and the N=512 backward with dropout (0.94x).
+MET = {*((8192, p, pass_, "DisentangledFlash") for p in (0.0, 0.1) for pass_ in ("fwd", "bwd")),
+       (8192, 0.0, "fwd", "FlashDeBERTa"), (8192, 0.0, "bwd", "FlashDeBERTa"), (512, 0.1, "fwd", "DisentangledFlash")}
 
 
 @pytest.mark.integration
@@ -43,12 +48,13 @@ def test_judge_is_calibrated_and_distaff_meets_the_long_sequence_bar(tmp_path: P
     high = {(json.dumps(r["workload"]), r["impl"], r["pass_"]): r["ms_high"] for r in records}
     workloads = {json.dumps(r["workload"]) for r in report["records"]}
     assert len(workloads) == 4, workloads  # two shapes x two dropouts
-    long = [w for w in workloads if json.loads(w)["n"] == 8192]
-    assert len(long) == 2
-    for w in long:
+    for w in workloads:
+        shape = json.loads(w)
         for p in ("fwd", "bwd"):
-            ours, flash = high[(w, "distaff", p)], high[(w, "DisentangledFlash", p)]
-            assert ours <= BAR * flash, (w, p, ours, flash)
+            for peer, bar in (("DisentangledFlash", BAR), ("FlashDeBERTa", FD_BAR)):
+                if (shape["n"], shape["dropout"], p, peer) in MET:
+                    ours, theirs = high[(w, "distaff", p)], high[(w, peer, p)]
+                    assert ours <= bar * theirs, (w, p, peer, ours / theirs)
     ours = [launch for r in records if r["impl"] == "distaff" for launch in r["kernels"]]
     attention = [launch for launch in ours if launch["kernel"] in ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv")]
     assert attention and all(launch["spills"] == 0 for launch in ours), [(x["kernel"], x["spills"]) for x in ours]

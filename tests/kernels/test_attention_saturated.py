@@ -71,9 +71,14 @@ def test_v3_path_fractions_at_the_benchmark_lengths() -> None:
     assert fractions[0] == 0.0 and 0.4 < fractions[1] < 0.6 and 0.8 < fractions[2] < 0.9, fractions
 
 
-def test_kernels_take_the_saturated_path_on_exactly_the_saturated_tiles(monkeypatch) -> None:
+@pytest.mark.parametrize("tiles", [attention.INTERPRETER_TILES, attention.Tiles(32, 32, 4, 1)],
+                         ids=["paths-apart", "one-loop"])
+def test_kernels_take_the_saturated_path_on_exactly_the_saturated_tiles(tiles, monkeypatch) -> None:
     """Every tile's scores come from exactly one of the two paths, in each of the three kernels: the end
-    terms on the saturated tiles, the skewed window products on the others."""
+    terms on the saturated tiles, the skewed window products on the others; whether the forward walks the
+    paths in separate loops (key ranges from the host's limits) or reads each tile's path from the table."""
+    assert tiles.paths_apart == (tiles is attention.INTERPRETER_TILES)
+    monkeypatch.setattr(attention, "INTERPRETER_TILES", tiles)
     calls = {"saturated": 0, "general": 0}
 
     def counted(name, fn):
@@ -83,7 +88,7 @@ def test_kernels_take_the_saturated_path_on_exactly_the_saturated_tiles(monkeypa
         return wrapper
 
     monkeypatch.setattr(attention, "_end_bias", counted("saturated", attention._end_bias))
-    monkeypatch.setattr(attention, "_skewed_bias", counted("general", attention._skewed_bias))
+    monkeypatch.setattr(attention, "_skewed_read", counted("general", attention._skewed_read))
     batch, heads, n = 1, 2, 130
     paths = attention.tile_paths(n, attention.INTERPRETER_TILES, BUCKETS, MAX_REL)
     assert paths.saturated > 0 and paths.general > 0, paths
@@ -116,9 +121,13 @@ def test_saturated_tiles_match_the_reference(c2p, p2c, dtype) -> None:
 
 
 @pytest.mark.parametrize("tiles", [attention.Tiles(16, 16, 8, 1), attention.Tiles(32, 16, 4, 1),
-                                   attention.Tiles(16, 32, 4, 1)], ids=["16x16", "32x16", "16x32"])
+                                   attention.Tiles(16, 32, 4, 1, hoist=False), attention.Tiles(32, 16, 2, 1),
+                                   attention.Tiles(16, 32, 1, 1), attention.Tiles(32, 32, 2, 1, hoist=False)],
+                         ids=["16x16", "32x16", "16x32-unhoisted", "32x16-apart", "16x32-apart",
+                              "32x32-apart-unhoisted"])
 def test_saturated_gpu_and_rectangular_tiles(tiles, monkeypatch) -> None:
-    """Small and rectangular tiles (windows of other widths, partly saturated windows) on both paths."""
+    """Small and rectangular tiles (windows of other widths, partly saturated windows) on both paths, with
+    the forward's paths in one loop or apart, window rows hoisted or not."""
     monkeypatch.setattr(attention, "INTERPRETER_TILES", tiles)
     n = 80
     _saturated_tiles(n)

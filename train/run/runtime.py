@@ -37,7 +37,7 @@ from distaff.train.core.verbosity import VERBOSE_FLAG, take_verbose_flag
 from distaff.train.core.watchdog import Watchdog
 from distaff.train.model.config import ModelConfig
 from distaff.train.run.checkpoint import Checkpointer, Stateful, latest_checkpoint
-from distaff.train.run.config import ConfigError, config_fingerprint, fingerprinted
+from distaff.train.run.config import ConfigError, changed_keys, config_fingerprint, fingerprinted
 from distaff.train.run.engine import initialize, set_lr
 from distaff.train.run.metrics import MetricsLogger, TensorBoardSink, WandbSink, system_info
 from distaff.train.run.steps import optimizer_step, train_step
@@ -216,6 +216,11 @@ class RunBase:
         if self.finished_before:
             if self.layout.is_main:
                 print(f"distaff: {cfg.out_dir} is finished: {self._finished_line()}", flush=True)
+                ignored = self._changed_since_finished()
+                if ignored:
+                    print(f"distaff: warning: changed since that run finished, and applied to nothing (it trains no "
+                          f"further step): {'; '.join(ignored)}. To train with them, start a new run "
+                          "(another run.out_dir)", flush=True)
             return 0
         self.watchdog = Watchdog(cfg.distributed.watchdog_s or cfg.distributed.timeout_s, cfg.out_dir,
                                  self.layout.rank)
@@ -326,6 +331,17 @@ class RunBase:
     def _summary(self) -> dict[str, Any]:
         """Rank 0: the run's figures for ``summary.json``; draws the plot and prints a report."""
         raise NotImplementedError
+
+    def _changed_since_finished(self) -> list[str]:
+        """``key: old -> new`` for each fingerprinted value this invocation asks for that differs from what the
+        finished run in ``out_dir`` recorded (none when its summary is missing or unreadable)."""
+        try:
+            recorded = json.loads((self.cfg.out_dir / SUMMARY_FILE).read_text()).get("fingerprinted_config")
+        except (OSError, ValueError, AttributeError):
+            return []
+        if not isinstance(recorded, dict):
+            return []
+        return changed_keys(recorded, fingerprinted(self._resolved_config()))
 
     def _close(self, exit_code: int) -> None:
         """Rank 0 writes ``summary.json``; ``finished`` says whether the run is complete (a run stopped by a
