@@ -104,11 +104,11 @@ def _load_stat(ptr, row0, offs_r, seq_len, other):
 
 
 @triton.jit
-def _saturated(table_ptr, r0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TWO_SPAN: tl.constexpr):
-    """Whether the tile whose window starts at distance ``r0`` lies wholly in bucket 0 or in the top
-    bucket (the table is monotone: its two ends decide), and whether that end is the top."""
-    t_lo = tl.load(table_ptr + r0)
-    t_hi = tl.load(table_ptr + r0 + BLOCK_M + BLOCK_N - 2)
+def _saturated(table_row, TWO_SPAN: tl.constexpr):
+    """Whether the tile whose table reads are ``table_row`` (:func:`_tile_table`) lies wholly in bucket 0 or in
+    the top bucket (the table is monotone: its window's two end buckets decide), and whether that end is the
+    top."""
+    t_lo, t_hi, _ = table_row
     return (t_lo == t_hi) & ((t_lo == 0) | (t_lo == TWO_SPAN - 1)), t_lo != 0
 
 
@@ -148,6 +148,30 @@ def _window_buckets(table_ptr, r0, WINDOW: tl.constexpr, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def _tile_table(table_ptr, r0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+                SPLIT: tl.constexpr):
+    """What the tile whose window starts at distance ``r0`` reads from the bucket table: its window's two end
+    buckets (its path) and its window's buckets (a general tile's rows)."""
+    t_lo = tl.load(table_ptr + r0)
+    t_hi = tl.load(table_ptr + r0 + BLOCK_M + BLOCK_N - 2)
+    return t_lo, t_hi, _window_buckets(table_ptr, r0, WINDOW, SPLIT)
+
+
+@triton.jit
+def _table_ahead(table_ptr, ahead, r0, step, AHEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 WINDOW: tl.constexpr, SPLIT: tl.constexpr):
+    """``(this tile's table reads, what the loop carries)`` in a loop whose next tile's window starts ``step``
+    further: read a tile ahead when ``AHEAD`` (``ahead`` holds this tile's), else now (so the reads the path
+    test and the row gathers wait on have arrived when the tile starts). The table reaches a tile past either end."""
+    if AHEAD:  # the path's two end buckets a tile ahead; the window's buckets now (registers)
+        current = (ahead[0], ahead[1], _window_buckets(table_ptr, r0, WINDOW, SPLIT))
+        ahead = _tile_table(table_ptr, r0 + step, BLOCK_M, BLOCK_N, WINDOW, 0)
+    else:  # no window buckets: the products load them slice by slice
+        current = _tile_table(table_ptr, r0, BLOCK_M, BLOCK_N, WINDOW, 0)
+    return current, ahead
+
+
+@triton.jit
 def _window_rows(KR, QR, buckets, offs_d, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr,
                  HAS_P2C: tl.constexpr):
     """The position rows of a window, ``Krw[c] = Kr[bucket(r0 + c)]`` and ``Qrw`` alike, as tuples of
@@ -184,7 +208,7 @@ def _store_window_products(q, k, krw, qrw, scratch, offs_m, offs_n, BLOCK_M: tl.
 
 
 @triton.jit
-def _window_products(q, k, KR, QR, table_ptr, scratch, r0, offs_m, offs_n, offs_d, HOIST: tl.constexpr,
+def _window_products(q, k, KR, QR, table_ptr, r0, buckets, scratch, offs_m, offs_n, offs_d, HOIST: tl.constexpr,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr,
                      HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, PRECISION: tl.constexpr):
     """A general tile's window products into ``scratch``, computed in ``SPLIT`` column slices to bound
@@ -193,20 +217,19 @@ def _window_products(q, k, KR, QR, table_ptr, scratch, r0, offs_m, offs_n, offs_
     trips one after another. Without it, each row block is loaded just before its product (fewest live
     registers)."""
     if HOIST:
-        krw, qrw = _window_rows(KR, QR, _window_buckets(table_ptr, r0, WINDOW, SPLIT), offs_d, HEAD_DIM, SPLIT,
-                                HAS_C2P, HAS_P2C)
+        krw, qrw = _window_rows(KR, QR, buckets, offs_d, HEAD_DIM, SPLIT, HAS_C2P, HAS_P2C)
         _store_window_products(q, k, krw, qrw, scratch, offs_m, offs_n, BLOCK_M, WINDOW, SPLIT, HAS_C2P, HAS_P2C,
                                PRECISION)
     else:
         for h in tl.static_range(SPLIT):
             cols = h * (WINDOW // SPLIT) + tl.arange(0, WINDOW // SPLIT)
-            buckets = tl.load(table_ptr + r0 + cols)
+            slice_buckets = tl.load(table_ptr + r0 + cols)
             if HAS_C2P:
-                _window_product(q, _position_rows(KR, buckets, offs_d, HEAD_DIM), scratch, 0, offs_m, cols, WINDOW,
-                                PRECISION)
-            if HAS_P2C:
-                _window_product(k, _position_rows(QR, buckets, offs_d, HEAD_DIM), scratch, BLOCK_M, offs_n, cols,
+                _window_product(q, _position_rows(KR, slice_buckets, offs_d, HEAD_DIM), scratch, 0, offs_m, cols,
                                 WINDOW, PRECISION)
+            if HAS_P2C:
+                _window_product(k, _position_rows(QR, slice_buckets, offs_d, HEAD_DIM), scratch, BLOCK_M, offs_n,
+                                cols, WINDOW, PRECISION)
 
 
 @triton.jit
@@ -299,8 +322,8 @@ PER_TILE = tl.constexpr(3)   # any of the above, read per tile from the bucket t
 
 
 @triton.jit
-def _tile_scores(q, k, KR, QR, table_ptr, mask_ptr, END, scratch, stat_off, stat_numel, i0, j0, seq_len, scale,
-                 offs_m, offs_n, offs_d, general,
+def _tile_scores(q, k, KR, QR, table_ptr, table_row, mask_ptr, END, scratch, stat_off, stat_numel, i0, j0, seq_len,
+                 scale, offs_m, offs_n, offs_d, general,
                  TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  WINDOW: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr,
                  HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr, TRANSPOSED: tl.constexpr,
@@ -312,16 +335,15 @@ def _tile_scores(q, k, KR, QR, table_ptr, mask_ptr, END, scratch, stat_off, stat
         s = tl.dot(k, tl.trans(q), input_precision=PRECISION)
     else:
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    r0 = i0 - j0 - (BLOCK_N - 1)
-    saturated, top = _saturated(table_ptr, r0, BLOCK_M, BLOCK_N, TWO_SPAN)
+    saturated, top = _saturated(table_row, TWO_SPAN)
     if HAS_C2P or HAS_P2C:
         if saturated:
             s += _end_bias(END, stat_off, stat_numel, i0, j0, offs_m, offs_n, seq_len, top, BLOCK_M, BLOCK_N,
                            HAS_C2P, HAS_P2C, TRANSPOSED)
         else:
             buffer = scratch + (general % 2) * ((BLOCK_M + BLOCK_N) * WINDOW)
-            _window_products(q, k, KR, QR, table_ptr, buffer, r0, offs_m, offs_n, offs_d, HOIST, HEAD_DIM, BLOCK_M,
-                             WINDOW, SPLIT, HAS_C2P, HAS_P2C, PRECISION)
+            _window_products(q, k, KR, QR, table_ptr, i0 - j0 - (BLOCK_N - 1), table_row[2], buffer, offs_m, offs_n,
+                             offs_d, HOIST, HEAD_DIM, BLOCK_M, WINDOW, SPLIT, HAS_C2P, HAS_P2C, PRECISION)
             s += _skewed_read(buffer, offs_m, offs_n, BLOCK_M, BLOCK_N, WINDOW, HAS_C2P, HAS_P2C, TRANSPOSED)
             general += 1
     visible = _visible(mask_ptr, i0, j0, offs_m, offs_n, seq_len, BLOCK_M, BLOCK_N, HAS_MASK, MASK_DIAGONAL,
@@ -499,6 +521,9 @@ def _fwd_tiles(acc, m_i, l_i, q, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0
     buckets = ()
     if PATH == GENERAL:
         buckets = _window_buckets(TABLE, i0 - j_start - (BLOCK_N - 1), WINDOW, SPLIT)
+    ahead = ()
+    if PATH == PER_TILE and HOIST:
+        ahead = _tile_table(TABLE, i0 - j_start - (BLOCK_N - 1), BLOCK_M, BLOCK_N, WINDOW, 0)
     for j0 in range(j_start, j_end, BLOCK_N):
         current = buckets
         if PATH == GENERAL and HOIST:  # the next tile's buckets, a tile ahead (the table reaches past the last)
@@ -507,7 +532,9 @@ def _fwd_tiles(acc, m_i, l_i, q, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0
             current = _window_buckets(TABLE, i0 - j0 - (BLOCK_N - 1), WINDOW, SPLIT)
         k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
         if PATH == PER_TILE:
-            s, _, _, general = _tile_scores(q, k, KR, QR, TABLE, mask_ptr, END, scratch, stat_off, stat_numel, i0,
+            row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), -BLOCK_N, HOIST, BLOCK_M, BLOCK_N,
+                                      WINDOW, SPLIT)
+            s, _, _, general = _tile_scores(q, k, KR, QR, TABLE, row, mask_ptr, END, scratch, stat_off, stat_numel, i0,
                                             j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM,
                                             BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK,
                                             MASK_DIAGONAL, False, HOIST, PRECISION)
@@ -645,11 +672,16 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
     sums_hi = tl.zeros([BLOCK_M], tl.float32)
     general = 0
     first, last = seq_len, -BLOCK_N  # key blocks of the general tiles
+    ahead = ()
+    if HOIST:
+        ahead = _tile_table(TABLE, i0 - (BLOCK_N - 1), BLOCK_M, BLOCK_N, WINDOW, 0)
     for j0 in range(0, seq_len, BLOCK_N):
+        row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), -BLOCK_N, HOIST, BLOCK_M, BLOCK_N, WINDOW,
+                                  SPLIT)
         k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
         v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
         s, saturated, top, general = _tile_scores(
-            q, k, KR + rel_off, QR + rel_off, TABLE, mask_ptr, END, scratch, stat_off, stat_numel, i0, j0, seq_len,
+            q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, END, scratch, stat_off, stat_numel, i0, j0, seq_len,
             scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C,
             HAS_MASK, MASK_DIAGONAL, False, HOIST, PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -726,13 +758,18 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
     sums_hi = tl.zeros([BLOCK_N], tl.float32)
     general = 0
     first, last = seq_len, -BLOCK_M  # query blocks of the general tiles
+    ahead = ()
+    if HOIST:
+        ahead = _tile_table(TABLE, -j0 - (BLOCK_N - 1), BLOCK_M, BLOCK_N, WINDOW, 0)
     for i0 in range(0, seq_len, BLOCK_M):
+        row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), BLOCK_M, HOIST, BLOCK_M, BLOCK_N, WINDOW,
+                                  SPLIT)
         q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)
         do = _load_rows(DO + base, i0, offs_m, offs_d, stride_n, seq_len)
         lse = _load_stat(LSE + stat_off, i0, offs_m, seq_len, float("inf"))
         delta = _load_stat(DELTA + stat_off, i0, offs_m, seq_len, 0.0)
         s, saturated, top, general = _tile_scores(
-            q, k, KR + rel_off, QR + rel_off, TABLE, mask_ptr, END, scratch, stat_off, stat_numel, i0, j0, seq_len,
+            q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, END, scratch, stat_off, stat_numel, i0, j0, seq_len,
             scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C,
             HAS_MASK, MASK_DIAGONAL, True, HOIST, PRECISION)
         dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -873,8 +910,8 @@ _TILES = {
     # sm_80: 32 x 16 20-48 B, 16 x 16 on 2 88-116 B); 16 x 16 on 4 warps repeats half its products (issued /
     # unique 2.0) and spills nothing: the one exception to the no-repetition rule.
     # d = 128 forward, sm_90: window products in 32-column slices (64 spilled 4 B with the diagonal mask), rows
-    # not hoisted (hoisted, 4 B spilled).
-    ("half", 128, 90): dict(fwd=_T(64, 64, 8, 1, columns=32, hoist=False), dq=_T(32, 64, 8, 1),
+    # not hoisted (hoisted, 4 B spilled; dq 12 B).
+    ("half", 128, 90): dict(fwd=_T(64, 64, 8, 1, columns=32, hoist=False), dq=_T(32, 64, 8, 1, hoist=False),
                             dkdv=_T(16, 16, 4, 1)),
     ("half", 64, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
     ("half", 128, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 32, 4, 1), dkdv=_T(16, 16, 4, 1)),
