@@ -161,9 +161,11 @@ def _tile_table(table_ptr, r0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIN
 def _table_ahead(table_ptr, ahead, r0, step, AHEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  WINDOW: tl.constexpr, SPLIT: tl.constexpr):
     """``(this tile's table reads, what the loop carries)`` in a loop whose next tile's window starts ``step``
-    further: read a tile ahead when ``AHEAD`` (``ahead`` holds this tile's), else now (so the reads the path
-    test and the row gathers wait on have arrived when the tile starts). The table reaches a tile past either end."""
-    if AHEAD:  # the path's two end buckets a tile ahead; the window's buckets now (registers)
+    further. With ``AHEAD`` the two end buckets (the path test) come from ``ahead``, read a tile earlier, and
+    the window's buckets are read at the tile's start, so the row gathers no longer wait behind the path test
+    (reading them a tile ahead too spilled); ``ahead`` gets the next tile's ends (the table reaches a tile past
+    either end). Without it the ends are read now and the products read their buckets slice by slice."""
+    if AHEAD:
         current = (ahead[0], ahead[1], _window_buckets(table_ptr, r0, WINDOW, SPLIT))
         ahead = _tile_table(table_ptr, r0 + step, BLOCK_M, BLOCK_N, WINDOW, 0)
     else:  # no window buckets: the products load them slice by slice
