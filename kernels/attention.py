@@ -105,7 +105,7 @@ def _load_stat(ptr, row0, offs_r, seq_len, other):
 
 @triton.jit
 def _saturated(table_row, TWO_SPAN: tl.constexpr):
-    """Whether the tile whose table reads are ``table_row`` (:func:`_tile_table`) lies wholly in bucket 0 or in
+    """Whether the tile whose table reads are ``table_row`` (:func:`_table_ahead`) lies wholly in bucket 0 or in
     the top bucket (the table is monotone: its window's two end buckets decide), and whether that end is the
     top."""
     t_lo, t_hi, _ = table_row
@@ -148,28 +148,26 @@ def _window_buckets(table_ptr, r0, WINDOW: tl.constexpr, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _tile_table(table_ptr, r0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
-                SPLIT: tl.constexpr):
-    """What the tile whose window starts at distance ``r0`` reads from the bucket table: its window's two end
-    buckets (its path) and its window's buckets (a general tile's rows)."""
-    t_lo = tl.load(table_ptr + r0)
-    t_hi = tl.load(table_ptr + r0 + BLOCK_M + BLOCK_N - 2)
-    return t_lo, t_hi, _window_buckets(table_ptr, r0, WINDOW, SPLIT)
+def _path_ends(table_ptr, r0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The two end buckets of the window starting at distance ``r0``: they decide the tile's path."""
+    return tl.load(table_ptr + r0), tl.load(table_ptr + r0 + BLOCK_M + BLOCK_N - 2)
 
 
 @triton.jit
 def _table_ahead(table_ptr, ahead, r0, step, AHEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  WINDOW: tl.constexpr, SPLIT: tl.constexpr):
-    """``(this tile's table reads, what the loop carries)`` in a loop whose next tile's window starts ``step``
-    further. With ``AHEAD`` the two end buckets (the path test) come from ``ahead``, read a tile earlier, and
+    """``((t_lo, t_hi, window buckets), what the loop carries)``: this tile's table reads in a loop whose next
+    tile's window starts ``step`` further. With ``AHEAD`` the two end buckets (the path test) come from
+    ``ahead`` (:func:`_path_ends`), read a tile earlier, and
     the window's buckets are read at the tile's start, so the row gathers no longer wait behind the path test
     (reading them a tile ahead too spilled); ``ahead`` gets the next tile's ends (the table reaches a tile past
     either end). Without it the ends are read now and the products read their buckets slice by slice."""
     if AHEAD:
         current = (ahead[0], ahead[1], _window_buckets(table_ptr, r0, WINDOW, SPLIT))
-        ahead = _tile_table(table_ptr, r0 + step, BLOCK_M, BLOCK_N, WINDOW, 0)
+        ahead = _path_ends(table_ptr, r0 + step, BLOCK_M, BLOCK_N)
     else:  # no window buckets: the products load them slice by slice
-        current = _tile_table(table_ptr, r0, BLOCK_M, BLOCK_N, WINDOW, 0)
+        t_lo, t_hi = _path_ends(table_ptr, r0, BLOCK_M, BLOCK_N)
+        current = (t_lo, t_hi, ())
     return current, ahead
 
 
@@ -490,7 +488,7 @@ def _path_scores(q, k, V, KR, QR, buckets, mask_ptr, END, scratch, stat_off, sta
                  PRECISION: tl.constexpr):
     """The forward's scores of tile ``(i0, j0)`` on path ``PATH``, as :func:`_tile_scores` gives them, and the
     tile's V rows, loaded where they cost least (a general tile's after its window products). A general tile's
-    window ``buckets`` were loaded a tile ahead."""
+    window ``buckets`` come from the caller (loaded a tile ahead when it hoists)."""
     if PATH == GENERAL:  # first: the round trip the products wait for
         krw, qrw = _window_rows(KR, QR, buckets, offs_d, HEAD_DIM, SPLIT, HAS_C2P, HAS_P2C)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
@@ -525,7 +523,7 @@ def _fwd_tiles(acc, m_i, l_i, q, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0
         buckets = _window_buckets(TABLE, i0 - j_start - (BLOCK_N - 1), WINDOW, SPLIT)
     ahead = ()
     if PATH == PER_TILE and HOIST:
-        ahead = _tile_table(TABLE, i0 - j_start - (BLOCK_N - 1), BLOCK_M, BLOCK_N, WINDOW, 0)
+        ahead = _path_ends(TABLE, i0 - j_start - (BLOCK_N - 1), BLOCK_M, BLOCK_N)
     for j0 in range(j_start, j_end, BLOCK_N):
         current = buckets
         if PATH == GENERAL and HOIST:  # the next tile's buckets, a tile ahead (the table reaches past the last)
@@ -676,7 +674,7 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
     first, last = seq_len, -BLOCK_N  # key blocks of the general tiles
     ahead = ()
     if HOIST:
-        ahead = _tile_table(TABLE, i0 - (BLOCK_N - 1), BLOCK_M, BLOCK_N, WINDOW, 0)
+        ahead = _path_ends(TABLE, i0 - (BLOCK_N - 1), BLOCK_M, BLOCK_N)
     for j0 in range(0, seq_len, BLOCK_N):
         row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), -BLOCK_N, HOIST, BLOCK_M, BLOCK_N, WINDOW,
                                   SPLIT)
@@ -762,7 +760,7 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
     first, last = seq_len, -BLOCK_M  # query blocks of the general tiles
     ahead = ()
     if HOIST:
-        ahead = _tile_table(TABLE, -j0 - (BLOCK_N - 1), BLOCK_M, BLOCK_N, WINDOW, 0)
+        ahead = _path_ends(TABLE, -j0 - (BLOCK_N - 1), BLOCK_M, BLOCK_N)
     for i0 in range(0, seq_len, BLOCK_M):
         row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), BLOCK_M, HOIST, BLOCK_M, BLOCK_N, WINDOW,
                                   SPLIT)
