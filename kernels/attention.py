@@ -173,16 +173,20 @@ def _table_ahead(table_ptr, ahead, r0, step, AHEAD: tl.constexpr, BLOCK_M: tl.co
 
 @triton.jit
 def _window_rows(KR, QR, buckets, offs_d, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr,
-                 HAS_P2C: tl.constexpr):
+                 HAS_P2C: tl.constexpr, C2P_LAST: tl.constexpr):
     """The position rows of a window, ``Krw[c] = Kr[bucket(r0 + c)]`` and ``Qrw`` alike, as tuples of
-    ``SPLIT`` column slices ``[WINDOW / SPLIT, d]``, from its buckets (:func:`_window_buckets`)."""
+    ``SPLIT`` column slices ``[WINDOW / SPLIT, d]``, from its buckets (:func:`_window_buckets`). One term's
+    rows are loaded after the other's: ``C2P_LAST`` when the query side has fewer than 64 rows. That term's
+    product is an ``mma.sync`` whose row operand is converted through shared memory, behind a barrier, right
+    after its load; a load after that barrier cannot be issued before it, so the other term's rows go first."""
     krw = ()
     qrw = ()
-    for h in tl.static_range(SPLIT):
-        if HAS_C2P:
-            krw = krw + (_position_rows(KR, buckets[h], offs_d, HEAD_DIM),)
-        if HAS_P2C:
-            qrw = qrw + (_position_rows(QR, buckets[h], offs_d, HEAD_DIM),)
+    for term in tl.static_range(2):
+        for h in tl.static_range(SPLIT):
+            if HAS_C2P and (term == 1) == C2P_LAST:
+                krw = krw + (_position_rows(KR, buckets[h], offs_d, HEAD_DIM),)
+            if HAS_P2C and (term == 0) == C2P_LAST:
+                qrw = qrw + (_position_rows(QR, buckets[h], offs_d, HEAD_DIM),)
     return krw, qrw
 
 
@@ -217,7 +221,7 @@ def _window_products(q, k, KR, QR, table_ptr, r0, buckets, scratch, offs_m, offs
     trips one after another. Without it, each row block is loaded just before its product (fewest live
     registers)."""
     if HOIST:
-        krw, qrw = _window_rows(KR, QR, buckets, offs_d, HEAD_DIM, SPLIT, HAS_C2P, HAS_P2C)
+        krw, qrw = _window_rows(KR, QR, buckets, offs_d, HEAD_DIM, SPLIT, HAS_C2P, HAS_P2C, BLOCK_M < 64)
         _store_window_products(q, k, krw, qrw, scratch, offs_m, offs_n, BLOCK_M, WINDOW, SPLIT, HAS_C2P, HAS_P2C,
                                PRECISION)
     else:
@@ -364,27 +368,16 @@ def _store_band(band, ds, r0, lo, offs_m, offs_n, BAND: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
-def _accumulate_rows(part_ptr, first, offs_c, offs_d, grad, HEAD_DIM: tl.constexpr):
-    """``part[first + u] += grad[u]`` in this program's own partial buffer, which has ``CHUNK`` rows of
-    padding past its ``2k`` so that no row needs a mask (the rows past a chunk's buckets add zeros).
-
-    The next read-modify-write may touch the same rows from other threads of the block: the barrier
-    (``bar.sync``) makes these stores visible to every warp first."""
-    ptrs = part_ptr + (first + offs_c)[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(ptrs, tl.load(ptrs) + grad)
-    tl.debug_barrier()
-
-
-@triton.jit
 def _accumulate_row(row_ptr, offs_d, row_grad):
-    """``part[t] += row_grad`` for one bucket (same barrier as ``_accumulate_rows``)."""
+    """``part[t] += row_grad`` for one bucket of this program's own partial buffer. The barrier (``bar.sync``)
+    makes the stores visible to every warp before the next read-modify-write, which may touch the row."""
     tl.store(row_ptr + offs_d, tl.load(row_ptr + offs_d) + row_grad)
     tl.debug_barrier()
 
 
 @triton.jit
-def _band_gradients(acc, own, band, table_ptr, rel_ptr, part_ptr, fold_ptr, merge_ptr, lo, fold_lo, block0,
-                    d_lo, d_hi, first, last, offs_r, offs_d, HEAD_DIM: tl.constexpr, BAND: tl.constexpr,
+def _band_gradients(acc, own, band, rel_ptr, part_ptr, fold_ptr, merge_ptr, lo, fold_lo, block0, d_lo, d_hi, first,
+                    last, offs_r, offs_d, HEAD_DIM: tl.constexpr, BAND: tl.constexpr,
                     CHUNK: tl.constexpr, OTHER: tl.constexpr, SIGN: tl.constexpr, PRECISION: tl.constexpr):
     """One position term's gradients from a block's band (distances ``d_lo..d_hi`` of its general tiles):
     ``acc[r] += sum_dist band[r, dist] rel[bucket(dist)]`` and
@@ -393,27 +386,38 @@ def _band_gradients(acc, own, band, table_ptr, rel_ptr, part_ptr, fold_ptr, merg
     Band row ``r`` is token ``block0 + r`` of the program's own side; its partner at distance ``dist`` is
     token ``block0 + r - SIGN * dist`` (``SIGN`` 1 for queries, -1 for keys), valid when it lies in a
     general tile (``first .. last + OTHER``). Distances go in chunks of ``CHUNK`` aligned to ``fold_lo``; a
-    chunk's buckets are contiguous (its first bucket and count in ``fold_ptr``), and unless they are one-to-one
-    with its distances its columns are merged by the chunk's one-hot ``[distance, bucket]`` matrix
-    (``merge_ptr``), both precomputed on the host (``band_folds``).
+    chunk's buckets are contiguous (its first bucket and count in ``fold_ptr``, read a chunk ahead), and its
+    one-hot ``[distance, bucket]`` matrix (``merge_ptr``; both precomputed on the host by ``band_folds``)
+    merges its columns into bucket columns: ``merged = band_chunk @ one_hot``, then ``acc += merged rel[b..]``
+    and ``part[b..] += merged^T own``. Every load of a chunk then depends only on the loop index and the
+    bucket read a chunk before, so its round trips overlap instead of following one another (bucket table,
+    then gathered rows; bucket count, then one-hot; first bucket, then partials).
     """
     offs_c = tl.arange(0, CHUNK)
     d_hi = tl.where(last >= first, d_hi, d_lo - 1)  # no general tile: nothing to read
-    for c0 in range(fold_lo + (d_lo - fold_lo) // CHUNK * CHUNK, d_hi + 1, CHUNK):
+    c_start = fold_lo + (d_lo - fold_lo) // CHUNK * CHUNK
+    fold = fold_ptr + 2 * ((c_start - fold_lo) // CHUNK)
+    b_lo = tl.load(fold, mask=c_start <= d_hi, other=0)
+    count = tl.load(fold + 1, mask=c_start <= d_hi, other=0)
+    for c0 in range(c_start, d_hi + 1, CHUNK):
         dist = c0 + offs_c
         partner = (block0 + offs_r)[:, None] - SIGN * dist[None, :]
         ok = (partner >= first) & (partner < last + OTHER) & ((dist >= d_lo) & (dist <= d_hi))[None, :]
         chunk = tl.load(band + offs_r[:, None] * BAND + (dist - lo)[None, :], mask=ok, other=0.0)
-        rel = tl.load(rel_ptr + tl.load(table_ptr + dist)[:, None] * HEAD_DIM + offs_d[None, :])
-        acc = tl.dot(chunk, rel, acc, input_precision=PRECISION)
         index = (c0 - fold_lo) // CHUNK
-        b_lo = tl.load(fold_ptr + 2 * index)
-        count = tl.load(fold_ptr + 2 * index + 1)
-        if count != CHUNK:  # several distances per bucket: merge
-            one_hot = tl.load(merge_ptr + index * CHUNK * CHUNK + offs_c[:, None] * CHUNK + offs_c[None, :])
-            chunk = tl.dot(chunk, one_hot, input_precision=PRECISION).to(own.dtype)
-        _accumulate_rows(part_ptr, b_lo, offs_c, offs_d,
-                         tl.dot(tl.trans(chunk), own, input_precision=PRECISION), HEAD_DIM)
+        one_hot = tl.load(merge_ptr + index * CHUNK * CHUNK + offs_c[:, None] * CHUNK + offs_c[None, :])
+        rows = b_lo + offs_c
+        rel = tl.load(rel_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=(offs_c < count)[:, None], other=0.0)
+        # the partial buffer has CHUNK rows of padding past its 2k: the rows past the chunk's buckets add zeros
+        part = part_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :]
+        old = tl.load(part)
+        more = c0 + CHUNK <= d_hi
+        b_lo = tl.load(fold_ptr + 2 * (index + 1), mask=more, other=0)
+        count = tl.load(fold_ptr + 2 * (index + 1) + 1, mask=more, other=0)
+        merged = tl.dot(chunk, one_hot, input_precision=PRECISION).to(own.dtype)
+        acc = tl.dot(merged, rel, acc, input_precision=PRECISION)
+        tl.store(part, old + tl.dot(tl.trans(merged), own, input_precision=PRECISION))
+        tl.debug_barrier()  # the next chunk's partial rows may overlap these: every warp's stores first
     return acc
 
 
@@ -490,7 +494,7 @@ def _path_scores(q, k, V, KR, QR, buckets, mask_ptr, END, scratch, stat_off, sta
     tile's V rows, loaded where they cost least (a general tile's after its window products). A general tile's
     window ``buckets`` come from the caller (loaded a tile ahead when it hoists)."""
     if PATH == GENERAL:  # first: the round trip the products wait for
-        krw, qrw = _window_rows(KR, QR, buckets, offs_d, HEAD_DIM, SPLIT, HAS_C2P, HAS_P2C)
+        krw, qrw = _window_rows(KR, QR, buckets, offs_d, HEAD_DIM, SPLIT, HAS_C2P, HAS_P2C, BLOCK_M < 64)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if PATH == GENERAL:
         # consecutive general tiles alternate two scratch buffers: a tile's stores never race the last one's loads
@@ -701,7 +705,7 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
     if HAS_C2P:
         tl.debug_barrier()
         q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)  # reloaded: not held across the loop
-        dq = _band_gradients(dq, q, band, TABLE, KR + rel_off, part_ptr, FOLD, MERGE, band_lo, lo, i0,
+        dq = _band_gradients(dq, q, band, KR + rel_off, part_ptr, FOLD, MERGE, band_lo, lo, i0,
                              i0 - last - (BLOCK_N - 1), i0 - first + BLOCK_M - 1, first, last, offs_m, offs_d, HEAD_DIM,
                              BAND, CHUNK, BLOCK_N, 1, PRECISION)
         dq = _end_gradients(dq, q, sums_lo, sums_hi, KR + rel_off, part_ptr, offs_d, TWO_SPAN, HEAD_DIM)
@@ -720,7 +724,7 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, 
     """Program (p, head) walks a run of (sequence, query block) items of one head into one partial dKr."""
     pid, head = tl.program_id(0), tl.program_id(1)
     program = (head * tl.num_programs(0) + pid).to(tl.int64)
-    part_ptr = DKR_PART + program * (TWO_SPAN + CHUNK) * HEAD_DIM  # padded rows: see _accumulate_rows
+    part_ptr = DKR_PART + program * (TWO_SPAN + CHUNK) * HEAD_DIM  # padded rows: see _band_gradients
     scratch = SCRATCH + program * scratch_elements
     blocks = tl.cdiv(n_ctx, BLOCK_M)
     first = pid * items_per_program
@@ -791,7 +795,7 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
         tl.debug_barrier()
         k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)  # reloaded: not held across the loop
         # key b at distance dist pairs with query j0 + b + dist: band rows are keys, SIGN -1
-        dk = _band_gradients(dk, k, band, TABLE, QR + rel_off, part_ptr, FOLD, MERGE, band_lo, lo, j0,
+        dk = _band_gradients(dk, k, band, QR + rel_off, part_ptr, FOLD, MERGE, band_lo, lo, j0,
                              first - j0 - (BLOCK_N - 1), last + BLOCK_M - 1 - j0, first, last, offs_n, offs_d, HEAD_DIM,
                              BAND, CHUNK, BLOCK_M, -1, PRECISION)
         dk = _end_gradients(dk, k, sums_lo, sums_hi, QR + rel_off, part_ptr, offs_d, TWO_SPAN, HEAD_DIM)
@@ -811,7 +815,7 @@ def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA
     """Program (p, head) walks a run of (sequence, key block) items of one head into one partial dQr."""
     pid, head = tl.program_id(0), tl.program_id(1)
     program = (head * tl.num_programs(0) + pid).to(tl.int64)
-    part_ptr = DQR_PART + program * (TWO_SPAN + CHUNK) * HEAD_DIM  # padded rows: see _accumulate_rows
+    part_ptr = DQR_PART + program * (TWO_SPAN + CHUNK) * HEAD_DIM  # padded rows: see _band_gradients
     scratch = SCRATCH + program * scratch_elements
     blocks = tl.cdiv(n_ctx, BLOCK_N)
     first = pid * items_per_program
@@ -1129,6 +1133,20 @@ class _Problem:
         top = self.table.top_start if self.table.top == self.two_span - 1 else 2 ** 30
         return {"top_start": top, "bottom_end": self.table.bottom_end}
 
+    def saturates(self, q: torch.Tensor) -> bool:
+        """Whether a tile of any kernel can lie wholly in bucket 0 or the top bucket: only such a tile reads the
+        end terms. The highest window of a kernel's tiles starts at ``i0 - (BN - 1)`` for its last query block
+        and key block 0, the lowest ends at ``BM - 1 - j0`` for query block 0 and its last key block (the
+        table is monotone). At 512 tokens and DeBERTa-v3's 512 relative positions no tile saturates."""
+        limits, last = self.saturation_limits(), self.n_ctx - 1
+        for kernel in KERNELS:
+            tiles = self.tiles(kernel, q)
+            highest_start = last // tiles.block_m * tiles.block_m - (tiles.block_n - 1)
+            lowest_end = tiles.block_m - 1 - last // tiles.block_n * tiles.block_n
+            if highest_start >= limits["top_start"] or lowest_end <= limits["bottom_end"]:
+                return True
+        return False
+
     def tiles(self, kernel: str, q: torch.Tensor) -> Tiles:
         return tiles_for(kernel, q.shape[-1], q.dtype, self.cc)
 
@@ -1166,8 +1184,9 @@ class _Problem:
         return delta
 
     def end_terms(self, q, k, pos_key, pos_query) -> torch.Tensor:
-        """``[4, *stat_shape]`` float32: each token's c2p and p2c values against bucket 0 and the top bucket."""
-        if pos_key is None and pos_query is None:
+        """``[4, *stat_shape]`` float32: each token's c2p and p2c values against bucket 0 and the top bucket;
+        nothing to compute (a one-element stand-in, never read) without position terms or saturated tiles."""
+        if (pos_key is None and pos_query is None) or not self.saturates(q):
             return q.new_empty((1,), dtype=torch.float32)
         end = torch.zeros((4, *self.stat_shape), dtype=torch.float32, device=q.device)
         self._rows(_attn_end_terms, q, END_ELEMENTS // q.shape[-1], Q=q, K=k, KR=q if pos_key is None else pos_key,
@@ -1208,7 +1227,7 @@ def attention_forward(q, k, v, pos_key, pos_query, problem: _Problem):
 @dataclass(frozen=True)
 class BackwardBuffers:
     """What one program of a backward kernel keeps in memory: its float32 partial of the kernel's position
-    table gradient (``2k`` rows plus a chunk of padding, see ``_accumulate_rows``) and its scratch (two
+    table gradient (``2k`` rows plus a chunk of padding, see ``_band_gradients``) and its scratch (two
     window-product buffers, the band), both absent without the terms they serve."""
 
     partial_rows: int

@@ -3,9 +3,9 @@ DisentangledFlash 1.1.1 and FlashDeBERTa 0.0.8, compiled for an H100 (sm_90) fro
 code, with no GPU. The figures are ESTIMATES (a latency-aware model over the compiled SASS, calibrated on
 published timings of two kernel designs). The test asserts what holds after issue 30's judge: every
 calibration anchor within 1.5x of its published time at both latency ends; the bar cells the estimate meets
-at its high (600-cycle) end (``MET``: every N=8192 cell against both peers, and the N=512 forward with
-dropout; the N=512 cells without dropout and the N=512 backward are NOT met: docs/kernels.md shows the
-figures); the JSON a planner reads; Hopper's warpgroup MMA in every forward; no product repeated
+at its high (600-cycle) end (``MET``: every N=8192 cell against both peers, and every N=512 cell against
+DisentangledFlash but the backward without dropout; that one and the N=512 cells against FlashDeBERTa are NOT
+met: docs/kernels.md shows the figures); the JSON a planner reads; Hopper's warpgroup MMA in every forward; no product repeated
 across warps; no spill. Compiles are cached with the compile check's."""
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 BAR, FD_BAR, RESIDUAL = 0.8, 0.9, 1.5
 # (N, dropout, pass, peer) cells where the high-end estimate meets the bar (FlashDeBERTa has no attention dropout).
-# Not met, and shown in docs/kernels.md: N=512 without dropout (forward 0.80x DisentangledFlash, 1.00x
-# FlashDeBERTa; backward 1.11x, 1.61x) and the N=512 backward with dropout (0.87x).
-MET = {*((8192, p, pass_, "DisentangledFlash") for p in (0.0, 0.1) for pass_ in ("fwd", "bwd")),
-       (8192, 0.0, "fwd", "FlashDeBERTa"), (8192, 0.0, "bwd", "FlashDeBERTa"), (512, 0.1, "fwd", "DisentangledFlash")}
+# Not met, and shown in docs/kernels.md: the N=512 backward without dropout (0.91x DisentangledFlash) and N=512
+# against FlashDeBERTa (forward 0.96x, backward 1.32x).
+MET = {*((n, p, pass_, "DisentangledFlash") for n in (512, 8192) for p in (0.0, 0.1) for pass_ in ("fwd", "bwd")
+         if (n, p, pass_) != (512, 0.0, "bwd")),
+       (8192, 0.0, "fwd", "FlashDeBERTa"), (8192, 0.0, "bwd", "FlashDeBERTa")}
 
 
 @pytest.mark.integration

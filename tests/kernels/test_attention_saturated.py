@@ -15,6 +15,7 @@ import torch
 from test_attention_triton import DROP, TOL, assert_close, make_inputs, recover_keep_mask, run_with_grads
 
 from distaff.kernels import attention, reference
+from distaff.kernels.contract import AttentionCall
 from distaff.kernels.relative_position import attention_span, relative_position_index
 
 pytestmark = pytest.mark.unit
@@ -69,6 +70,44 @@ def test_v3_path_fractions_at_the_benchmark_lengths() -> None:
     tiles = attention.Tiles(64, 64, 4, 1)
     fractions = [attention.tile_paths(n, tiles, 256, 512).saturated / (n // 64) ** 2 for n in (512, 2048, 8192)]
     assert fractions[0] == 0.0 and 0.4 < fractions[1] < 0.6 and 0.8 < fractions[2] < 0.9, fractions
+
+
+@pytest.mark.parametrize("cc", [80, 90, 100])
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 64), (torch.float16, 32), (torch.float32, 128)])
+@pytest.mark.parametrize("n,buckets,max_rel", [(512, 256, 512), (513, 256, 512), (576, 256, 512), (1024, 256, 512),
+                                               (130, BUCKETS, MAX_REL), (33, BUCKETS, MAX_REL), (300, 32, 128),
+                                               (77, 4, 8), (40, 0, 24)])
+def test_end_terms_are_planned_exactly_when_a_tile_of_some_kernel_saturates(n, buckets, max_rel, dtype, d, cc,
+                                                                            monkeypatch) -> None:
+    """The host skips the end-terms kernel when no tile can saturate (512 tokens at v3's settings); its
+    O(1) test agrees with the tile-by-tile enumeration for every kernel's real tiles on each target."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the GPU tiles, not the interpreter's
+    monkeypatch.setattr(attention, "PLANNED_CAPABILITY", cc)
+    q = torch.empty(1, 2, n, d, dtype=dtype)
+    call = AttentionCall(q, q, q, q.new_empty(2, 2 * attention_span(buckets, max_rel), d), None, buckets, max_rel,
+                         0.0, 0.125)
+    problem = attention.plan(call)[3]
+    saturated = [attention.tile_paths(n, attention.tiles_for(kernel, d, dtype, cc), buckets, max_rel).saturated
+                 for kernel in attention.KERNELS]
+    assert problem.saturates(q) == any(saturated), saturated
+    if not any(saturated):  # a one-element stand-in, no launch
+        assert problem.end_terms(q, q, call.pos_key, None).numel() == 1
+
+
+def test_no_end_terms_at_512_tokens_with_v3_settings_and_the_output_still_matches(monkeypatch) -> None:
+    """The case the skip is for, through the kernels (interpreter tiles): nothing saturates, the
+    end-terms kernel is not launched, and forward and backward match the reference."""
+    launched = []
+    original = attention._Problem._rows
+    monkeypatch.setattr(attention._Problem, "_rows",
+                        lambda self, kernel, *a, **kw: (launched.append(kernel.__name__), original(self, kernel, *a, **kw)))
+    n, kw = 64, dict(position_buckets=256, max_relative_positions=512)
+    assert attention.tile_paths(n, attention.INTERPRETER_TILES, 256, 512).saturated == 0
+    inputs = make_inputs(torch.device("cpu"), 1, 2, n, 16, 256, seed=5)
+    got = run_with_grads(attention.disentangled_attention, inputs, torch.float32, **kw)
+    want = run_with_grads(reference.disentangled_attention, inputs, torch.float64, **kw)
+    assert_close(got, want, TOL[torch.float32])
+    assert "_attn_end_terms" not in launched and "_attn_bwd_delta" in launched
 
 
 @pytest.mark.parametrize("tiles", [attention.INTERPRETER_TILES, attention.Tiles(32, 32, 4, 1)],
