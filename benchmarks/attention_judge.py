@@ -474,8 +474,8 @@ def _tile_paths(kernel_name: str, figures) -> list[dict]:
 
 def _distaff_program_work(kernel_name: str, kwargs: dict, grid: tuple, figures) -> list[Work]:
     """Per program of a distaff attention launch, from the tiles it walks on each path (the kernels' own
-    saturation test on the bucket table), the band chunks of its backward blocks (their merge path, the
-    dearer) and its code outside the loops once per block."""
+    saturation test on the bucket table), the band chunks of its backward blocks (the chunk loop's dearest
+    path) and its code outside the loops once per block."""
     bm, bn, n = kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["n_ctx"]
     tiles = distaff_attention.Tiles(bm, bn, kwargs["num_warps"], kwargs["num_stages"])
     saturated = distaff_attention.tile_saturation(n, tiles, BUCKETS, MAX_REL)
