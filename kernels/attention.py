@@ -8,7 +8,8 @@ The distances ``i - j`` of a tile form one *window* of ``BLOCK_M + BLOCK_N - 1``
 * **saturated** (every distance of the window in bucket 0 or in the top bucket ``2k - 1``: far from the
   diagonal, most tiles at long N): c2p is one value per query row and p2c one per key column. Those
   values, ``Q_i . Kr[end]`` and ``K_j . Qr[end]`` for both ends, are computed once per token by
-  ``_attn_end_terms`` (the ``END`` tensor), so the tile adds two vectors to ``Q K^T``.
+  ``_attn_end_terms`` (the ``END`` tensor), so the tile adds two vectors to ``Q K^T``. The host launches it
+  only when some tile can saturate (``_Problem.saturates``; none does at 512 tokens with v3's settings).
 * **general**: ``X = Q @ Kr[bucket(r0 + c)]^T`` (``[BLOCK_M, WINDOW]``, one table row per window
   distance, gathered by the bucket table) and ``Y = K @ Qr[bucket(r0 + c)]^T`` on tensor cores, written
   to the program's scratch buffer and read back *skewed*: score ``(a, b)`` reads ``X[a, a - b + BN - 1]``
@@ -21,9 +22,9 @@ recompute the scores: ``_attn_bwd_dq`` (query blocks: ``dQ`` and the c2p table g
 ``_attn_bwd_dkdv`` (key blocks, the tile held transposed: ``dK``, ``dV`` and the p2c gradient ``dQr``).
 A position gradient needs ``dS`` in distance coordinates: each general tile stores its ``dS`` into a
 per-program *band* (row, distance) with the same affine skew; after the tile loop of a block, the band
-is read in chunks of distances: ``dQ += band @ Kr[bucket]`` and ``dKr[bucket] += merge(band)^T @ Q``,
-where ``merge`` adds the distances that share a bucket (a one-hot product; skipped where distances and
-buckets are one-to-one). Saturated tiles add their ``dS`` row sums (column sums for p2c) into two
+is read in chunks of distances whose buckets are contiguous: ``merged = band @ one_hot`` adds the distances
+that share a bucket (the identity where they are one-to-one), then ``dQ += merged @ Kr[b .. b + CHUNK)`` and
+``dKr[b ..] += merged^T @ Q``. Saturated tiles add their ``dS`` row sums (column sums for p2c) into two
 accumulators per block, turned into rank-1 updates once per block. A program walks a run of (sequence,
 block) items of one head and keeps one float32 ``[2k, d]`` partial of its head; ``torch.sum`` adds the
 partials in a fixed order. Programs, partials and scratch are sized to a budget (``PARTIAL_BUDGET``).
