@@ -173,21 +173,30 @@ def _table_ahead(table_ptr, ahead, r0, step, AHEAD: tl.constexpr, BLOCK_M: tl.co
 
 
 @triton.jit
+def _term_rows(ptr, buckets, offs_d, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, HAS_TERM: tl.constexpr):
+    """One term's window rows (``Kr`` or ``Qr`` at the window's buckets) as a tuple of ``SPLIT`` column slices
+    ``[WINDOW / SPLIT, d]``; empty when the term is off."""
+    rows = ()
+    if HAS_TERM:
+        for h in tl.static_range(SPLIT):
+            rows = rows + (_position_rows(ptr, buckets[h], offs_d, HEAD_DIM),)
+    return rows
+
+
+@triton.jit
 def _window_rows(KR, QR, buckets, offs_d, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr,
                  HAS_P2C: tl.constexpr, C2P_LAST: tl.constexpr):
-    """The position rows of a window, ``Krw[c] = Kr[bucket(r0 + c)]`` and ``Qrw`` alike, as tuples of
-    ``SPLIT`` column slices ``[WINDOW / SPLIT, d]``, from its buckets (:func:`_window_buckets`). One term's
-    rows are loaded after the other's: ``C2P_LAST`` when the query side has fewer than 64 rows. That term's
-    product is an ``mma.sync`` whose row operand is converted through shared memory, behind a barrier, right
-    after its load; a load after that barrier cannot be issued before it, so the other term's rows go first."""
-    krw = ()
-    qrw = ()
-    for term in tl.static_range(2):
-        for h in tl.static_range(SPLIT):
-            if HAS_C2P and (term == 1) == C2P_LAST:
-                krw = krw + (_position_rows(KR, buckets[h], offs_d, HEAD_DIM),)
-            if HAS_P2C and (term == 0) == C2P_LAST:
-                qrw = qrw + (_position_rows(QR, buckets[h], offs_d, HEAD_DIM),)
+    """The position rows of a window, ``Krw[c] = Kr[bucket(r0 + c)]`` and ``Qrw`` alike (:func:`_term_rows`),
+    from its buckets (:func:`_window_buckets`). One term's rows are loaded after the other's: ``C2P_LAST`` when
+    the query side has fewer than 64 rows. That term's product is an ``mma.sync`` whose row operand is
+    converted through shared memory, behind a barrier, right after its load; a load after that barrier cannot
+    be issued before it, so the other term's rows go first."""
+    if C2P_LAST:
+        qrw = _term_rows(QR, buckets, offs_d, HEAD_DIM, SPLIT, HAS_P2C)
+        krw = _term_rows(KR, buckets, offs_d, HEAD_DIM, SPLIT, HAS_C2P)
+    else:
+        krw = _term_rows(KR, buckets, offs_d, HEAD_DIM, SPLIT, HAS_C2P)
+        qrw = _term_rows(QR, buckets, offs_d, HEAD_DIM, SPLIT, HAS_P2C)
     return krw, qrw
 
 
