@@ -5,8 +5,8 @@ published timings of two kernel designs). The test asserts what holds after issu
 calibration anchor within 1.5x of its published time at both latency ends; the bar cells the estimate meets
 at its high (600-cycle) end (``MET``: every N=8192 cell against both peers, and every N=512 cell against
 DisentangledFlash but the backward without dropout; that one and the N=512 cells against FlashDeBERTa are NOT
-met: docs/kernels.md shows the figures); the JSON a planner reads; Hopper's warpgroup MMA in every forward; no product repeated
-across warps; no spill. Compiles are cached with the compile check's."""
+met: docs/kernels.md shows the figures); the JSON a planner reads; Hopper's warpgroup MMA in every forward; no
+product repeated across warps; no spill. Compiles are cached with the compile check's."""
 
 from __future__ import annotations
 

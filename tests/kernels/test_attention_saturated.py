@@ -99,8 +99,12 @@ def test_no_end_terms_at_512_tokens_with_v3_settings_and_the_output_still_matche
     end-terms kernel is not launched, and forward and backward match the reference."""
     launched = []
     original = attention._Problem._rows
-    monkeypatch.setattr(attention._Problem, "_rows",
-                        lambda self, kernel, *a, **kw: (launched.append(kernel.__name__), original(self, kernel, *a, **kw)))
+
+    def recorded(self, kernel, *args, **kwargs):
+        launched.append(kernel.__name__)
+        return original(self, kernel, *args, **kwargs)
+
+    monkeypatch.setattr(attention._Problem, "_rows", recorded)
     n, kw = 64, dict(position_buckets=256, max_relative_positions=512)
     assert attention.tile_paths(n, attention.INTERPRETER_TILES, 256, 512).saturated == 0
     inputs = make_inputs(torch.device("cpu"), 1, 2, n, 16, 256, seed=5)
