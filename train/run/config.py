@@ -48,8 +48,17 @@ class ModelSection:
 
 
 @dataclass
+class SourceSection:
+    """One prepared dataset of a mixture and its share of the micro-batches (docs/data.md, "Several sources")."""
+    dir: str = ""
+    weight: float = 1.0
+
+
+@dataclass
 class DataSection:
     dir: str = ""                       # output of `distaff data prepare`
+    # instead of `dir`: several prepared datasets (one tokenizer, one seq_len) mixed by weight
+    sources: list[SourceSection] = field(default_factory=list)
     batch_size: int = 8                 # micro-batch per rank
     num_workers: int = 0
     eval_batch_size: int = 0            # 0: same as batch_size
@@ -67,11 +76,27 @@ class DataSection:
             return (self.eval_batch_size or self.batch_size) * seq_len
         return self.tokens_per_batch or self.batch_size * seq_len
 
+    @property
+    def first_dir(self) -> str:
+        """``dir``, or the first source's: the data whose tokenizer the model takes and whose held-out split
+        evaluations read."""
+        return self.dir or (self.sources[0].dir if self.sources else "")
+
+
+@dataclass
+class BatchWarmupSection:
+    """The global batch grows from ``start`` sequences in steps of ``start`` to its full size, each size held
+    for the same number of steps, over ``tokens`` (sequences x seq_len); ``start: 0`` is off
+    (train/run/phases.py, docs/pretraining.md "Batch-size warmup")."""
+    start: int = 0
+    tokens: int = 0
+
 
 @dataclass
 class TrainSection:
     max_steps: int = 1000               # optimizer steps
     grad_accum: int = 1
+    batch_warmup: BatchWarmupSection = field(default_factory=BatchWarmupSection)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     grad_clip: float = 1.0              # 0 disables clipping
     max_nonfinite_steps: int = 10       # stop after this many skipped (non-finite loss) steps in a row
@@ -161,6 +186,18 @@ class CheckpointSection:
 
 
 @dataclass
+class PhaseSection:
+    """From step ``at_step`` on (steps done before it), the run trains with these; 0 or empty keeps the previous
+    phase's value (train/run/phases.py, docs/pretraining.md "Phases")."""
+    at_step: int = 0
+    sources: list[SourceSection] = field(default_factory=list)
+    seq_len: int = 0                    # a check: the phase's sources must be prepared at this length
+    mask_rate: float = 0.0              # data.masking.mlm_probability
+    global_batch: int = 0               # sequences per optimizer step, over all ranks
+    batch_size: int = 0                 # micro-batch per rank
+
+
+@dataclass
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -175,6 +212,7 @@ class RunConfig:
     eval: EvalSection = field(default_factory=EvalSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     rtd: RTDSection = field(default_factory=RTDSection)
+    phases: list[PhaseSection] = field(default_factory=list)
 
     @property
     def out_dir(self) -> Path:
@@ -238,6 +276,8 @@ def _check_value(key: str, value: Any, annotation: Any) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: must be a list, got {shown(value)} ({type(value).__name__})")
         return [_check_value(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(annotation):
+        return _build(annotation, value, f"{key}.")
     if annotation is float:
         if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
             try:
@@ -339,9 +379,56 @@ def _validate(cfg: RunConfig) -> None:
                       "eval.batches": cfg.eval.batches, "checkpoint.every": cfg.checkpoint.every,
                       "distributed.watchdog_s": cfg.distributed.watchdog_s})
     check_engine_sections(cfg)
-    if not cfg.data.dir:
-        raise ConfigError("data.dir: required (a folder written by `distaff data prepare`)")
+    if not cfg.data.dir and not cfg.data.sources:
+        raise ConfigError("data.dir: required (a folder written by `distaff data prepare`), or data.sources")
+    if cfg.data.dir and cfg.data.sources:
+        raise ConfigError("data.dir and data.sources: give one of them (a single dataset is data.dir, or "
+                          "data.sources with one entry)")
+    _check_sources("data.sources", cfg.data.sources)
+    _check_batch_warmup(cfg.train.batch_warmup)
+    _check_phases(cfg)
     _check_combinations(cfg)
+
+
+def _check_sources(key: str, sources: list[SourceSection]) -> None:
+    """Weights >= 0 summing to a positive number (NaN and infinity are refused as they are read), distinct dirs."""
+    for i, source in enumerate(sources):
+        if not source.dir:
+            raise ConfigError(f"{key}[{i}].dir: required (a folder written by `distaff data prepare`)")
+        if source.weight < 0:
+            raise ConfigError(f"{key}[{i}].weight: must be >= 0, got {source.weight}")
+        if source.dir in [s.dir for s in sources[:i]]:
+            raise ConfigError(f"{key}[{i}].dir: {source.dir} is listed twice; give it once, with the summed weight")
+    if sources and not sum(s.weight for s in sources) > 0:
+        raise ConfigError(f"{key}: the weights {[s.weight for s in sources]} must sum to a positive number")
+
+
+def _check_batch_warmup(warmup: BatchWarmupSection) -> None:
+    check_ranges(positive={}, non_negative={"train.batch_warmup.start": warmup.start,
+                                             "train.batch_warmup.tokens": warmup.tokens})
+    if bool(warmup.start) != bool(warmup.tokens):
+        raise ConfigError(f"train.batch_warmup: start ({warmup.start}) and tokens ({warmup.tokens}) go together: "
+                          "set both (a ramp) or neither")
+
+
+def _check_phases(cfg: RunConfig) -> None:
+    after = 0
+    for i, phase in enumerate(cfg.phases):
+        key = f"phases[{i}]"
+        if phase.at_step <= after:
+            raise ConfigError(f"{key}.at_step: must be above {after} (phases start after step 0, in increasing "
+                              f"order), got {phase.at_step}")
+        after = phase.at_step
+        check_ranges(positive={}, non_negative={f"{key}.seq_len": phase.seq_len, f"{key}.mask_rate": phase.mask_rate,
+                                                f"{key}.global_batch": phase.global_batch,
+                                                f"{key}.batch_size": phase.batch_size})
+        _check_sources(f"{key}.sources", phase.sources)
+        if not (phase.sources or phase.seq_len or phase.mask_rate or phase.global_batch or phase.batch_size):
+            raise ConfigError(f"{key}: changes nothing; give sources, seq_len, mask_rate, global_batch or batch_size")
+        if phase.mask_rate and not phase.mask_rate < 1.0:
+            raise ConfigError(f"{key}.mask_rate: must lie in (0, 1), got {phase.mask_rate}")
+        if phase.mask_rate and cfg.train.objective == "tta":
+            raise ConfigError(f"{key}.mask_rate with train.objective=tta: T-TA masks nothing; drop the mask_rate")
 
 
 def _check_combinations(cfg: RunConfig) -> None:

@@ -193,6 +193,19 @@ def set_lr(engine, lr: float) -> None:
         group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
+def set_accumulation(engine, micro_batches: int, batch_size: int) -> None:
+    """Make the next optimizer step accumulate ``micro_batches`` micro-batches of ``batch_size`` per rank (the
+    batch ramp, a phase's global batch), without rebuilding the engine: DeepSpeed divides each micro-batch's loss
+    by this count, and the ZeRO optimizer keeps its own copy. The step marks its last micro-batch as the
+    accumulation boundary itself (``train_step``), so the count may change from one step to the next."""
+    if (engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()) == (micro_batches, batch_size):
+        return
+    engine.set_train_micro_batch_size(batch_size)
+    engine.set_train_batch_size(batch_size * micro_batches * engine.dp_world_size)
+    if hasattr(engine.optimizer, "gradient_accumulation_steps"):
+        engine.optimizer.gradient_accumulation_steps = micro_batches
+
+
 def loss_scale(engine) -> float | None:
     """The current fp16 loss scale (None without dynamic scaling)."""
     if not engine.fp16_enabled():

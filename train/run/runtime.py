@@ -249,11 +249,11 @@ class RunBase:
         return 0
 
     def _step(self) -> bool:
-        """One optimizer step over ``train.grad_accum`` micro-batches of ``self.batches`` and its bookkeeping;
+        """One optimizer step over :meth:`_micro_batches` micro-batches of ``self.batches`` and its bookkeeping;
         returns whether any rank got a signal."""
         state, started = self.state, time.perf_counter()
         set_lr(self.engine, self._lr(state.step))
-        local = train_step(self.engine, self.batches, self.cfg.train.grad_accum, self.device, self.objective,
+        local = train_step(self.engine, self.batches, self._micro_batches(state.step), self.device, self.objective,
                            self.layout.world_size)
         (*sums, tokens, samples, positions), skipped, signalled = self._reduce_step(local)
         optimizer_step(self.engine, skip=skipped)
@@ -311,6 +311,10 @@ class RunBase:
     def _lr(self, step: int) -> float:
         """The base learning rate of optimizer step ``step`` (0-based)."""
         raise NotImplementedError
+
+    def _micro_batches(self, step: int) -> int:
+        """The micro-batches each rank accumulates for optimizer step ``step`` (0-based)."""
+        return self.cfg.train.grad_accum
 
     def _log_train(self, objective_metrics: dict[str, float | None]) -> None:
         raise NotImplementedError
