@@ -281,8 +281,9 @@ class MixedLoader:
     """
 
     def __init__(self, opened: dict[str, tuple[Manifest, TokenizerInfo]], *, rank: int, world_size: int,
-                 num_workers: int, seed: int):
-        self.dirs, self.opened = list(opened), opened
+                 num_workers: int, seed: int, masking: MaskingConfig | None):
+        """``masking``: the run's; a phase may change its ``mlm_probability`` only."""
+        self.dirs, self.opened, self.masking = list(opened), opened, masking
         self.rank, self.world_size, self.num_workers, self.seed = rank, world_size, num_workers, seed
         count = len(self.dirs)
         self.loaders: list[PretrainLoader | None] = [None] * count
@@ -323,7 +324,7 @@ class MixedLoader:
             loader.load_state_dict(state)
         if loader.collator.masking != masking:
             self._stop(i)       # the workers hold the old collator
-            loader.collator.masking = masking
+            loader.collator.masking = masking   # another mlm_probability: the collator's n-gram tables still hold
 
     def _stop(self, i: int) -> None:
         """Close source ``i``'s iterator (its workers exit); its position stays in its loader."""
@@ -398,7 +399,7 @@ class MixedLoader:
         """Source ``i``'s loader in the micro-batch it was saved with (so that its plan is kept as it was), at the
         saved position; :meth:`set_phase` then gives it its phase's settings."""
         plan = saved[0]["plan"]
-        loader = self._new_loader(i, plan["batch_size"] or 1, plan.get("token_budget", 0), None)
+        loader = self._new_loader(i, plan["batch_size"] or 1, plan.get("token_budget", 0), self.masking)
         if resized:
             loader.load_resized_state_dict(saved)
         else:

@@ -232,7 +232,7 @@ def train_loader(cfg: RunConfig, layout: dist_utils.DistEnv, sources: dict[str, 
                               rank=layout.rank, world_size=layout.world_size, seed=cfg.run.seed,
                               masking=objective.masking)
     return MixedLoader(sources, rank=layout.rank, world_size=layout.world_size, num_workers=cfg.data.num_workers,
-                       seed=cfg.run.seed)
+                       seed=cfg.run.seed, masking=objective.masking)
 
 
 def check_lengths(objective, schedule: RunSchedule) -> None:
