@@ -300,7 +300,7 @@ def _check_value(key: str, value: Any, annotation: Any) -> Any:
 
 def _build(cls: type, values: Any, prefix: str) -> Any:
     if not isinstance(values, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {shown(values)}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {shown(values)}")
     hints = typing.get_type_hints(cls)
     known = sorted(f.name for f in fields(cls))
     reject_unknown_keys(values, known, "unknown config key(s)", prefix, f" (known keys: {known})")

@@ -131,6 +131,14 @@ class WandbSink:
         self.run = None
 
 
+def _flat(record: dict[str, Any]) -> dict[str, Any]:
+    """A mapping's values under ``key/name``, as W&B nests them (``tokens_by_source``: one chart per source)."""
+    flat: dict[str, Any] = {}
+    for key, value in record.items():
+        flat.update({f"{key}/{name}": v for name, v in value.items()} if isinstance(value, dict) else {key: value})
+    return flat
+
+
 class TensorBoardSink:
     """TensorBoard event files in ``<out_dir>/tensorboard`` on rank 0, in W&B's sections (:func:`wandb_key`)
     against the optimizer step; like W&B, a failure disables it and never stops training."""
@@ -145,7 +153,7 @@ class TensorBoardSink:
         if self.writer is None:
             return
         try:
-            for tag, value in scalars.items():
+            for tag, value in _flat(scalars).items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.writer.add_scalar(tag, value, step)
             self.writer.flush()

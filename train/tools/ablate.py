@@ -78,6 +78,7 @@ from distaff.train.run.config import (ConfigError, RunConfig, changed_keys, conf
                                      config_to_dict, fingerprinted, load_config)
 from distaff.train.run.metrics import save_figure
 from distaff.train.run.runtime import SUMMARY_FILE
+from distaff.train.run.schedule import RunSchedule
 
 LAUNCHERS = ("sequential", "script")
 REPORT_KEYS = ("eval_loss", "eval_accuracy", "tokens_per_s")
@@ -295,18 +296,24 @@ def prepare_data(cfg: AblationConfig) -> Path:
     return data
 
 
-def plan_runs(cfg: AblationConfig) -> list[PlannedRun]:
-    """One run per variant and seed, seed by seed (so unfinished ablations hold paired results), each
-    with the step count that spends the token budget."""
+def _prepared_lengths(cfg: AblationConfig, run_cfg: RunConfig) -> dict[str, int]:
+    """The seq_len of every data dir a run reads (the ``prepare`` section's for the data it makes)."""
     from distaff.train.data.manifest import read_manifest
 
+    dirs = [run_cfg.data.dir, *(s.dir for s in run_cfg.data.sources),
+            *(s.dir for phase in run_cfg.phases for s in phase.sources)]
+    made = str(cfg.data_dir) if cfg.prepare is not None else None
+    return {d: cfg.prepare.seq_len if d == made else read_manifest(d).seq_len for d in dirs if d}
+
+
+def plan_runs(cfg: AblationConfig) -> list[PlannedRun]:
+    """One run per variant and seed, seed by seed (so unfinished ablations hold paired results), each
+    with the step count that spends the token budget (sequences x seq_len: a batch ramp or phases included)."""
     runs = []
     for seed in cfg.seeds:
         for variant in cfg.variants:
             run_cfg = variant_config(cfg, variant, seed)
-            seq_len = cfg.prepare.seq_len if cfg.prepare is not None else read_manifest(run_cfg.data.dir).seq_len
-            per_step = run_cfg.data.batch_size * run_cfg.train.grad_accum * cfg.ranks * seq_len
-            max_steps = max(1, math.ceil(cfg.tokens / per_step))
+            max_steps = RunSchedule(run_cfg, cfg.ranks, _prepared_lengths(cfg, run_cfg)).steps_for_tokens(cfg.tokens)
             every = max(1, max_steps // cfg.evals)
             out_dir = cfg.root / "runs" / variant.name / f"seed-{seed}"
             extra = {"run.out_dir": str(out_dir), "run.name": f"{variant.name}-seed-{seed}",
