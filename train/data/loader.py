@@ -261,8 +261,10 @@ def open_sources(dirs: list[str]) -> dict[str, tuple[Manifest, TokenizerInfo]]:
 
 def continues(saved: list[dict] | dict, sources: list[dict]) -> bool:
     """Whether a stream of ``sources`` (:meth:`MixedLoader.identity`) can continue one saved with ``saved``: the same
-    sources in the same order, and perhaps more after them (phases added since the save)."""
-    return isinstance(saved, list) and 0 < len(saved) <= len(sources) and sources[:len(saved)] == saved
+    sources in the same order, and perhaps more after them (phases added since the save); a single stream's
+    ``saved`` (a dict: a run that read ``data.dir`` alone) is its first source."""
+    saved = [saved] if isinstance(saved, dict) else saved
+    return 0 < len(saved) <= len(sources) and sources[:len(saved)] == saved
 
 
 class MixedLoader:
@@ -289,6 +291,7 @@ class MixedLoader:
         self.loaders: list[PretrainLoader | None] = [None] * count
         self.iterators: dict[int, Iterator[dict]] = {}
         self.phase, self.weights, self.slots, self.tokens = -1, [0.0] * count, [0] * count, [0] * count
+        self.from_single_stream = False     # resumed from a single stream's state, which counts no tokens
 
     def _active(self) -> list[int]:
         return [i for i, weight in enumerate(self.weights) if weight > 0]
@@ -379,6 +382,10 @@ class MixedLoader:
         self._load(states, resized=True)
 
     def _load(self, states: list[dict], resized: bool) -> None:
+        self.from_single_stream = states[0].get("format") == STATE_FORMAT
+        if self.from_single_stream:     # a run that read data.dir alone, continued with phases
+            states = [{"format": MIXED_FORMAT, "seed": s["seed"], "data": [s["data"]], "phase": 0, "slots": [0],
+                       "tokens": [0], "sources": [s]} for s in states]
         first = states[0]
         if first.get("format") != MIXED_FORMAT:
             raise ValueError(f"not a {MIXED_FORMAT} state: format {first.get('format')!r}")

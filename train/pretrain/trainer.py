@@ -70,6 +70,8 @@ class Trainer(RunBase):
         self.state = TrainState()
         self.checkpointer = self._build_checkpointer(tokenizer.path)
         resumed_from = self._restore()
+        if isinstance(self.loader, MixedLoader) and self.loader.from_single_stream and layout.is_main:
+            self.loader.tokens[0] = self.state.tokens      # what the single stream read, all of it source 0's
         if layout.is_main:
             save_config(cfg, cfg.out_dir / "config.yaml", self.model_cfg)
         self.metrics = self._open_metrics(resumed_from, max_steps=cfg.train.max_steps, what="", wandb_config={
@@ -271,18 +273,14 @@ def run_identity(cfg: RunConfig, objective, loader: PretrainLoader) -> RunIdenti
         saved = state.get("data", data)
         if saved == data or continues(saved, data):
             return None
-        if isinstance(saved, list) != isinstance(data, list):     # one stream, or a mixed one: not convertible
-            return (f"data.sources/phases: {where} was written by a run that read {_stream_kind(saved)}; this run "
-                    f"reads {_stream_kind(data)}")
+        if isinstance(saved, list) and not isinstance(data, list):
+            return (f"data.sources/phases: {where} was written by a run that read several sources or phases; this "
+                    "run reads data.dir alone: give it the run's data.sources and phases")
         return (f"{'data.sources/phases' if isinstance(data, list) else 'data.dir'}: the data of {where} differ from "
                 f"this run's {cfg.data.first_dir} (other shards or sources, or another tokenizer)")
 
     return RunIdentity(model=objective.model_cfg.to_dict(), seed=cfg.run.seed, zero_stage=cfg.zero.stage,
                        objective=cfg.train.objective, data_problem=data_problem)
-
-
-def _stream_kind(data: list | dict) -> str:
-    return "several sources or phases" if isinstance(data, list) else "data.dir alone"
 
 
 def unigram_baseline_accuracy(manifest: Manifest) -> float | None:
