@@ -77,7 +77,7 @@ def sequence_length(cfg: RunConfig, model: ModelConfig, given: int | None) -> tu
         if given < 1:
             raise ConfigError(f"--seq-len: must be positive, got {given}")
         return given, "--seq-len"
-    manifest = Path(cfg.data.dir) / "manifest.json"
+    manifest = Path(cfg.data.first_dir) / "manifest.json"
     if manifest.is_file():
         try:
             return int(json.loads(manifest.read_text())["seq_len"]), f"{manifest}"

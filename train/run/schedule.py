@@ -176,8 +176,12 @@ class RunSchedule:
     def steps_for_tokens(self, tokens: int) -> int:
         """The fewest steps whose sequences x seq_len reach ``tokens`` (``distaff ablate``'s equal budgets)."""
         steps, done = 0, 0
-        while done < tokens:
+        settled = max(self._starts[-1], self.ramp.end_step if self.ramp else 0)    # one shape from here on
+        while done < tokens and steps < settled:
             shape = self.at(steps)
             done += shape.global_batch * shape.phase.seq_len
             steps += 1
+        if done < tokens:
+            shape = self.at(steps)
+            steps += math.ceil((tokens - done) / (shape.global_batch * shape.phase.seq_len))
         return max(1, steps)
