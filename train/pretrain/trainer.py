@@ -56,7 +56,7 @@ class Trainer(RunBase):
 
     def __init__(self, cfg: RunConfig, layout: dist_utils.DistEnv):
         super().__init__(cfg, layout)
-        self.sources = open_sources(list(dict.fromkeys(source_dirs(cfg).values())))
+        self.sources = run_sources(cfg)
         self.manifest, tokenizer = self.sources[cfg.data.first_dir]
         self.schedule = run_schedule(cfg, layout.world_size, self.sources)
         self.model_cfg = build_model_config(cfg, tokenizer)
@@ -143,24 +143,27 @@ class Trainer(RunBase):
 
     def _micro_batches(self, step: int) -> int:
         """The step's shape from the schedule (train/run/schedule.py): a phase the loader is not in yet is given to
-        it (and logged when it starts at this step, not when a run resumes inside it); the engine accumulates the
-        step's micro-batches."""
+        it; the engine accumulates the step's micro-batches."""
         shape = self.schedule.at(step)
         if shape.phase != self.phase:
-            self._enter(shape.phase, switched=step == shape.phase.at_step and shape.phase.index > 0)
+            self._enter(shape.phase, step)
         set_accumulation(self.engine, shape.micro_batches, shape.phase.batch_size)
         self.global_batch = shape.global_batch
         return shape.micro_batches
 
-    def _enter(self, phase: Phase, switched: bool) -> None:
-        if isinstance(self.loader, MixedLoader):
+    def _enter(self, phase: Phase, step: int) -> None:
+        """Give ``phase`` to the loader; a switch (the loader was in another phase: not a run resumed inside this
+        one) is logged."""
+        mixed = isinstance(self.loader, MixedLoader)
+        switched = mixed and phase.index > 0 and self.loader.phase != phase.index
+        if mixed:
             base = self.objective.masking
             self.loader.set_phase(phase.index, dict(phase.sources), batch_size=phase.batch_size,
                                   token_budget=phase_token_budget(self.cfg, phase),
                                   masking=None if base is None else replace(base, mlm_probability=phase.mask_rate))
         if switched:
             before = self.schedule.phases[phase.index - 1]
-            self.metrics.log({"step": phase.at_step + 1, "tokens_seen": self.state.tokens, "phase": phase.index,
+            self.metrics.log({"step": step + 1, "tokens_seen": self.state.tokens, "phase": phase.index,
                               "phase_change": phase.changes(before)})
         self.throughput.flops_per_token = self.objective.flops_per_token(phase.seq_len)
         self.phase = phase
@@ -213,6 +216,11 @@ def source_dirs(cfg: RunConfig) -> dict[str, str]:
     return named
 
 
+def run_sources(cfg: RunConfig) -> dict[str, tuple[Manifest, TokenizerInfo]]:
+    """Every data dir's manifest and tokenizer, one tokenizer for all (checked)."""
+    return open_sources(list(dict.fromkeys(source_dirs(cfg).values())))
+
+
 def run_schedule(cfg: RunConfig, world_size: int, sources: dict[str, tuple[Manifest, TokenizerInfo]]) -> RunSchedule:
     return RunSchedule(cfg, world_size, {d: manifest.seq_len for d, (manifest, _) in sources.items()})
 
@@ -249,7 +257,7 @@ def check_run(cfg: RunConfig) -> str:
     """``distaff pretrain --check``: the data, the model it gives and a checkpoint to resume, checked as a run
     checks them before building its engine (as rank 0 of ``WORLD_SIZE``, default 1); a summary line."""
     layout = dist_utils.DistEnv(0, dist_utils.env_from_environ().world_size, 0)
-    sources = open_sources(list(dict.fromkeys(source_dirs(cfg).values())))
+    sources = run_sources(cfg)
     manifest, tokenizer = sources[cfg.data.first_dir]
     schedule = run_schedule(cfg, layout.world_size, sources)
     model_cfg = build_model_config(cfg, tokenizer)
@@ -264,7 +272,7 @@ def check_run(cfg: RunConfig) -> str:
             + f"; {cfg.train.max_steps} steps on {layout.world_size} rank(s)")
 
 
-def run_identity(cfg: RunConfig, objective, loader: PretrainLoader) -> RunIdentity:
+def run_identity(cfg: RunConfig, objective, loader: PretrainLoader | MixedLoader) -> RunIdentity:
     """What a checkpoint must match for this run to resume it (train/run/resume_check.py); the data by what the
     loader was built from (the shards' sample counts and the tokenizer's fingerprint), not by its path."""
     data = loader.state_dict()["data"]
