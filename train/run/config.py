@@ -348,9 +348,6 @@ def _check_combinations(cfg: RunConfig) -> None:
     """Settings that are valid alone but not together, each error naming both keys."""
     if cfg.data.tokens_per_batch and cfg.data.packing != "varlen":
         raise ConfigError("data.tokens_per_batch: only packed batches (data.packing=varlen) have a token budget")
-    if cfg.train.objective == "rtd" and cfg.data.packing == "varlen":
-        raise ConfigError("train.objective=rtd with data.packing=varlen: the RTD discriminator and head run on "
-                          "padded [B, N] batches only; use data.packing=padded")
     if cfg.train.objective != "rtd" and cfg.rtd.loss_weighting != "fixed":
         raise ConfigError(f"rtd.loss_weighting={cfg.rtd.loss_weighting} with train.objective={cfg.train.objective}: "
                           "loss weighting combines RTD's two losses; set train.objective=rtd or drop "
