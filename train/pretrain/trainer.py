@@ -134,7 +134,8 @@ class Trainer(RunBase):
     def _lr(self, step: int) -> float:
         optim = self.cfg.optim
         return lr_at(step, lr=optim.lr, warmup_steps=optim.warmup_steps, max_steps=self.cfg.train.max_steps,
-                     schedule=optim.schedule, min_lr_ratio=optim.min_lr_ratio)
+                     schedule=optim.schedule, min_lr_ratio=optim.min_lr_ratio, decay_start=optim.decay_start,
+                     decay_steps=optim.decay_steps, decay_shape=optim.decay_shape)
 
     def _log_train(self, objective_metrics: dict[str, float | None]) -> None:
         grad_norm = self.engine.get_global_grad_norm()
