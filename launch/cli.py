@@ -23,6 +23,7 @@ COMMANDS = {
     "presets": ("distaff.train.core.presets", "list the installed run, model, fine-tune and ablation presets"),
     "launch": ("distaff.launch.launcher", "run pretraining (or --task finetune) under the deepspeed launcher"),
     "slurm": ("distaff.launch.slurm", "write and submit a Slurm job for pretraining (or --task finetune)"),
+    "decay": ("distaff.launch.decay", "a decay branch of a WSD run from a stable-phase checkpoint, launched as it was"),
 }
 
 

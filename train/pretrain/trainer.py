@@ -62,7 +62,8 @@ class Trainer(RunBase):
         for section, model_cfg in self.objective.model_configs().items():
             check_data_fits_model(model_cfg, self.loader.seq_len, f"data.dir: seq_len {self.loader.seq_len}",
                                   "raise it or prepare the data with a smaller --seq-len", section)
-        check_resumable(cfg.checkpoint.resume, cfg.out_dir / "checkpoints", run_identity(cfg, self.objective, self.loader))
+        check_resumable(cfg.checkpoint.resume, cfg.out_dir / "checkpoints", run_identity(cfg, self.objective, self.loader),
+                        cfg.checkpoint.branch_from)
         self.engine = self._initialize_engine(self._build_model)
         self.state = TrainState()
         self.checkpointer = self._build_checkpointer(tokenizer.path)
@@ -185,7 +186,8 @@ def check_run(cfg: RunConfig) -> str:
     for section, checked in objective.model_configs().items():
         check_data_fits_model(checked, loader.seq_len, f"data.dir: seq_len {loader.seq_len}",
                               "raise it or prepare the data with a smaller --seq-len", section)
-    resume = check_resumable(cfg.checkpoint.resume, cfg.out_dir / "checkpoints", run_identity(cfg, objective, loader))
+    resume = check_resumable(cfg.checkpoint.resume, cfg.out_dir / "checkpoints", run_identity(cfg, objective, loader),
+                             cfg.checkpoint.branch_from)
     return (f"config, data {cfg.data.dir} (seq_len {manifest.seq_len}, tokenizer of {tokenizer.vocab_size} pieces) and "
             f"model ({model_cfg.num_hidden_layers} layers, hidden {model_cfg.hidden_size}, {cfg.train.objective}) fit; "
             + (f"resumes from {resume}" if resume else f"a new run in {cfg.out_dir}")

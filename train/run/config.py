@@ -168,6 +168,9 @@ class CheckpointSection:
     every: int = 1000                   # 0: only at the end and on preemption
     keep: int = 3
     resume: str = "auto"                # auto | none | PATH to a checkpoint directory
+    # a checkpoint of another run that this one continues from, exactly as a resume, until it has a checkpoint
+    # of its own (resume=auto only); `distaff decay` sets it to the parent's checkpoint
+    branch_from: str = ""
 
 
 @dataclass
@@ -386,6 +389,9 @@ def _check_combinations(cfg: RunConfig) -> None:
     """Settings that are valid alone but not together, each error naming both keys."""
     if cfg.data.tokens_per_batch and cfg.data.packing != "varlen":
         raise ConfigError("data.tokens_per_batch: only packed batches (data.packing=varlen) have a token budget")
+    if cfg.checkpoint.branch_from and cfg.checkpoint.resume != "auto":
+        raise ConfigError(f"checkpoint.branch_from with checkpoint.resume={cfg.checkpoint.resume}: a branch starts "
+                          "from its parent's checkpoint only while it has none of its own; set checkpoint.resume=auto")
     if cfg.train.objective != "rtd" and cfg.rtd.loss_weighting != "fixed":
         raise ConfigError(f"rtd.loss_weighting={cfg.rtd.loss_weighting} with train.objective={cfg.train.objective}: "
                           "loss weighting combines RTD's two losses; set train.objective=rtd or drop "
