@@ -31,7 +31,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -60,18 +59,12 @@ def prepare(text: Path, work: Path, seq_len: int, vocab_size: int, env: dict[str
 
 def real_tokens_per_step(data: Path, mode: str, batch_size: int, ranks: int) -> float:
     """Mean real tokens per optimizer step of the first epoch: rows x mean length when padded,
-    the token-budget plan's mean batch when packed."""
+    the token-budget plan's mean batch when packed (what ``distaff ablate``'s ``budget: real`` uses)."""
     from distaff.train.data.manifest import read_manifest
-    from distaff.train.data.stream import EpochOrder, GroupReader, token_budget_cuts
+    from distaff.train.tools.ablate import real_tokens_per_batch
 
-    manifest = read_manifest(data)
-    split = manifest.splits["train"]
-    if mode == "padded":
-        return ranks * batch_size * split.tokens / split.samples
-    reader = GroupReader(str(data), split.shards, np.dtype(manifest.dtype), manifest.seq_len)
-    lengths = EpochOrder([s.samples for s in split.shards], 1234, 0, 4).lengths(reader.shard_lengths())
-    cuts = token_budget_cuts(lengths, batch_size * manifest.seq_len)
-    return ranks * float(lengths.sum()) / (len(cuts) - 1)
+    budget = batch_size * read_manifest(data).seq_len if mode == "varlen" else 0
+    return ranks * real_tokens_per_batch(data, batch_size, budget, 1234)
 
 
 def train(data: Path, work: Path, mode: str, steps: int, args, env: dict[str, str]) -> dict:
