@@ -574,12 +574,13 @@ def write_job_scripts(cfg: AblationConfig, runs: list[PlannedRun]) -> list[Path]
     jobs.mkdir(parents=True, exist_ok=True)
     written = []
     for run in runs:
-        if run.done:
+        if run.done or run.average is not None:     # averages are made by `--report`, once their run is done
             continue
         script = jobs / f"{run.variant}-seed-{run.seed}.sh"
         command = run_command(cfg, run, 29500 + len(written))
+        after = f"\n# start it once {run.parent.out_dir} has finished (it branches from it)" if run.parent else ""
         script.write_text("#!/usr/bin/env bash\n# distaff ablate job: one run of the ablation "
-                          f"{cfg.name!r}\nset -euo pipefail\ncd {shlex.quote(os.getcwd())}\n"
+                          f"{cfg.name!r}{after}\nset -euo pipefail\ncd {shlex.quote(os.getcwd())}\n"
                           f"exec {shlex.join(command)}\n")
         script.chmod(0o755)
         written.append(script)
@@ -782,19 +783,28 @@ def _main(argv: list[str]) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _planned_line(cfg: AblationConfig, run: PlannedRun) -> str:
+    """A run's command, or what an average does (in ablate's own process, after its run)."""
+    if run.average is None:
+        return shlex.join(run_command(cfg, run, 29500))
+    ema = ["--ema", str(run.average.ema)] if run.average.ema else []
+    return shlex.join(["distaff", "average", str(run.parent.out_dir), "--last", str(run.average.last), *ema,
+                       "--out", str(run.out_dir / "checkpoint")]) + "   # then scored on the held-out split"
+
+
 def _ablate(cfg: AblationConfig, args: argparse.Namespace) -> int:
     if not args.report and not args.dry_run:
         prepare_data(cfg)
     runs = plan_runs(cfg)
     if args.dry_run:
-        print("\n".join(shlex.join(run_command(cfg, run, 29500)) for run in runs))
+        print("\n".join(_planned_line(cfg, run) for run in runs))
         return 0
     if not args.report and cfg.launcher == "script":
         scripts = write_job_scripts(cfg, runs)
         print(f"distaff ablate: wrote {len(scripts)} job script(s) under {cfg.root / 'jobs'}; start them, then "
               f"run `distaff ablate --config {args.config} --report`")
         return 0
-    failures = [] if args.report else run_all(cfg, runs)
+    failures = run_averages(runs) if args.report else run_all(cfg, runs)
     write_report(cfg, runs)
     unfinished = [str(run.out_dir) for run in runs if not run.done]
     if args.report and unfinished:
