@@ -17,10 +17,18 @@ the others go on; Ctrl-C or SIGTERM stops the runs in progress (each gets SIGTER
 it resumes from) and exits 75, as a run does (run the same command again to continue). One ablation at a time per ``out_dir``: a second is refused, naming the first (the lock
 runs take, ``runlock.py``).
 
+A variant may also be made from an earlier variant's run, for each seed (train/tools/ablate_derived.py):
+``branch: {of: NAME, decay: 0.2, shape: 1-sqrt}`` is a decay branch of NAME's WSD run (``distaff decay``) over
+its last 20% of steps, at equal steps and tokens; ``average: {of: NAME, last: 5, ema: 0}`` is ``distaff average``
+of the last 5 checkpoints of NAME's run, scored by the run's own held-out evaluation. They run after their
+parent. ``budget: real`` counts ``tokens`` as real tokens (padding left out, from the prepared data's sample
+lengths), to compare padded with packed batches at equal text; ``prepare.pack_documents: false`` prepares one
+document per sequence.
+
 The report, read back from each run's ``summary.json`` and ``metrics.jsonl``: ``ablation.csv``
-(one row per run and one per variant), ``ablation.md`` (held-out loss and MLM accuracy mean +- std
-over seeds, tokens/s; each variant's per-seed difference in held-out loss against the first
-variant, mean +- std) and ``ablation.png`` (held-out loss against tokens seen). The runs share the
+(one row per run and one per variant), ``ablation.md`` (held-out loss and MLM accuracy, or for RTD the
+discriminator's accuracy and AUC, mean +- std over seeds, tokens/s; each variant's per-seed difference in
+held-out loss against the first variant, mean +- std) and ``ablation.png`` (held-out loss against tokens seen). The runs share the
 W&B group ``name``. Paths in the file are relative to the working directory, like run configs; the
 file itself and ``base`` may also name installed presets (``distaff ablate --config positions-cpu``,
 ``base: tiny-cpu``).
@@ -42,11 +50,18 @@ ABL.yaml::
     launcher: sequential                  # sequential | script
     parallel: 1                           # sequential, ranks: 1: runs at once (cores split between them)
     overrides: {checkpoint.every: 0}      # dotted run-config keys for every variant
+    budget: positions                     # positions | real: what `tokens` counts
     variants:
       - name: relative+emd
         overrides: {model.emd: true}
       - name: absolute
         overrides: {model.relative_attention: false, model.pos_att_type: [], model.position_biased_input: true}
+      - name: wsd                         # a parent: it branches / averages need it to checkpoint
+        overrides: {optim.schedule: wsd, checkpoint.every: 20}
+      - name: wsd-decay
+        branch: {of: wsd, decay: 0.2}
+      - name: wsd-avg
+        average: {of: wsd, last: 5}
 """
 
 from __future__ import annotations
