@@ -166,7 +166,6 @@ def check_same_branch(out: Path, branch: DecayBranch) -> None:
         raise ConfigError(f"{out}: holds another run ({'; '.join(differ)}); name another --out, or delete {out}")
 
 
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="distaff decay", description=__doc__.splitlines()[0],
                                      epilog="Remaining key=value arguments override the branch's config.")

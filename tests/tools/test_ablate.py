@@ -333,5 +333,7 @@ def test_a_decay_branch_and_averages_run_after_their_parent_and_are_reported(bas
     assert [s["step"] for s in averaged["averaged_from"]] == [4, 6, 8]
     report = (tmp_path / "abl" / "ablation.md").read_text()
     assert "`wsd-decay` is a decay branch of `wsd`" in report and "| wsd-avg | 1 |" in report
+    assert f"| wsd-avg | wsd | 1 | {summary['wsd-avg']['eval_loss'] - summary['wsd']['eval_loss']:+.4f} +- 0.0000 |" \
+        in report                                   # each made variant against the run it was made from
     again = _ablate(config, tmp_path)
     assert again.returncode == 0 and again.stdout.count("done before") == 4, again.stdout[-2000:]

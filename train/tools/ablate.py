@@ -683,6 +683,21 @@ def paired_differences(cfg: AblationConfig, rows: list[dict[str, Any]]) -> dict[
             for v in cfg.variants[1:]}
 
 
+def _paired_with_parent(cfg: AblationConfig, rows: list[dict[str, Any]]) -> list[str]:
+    """Each branch's and average's held-out loss minus the run it was made from, paired by seed."""
+    loss = {(r["variant"], r["seed"]): r["eval_loss"] for r in rows}
+    derived = [(v.name, (v.branch or v.average).of) for v in cfg.variants if v.branch or v.average]
+    if not derived:
+        return []
+    lines = ["", "Held-out loss minus that of the run each was made from, paired by seed:", "",
+             "| variant | made from | pairs | difference |", "| --- | --- | ---: | ---: |"]
+    for name, parent in derived:
+        diffs = [loss[name, s] - loss[parent, s] for s in cfg.seeds if (name, s) in loss and (parent, s) in loss]
+        mean, std = _mean_std(diffs) if diffs else (math.nan, math.nan)
+        lines.append(f"| {name} | {parent} | {len(diffs)} | {mean:+.4f} +- {std:.4f} |")
+    return lines
+
+
 def _paired(cfg: AblationConfig, rows: list[dict[str, Any]]) -> list[str]:
     lines = ["", f"Held-out loss minus `{cfg.variants[0].name}`'s, paired by seed (mean +- sample std over the "
              "seeds both finished; negative: lower loss):", "", "| variant | pairs | difference |", "| --- | ---: | ---: |"]
@@ -711,7 +726,7 @@ def _markdown(cfg: AblationConfig, table: list[dict[str, Any]], rows: list[dict[
     derived = [v for v in cfg.variants if v.branch is not None or v.average is not None]
     if derived:
         lines += ["", "Made from another variant's run: " + "; ".join(_derived_line(v) for v in derived) + "."]
-    return "\n".join(lines + _per_seed(cfg, rows) + _paired(cfg, rows)) + "\n"
+    return "\n".join(lines + _per_seed(cfg, rows) + _paired(cfg, rows) + _paired_with_parent(cfg, rows)) + "\n"
 
 
 def _derived_line(variant: Variant) -> str:
