@@ -113,7 +113,8 @@ def newest_sound_checkpoint(root: Path, report: Callable[[str], None]) -> Path |
     return None
 
 
-def resolve_resume(resume: str, root: Path, report: Callable[[str], None] = print, branch_from: str = "") -> Path | None:
+def resolve_resume(resume: str, root: Path, report: Callable[[str], None] = print,
+                   branch_from: str = "") -> Path | None:
     """``checkpoint.resume``: ``auto`` the newest sound checkpoint under ``root`` (none: ``branch_from``'s
     checkpoint when given, else None), ``none`` None, else the checkpoint folder it names (which must be sound)."""
     if resume == "none":
