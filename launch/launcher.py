@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from distaff.launch.hostlist import expand_hostlist
-from distaff.launch.run_config import LaunchTarget, add_task_argument, resolve_launch_target
+from distaff.launch.run_config import LaunchTarget, add_task_argument, record_launch, resolve_launch_target
 from distaff.launch.script_values import host_name, plain_text, remote_argument
 from distaff.launch.watcher import signal_job, start_watcher
 from distaff.train.core import presets
@@ -233,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    args = _parser().parse_intermixed_args(argv)    # options may follow the overrides
+    return launch(_parser().parse_intermixed_args(argv))    # options may follow the overrides
+
+
+def launch(args: argparse.Namespace) -> int:
+    """``distaff launch`` with parsed options (``distaff decay`` passes a parent run's, recorded)."""
     target = resolve_launch_target(args.config, args.overrides, args.task)
     extra = _parse_env_pairs(args.env)
     env = dict(os.environ)
@@ -257,6 +261,8 @@ def _main(argv: list[str]) -> int:
     for path, text in plan.files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
+    record_launch(target.out_dir, "launch", argparse.Namespace(**{
+        **vars(args), "env": [pair for pair in args.env if not is_secret(pair.partition("=")[0])]}))
     print(f"distaff launch: {command}", file=sys.stderr, flush=True)
     return run_forwarding_signals(plan.command, plan.env, target.module, to_ranks=not plan.files)
 

@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from distaff.launch.run_config import LaunchTarget, add_task_argument, resolve_launch_target
+from distaff.launch.run_config import LaunchTarget, add_task_argument, record_launch, resolve_launch_target
 from distaff.launch.script_values import (plain_text, sbatch_extra, sbatch_option, slurm_path_pattern,
                                           slurm_time)
 from distaff.train.core import presets
@@ -307,7 +307,11 @@ def _main(argv: list[str]) -> int:
     parser, submit_parser = _parser()
     if not argv or argv[0] != "submit":
         parser.parse_args(argv)            # help, or the usage error naming the subcommands
-    args = submit_parser.parse_intermixed_args(argv[1:])
+    return submit_job(submit_parser.parse_intermixed_args(argv[1:]))
+
+
+def submit_job(args: argparse.Namespace) -> int:
+    """``distaff slurm submit`` with parsed options (``distaff decay`` passes a parent run's, recorded)."""
     target = resolve_launch_target(args.config, args.overrides, args.task)
     spec = SlurmJobSpec(
         target=target, nodes=args.nodes, ranks_per_node=args.gpus_per_node, cpu=args.cpu,
@@ -325,6 +329,7 @@ def _main(argv: list[str]) -> int:
         print(f"# submit with:\n{shlex.join(sbatch_command(spec.script_path))}")
         return 0
     job_id = submit(spec)
+    record_launch(target.out_dir, "slurm", args)
     print(job_id)
     print(f"distaff slurm: job {job_id}, logs in {spec.log_dir}", file=sys.stderr)
     return 0

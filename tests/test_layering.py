@@ -33,8 +33,9 @@ ALLOWED = {
     # The plan reads run configs and models (meta-device parameter counts), never a trainer's loop.
     "distaff.train.plan": {"distaff.train.core", "distaff.train.model", "distaff.train.run"},
     # The launchers read configs and start trainers as processes: never a trainer's loop.
+    # A decay branch's config comes from its parent's checkpoint: its file layout and the schedule (distaff decay).
     "distaff.launch": {"distaff.train.core", "distaff.train.run.config", "distaff.train.finetune.config",
-                       "distaff.train.plan"},
+                       "distaff.train.plan", "distaff.train.run.checkpoint_files", "distaff.train.run.schedule"},
 }
 MAX_MODULES = {"kernels": 12, "train": 12, "tests": 20}
 

@@ -65,7 +65,8 @@ class Trainer(RunBase):
         check_lengths(self.objective, self.schedule)
         self.phase: Phase | None = None     # the phase the loader and the log are in (set at the first step)
         self.global_batch = 0
-        check_resumable(cfg.checkpoint.resume, cfg.out_dir / "checkpoints", run_identity(cfg, self.objective, self.loader))
+        check_resumable(cfg.checkpoint.resume, cfg.out_dir / "checkpoints", run_identity(cfg, self.objective, self.loader),
+                        cfg.checkpoint.branch_from)
         self.engine = self._initialize_engine(self._build_model)
         self.state = TrainState()
         self.checkpointer = self._build_checkpointer(tokenizer.path)
@@ -139,7 +140,8 @@ class Trainer(RunBase):
     def _lr(self, step: int) -> float:
         optim = self.cfg.optim
         return lr_at(step, lr=optim.lr, warmup_steps=optim.warmup_steps, max_steps=self.cfg.train.max_steps,
-                     schedule=optim.schedule, min_lr_ratio=optim.min_lr_ratio)
+                     schedule=optim.schedule, min_lr_ratio=optim.min_lr_ratio, decay_start=optim.decay_start,
+                     decay_steps=optim.decay_steps, decay_shape=optim.decay_shape)
 
     def _micro_batches(self, step: int) -> int:
         """The step's shape from the schedule (train/run/schedule.py): a phase the loader is not in yet is given to
@@ -264,7 +266,8 @@ def check_run(cfg: RunConfig) -> str:
     objective = objective_for(cfg, model_cfg)
     loader = train_loader(cfg, layout, sources, objective)
     check_lengths(objective, schedule)
-    resume = check_resumable(cfg.checkpoint.resume, cfg.out_dir / "checkpoints", run_identity(cfg, objective, loader))
+    resume = check_resumable(cfg.checkpoint.resume, cfg.out_dir / "checkpoints", run_identity(cfg, objective, loader),
+                             cfg.checkpoint.branch_from)
     return (f"config, data {cfg.data.first_dir} (seq_len {manifest.seq_len}, tokenizer of {tokenizer.vocab_size} "
             f"pieces) and "
             f"model ({model_cfg.num_hidden_layers} layers, hidden {model_cfg.hidden_size}, {cfg.train.objective}) fit; "

@@ -37,7 +37,8 @@ from distaff.train.core.errors import RunFailure, shown
 from distaff.train.core.files import atomic_write_text, fsync_dir
 from distaff.train.core.safe_load import weights_only_loads
 from distaff.train.data.errors import DataError
-from distaff.train.run.checkpoint_files import FIRST_FORMAT_WITH_FILES, META, checkpoint_problem, write_file_list
+from distaff.train.run.checkpoint_files import (FIRST_FORMAT_WITH_FILES, META, checkpoint_problem, is_complete,
+                                               tag_for_step, write_file_list)
 from distaff.train.run.resize import global_batch_notice, has_partitioned_state, universal_folder, universal_loading
 
 LATEST = "latest"
@@ -52,19 +53,11 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def tag_for_step(step: int) -> str:
-    return f"step-{step:08d}"
-
-
 def _rank_file(folder: Path, rank: int) -> Path:
     return folder / "distaff" / f"rank-{rank:05d}.json"
 
 
 # ---------------------------------------------------------------- finding checkpoints
-
-def is_complete(folder: Path) -> bool:
-    return (folder / META).is_file()
-
 
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The checkpoint under ``root`` named by ``latest``, else the highest complete ``step-*``, else None.
@@ -85,12 +78,15 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return max(complete, key=lambda p: p.name) if complete else None
 
 
-def resume_candidate(resume: str, root: Path) -> Path | None:
+def resume_candidate(resume: str, root: Path, branch_from: str = "") -> Path | None:
     """The checkpoint ``checkpoint.resume`` would most likely resume from, found without hashing anything
-    (for checks before the engine is built; :func:`resolve_resume` makes the choice)."""
+    (for checks before the engine is built; :func:`resolve_resume` makes the choice); with ``auto`` and no
+    checkpoint under ``root``, ``branch_from``."""
     if resume == "none":
         return None
     folder = latest_checkpoint(root) if resume == "auto" else Path(resume)
+    if folder is None and branch_from:
+        folder = Path(branch_from)
     return folder if folder is not None and is_complete(folder) else None
 
 
@@ -117,20 +113,27 @@ def newest_sound_checkpoint(root: Path, report: Callable[[str], None]) -> Path |
     return None
 
 
-def resolve_resume(resume: str, root: Path, report: Callable[[str], None] = print) -> Path | None:
-    """``checkpoint.resume``: ``auto`` the newest sound checkpoint under ``root`` (or None), ``none`` None,
-    else the checkpoint folder it names (which must be sound)."""
+def resolve_resume(resume: str, root: Path, report: Callable[[str], None] = print,
+                   branch_from: str = "") -> Path | None:
+    """``checkpoint.resume``: ``auto`` the newest sound checkpoint under ``root`` (none: ``branch_from``'s
+    checkpoint when given, else None), ``none`` None, else the checkpoint folder it names (which must be sound)."""
     if resume == "none":
         return None
     if resume == "auto":
-        return newest_sound_checkpoint(root, report)
-    path = Path(resume)
-    if not is_complete(path):
-        raise FileNotFoundError(f"checkpoint.resume={resume!r}: not a complete checkpoint (no {META} in it)")
-    problem = checkpoint_problem(path)
+        found = newest_sound_checkpoint(root, report)
+        return sound_checkpoint(branch_from, "checkpoint.branch_from") if found is None and branch_from else found
+    return sound_checkpoint(resume, "checkpoint.resume")
+
+
+def sound_checkpoint(path: str, key: str) -> Path:
+    """The checkpoint folder ``path`` (the value of config ``key``), complete and matching its file list."""
+    folder = Path(path)
+    if not is_complete(folder):
+        raise FileNotFoundError(f"{key}={path!r}: not a complete checkpoint (no {META} in it)")
+    problem = checkpoint_problem(folder)
     if problem:
-        raise FileNotFoundError(f"checkpoint.resume={resume!r}: damaged checkpoint: {problem}")
-    return path
+        raise FileNotFoundError(f"{key}={path!r}: damaged checkpoint: {problem}")
+    return folder
 
 
 # ---------------------------------------------------------------- the global RNGs as a component
@@ -324,12 +327,13 @@ class Checkpointer:
         atomic_write_text(partial / META, json.dumps(meta, indent=1))
 
     # ---- restoring
-    def restore(self, resume: str) -> Path | None:
-        """Resolve ``checkpoint.resume``, clear interrupted saves and load the checkpoint, if any."""
+    def restore(self, resume: str, branch_from: str = "") -> Path | None:
+        """Resolve ``checkpoint.resume`` (and ``checkpoint.branch_from``), clear interrupted saves and load the
+        checkpoint, if any."""
         verdict, failure = "", None
         if self.rank == 0:  # one rank hashes the checkpoints and tells the others what it chose
             try:
-                chosen = resolve_resume(resume, self.root)
+                chosen = resolve_resume(resume, self.root, branch_from=branch_from)
                 verdict = f"ok:{chosen}" if chosen is not None else "none:"
                 if self.root.is_dir():
                     remove_partial(self.root)

@@ -14,6 +14,16 @@ META = Path("distaff") / "meta.json"
 FIRST_FORMAT_WITH_FILES = 3  # checkpoints written before have no file list and are trusted as they are
 
 
+def tag_for_step(step: int) -> str:
+    """The folder name of step ``step``'s checkpoint."""
+    return f"step-{step:08d}"
+
+
+def is_complete(folder: Path) -> bool:
+    """Whether ``folder`` is a finished checkpoint (``meta.json`` is written last)."""
+    return (folder / META).is_file()
+
+
 def write_file_list(folder: Path) -> None:
     """Record every file under ``folder`` but the list itself and ``meta.json`` (written after it)."""
     files = {path.relative_to(folder).as_posix(): {"size": path.stat().st_size, "sha256": file_sha256(path)}

@@ -24,6 +24,7 @@ from distaff.train.core.config_yaml import load_yaml
 from distaff.train.core.errors import ConfigError, closest, reject_unknown_keys, shown
 from distaff.train.data.collator import MaskingConfig
 from distaff.train.model.config import ModelConfig, load_model_config
+from distaff.train.run.schedule import wsd_window
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "parse_overrides", "save_config", "config_to_dict"]
 
@@ -133,6 +134,15 @@ class OptimSection:
 
 
 @dataclass
+class PretrainOptimSection(OptimSection):
+    """Pretraining's schedules add warmup-stable-decay (docs/pretraining.md, "Warmup-stable-decay")."""
+    schedule: Literal["linear", "cosine", "wsd"] = "linear"
+    decay_start: int = 0                # wsd: the decay's first step; 0: train.max_steps - decay_steps
+    decay_steps: int = 0                # wsd: the decay's length; 0: from decay_start to train.max_steps
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] = "1-sqrt"
+
+
+@dataclass
 class ZeroSection:
     stage: int = 0
     offload_optimizer: bool = False
@@ -183,6 +193,9 @@ class CheckpointSection:
     every: int = 1000                   # 0: only at the end and on preemption
     keep: int = 3
     resume: str = "auto"                # auto | none | PATH to a checkpoint directory
+    # a checkpoint of another run that this one continues from, exactly as a resume, until it has a checkpoint
+    # of its own (resume=auto only); `distaff decay` sets it to the parent's checkpoint
+    branch_from: str = ""
 
 
 @dataclass
@@ -203,7 +216,7 @@ class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
-    optim: OptimSection = field(default_factory=OptimSection)
+    optim: PretrainOptimSection = field(default_factory=PretrainOptimSection)
     zero: ZeroSection = field(default_factory=ZeroSection)
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
@@ -375,6 +388,7 @@ def _validate(cfg: RunConfig) -> None:
         non_negative={"data.num_workers": cfg.data.num_workers, "data.eval_batch_size": cfg.data.eval_batch_size,
                       "data.tokens_per_batch": cfg.data.tokens_per_batch,
                       "optim.warmup_steps": cfg.optim.warmup_steps, "optim.weight_decay": cfg.optim.weight_decay,
+                      "optim.decay_start": cfg.optim.decay_start, "optim.decay_steps": cfg.optim.decay_steps,
                       "train.grad_clip": cfg.train.grad_clip, "eval.every": cfg.eval.every,
                       "eval.batches": cfg.eval.batches, "checkpoint.every": cfg.checkpoint.every,
                       "distributed.watchdog_s": cfg.distributed.watchdog_s})
@@ -388,6 +402,33 @@ def _validate(cfg: RunConfig) -> None:
     _check_batch_warmup(cfg.train.batch_warmup)
     _check_phases(cfg)
     _check_combinations(cfg)
+    check_schedule(cfg.optim, cfg.train.max_steps)
+
+
+def check_schedule(optim: PretrainOptimSection, max_steps: int) -> None:
+    """A WSD decay must lie after the warmup and end by ``train.max_steps``; other schedules have no decay fields."""
+    if optim.schedule != "wsd":
+        if optim.decay_start or optim.decay_steps:
+            raise ConfigError(f"optim.decay_start/decay_steps with optim.schedule={optim.schedule}: only "
+                              "optim.schedule=wsd has a decay phase of its own; set it, or drop them")
+        return
+    if not optim.decay_start and not optim.decay_steps:
+        raise ConfigError("optim.schedule=wsd: set optim.decay_steps (a decay ending at train.max_steps) and/or "
+                          "optim.decay_start (its first step); optim.decay_start=train.max_steps keeps the whole run "
+                          "stable, to decay in branches (distaff decay)")
+    start, length = wsd_window(max_steps, optim.decay_start, optim.decay_steps)
+    if start < 0:
+        raise ConfigError(f"optim.decay_steps: {length} steps of decay are longer than the run (train.max_steps="
+                          f"{max_steps}); shorten it or raise train.max_steps")
+    if start > max_steps:
+        raise ConfigError(f"optim.decay_start: {start} is past the end of the run (train.max_steps={max_steps}); "
+                          "start the decay at most at train.max_steps")
+    if start + length > max_steps:
+        raise ConfigError(f"optim.decay_steps: a decay of {length} steps from step {start} ends at step "
+                          f"{start + length}, past train.max_steps={max_steps}; shorten it or raise train.max_steps")
+    if start < optim.warmup_steps:
+        raise ConfigError(f"optim.decay_start: the decay would start at step {start}, inside the warmup "
+                          f"(optim.warmup_steps={optim.warmup_steps}); start it after the warmup")
 
 
 def _check_sources(key: str, sources: list[SourceSection]) -> None:
@@ -435,9 +476,9 @@ def _check_combinations(cfg: RunConfig) -> None:
     """Settings that are valid alone but not together, each error naming both keys."""
     if cfg.data.tokens_per_batch and cfg.data.packing != "varlen":
         raise ConfigError("data.tokens_per_batch: only packed batches (data.packing=varlen) have a token budget")
-    if cfg.train.objective == "rtd" and cfg.data.packing == "varlen":
-        raise ConfigError("train.objective=rtd with data.packing=varlen: the RTD discriminator and head run on "
-                          "padded [B, N] batches only; use data.packing=padded")
+    if cfg.checkpoint.branch_from and cfg.checkpoint.resume != "auto":
+        raise ConfigError(f"checkpoint.branch_from with checkpoint.resume={cfg.checkpoint.resume}: a branch starts "
+                          "from its parent's checkpoint only while it has none of its own; set checkpoint.resume=auto")
     if cfg.train.objective != "rtd" and cfg.rtd.loss_weighting != "fixed":
         raise ConfigError(f"rtd.loss_weighting={cfg.rtd.loss_weighting} with train.objective={cfg.train.objective}: "
                           "loss weighting combines RTD's two losses; set train.objective=rtd or drop "

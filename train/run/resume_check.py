@@ -65,10 +65,10 @@ def resume_problem(folder: Path, run: RunIdentity) -> str | None:
     return run.data_problem(rank_state(folder, 0).get("data", {}), f"checkpoint {folder}")
 
 
-def check_resumable(resume: str, root: Path, run: RunIdentity) -> Path | None:
-    """The checkpoint ``checkpoint.resume`` would resume from (None: a new run), refused with a ConfigError when
-    ``run`` changed what a run may not change on resume."""
-    folder = resume_candidate(resume, root)
+def check_resumable(resume: str, root: Path, run: RunIdentity, branch_from: str = "") -> Path | None:
+    """The checkpoint ``checkpoint.resume`` (or ``checkpoint.branch_from``) would resume from (None: a new run),
+    refused with a ConfigError when ``run`` changed what a run may not change on resume."""
+    folder = resume_candidate(resume, root, branch_from)
     if folder is None:
         return None
     problem = resume_problem(folder, run)

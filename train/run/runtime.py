@@ -176,11 +176,14 @@ class RunBase:
 
     def _restore(self) -> Path | None:
         """``checkpoint.resume`` applied; every rank must be at the same step afterwards."""
-        resumed_from = self.checkpointer.restore(self.cfg.checkpoint.resume)
+        branch_from = getattr(self.cfg.checkpoint, "branch_from", "")     # pretraining's only
+        resumed_from = self.checkpointer.restore(self.cfg.checkpoint.resume, branch_from)
         step = self.state.step
         if dist_utils.all_reduce_sum([float(step)], self.device)[0] != step * self.layout.world_size:
             raise RuntimeError(f"ranks resumed from different steps (this rank: {step}); "
                                f"is {self.checkpointer.root} shared?")
+        if branch_from and resumed_from == Path(branch_from):
+            self.state.wandb_run_id = None      # a branch is its own W&B run, not its parent's continued
         self.state.wandb_run_id = self.state.wandb_run_id or os.environ.get("WANDB_RUN_ID") or new_wandb_id()
         # re-running a finished run: nothing to train, evaluate or log (run() says so and returns)
         self.finished_before = resumed_from is not None and self._done()
