@@ -88,7 +88,7 @@ class DataSection:
 class BatchWarmupSection:
     """The global batch grows from ``start`` sequences in steps of ``start`` to its full size, each size held
     for the same number of steps, over ``tokens`` (sequences x seq_len); ``start: 0`` is off
-    (train/run/phases.py, docs/pretraining.md "Batch-size warmup")."""
+    (train/run/schedule.py, docs/pretraining.md "Batch-size warmup")."""
     start: int = 0
     tokens: int = 0
 
@@ -201,7 +201,7 @@ class CheckpointSection:
 @dataclass
 class PhaseSection:
     """From step ``at_step`` on (steps done before it), the run trains with these; 0 or empty keeps the previous
-    phase's value (train/run/phases.py, docs/pretraining.md "Phases")."""
+    phase's value (train/run/schedule.py, docs/pretraining.md "Phases")."""
     at_step: int = 0
     sources: list[SourceSection] = field(default_factory=list)
     seq_len: int = 0                    # a check: the phase's sources must be prepared at this length
