@@ -91,9 +91,10 @@ def test_a_one_host_hostfile_runs_here_with_its_slots(config: Path, tmp_path: Pa
 
 @pytest.mark.parametrize("text, problem", [
     ("gpu01 slots=8\ngpu01 slots=8\n", "line 2: gpu01 is listed twice"),
-    ("gpu01 slots=0\n", "line 1: slots=0 of gpu01: expected a positive whole number"),
-    ("gpu01 slots=-1\n", "slots=-1 of gpu01"),
-    ("gpu01 slots=two\n", "slots=two of gpu01"),
+    ("gpu01 slots=0\n", "line 1: slots of gpu01: expected a whole number >= 1, got '0'"),
+    ("gpu01 slots=-1\n", "slots of gpu01: expected a whole number >= 1, got '-1'"),
+    ("gpu01 slots=two\n", "slots of gpu01: expected a whole number >= 1, got 'two'"),
+    ("gpu01 slots=\u00b2\n", "slots of gpu01: expected a whole number >= 1, got '\u00b2'"),
     ("gpu01\n", "line 1: 'gpu01' is not 'HOST slots=N'"),
     ("gpu01 slots=2 extra\n", "is not 'HOST slots=N'"),
     ("gpu;01 slots=2\n", "line 1: host 'gpu;01': not a host name"),

@@ -20,6 +20,9 @@ from distaff.train.data.errors import DataError
 SAMPLE_SUFFIX = ".npy"
 
 
+TOKEN_DTYPES = ("uint16", "int32")      # what token_dtype gives: the manifest's dtype is one of these
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.int32)
 

@@ -18,6 +18,7 @@ from distaff.kernels import IMPLS, attention_span
 from distaff.train.core import presets
 from distaff.train.core.config_yaml import load_yaml
 from distaff.train.core.errors import ConfigError, closest, reject_unknown_keys, shown
+from distaff.train.core.files import read_text
 
 POSITION_TERMS = ("c2p", "p2c")
 
@@ -163,7 +164,7 @@ def load_model_config(preset_or_path: str | Path, **overrides: Any) -> ModelConf
     if path.suffix in (".yaml", ".yml"):
         if not path.is_file():
             raise FileNotFoundError(f"model config file not found: {path}")
-        text, source = path.read_text(), str(path)
+        text, source = read_text(path, error=ConfigError), str(path)
     else:
         resource = presets.preset_file(str(preset_or_path), "model")
         if resource is None:

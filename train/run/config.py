@@ -22,6 +22,7 @@ import yaml
 from distaff.train.core import presets
 from distaff.train.core.config_yaml import load_yaml
 from distaff.train.core.errors import ConfigError, closest, reject_unknown_keys, shown
+from distaff.train.core.files import read_text
 from distaff.train.data.collator import MaskingConfig
 from distaff.train.model.config import ModelConfig, load_model_config
 
@@ -423,7 +424,7 @@ def read_config_values(path: str | Path | None, overrides: list[str] = (), kind:
     values: dict[str, Any] = {}
     if path is not None:
         path = config_file(path, kind)
-        values = load_yaml(path.read_text(), str(path)) or {}
+        values = load_yaml(read_text(path, error=ConfigError), str(path)) or {}
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: expected a mapping of sections")
     for keys, value in parse_overrides(list(overrides)):

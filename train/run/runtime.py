@@ -370,7 +370,7 @@ def parse_args(prog: str, description: str, argv: list[str]) -> argparse.Namespa
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config (presets, file and overrides merged) as YAML and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=3e-4")
-    return parser.parse_args(take_verbose_flag(take_debug_flag(argv)))
+    return parser.parse_intermixed_args(take_verbose_flag(take_debug_flag(argv)))
 
 
 @dataclass(frozen=True)
@@ -406,12 +406,12 @@ def run_main(prog: str, description: str, argv: list[str] | None, load: Callable
     configure_threads()
     try:
         cfg = load(args.config, args.overrides)
+        layout = dist_utils.env_from_environ()      # a bad launcher variable is named before anything starts
     except Exception as err:  # noqa: BLE001 - reported in the one style
         return report(prog, err)
     if inspection is not None and (args.check or args.print_config):
         return _inspect(prog, args, cfg, inspection)
     dist_utils.die_with_launcher()
-    layout = dist_utils.env_from_environ()
     dist_utils.quiet_library_warnings(layout.rank)
     try:
         layout = dist_utils.init_distributed(cfg.distributed.timeout_s)
