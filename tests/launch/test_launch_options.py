@@ -42,7 +42,7 @@ def test_a_port_out_of_range_is_refused(config: Path, capsys, port: str) -> None
 def test_options_may_follow_the_overrides(config: Path, capsys) -> None:
     """The red-team case: options after the overrides gave "unrecognized arguments"."""
     assert cli.main(["launch", "--config", str(config), "optim.lr=1e-3", "--gpus-per-node", "3", "train.max_steps=5",
-                     "--dry-run"]) == 0
+                     "--max-ranks-per-node", "3", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "--num_gpus 3" in out and "optim.lr=1e-3 train.max_steps=5 run.out_dir=" in out
     assert cli.main(["slurm", "submit", "optim.lr=1e-3", "--config", str(config), "--nodes", "1", "train.max_steps=5",
@@ -85,7 +85,8 @@ def test_a_one_host_hostfile_runs_here_with_its_slots(config: Path, tmp_path: Pa
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=3\n")
     target = resolve_launch_target(config, [])
-    plan = plan_launch(target, hosts=read_hostfile(hostfile), gpus_per_node=None, master_port=29500, env={})
+    plan = plan_launch(target, hosts=read_hostfile(hostfile), gpus_per_node=None, master_port=29500, env={},
+                       max_ranks_per_node=3)
     assert plan.files == {} and plan.command[3:5] == ["--num_gpus", "3"]
 
 

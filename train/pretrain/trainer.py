@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -21,6 +21,7 @@ from distaff.train.core.exit_codes import EXIT_BAD_CONFIG, EXIT_FAILURE, EXIT_PR
 from distaff.train.data.loader import EvalLoader, PretrainLoader, open_data_dir
 from distaff.train.data.manifest import MANIFEST_FILE, Manifest, is_remote
 from distaff.train.data.tokenizer import TokenizerInfo
+from distaff.train.data.verify import check_first_samples
 from distaff.train.model.config import ModelConfig
 from distaff.train.model.flops import peak_flops
 from distaff.train.pretrain.objectives import objective_for
@@ -50,22 +51,47 @@ def build_model_config(cfg: RunConfig, tokenizer) -> ModelConfig:
     return cfg.model_config(**fixed)
 
 
+class PretrainPlan:
+    """A pretraining run up to its engine: the data dir opened, the model configured, the loaders built, the data
+    checked against the model and the checkpoint to resume chosen. Built by every rank of a run (``from_rank0``:
+    rank 0's text on every rank), and by ``--check``: one set of checks, so a run fails on nothing --check passed."""
+
+    def __init__(self, cfg: RunConfig, layout: dist_utils.DistEnv,
+                 from_rank0: Callable[[str], str] = lambda text: text):
+        self.manifest, self.tokenizer = open_data_dir(cfg.data.dir)
+        self.model_cfg = build_model_config(cfg, self.tokenizer)
+        self.objective = objective_for(cfg, self.model_cfg)
+        self.loader = train_loader(cfg, layout, self.manifest, self.tokenizer, self.objective)
+        self.eval_loader = EvalLoader(cfg.data.dir, self.manifest, self.tokenizer, rank=layout.rank,
+                                      world_size=layout.world_size, seed=cfg.run.seed, masking=self.objective.masking,
+                                      batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
+                                      token_budget=cfg.data.token_budget(self.manifest.seq_len, eval=True))
+        if layout.is_main:
+            check_first_samples(cfg.data.dir, self.manifest)
+        for section, model_cfg in self.objective.model_configs().items():
+            check_data_fits_model(model_cfg, self.loader.seq_len, f"data.dir: seq_len {self.loader.seq_len}",
+                                  "raise it or prepare the data with a smaller --seq-len", section)
+        self.resume_from = check_resumable(cfg.checkpoint.resume, cfg.out_dir / "checkpoints",
+                                           run_identity(cfg, self.objective, self.loader), is_main=layout.is_main,
+                                           from_rank0=from_rank0, report=print if layout.is_main else _silent)
+
+
+def _silent(message: str) -> None:
+    """What ranks other than 0 say about the checkpoints rank 0 passed over: nothing (rank 0 says it)."""
+
+
 class Trainer(RunBase):
     """One rank of a run: ``Trainer(cfg, layout).run()`` builds, loops, closes; returns the exit code."""
 
     def __init__(self, cfg: RunConfig, layout: dist_utils.DistEnv):
         super().__init__(cfg, layout)
-        self.manifest, tokenizer = open_data_dir(cfg.data.dir)
-        self.model_cfg = build_model_config(cfg, tokenizer)
-        self.objective = objective_for(cfg, self.model_cfg)
-        self.loader, self.evaluator = self._build_data(tokenizer)
-        for section, model_cfg in self.objective.model_configs().items():
-            check_data_fits_model(model_cfg, self.loader.seq_len, f"data.dir: seq_len {self.loader.seq_len}",
-                                  "raise it or prepare the data with a smaller --seq-len", section)
-        check_resumable(cfg.checkpoint.resume, cfg.out_dir / "checkpoints", run_identity(cfg, self.objective, self.loader))
+        plan = PretrainPlan(cfg, layout, lambda text: dist_utils.broadcast_text(text, self.device))
+        self.manifest, self.model_cfg, self.objective = plan.manifest, plan.model_cfg, plan.objective
+        self.loader, self.resume_from = plan.loader, plan.resume_from
+        self.evaluator = Evaluator(plan.eval_loader, cfg.eval.batches, layout.world_size, self.device, self.objective)
         self.engine = self._initialize_engine(self._build_model)
         self.state = TrainState()
-        self.checkpointer = self._build_checkpointer(tokenizer.path)
+        self.checkpointer = self._build_checkpointer(plan.tokenizer.path)
         resumed_from = self._restore()
         if layout.is_main:
             save_config(cfg, cfg.out_dir / "config.yaml", self.model_cfg)
@@ -77,17 +103,6 @@ class Trainer(RunBase):
         self.warned_small_eval = False
 
     # ---------------------------------------------------------------- building
-
-    def _build_data(self, tokenizer: TokenizerInfo) -> tuple[PretrainLoader, Evaluator]:
-        cfg, layout = self.cfg, self.layout
-        shared = dict(rank=layout.rank, world_size=layout.world_size, seed=cfg.run.seed,
-                      masking=self.objective.masking)
-        seq_len = self.manifest.seq_len
-        loader = train_loader(cfg, layout, self.manifest, tokenizer, self.objective)
-        eval_loader = EvalLoader(cfg.data.dir, self.manifest, tokenizer,
-                                 batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
-                                 token_budget=cfg.data.token_budget(seq_len, eval=True), **shared)
-        return loader, Evaluator(eval_loader, cfg.eval.batches, layout.world_size, self.device, self.objective)
 
     def _build_model(self) -> torch.nn.Module:
         model = self.objective.build(self.layout.rank)
@@ -174,20 +189,19 @@ def train_loader(cfg: RunConfig, layout: dist_utils.DistEnv, manifest: Manifest,
 
 
 def check_run(cfg: RunConfig) -> str:
-    """``distaff pretrain --check``: the data, the model it gives and a checkpoint to resume, checked as a run
-    checks them before building its engine (as rank 0 of ``WORLD_SIZE``, default 1); a summary line."""
+    """``distaff pretrain --check``: the checks a run makes before building its engine (:class:`PretrainPlan`, as
+    rank 0 of ``WORLD_SIZE``, default 1); a summary line. A remote data dir is not read: its ``pipe:`` command
+    would run (the run checks it when it starts)."""
     layout = dist_utils.DistEnv(0, dist_utils.env_from_environ().world_size, 0)
-    manifest, tokenizer = open_data_dir(cfg.data.dir)
-    model_cfg = build_model_config(cfg, tokenizer)
-    objective = objective_for(cfg, model_cfg)
-    loader = train_loader(cfg, layout, manifest, tokenizer, objective)
-    for section, checked in objective.model_configs().items():
-        check_data_fits_model(checked, loader.seq_len, f"data.dir: seq_len {loader.seq_len}",
-                              "raise it or prepare the data with a smaller --seq-len", section)
-    resume = check_resumable(cfg.checkpoint.resume, cfg.out_dir / "checkpoints", run_identity(cfg, objective, loader))
-    return (f"config, data {cfg.data.dir} (seq_len {manifest.seq_len}, tokenizer of {tokenizer.vocab_size} pieces) and "
-            f"model ({model_cfg.num_hidden_layers} layers, hidden {model_cfg.hidden_size}, {cfg.train.objective}) fit; "
-            + (f"resumes from {resume}" if resume else f"a new run in {cfg.out_dir}")
+    if is_remote(cfg.data.dir):
+        return (f"config fits; data.dir {cfg.data.dir} is remote and was not read (--check runs no command and "
+                "fetches nothing): its data, the model's vocabulary and a checkpoint to resume are checked when the "
+                f"run starts; {cfg.train.max_steps} steps on {layout.world_size} rank(s)")
+    plan = PretrainPlan(cfg, layout)
+    model_cfg, resume = plan.model_cfg, plan.resume_from
+    return (f"config, data {cfg.data.dir} (seq_len {plan.manifest.seq_len}, tokenizer of {plan.tokenizer.vocab_size} "
+            f"pieces) and model ({model_cfg.num_hidden_layers} layers, hidden {model_cfg.hidden_size}, "
+            f"{cfg.train.objective}) fit; " + (f"resumes from {resume}" if resume else f"a new run in {cfg.out_dir}")
             + f"; {cfg.train.max_steps} steps on {layout.world_size} rank(s)")
 
 

@@ -124,7 +124,8 @@ class RunSections(Protocol):
 
 
 class RunBase:
-    """One rank of a run. Subclasses set ``self.state`` (a :class:`TrainState`), ``self.engine``,
+    """One rank of a run. Subclasses set ``self.resume_from`` (the checkpoint chosen by
+    ``resume_check.check_resumable``, or None), ``self.state`` (a :class:`TrainState`), ``self.engine``,
     ``self.objective``, ``self.batches`` (an iterator of micro-batches), ``self.max_steps``,
     ``self.checkpointer``, ``self.metrics`` and ``self.throughput``, and implement :meth:`_done`,
     :meth:`_lr`, :meth:`_log_train`, :meth:`_after_step`, :meth:`_finish` and :meth:`_summary`."""
@@ -175,8 +176,9 @@ class RunBase:
                             tokenizer_dir=tokenizer_dir)
 
     def _restore(self) -> Path | None:
-        """``checkpoint.resume`` applied; every rank must be at the same step afterwards."""
-        resumed_from = self.checkpointer.restore(self.cfg.checkpoint.resume)
+        """The checkpoint the subclass chose before building its engine (``self.resume_from``) loaded; every rank
+        must be at the same step afterwards."""
+        resumed_from = self.checkpointer.restore_chosen(self.resume_from)
         step = self.state.step
         if dist_utils.all_reduce_sum([float(step)], self.device)[0] != step * self.layout.world_size:
             raise RuntimeError(f"ranks resumed from different steps (this rank: {step}); "
