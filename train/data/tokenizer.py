@@ -132,7 +132,28 @@ def word_start_table(processor: spm.SentencePieceProcessor) -> list[bool]:
             for i in range(processor.get_piece_size())]
 
 
-def _training_lines(inputs: Sequence[str | Path], max_bytes: int | None, options: ReadOptions,
+def _pieces(line: str, max_bytes: int) -> Iterator[str]:
+    """``line``, or when it is longer than ``max_bytes`` UTF-8 bytes, its consecutive pieces of at most that many,
+    cut at the last space of each (inside a character never)."""
+    encoded = line.encode()
+    if len(encoded) <= max_bytes:
+        yield line
+        return
+    start = 0
+    while start < len(encoded):
+        end = min(start + max_bytes, len(encoded))
+        if end < len(encoded):
+            space = encoded.rfind(b" ", start + 1, end + 1)
+            end = space if space > start else end
+            while end > start + 1 and encoded[end] & 0xC0 == 0x80:     # a UTF-8 continuation byte
+                end -= 1
+        piece = encoded[start:end].decode()
+        if piece.strip():
+            yield piece
+        start = end
+
+
+def _document_lines(inputs: Sequence[str | Path], max_bytes: int | None, options: ReadOptions,
                     stats: ReadStats) -> Iterator[str]:
     # Documents are read with the data pipeline's readers (same formats, same errors); SentencePiece
     # trains on lines, so each document is split into its non-empty lines.
@@ -144,6 +165,21 @@ def _training_lines(inputs: Sequence[str | Path], max_bytes: int | None, options
                 seen += len(line)
                 if max_bytes is not None and seen >= max_bytes:
                     return
+
+
+def _training_lines(inputs: Sequence[str | Path], max_bytes: int | None, options: ReadOptions,
+                    stats: ReadStats, max_line_bytes: int) -> Iterator[str]:
+    """The inputs' lines as SentencePiece reads them: it drops a line longer than ``max_line_bytes`` (its
+    ``max_sentence_length``) without a word, so such a line is cut into pieces, and the lines cut are counted
+    and reported once all are read."""
+    long_lines = 0
+    for line in _document_lines(inputs, max_bytes, options, stats):
+        if len(line) * 4 > max_line_bytes and len(line.encode()) > max_line_bytes:   # 4: UTF-8's widest character
+            long_lines += 1
+        yield from _pieces(line, max_line_bytes)
+    if long_lines:
+        log.warning("distaff tokenizer: %d line(s) longer than %s bytes were cut at spaces into pieces of at most "
+                    "that many (SentencePiece would have dropped them)", long_lines, f"{max_line_bytes:,}")
 
 
 def _reported(lines: Iterator[str], progress: ProgressLines) -> Iterator[str]:
@@ -191,7 +227,7 @@ def train_tokenizer(inputs: Sequence[str | Path], vocab_size: int, out_dir: str 
     out_dir.mkdir(parents=True, exist_ok=True)
     model, stats = io.BytesIO(), ReadStats()
     try:
-        lines = _training_lines(inputs, max_input_bytes, read or ReadOptions(), stats)
+        lines = _training_lines(inputs, max_input_bytes, read or ReadOptions(), stats, max_sentence_length)
         if progress:
             lines = _reported(lines, ProgressLines("distaff tokenizer train", "lines"))
         _train_spm(lines, model, vocab_size, character_coverage, num_threads, max_sentence_length, seed_sentences)

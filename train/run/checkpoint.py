@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import random
+import resource
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -215,14 +216,26 @@ def _failure(write: Callable[[], Any]) -> BaseException | None:
     return None
 
 
+def _file_size_limit() -> int | None:
+    """This process's limit on the size of a file it writes (``ulimit -f``, RLIMIT_FSIZE), in bytes; None if none."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
 def _save_failure_cause(err: BaseException, root: Path) -> str:
-    """"no space left on <path>" for a full disk or quota: torch's zip writer reports ENOSPC only as
-    "unexpected pos N vs M", so a failed write on a filesystem that is now (nearly) full counts as one too."""
+    """"no space left on <path>" for a full disk or quota, "a file reached the file-size limit" for EFBIG: torch's
+    zip writer reports either only as "unexpected pos N vs M", so a failed write on a filesystem that is now
+    (nearly) full counts as the first, and one under a finite ``ulimit -f`` as the second."""
     chain = [err, *(e for e in (err.__cause__, err.__context__) if e is not None)]
     oserror = next((e for e in chain if isinstance(e, OSError)), None)
     where = Path(oserror.filename) if oserror is not None and oserror.filename else root
     if (oserror is not None and oserror.errno in _NO_SPACE) or shutil.disk_usage(root).free < _NEARLY_FULL_BYTES:
         return f"no space left on {where} ({shutil.disk_usage(root).free:,} bytes free)"
+    limit = _file_size_limit()
+    if (oserror is not None and oserror.errno == errno.EFBIG) or (limit is not None and "unexpected pos" in str(err)):
+        shown_limit = f"{limit:,} bytes" if limit is not None else "a limit of the filesystem"
+        return (f"a file reached the file-size limit ({shown_limit}; `ulimit -f`) under {where}; raise it (ulimit -f "
+                "unlimited in the job script) or save to a filesystem without one")
     if oserror is not None:
         return f"{oserror.strerror or oserror} on {where}"
     return f"{type(err).__name__}: {err}"
