@@ -54,7 +54,8 @@ MAX_PORT = 65535
 
 def env_from_environ(env: Mapping[str, str] = os.environ) -> DistEnv:
     """Rank layout from torchrun/deepspeed variables, else Slurm's, else a single process; a variable that is not
-    a whole number in range is a ConfigError naming it."""
+    a whole number in range (``MASTER_PORT`` too, a TCP port) is a ConfigError naming it."""
+    env_int(env, "MASTER_PORT", low=1, high=MAX_PORT)
     for rank_name, size_name, local_name in LAUNCHER_VARIABLES:
         if rank_name in env and size_name in env:
             world_size = env_int(env, size_name, low=1)
@@ -64,12 +65,10 @@ def env_from_environ(env: Mapping[str, str] = os.environ) -> DistEnv:
 
 
 def _check_rendezvous(layout: DistEnv, env: Mapping[str, str]) -> None:
-    """MASTER_ADDR and MASTER_PORT set for several processes, the port a TCP port; LOCAL_RANK one of this node's
-    GPUs when it has any."""
+    """MASTER_ADDR and MASTER_PORT set for several processes; LOCAL_RANK one of this node's GPUs when it has any."""
     if layout.world_size > 1 and not ("MASTER_ADDR" in env and "MASTER_PORT" in env):
         raise ConfigError("MASTER_ADDR and MASTER_PORT must be set for a multi-process run "
                            "(the deepspeed launcher and torchrun set them; export them in an sbatch script)")
-    env_int(env, "MASTER_PORT", low=1, high=MAX_PORT)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus and layout.local_rank >= gpus:
         raise ConfigError(f"environment variable LOCAL_RANK: {layout.local_rank}, but this node has {gpus} GPU(s) "

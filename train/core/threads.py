@@ -30,7 +30,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from distaff.train.core.errors import ConfigError
+from distaff.train.core.errors import ConfigError, env_int
 
 # Ranks on this node, as each launcher tells its ranks: torchrun, the deepspeed launcher, srun
 # (``--ntasks-per-node``); the first one set wins.
@@ -41,11 +41,11 @@ MOST_GPUS_PER_NODE = 16   # the most accelerators one node of any current system
 
 
 def local_world_size(env: Mapping[str, str]) -> int:
-    """The number of ranks on this node (1 for a process no launcher started)."""
+    """The number of ranks on this node (1 for a process no launcher started); a value that is not a positive whole
+    number is a ConfigError naming the variable."""
     for name in LOCAL_WORLD_SIZE_VARS:
-        value = env.get(name, "").strip()
-        if value.isdigit() and int(value) > 0:
-            return int(value)
+        if env.get(name, "").strip():
+            return env_int(env, name, low=1)
     return 1
 
 

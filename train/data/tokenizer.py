@@ -24,7 +24,7 @@ from typing import Iterator, Sequence
 
 import sentencepiece as spm
 
-from distaff.train.core.errors import command_main, shown, whole_number
+from distaff.train.core.errors import command_main, float_arg, shown, whole_number
 from distaff.train.core.files import file_sha256, read_json
 from distaff.train.core.progress import ProgressLines
 from distaff.train.data.errors import DataError
@@ -275,8 +275,10 @@ def _main(argv: list[str]) -> int:
     train.add_argument("--input", nargs="+", required=True, help=".txt/.txt.gz/.jsonl(.gz)/.parquet files")
     train.add_argument("--vocab-size", type=int, required=True)
     train.add_argument("--out", required=True, help="output folder")
-    train.add_argument("--character-coverage", type=float, default=0.9995)
-    train.add_argument("--max-input-mb", type=float, default=None, help="train on the first MB of text only")
+    train.add_argument("--character-coverage", type=float_arg("--character-coverage", low=0, low_open=True, high=1),
+                       default=0.9995)
+    train.add_argument("--max-input-mb", type=float_arg("--max-input-mb", low=0, low_open=True), default=None,
+                       help="train on the first MB of text only")
     train.add_argument("--threads", type=int, default=2)
     train.add_argument("--skip-bad", action="store_true", help="skip, count and log bad documents instead of failing")
     args = parser.parse_args(argv)

@@ -405,8 +405,8 @@ def run_main(prog: str, description: str, argv: list[str] | None, load: Callable
     there are several. A config error is raised by every rank together, so the process group is shut
     down in step; any other failure leaves at once (its peers may be mid-collective)."""
     args = parse_args(prog, description, sys.argv[1:] if argv is None else argv)
-    configure_threads()
     try:
+        configure_threads()
         cfg = load(args.config, args.overrides)
         layout = dist_utils.env_from_environ()      # a bad launcher variable is named before anything starts
     except Exception as err:  # noqa: BLE001 - reported in the one style
