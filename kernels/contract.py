@@ -180,6 +180,14 @@ class AttentionCall:
         return isinstance(self.softmax_scale, torch.Tensor)
 
 
+def _tensor_or_none(scale: float | torch.Tensor | None) -> torch.Tensor | None:
+    return scale if isinstance(scale, torch.Tensor) else None
+
+
+def _float_or_none(scale: float | torch.Tensor | None) -> float | None:
+    return None if scale is None or isinstance(scale, torch.Tensor) else float(scale)
+
+
 def attention_op(implementation: Callable[[AttentionCall], torch.Tensor]) -> Callable[..., torch.Tensor]:
     """The padded attention signature, written once: validates, resolves the scale and calls
     ``implementation`` with the :class:`AttentionCall`."""
@@ -191,6 +199,8 @@ def attention_op(implementation: Callable[[AttentionCall], torch.Tensor]) -> Cal
            softmax_scale: float | torch.Tensor | None = None, mask_diagonal: bool = False) -> torch.Tensor:
         span = attention_span(position_buckets, max_relative_positions)
         check_attention_inputs(q, k, v, pos_key, pos_query, span, attention_mask, dropout_p)
+        check_attention_tensors(q, k, v, pos_key, pos_query, attention_mask, None, _tensor_or_none(softmax_scale),
+                                _float_or_none(softmax_scale))
         check_softmax_scale(softmax_scale, q.shape[0], q.device, "[B]")
         scale = resolve_scale(softmax_scale, q.shape[-1], pos_key, pos_query)
         return implementation(AttentionCall(q, k, v, pos_key, pos_query, position_buckets, max_relative_positions,
@@ -208,6 +218,8 @@ def varlen_attention_op(implementation: Callable[[AttentionCall], torch.Tensor])
            pos_query: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor, max_seqlen: int,
            position_buckets: int, max_relative_positions: int, dropout_p: float = 0.0,
            softmax_scale: float | torch.Tensor | None = None, mask_diagonal: bool = False) -> torch.Tensor:
+        check_attention_tensors(q, k, v, pos_key, pos_query, None, cu_seqlens, _tensor_or_none(softmax_scale),
+                                _float_or_none(softmax_scale))
         bounds = check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen)
         span = attention_span(position_buckets, max_relative_positions)
         # The padded contract's checker covers pos_key/pos_query and dropout_p on a one-token view.
@@ -289,6 +301,19 @@ def _check_triton_input(name: str, t: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} (triton) got an empty {name} of shape {tuple(t.shape)}")
 
 
+def check_attention_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_key: torch.Tensor | None,
+                            pos_query: torch.Tensor | None, mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                            scales: torch.Tensor | None, scale: float | None) -> None:
+    """Every attention input on q's device, q floating-point and k, v of its dtype, a finite scale: checked by the
+    public ops (:func:`attention_op`) and the custom op alike."""
+    check_devices({"q": q, "k": k, "v": v, "pos_key": pos_key, "pos_query": pos_query, "attention_mask": mask,
+                   "cu_seqlens": cu_seqlens, "softmax_scale": scales})
+    check_floating({"q": q, "pos_key": pos_key, "pos_query": pos_query})
+    check_dtypes("q", q.dtype, {"k": k, "v": v})
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be a finite number, got {scale}")
+
+
 def check_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_key: torch.Tensor | None,
                        pos_query: torch.Tensor | None, mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
                        scales: torch.Tensor | None, scale: float, max_seqlen: int, position_buckets: int,
@@ -296,12 +321,8 @@ def check_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ke
     """``distaff::attention``'s inputs, padded or packed (``values``: also ``cu_seqlens``' offsets, as
     :func:`check_varlen_inputs` checks them; the fake implementation checks metadata only)."""
     check_impl(impl)
-    check_devices({"q": q, "k": k, "v": v, "pos_key": pos_key, "pos_query": pos_query, "attention_mask": mask,
-                   "cu_seqlens": cu_seqlens, "softmax_scale": scales})
-    check_floating({"q": q})
-    check_dtypes("q", q.dtype, {"k": k, "v": v, "pos_key": pos_key, "pos_query": pos_query})
-    if not math.isfinite(scale):
-        raise ValueError(f"softmax_scale must be a finite number, got {scale}")
+    check_attention_tensors(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale)
+    check_dtypes("q", q.dtype, {"pos_key": pos_key, "pos_query": pos_query})   # the public ops cast them first
     span = attention_span(position_buckets, max_relative_positions)
     if cu_seqlens is None:
         check_attention_inputs(q, k, v, pos_key, pos_query, span, mask, dropout_p)
