@@ -407,8 +407,8 @@ def run_main(prog: str, description: str, argv: list[str] | None, load: Callable
     args = parse_args(prog, description, sys.argv[1:] if argv is None else argv)
     try:
         configure_threads()
+        layout = dist_utils.env_from_environ()      # a bad launcher variable is named before anything else
         cfg = load(args.config, args.overrides)
-        layout = dist_utils.env_from_environ()      # a bad launcher variable is named before anything starts
     except Exception as err:  # noqa: BLE001 - reported in the one style
         return report(prog, err)
     if inspection is not None and (args.check or args.print_config):
