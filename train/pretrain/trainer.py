@@ -66,8 +66,7 @@ class PretrainPlan:
                                       world_size=layout.world_size, seed=cfg.run.seed, masking=self.objective.masking,
                                       batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
                                       token_budget=cfg.data.token_budget(self.manifest.seq_len, eval=True))
-        if layout.is_main:
-            check_first_samples(cfg.data.dir, self.manifest)
+        check_first_samples(cfg.data.dir, self.manifest)      # on every rank: they refuse together
         for section, model_cfg in self.objective.model_configs().items():
             check_data_fits_model(model_cfg, self.loader.seq_len, f"data.dir: seq_len {self.loader.seq_len}",
                                   "raise it or prepare the data with a smaller --seq-len", section)
