@@ -123,18 +123,15 @@ def test_a_hostfile_that_is_not_ascii_digits_or_not_utf8_is_one_line(config: Pat
     ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK"), ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "x"}, "LOCAL_RANK"),
     ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE"), ({"MASTER_PORT": "abc"}, "MASTER_PORT"),
     ({"MASTER_PORT": "70000"}, "MASTER_PORT"), ({"SLURM_PROCID": "-1", "SLURM_NTASKS": "2"}, "SLURM_PROCID"),
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "two"}, "SLURM_NTASKS"), ({"LOCAL_WORLD_SIZE": "\u00b2"}, "LOCAL_WORLD_SIZE"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "two"}, "SLURM_NTASKS"),
 ])
 def test_a_bad_launcher_variable_is_named_by_the_run_and_by_check(config: Path, capsys, monkeypatch, env: dict,
                                                                   name: str) -> None:
     """Both trainers, the run (which refuses before any process group or output folder) and ``--check``."""
-    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "LOCAL_WORLD_SIZE",
-                     "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE", "MASTER_PORT"):
+    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "MASTER_PORT"):
         monkeypatch.delenv(variable, raising=False)
     for variable, value in {"OMP_NUM_THREADS": "1", **env}.items():
         monkeypatch.setenv(variable, value)
-    if "LOCAL_WORLD_SIZE" in env:           # read to share the cores among the node's ranks, unless the user chose
-        monkeypatch.delenv("OMP_NUM_THREADS")
     for main, prog in ((pretrain_main, "distaff pretrain"), (finetune_main, "distaff finetune")):
         for extra in ([], ["--check"]):
             assert main(["--config", str(config), *extra]) == 2

@@ -25,12 +25,13 @@ hostfile, a ``--hosts`` list or a Slurm job cannot be counted from here, so for 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from distaff.train.core.errors import ConfigError, env_int
+from distaff.train.core.errors import ConfigError
 
 # Ranks on this node, as each launcher tells its ranks: torchrun, the deepspeed launcher, srun
 # (``--ntasks-per-node``); the first one set wins.
@@ -41,11 +42,12 @@ MOST_GPUS_PER_NODE = 16   # the most accelerators one node of any current system
 
 
 def local_world_size(env: Mapping[str, str]) -> int:
-    """The number of ranks on this node (1 for a process no launcher started); a value that is not a positive whole
-    number is a ConfigError naming the variable."""
+    """The number of ranks on this node (1 for a process no launcher started). Only a hint for the threads: a value
+    that is no positive number of ASCII digits (Slurm's ``2(x3)`` for uneven nodes, or ``²``) is passed over."""
     for name in LOCAL_WORLD_SIZE_VARS:
-        if env.get(name, "").strip():
-            return env_int(env, name, low=1)
+        value = env.get(name, "").strip()
+        if re.fullmatch(r"[0-9]+", value) and int(value) > 0:
+            return int(value)
     return 1
 
 
