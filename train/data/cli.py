@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
                    "(default: documents are separated by blank lines)")
     p.add_argument("--text-field", default="text", help=".jsonl/.parquet field holding the text")
     p.add_argument("--pack-documents", action="store_true", help="fill sequences with several documents")
-    p.add_argument("--heldout-fraction", type=float_arg("--heldout-fraction", low=0, high=0.999999), default=None,
+    p.add_argument("--heldout-fraction", type=float_arg("--heldout-fraction"), default=None,
                    help=f"share of documents held out (0: none; default: 1%%, more for a small corpus, so that the "
                         f"held-out split holds {MIN_HELDOUT_TOKENS:,} tokens or more)")
     p.add_argument("--shard-mb", type=float_arg("--shard-mb", low=0, low_open=True), default=16.0,

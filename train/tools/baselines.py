@@ -188,7 +188,7 @@ def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="distaff baselines", description=__doc__.split("\n\n")[0])
     parser.add_argument("--train", type=Path, required=True,
                         help="a headerless label<TAB>text file (.tsv or .tsv.gz), like data/movie-snippets.tsv.gz")
-    parser.add_argument("--dev-fraction", type=float_arg("--dev-fraction", low=0, low_open=True, high=0.999999),
+    parser.add_argument("--dev-fraction", type=float_arg("--dev-fraction"),
                         default=0.2, help="share of the rows held out for scoring")
     parser.add_argument("--seed", type=int, default=1, help="seeds the train/dev split (as data.split_seed)")
     parser.add_argument("--l2", type=float_arg("--l2", low=0), help=f"L2 penalty on the weights (default 1e-4; {PROBE_L2:g} with --probe)")

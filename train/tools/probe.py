@@ -339,7 +339,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1],
                         help="each: a dev split, random weights, a fine-tuning seed")
     parser.add_argument("--task-seed", type=int, default=0, help="seeds the tasks' construction")
-    parser.add_argument("--dev-fraction", type=float_arg("--dev-fraction", low=0, low_open=True, high=0.999999),
+    parser.add_argument("--dev-fraction", type=float_arg("--dev-fraction"),
                         default=0.2)
     parser.add_argument("--pretraining-data", nargs="+", metavar="DIR",
                         help="distaff data dirs whose train split is the pretraining text (default: each run's own)")
