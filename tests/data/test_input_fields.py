@@ -153,3 +153,15 @@ def test_a_garbled_tar_header_is_corrupt_and_a_cut_shard_truncated(tmp_path):
                                                  "00000004.npy): the shard is damaged, not truncated")):
         _read_all(garbled)
     assert len(_read_all(raw[:offset])) == 5                # cut at a header: the count check calls it truncated
+
+
+def test_a_manifest_that_is_not_utf8_json_names_the_line_and_byte(tmp_path):
+    from distaff.train.data.manifest import read_manifest
+
+    (tmp_path / "manifest.json").write_bytes(json.dumps(GOOD, indent=1).replace('"pack_documents"', '"pack_d\xe9"')
+                                             .encode("latin-1"))
+    with pytest.raises(DataError, match=r"manifest.json, line 14, byte 9: byte 0xe9 is not UTF-8"):
+        read_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text('{"format": "distaff-shards/1",\n "seq_len": }')
+    with pytest.raises(DataError, match=r"manifest.json, line 2, column 13: not valid JSON"):
+        read_manifest(tmp_path)
