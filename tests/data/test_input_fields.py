@@ -165,3 +165,15 @@ def test_a_manifest_that_is_not_utf8_json_names_the_line_and_byte(tmp_path):
     (tmp_path / "manifest.json").write_text('{"format": "distaff-shards/1",\n "seq_len": }')
     with pytest.raises(DataError, match=r"manifest.json, line 2, column 13: not valid JSON"):
         read_manifest(tmp_path)
+
+
+@pytest.mark.parametrize("field, value", [("layer_norm_eps", float("nan")), ("rope_theta", float("inf")),
+                                          ("initializer_range", float("-inf"))])
+def test_a_model_configs_float_fields_are_finite_where_read(tmp_path, field, value):
+    """A model's config.json (a Hugging Face folder, a distaff model folder) may say NaN or Infinity: refused."""
+    from distaff.train.model.config import ConfigError
+    from distaff.train.run.model_folder import MODEL_CONFIG_FILE, read_model_config
+
+    (tmp_path / MODEL_CONFIG_FILE).write_text(json.dumps({"hidden_size": 32, field: value}))
+    with pytest.raises(ConfigError, match=f"{field} must be a finite number, got {value}"):
+        read_model_config(tmp_path)

@@ -9,6 +9,7 @@ the field.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -141,7 +142,8 @@ class ModelConfig:
 
 _TYPE_CHECKS = {
     "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    # nan and inf pass every range check below (and come from config.json files as NaN / Infinity)
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
     "bool": lambda v: isinstance(v, bool),
     "str": lambda v: isinstance(v, str),
     "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
@@ -151,7 +153,8 @@ _TYPE_CHECKS = {
 
 def _check_type(name: str, value: Any, annotation: str) -> None:
     if not _TYPE_CHECKS[str(annotation)](value):
-        raise ConfigError(f"{name} must be of type {annotation}, got {shown(value)} ({type(value).__name__})")
+        kind = "a finite number" if str(annotation) == "float" else f"of type {annotation}"
+        raise ConfigError(f"{name} must be {kind}, got {shown(value)} ({type(value).__name__})")
 
 
 def preset_names() -> list[str]:
