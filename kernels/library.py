@@ -153,7 +153,8 @@ def _attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
 def _(grad_out, q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse, end, seed, scale, max_seqlen,
       position_buckets, max_relative_positions, dropout_p, mask_diagonal, impl):
     _check_attention_backward(grad_out, q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse, end, seed,
-                              scale, max_seqlen, position_buckets, max_relative_positions, dropout_p, impl, values=False)
+                              scale, max_seqlen, position_buckets, max_relative_positions, dropout_p, impl,
+                              values=False)
     return tuple(_empty(q) if t is None else torch.empty_like(t) for t in (q, k, v, pos_key, pos_query))
 
 

@@ -69,10 +69,11 @@ def test_check_refuses_what_the_run_refuses(sample_data, tmp_path_factory, tmp_p
     data = prepare_data(tmp_path_factory.getbasetemp(), sample_data)
     config = write_config(tmp_path / "run.yaml", data, tmp_path / "run", train={"max_steps": 2})
     cases = _pretrain_cases(data, tmp_path)
-    ft_config = write_ft_config(tmp_path / "ft.yaml", tiny_model(tmp_path_factory.getbasetemp() / "finetune-model"), tmp_path / "ft",
+    model = tiny_model(tmp_path_factory.getbasetemp() / "finetune-model")
+    ft_config = write_ft_config(tmp_path / "ft.yaml", model, tmp_path / "ft",
                                 data={"label_names": {"0": "negative", "7": "unheard-of"}})
-    runs = {name: _spawn("distaff.train.pretrain", config, tmp_path, name, [*overrides, f"run.out_dir={tmp_path / name}"])
-            for name, (overrides, _) in cases.items()}
+    runs = {name: _spawn("distaff.train.pretrain", config, tmp_path, name,
+                         [*overrides, f"run.out_dir={tmp_path / name}"]) for name, (overrides, _) in cases.items()}
     runs["label_names"] = _spawn("distaff.train.finetune", ft_config, tmp_path, "label_names", [])
     cases["label_names"] = ([], r"data.label_names: ['7'] is not a label of the data")
     for name, (overrides, message) in cases.items():       # --check, here, while the runs start
@@ -106,7 +107,8 @@ def test_check_runs_no_pipe_command_and_says_so(sample_data, tmp_path_factory, t
     assert pretrain_main(["--config", str(config), f"data.dir={pipe}", "--check", *too_short]) == 0
     assert not marker.exists()
     run = subprocess.run([PYTHON, "-m", "distaff.train.pretrain", "--config", str(config), f"data.dir={pipe}",
-                          *too_short], env=rank_env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                          *too_short], env=rank_env(tmp_path), cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 2 and "model.max_position_embeddings: 32 is shorter than" in run.stderr, run.stderr
     assert marker.exists()
 
@@ -114,7 +116,8 @@ def test_check_runs_no_pipe_command_and_says_so(sample_data, tmp_path_factory, t
 def test_an_override_may_follow_check_in_pretrain_and_finetune(sample_data, tmp_path_factory, tmp_path, capsys):
     data = prepare_data(tmp_path_factory.getbasetemp(), sample_data)
     config = write_config(tmp_path / "run.yaml", data, tmp_path / "run", train={"max_steps": 2})
-    ft_config = write_ft_config(tmp_path / "ft.yaml", tiny_model(tmp_path_factory.getbasetemp() / "finetune-model"), tmp_path / "ft")
+    ft_config = write_ft_config(tmp_path / "ft.yaml", tiny_model(tmp_path_factory.getbasetemp() / "finetune-model"),
+                                tmp_path / "ft")
     for main, path, prog in ((pretrain_main, config, "pretrain"), (finetune_main, ft_config, "finetune")):
         assert main(["--config", str(path), "run.seed=5", "--check", "train.max_steps=3"]) == 0
         out = capsys.readouterr().out
