@@ -154,15 +154,28 @@ def is_bad_input(err: BaseException) -> bool:
     return isinstance(err, (UserError, *_PATH_ERRORS)) or (isinstance(err, OSError) and err.errno in _PATH_ERRNOS)
 
 
+# a write refused for want of room: a full disk or quota, or the process's file-size limit (RLIMIT_FSIZE)
+_NO_ROOM_ERRNOS = {errno.ENOSPC: "no space left", errno.EDQUOT: "the disk quota is used up",
+                   errno.EFBIG: "a file reached the file-size limit (`ulimit -f`; raise it, e.g. ulimit -f unlimited)"}
+
+
+def is_run_failure(err: BaseException) -> bool:
+    """A failure outside the input and the code (one line, exit 1, no traceback): a :class:`RunFailure`, or a write
+    refused for want of room."""
+    return isinstance(err, RunFailure) or (isinstance(err, OSError) and err.errno in _NO_ROOM_ERRNOS)
+
+
 def describe(err: BaseException) -> str:
     """The one-line message of ``err`` (an ``OSError`` as ``path: reason``), at most MAX_MESSAGE_CHARS long."""
-    if isinstance(err, OSError) and err.strerror and err.filename is not None:
+    if isinstance(err, OSError) and err.errno in _NO_ROOM_ERRNOS:
+        message = f"{err.filename or 'a write'}: {_NO_ROOM_ERRNOS[err.errno]}"
+    elif isinstance(err, OSError) and err.strerror and err.filename is not None:
         message = f"{err.filename}: {err.strerror.lower()}"
     else:
         message = str(err) or type(err).__name__
     if is_bad_input(err):
         message = " ".join(line.strip() for line in message.splitlines())
-    elif not isinstance(err, RunFailure):
+    elif not is_run_failure(err):
         message = f"failed: {type(err).__name__}: {message}"
     if len(message) > MAX_MESSAGE_CHARS:
         half = MAX_MESSAGE_CHARS // 2
@@ -185,7 +198,7 @@ def report(prog: str, err: BaseException, where: str = "", hint: str = "") -> in
     """Print ``err`` for the command ``prog`` (``where``, e.g. ``"rank 1: "``, after its name; ``hint`` in
     parentheses after the message); the exit status."""
     bad = is_bad_input(err)
-    if debug_enabled() or not (bad or isinstance(err, RunFailure)):
+    if debug_enabled() or not (bad or is_run_failure(err)):
         traceback.print_exception(err)
     print(f"{prog}: {where}{describe(err)}{f' ({hint})' if hint else ''}", file=sys.stderr, flush=True)
     return EXIT_BAD_INPUT if bad else EXIT_FAILURE
