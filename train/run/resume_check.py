@@ -111,8 +111,10 @@ def check_resumable(resume: str, root: Path, run: RunIdentity, *, is_main: bool 
         except Exception as err:  # noqa: BLE001 - every rank must learn of it, not wait
             verdict = f"{'bad' if is_bad_input(err) else 'error'}:{describe(err)}"
     kind, _, detail = from_rank0(verdict).partition(":")
-    if kind in ("bad", "error"):
-        raise (ConfigError if kind == "bad" else RuntimeError)(f"checkpoint.resume={resume}: {detail}")
+    if kind == "bad":           # an unusable checkpoint.resume or latest marker: every rank refuses, one line each
+        raise ConfigError(detail)
+    if kind == "error":
+        raise RuntimeError(f"rank 0 could not choose a checkpoint to resume from: {detail}")
     folder = Path(detail) if kind == "ok" else None
     problem = resume_problem(folder, run) if folder is not None else None
     if problem:
