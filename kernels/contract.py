@@ -362,7 +362,9 @@ def check_attention_saved(grad_out: torch.Tensor, q: torch.Tensor, out: torch.Te
     if impl == "triton":
         stats, ends = attention_stat_shapes(q, packed, has_tables)
         _check_shape("lse", lse, stats, "the forward's row statistics")
-        _check_shape("end", end, ends, "the forward's end terms")
+        if tuple(end.shape) not in (ends, (1,)):    # (1,): a stand-in when no tile of the forward saturated
+            raise ValueError(f"end must be the forward's end terms {ends} (or its one-element stand-in), got "
+                             f"{tuple(end.shape)}")
         check_dtypes("the forward's statistics", torch.float32, {"lse": lse, "end": end})
 
 
