@@ -126,7 +126,7 @@ def test_flop_count_includes_position_terms_and_emd():
                                       "data.masking.mlm_probability=-.inf", "optim.eps=nan"])
 def test_non_finite_float_values_are_rejected_naming_the_key(override):
     key = override.split("=")[0]
-    with pytest.raises(ConfigError, match="must be a finite number") as err:
+    with pytest.raises(ConfigError, match="expected a finite number") as err:
         load_config(None, ["data.dir=/d", override])
     assert str(err.value).startswith(key.replace("optim.betas", "optim.betas[1]"))
 
