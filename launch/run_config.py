@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from distaff.launch.script_values import plain_text
+from distaff.train.core.threads import MOST_GPUS_PER_NODE, RANKS_FLAG
 from distaff.train.finetune.config import load_finetune_config
 from distaff.train.run.config import config_file, load_config
 
@@ -48,6 +49,12 @@ class LaunchTarget:
         """(what, value) of every text of this target a launcher writes into a script or command."""
         return [("run.name", self.name), ("run.out_dir", str(self.out_dir)), ("--config", str(self.config)),
                 *(("override", item) for item in self.overrides)]
+
+
+def add_ranks_flag(parser) -> None:
+    parser.add_argument(RANKS_FLAG, type=int, metavar="N",
+                        help="allow up to N ranks per node (default: this node's GPUs, else its cores, when the ranks "
+                             f"run here; {MOST_GPUS_PER_NODE} on other nodes)")
 
 
 def add_task_argument(parser) -> None:

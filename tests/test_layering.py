@@ -30,8 +30,10 @@ ALLOWED = {
                                "distaff.train.run"},
     "distaff.train.tools": {"distaff.kernels", "distaff.train.core", "distaff.train.data", "distaff.train.model",
                             "distaff.train.run", "distaff.train.pretrain", "distaff.train.finetune"},
-    # The plan reads run configs and models (meta-device parameter counts), never a trainer's loop.
-    "distaff.train.plan": {"distaff.train.core", "distaff.train.model", "distaff.train.run"},
+    # The plan reads run configs and models (meta-device parameter counts), and a prepared data dir's manifest
+    # (its seq_len, read and range-checked as a run reads it), never a trainer's loop.
+    "distaff.train.plan": {"distaff.train.core", "distaff.train.model", "distaff.train.run",
+                           "distaff.train.data.manifest"},
     # The launchers read configs and start trainers as processes: never a trainer's loop.
     # A decay branch's config comes from its parent's checkpoint: its file layout and the schedule (distaff decay).
     "distaff.launch": {"distaff.train.core", "distaff.train.run.config", "distaff.train.finetune.config",

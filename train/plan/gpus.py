@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from distaff.train.core.errors import ConfigError, shown
+from distaff.train.core.errors import ConfigError, finite_float, shown, whole_number
 
 MIB = 1024 ** 2
 
@@ -91,14 +91,11 @@ def parse_spec(text: str) -> GpuKind:
     base = kind(values.pop("like", "A100-80GB"))
     changes: dict = {"name": values.pop("name")}
     for key, value in values.items():
-        try:
-            number = float(value)
-        except ValueError:
-            raise ConfigError(f"--gpu-spec: {key} must be a number, got {shown(value)}") from None
-        if number <= 0:
-            raise ConfigError(f"--gpu-spec: {key} must be positive, got {value}")
-        field = SPEC_KEYS[key]
-        changes[field] = number * 1024 ** 3 if key == "memory_gib" else (int(number) if key == "arch" else number)
+        if key == "arch":
+            changes["arch"] = whole_number(value, "--gpu-spec arch", low=1)
+            continue
+        number = finite_float(value, f"--gpu-spec {key}", low=0, low_open=True)
+        changes[SPEC_KEYS[key]] = number * 1024 ** 3 if key == "memory_gib" else number
     return replace(base, **changes)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -22,6 +22,7 @@ from distaff.train.core.exit_codes import EXIT_BAD_CONFIG, EXIT_FAILURE, EXIT_PR
 from distaff.train.data.loader import EvalLoader, MixedLoader, PretrainLoader, continues, open_sources
 from distaff.train.data.manifest import MANIFEST_FILE, Manifest, is_remote
 from distaff.train.data.tokenizer import TokenizerInfo
+from distaff.train.data.verify import check_first_samples
 from distaff.train.model.config import ModelConfig
 from distaff.train.model.flops import peak_flops
 from distaff.train.pretrain.objectives import objective_for
@@ -51,25 +52,51 @@ def build_model_config(cfg: RunConfig, tokenizer) -> ModelConfig:
     return cfg.model_config(**fixed)
 
 
+class PretrainPlan:
+    """A pretraining run up to its engine: the data dir opened, the model configured, the loaders built, the data
+    checked against the model and the checkpoint to resume chosen. Built by every rank of a run (``from_rank0``:
+    rank 0's text on every rank), and by ``--check``: one set of checks, so a run fails on nothing --check passed."""
+
+    def __init__(self, cfg: RunConfig, layout: dist_utils.DistEnv,
+                 from_rank0: Callable[[str], str] = lambda text: text):
+        self.sources = run_sources(cfg)
+        self.manifest, self.tokenizer = self.sources[cfg.data.first_dir]
+        self.schedule = run_schedule(cfg, layout.world_size, self.sources)
+        self.model_cfg = build_model_config(cfg, self.tokenizer)
+        self.objective = objective_for(cfg, self.model_cfg)
+        self.loader = train_loader(cfg, layout, self.sources, self.objective)
+        self.eval_loader = EvalLoader(cfg.data.first_dir, self.manifest, self.tokenizer, rank=layout.rank,
+                                      world_size=layout.world_size, seed=cfg.run.seed, masking=self.objective.masking,
+                                      batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
+                                      token_budget=cfg.data.token_budget(self.manifest.seq_len, eval=True))
+        for data_dir, (manifest, _) in self.sources.items():     # on every rank: they refuse together
+            check_first_samples(data_dir, manifest)
+        check_lengths(self.objective, self.schedule)
+        self.resume_from = check_resumable(cfg.checkpoint.resume, cfg.out_dir / "checkpoints",
+                                           run_identity(cfg, self.objective, self.loader), is_main=layout.is_main,
+                                           from_rank0=from_rank0, report=print if layout.is_main else _silent,
+                                           branch_from=cfg.checkpoint.branch_from)
+
+
+def _silent(message: str) -> None:
+    """What ranks other than 0 say about the checkpoints rank 0 passed over: nothing (rank 0 says it)."""
+
+
 class Trainer(RunBase):
     """One rank of a run: ``Trainer(cfg, layout).run()`` builds, loops, closes; returns the exit code."""
 
     def __init__(self, cfg: RunConfig, layout: dist_utils.DistEnv):
         super().__init__(cfg, layout)
-        self.sources = run_sources(cfg)
-        self.manifest, tokenizer = self.sources[cfg.data.first_dir]
-        self.schedule = run_schedule(cfg, layout.world_size, self.sources)
-        self.model_cfg = build_model_config(cfg, tokenizer)
-        self.objective = objective_for(cfg, self.model_cfg)
-        self.loader, self.evaluator = self._build_data(tokenizer)
-        check_lengths(self.objective, self.schedule)
+        plan = PretrainPlan(cfg, layout, lambda text: dist_utils.broadcast_text(text, self.device))
+        self.sources, self.schedule, self.manifest = plan.sources, plan.schedule, plan.manifest
+        self.model_cfg, self.objective = plan.model_cfg, plan.objective
+        self.loader, self.resume_from = plan.loader, plan.resume_from
+        self.evaluator = Evaluator(plan.eval_loader, cfg.eval.batches, layout.world_size, self.device, self.objective)
         self.phase: Phase | None = None     # the phase the loader and the log are in (set at the first step)
         self.global_batch = 0
-        check_resumable(cfg.checkpoint.resume, cfg.out_dir / "checkpoints", run_identity(cfg, self.objective, self.loader),
-                        cfg.checkpoint.branch_from)
         self.engine = self._initialize_engine(self._build_model)
         self.state = TrainState()
-        self.checkpointer = self._build_checkpointer(tokenizer.path)
+        self.checkpointer = self._build_checkpointer(plan.tokenizer.path)
         resumed_from = self._restore()
         if isinstance(self.loader, MixedLoader) and self.loader.from_single_stream and layout.is_main:
             self.loader.tokens[0] = self.state.tokens      # what the single stream read, all of it source 0's
@@ -83,17 +110,6 @@ class Trainer(RunBase):
         self.warned_small_eval = False
 
     # ---------------------------------------------------------------- building
-
-    def _build_data(self, tokenizer: TokenizerInfo) -> tuple[PretrainLoader, Evaluator]:
-        cfg, layout = self.cfg, self.layout
-        shared = dict(rank=layout.rank, world_size=layout.world_size, seed=cfg.run.seed,
-                      masking=self.objective.masking)
-        seq_len = self.manifest.seq_len
-        loader = train_loader(cfg, layout, self.sources, self.objective)
-        eval_loader = EvalLoader(cfg.data.first_dir, self.manifest, tokenizer,
-                                 batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
-                                 token_budget=cfg.data.token_budget(seq_len, eval=True), **shared)
-        return loader, Evaluator(eval_loader, cfg.eval.batches, layout.world_size, self.device, self.objective)
 
     def _build_model(self) -> torch.nn.Module:
         model = self.objective.build(self.layout.rank)
@@ -256,21 +272,20 @@ def check_lengths(objective, schedule: RunSchedule) -> None:
 
 
 def check_run(cfg: RunConfig) -> str:
-    """``distaff pretrain --check``: the data, the model it gives and a checkpoint to resume, checked as a run
-    checks them before building its engine (as rank 0 of ``WORLD_SIZE``, default 1); a summary line."""
+    """``distaff pretrain --check``: the checks a run makes before building its engine (:class:`PretrainPlan`, as
+    rank 0 of ``WORLD_SIZE``, default 1); a summary line. A remote data dir is not read: its ``pipe:`` command
+    would run (the run checks it when it starts)."""
     layout = dist_utils.DistEnv(0, dist_utils.env_from_environ().world_size, 0)
-    sources = run_sources(cfg)
-    manifest, tokenizer = sources[cfg.data.first_dir]
-    schedule = run_schedule(cfg, layout.world_size, sources)
-    model_cfg = build_model_config(cfg, tokenizer)
-    objective = objective_for(cfg, model_cfg)
-    loader = train_loader(cfg, layout, sources, objective)
-    check_lengths(objective, schedule)
-    resume = check_resumable(cfg.checkpoint.resume, cfg.out_dir / "checkpoints", run_identity(cfg, objective, loader),
-                             cfg.checkpoint.branch_from)
-    return (f"config, data {cfg.data.first_dir} (seq_len {manifest.seq_len}, tokenizer of {tokenizer.vocab_size} "
-            f"pieces) and "
-            f"model ({model_cfg.num_hidden_layers} layers, hidden {model_cfg.hidden_size}, {cfg.train.objective}) fit; "
+    remote = [d for d in source_dirs(cfg).values() if is_remote(d)]
+    if remote:
+        return (f"config fits; data dir {remote[0]} is remote and was not read (--check runs no command and "
+                "fetches nothing): its data, the model's vocabulary and a checkpoint to resume are checked when the "
+                f"run starts; {cfg.train.max_steps} steps on {layout.world_size} rank(s)")
+    plan = PretrainPlan(cfg, layout)
+    model_cfg, resume = plan.model_cfg, plan.resume_from
+    return (f"config, data {cfg.data.first_dir} (seq_len {plan.manifest.seq_len}, tokenizer of "
+            f"{plan.tokenizer.vocab_size} pieces) and model ({model_cfg.num_hidden_layers} layers, hidden "
+            f"{model_cfg.hidden_size}, {cfg.train.objective}) fit; "
             + (f"resumes from {resume}" if resume else f"a new run in {cfg.out_dir}")
             + f"; {cfg.train.max_steps} steps on {layout.world_size} rank(s)")
 

@@ -11,7 +11,6 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
-import math
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -21,7 +20,8 @@ import yaml
 
 from distaff.train.core import presets
 from distaff.train.core.config_yaml import load_yaml
-from distaff.train.core.errors import ConfigError, closest, reject_unknown_keys, shown
+from distaff.train.core.errors import ConfigError, closest, finite_float, reject_unknown_keys, shown
+from distaff.train.core.files import read_text
 from distaff.train.data.collator import MaskingConfig
 from distaff.train.model.config import ModelConfig, load_model_config
 from distaff.train.run.schedule import wsd_window
@@ -292,17 +292,9 @@ def _check_value(key: str, value: Any, annotation: Any) -> Any:
     if dataclasses.is_dataclass(annotation):
         return _build(annotation, value, f"{key}.")
     if annotation is float:
-        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = float(value)
-            # .inf / .nan pass every range check below and poison the run silently
-            if not math.isfinite(value):
-                raise ConfigError(f"{key}: must be a finite number, got {value}")
-            return value
+        # YAML 1.1 reads "1e-4" as a string; .inf / .nan would pass every range check and poison the run silently
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return finite_float(value, key)
     elif annotation is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -551,7 +543,7 @@ def read_config_values(path: str | Path | None, overrides: list[str] = (), kind:
     values: dict[str, Any] = {}
     if path is not None:
         path = config_file(path, kind)
-        values = load_yaml(path.read_text(), str(path)) or {}
+        values = load_yaml(read_text(path, error=ConfigError), str(path)) or {}
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: expected a mapping of sections")
     for keys, value in parse_overrides(list(overrides)):

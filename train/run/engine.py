@@ -9,13 +9,13 @@ sets it every step from :mod:`distaff.train.run.schedule`, so there is no schedu
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from distaff.train.core.files import read_json
 from distaff.train.run.config import ConfigError, RunConfig
 
 # Keys the training loop relies on; a passthrough JSON may not change them.
@@ -78,10 +78,7 @@ def build_deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
 def _read_passthrough(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"deepspeed.config: file not found: {path}")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"deepspeed.config: {path} is not valid JSON: {err}") from None
+    raw = read_json(path, error=ConfigError)
     if not isinstance(raw, dict):
         raise ConfigError(f"deepspeed.config: {path} must hold a JSON object")
     owned = sorted(set(raw) & set(LOOP_OWNED_KEYS))

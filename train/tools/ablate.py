@@ -86,8 +86,9 @@ from distaff.train.core import presets
 from distaff.train.core.config_yaml import load_yaml
 from distaff.train.core.errors import RunFailure, UserError, command_main, shown
 from distaff.train.core.exit_codes import EXIT_PREEMPTED
+from distaff.train.core.files import read_text
 from distaff.train.core.runlock import DirLock
-from distaff.train.core.threads import busy_cores, plan_threads
+from distaff.train.core.threads import RANKS_FLAG, busy_cores, check_ranks_per_node, plan_threads, rank_bound
 from distaff.train.data.errors import DataError
 from distaff.train.run.config import (ConfigError, RunConfig, changed_keys, config_file, config_fingerprint,
                                      config_to_dict, fingerprinted, load_config, read_config_values)
@@ -289,7 +290,7 @@ def load_ablation(path: str | Path) -> AblationConfig:
     """The validated ablation config; every variant's run config is checked too (before any run)."""
     source = str(path)
     path = config_file(path, "ablation")
-    values = load_yaml(path.read_text(), source) or {}
+    values = load_yaml(read_text(path, error=ConfigError), source) or {}
     values = dict(_section(source, "", values, AblationConfig))
     missing = [f.name for f in fields(AblationConfig) if f.name not in values and f.name in
                ("name", "base", "out_dir", "tokens", "variants")]
@@ -805,8 +806,13 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--config", required=True, help=f"ablation config: {presets.CONFIG_HELP}")
     parser.add_argument("--report", action="store_true", help="only gather finished runs into the report")
     parser.add_argument("--dry-run", action="store_true", help="print the planned runs' commands, run nothing")
+    parser.add_argument(RANKS_FLAG, type=int, metavar="N",
+                        help="allow up to N ranks on this node (ranks x parallel; default: its GPUs, else its cores)")
     args = parser.parse_args(argv)
     cfg = load_ablation(args.config)
+    if cfg.launcher == "sequential":        # the runs' ranks all start on this node
+        check_ranks_per_node(cfg.ranks * cfg.parallel, f"{args.config}: ranks {cfg.ranks} x parallel {cfg.parallel}",
+                             rank_bound(args.max_ranks_per_node, here=True))
     previous = signal.signal(signal.SIGTERM, _interrupt)   # SIGTERM stops like Ctrl-C, whatever is under way
     try:
         if args.dry_run:
