@@ -220,14 +220,17 @@ def write_config(branch: DecayBranch) -> Path:
 def relaunch(record: dict, config: Path, dry_run: bool) -> int:
     """The parent's launcher with its recorded options, the branch's config instead of the parent's, from the
     folder the parent was launched from (its relative paths, the data's included, resolve as they did)."""
-    from distaff.launch.launcher import launch
-    from distaff.launch.slurm import submit_job
+    from distaff.launch import launcher, slurm
 
-    launched = argparse.Namespace(**{**record["args"], "config": str(config), "overrides": [], "dry_run": dry_run})
+    # the launcher's defaults first: a record written before an option existed still gives every option a value
+    parser = slurm._parser()[1] if record["launcher"] == "slurm" else launcher._parser()
+    defaults = {action.dest: action.default for action in parser._actions if action.dest != "help"}
+    launched = argparse.Namespace(**{**defaults, **record["args"], "config": str(config), "overrides": [],
+                                     "dry_run": dry_run})
     if not Path(record["cwd"]).is_dir():
         raise ConfigError(f"the parent was launched from {record['cwd']}, which is not a folder here; run distaff "
                           "decay where that folder exists, or start the branch yourself (--dry-run)")
     os.chdir(record["cwd"])
     if record["launcher"] == "slurm":
-        return submit_job(launched)
-    return launch(launched)
+        return slurm.submit_job(launched)
+    return launcher.launch(launched)

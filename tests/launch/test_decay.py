@@ -14,7 +14,8 @@ import yaml
 from distaff.launch.cli import main as distaff_main
 from distaff.launch.decay import plan_branch
 from distaff.launch.run_config import record_launch
-from distaff.train.run.checkpoint import META, tag_for_step
+from distaff.train.run.checkpoint import FORMAT_VERSION, META, tag_for_step
+from distaff.train.run.checkpoint_files import write_file_list
 from distaff.train.run.config import ConfigError, config_to_dict, load_config
 
 pytestmark = pytest.mark.unit
@@ -24,13 +25,15 @@ WSD = ["optim.schedule=wsd", "optim.warmup_steps=10", "optim.decay_start=80", "t
 
 
 def parent_run(tmp_path: Path, overrides=WSD, steps=(5, 20, 40, 80, 90)) -> Path:
-    """A run directory whose checkpoints hold only what the plan reads (their meta: format 2, no file list)."""
+    """A run directory whose checkpoints hold only what the plan reads (their meta and its file list)."""
     run = tmp_path / "parent"
     cfg = load_config(None, ["data.dir=data", f"run.out_dir={run}", *overrides])
     for step in steps:
         folder = run / "checkpoints" / tag_for_step(step) / META
         folder.parent.mkdir(parents=True)
-        folder.write_text(json.dumps({"format": 2, "step": step, "config": config_to_dict(cfg)}))
+        folder.write_text(json.dumps({"format": FORMAT_VERSION, "step": step, "world_size": 1,
+                                      "config": config_to_dict(cfg)}))
+        write_file_list(run / "checkpoints" / tag_for_step(step))
     return run
 
 

@@ -62,7 +62,7 @@ def test_phases_keep_what_they_leave_out_and_say_what_they_change():
     (["data.dir=", "data.sources=[{dir: a, weight: 0}, {dir: b, weight: 0}]"],
      "data.sources: the weights [0.0, 0.0] must sum to a positive number"),
     (["data.dir=", "data.sources=[{dir: a, weight: .nan}]"],
-     "data.sources[0].weight: must be a finite number, got nan"),
+     "data.sources[0].weight: expected a finite number, got nan"),
     (["data.sources=[{dir: a}]"], "data.dir and data.sources: give one of them"),
     (["data.dir=", "data.sources=[{dir: a}, {dir: a}]"], "data.sources[1].dir: a is listed twice"),
     (["data.dir=", "data.sources=[a]"], "data.sources[0]: expected a mapping, got 'a'"),
