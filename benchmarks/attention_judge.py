@@ -497,7 +497,15 @@ def _figures(kernel, args, kwargs, cc: int) -> tuple:
     row, stem = compile_check.compile_artifacts(kernel, args, kwargs, case, cc)
     if stem is None:
         raise Unavailable(f"{kernel.__name__} does not compile for sm_{cc}: {row.error}")
-    return row, static_perf.kernel_figures(stem.with_suffix(".cubin"), stem.with_suffix(".ttgir").read_text())
+    return row, _kernel_figures(str(stem))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_figures(stem: str):
+    """``static_perf.kernel_figures`` of one cached compile, read once per process (workloads and anchors share
+    most of their compiled kernels)."""
+    path = Path(stem)
+    return static_perf.kernel_figures(path.with_suffix(".cubin"), path.with_suffix(".ttgir").read_text())
 
 
 @dataclass

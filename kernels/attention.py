@@ -267,27 +267,111 @@ def _skewed_read(scratch, offs_m, offs_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
 
 
 @triton.jit
-def _visible(mask_ptr, i0, j0, offs_m, offs_n, seq_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """Visible pairs of a tile: both tokens real; under ``MASK_DIAGONAL`` also ``i != j``, tested only on
-    the tiles whose rectangle meets the diagonal (a uniform scalar branch: the others skip it)."""
-    rows = i0 + offs_m
-    cols = j0 + offs_n
-    row_ok = rows < seq_len
-    col_ok = cols < seq_len
+def _mask_words(mask_ptr, idx0, limit, SIZE: tl.constexpr, HAS_MASK: tl.constexpr):
+    """The padding-mask bits of tokens ``idx0 .. idx0 + SIZE - 1`` (``SIZE`` <= 64 dividing 64, ``idx0`` a multiple
+    of ``SIZE``): one scalar load of a 32-bit word per 32 tokens (the host packs the mask: :func:`mask_bits`).
+    Reading the mask's bytes took one load per pair of columns a thread holds, each consumed before the next
+    (ptxas reuses their registers). Nothing is read at or past ``limit``, nor without a mask."""
+    lo = 0
+    hi = 0
     if HAS_MASK:
-        row_ok &= tl.load(mask_ptr + rows, mask=row_ok, other=0) != 0
-        col_ok &= tl.load(mask_ptr + cols, mask=col_ok, other=0) != 0
+        ok = idx0 < limit
+        lo = tl.load(mask_ptr + idx0 // 32, mask=ok, other=0)
+        hi = lo
+        if SIZE > 32:
+            hi = tl.load(mask_ptr + idx0 // 32 + 1, mask=ok, other=0)
+    return lo, hi
+
+
+@triton.jit
+def _mask_stride(n_ctx):
+    """Words per sequence of the packed padding mask (``mask_bits``): one per 32 tokens, and one more."""
+    return (n_ctx + 31) // 32 + 1
+
+
+@triton.jit
+def _word_bits(words, idx0, offs, SIZE: tl.constexpr):
+    """Whether tokens ``idx0 + offs`` are set in their mask words (:func:`_mask_words`). A block of 32 or 64
+    starts a word, so a token's bit is its offset's (constants the compiler folds into the shifts)."""
+    lo, hi = words
+    word = lo
+    if SIZE > 32:
+        word = tl.where(offs < 32, lo, hi)
+    if SIZE >= 32:
+        bit = offs % 32
+    else:
+        bit = idx0 % 32 + offs
+    return ((word >> bit) & 1) != 0
+
+
+@triton.jit
+def _words_visible(words, idx0, offs, limit, SIZE: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Which tokens ``idx0 + offs`` are real: before ``limit`` and set in the mask's words (:func:`_mask_words`)."""
+    idx = idx0 + offs
+    ok = idx < limit
+    if HAS_MASK:
+        ok &= _word_bits(words, idx0, offs, SIZE)
+    return ok
+
+
+@triton.jit
+def _side_visible(mask_ptr, idx0, offs, limit, SIZE: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Which tokens ``idx0 + offs`` of one side of a tile are real (:func:`_words_visible`), words read now."""
+    return _words_visible(_mask_words(mask_ptr, idx0, limit, SIZE, HAS_MASK), idx0, offs, limit, SIZE, HAS_MASK)
+
+
+@triton.jit
+def _off_diagonal(visible, i0, j0, offs_m, offs_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  TRANSPOSED: tl.constexpr):
+    """``visible`` without the pairs ``i == j``. Query-block tiles (the forward's, dq's) test every tile: a pair is
+    on the diagonal when ``a - b == j0 - i0``, each element comparing its own constant offset difference with one
+    scalar (a branch on the tiles that meet the diagonal kept their visibility live across it and spilled).
+    Key-block tiles (dk/dv's, transposed) test only the tiles that meet it, by their indices (the other forms
+    spilled there). Each choice is the one that compiles without spills in every configuration."""
+    if TRANSPOSED:  # the backward's key blocks: on the tiles that meet the diagonal only (else they spilled)
+        if (i0 < j0 + BLOCK_N) & (j0 < i0 + BLOCK_M):
+            visible = visible & ((j0 + offs_n)[:, None] != (i0 + offs_m)[None, :])
+    else:
+        visible = visible & ((offs_m[:, None] - offs_n[None, :]) != j0 - i0)
+    return visible
+
+
+@triton.jit
+def _pair_visible(row_ok, col_ok, i0, j0, offs_m, offs_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MASK_DIAGONAL: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Visible pairs of a tile from its two sides' visibility; under ``MASK_DIAGONAL`` also ``i != j``
+    (:func:`_off_diagonal`)."""
     if TRANSPOSED:
         visible = col_ok[:, None] & row_ok[None, :]
     else:
         visible = row_ok[:, None] & col_ok[None, :]
     if MASK_DIAGONAL:
-        if (i0 < j0 + BLOCK_N) & (j0 < i0 + BLOCK_M):
-            if TRANSPOSED:
-                visible = visible & (cols[:, None] != rows[None, :])
-            else:
-                visible = visible & (rows[:, None] != cols[None, :])
+        visible = _off_diagonal(visible, i0, j0, offs_m, offs_n, BLOCK_M, BLOCK_N, TRANSPOSED)
+    return visible
+
+
+@triton.jit
+def _visible(row_words, col_words, i0, j0, offs_m, offs_n, seq_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr, TRANSPOSED: tl.constexpr, ROWS: tl.constexpr):
+    """Visible pairs of a tile from the mask words of its sides: its keys real; with ``ROWS`` its query rows
+    too (the backward needs no query side: a query row with nothing visible has ``lse = +inf``, so its ``P``
+    and ``dS`` are 0 whatever its scores); under ``MASK_DIAGONAL`` also ``i != j``, tested only on the tiles
+    whose rectangle meets the diagonal (a uniform scalar branch)."""
+    col_ok = (j0 + offs_n) < seq_len
+    if HAS_MASK:
+        col_ok &= _word_bits(col_words, j0, offs_n, BLOCK_N)
+    if ROWS:
+        row_ok = (i0 + offs_m) < seq_len
+        if HAS_MASK:
+            row_ok &= _word_bits(row_words, i0, offs_m, BLOCK_M)
+    else:
+        row_ok = tl.full([BLOCK_M], 1, tl.int1)
+    if TRANSPOSED:
+        visible = col_ok[:, None] & row_ok[None, :]
+    else:
+        visible = row_ok[:, None] & col_ok[None, :]
+    if MASK_DIAGONAL:
+        visible = _off_diagonal(visible, i0, j0, offs_m, offs_n, BLOCK_M, BLOCK_N, TRANSPOSED)
     return visible
 
 
@@ -336,15 +420,19 @@ PER_TILE = tl.constexpr(3)   # any of the above, read per tile from the bucket t
 
 
 @triton.jit
-def _tile_scores(q, k, KR, QR, table_ptr, table_row, mask_ptr, END, scratch, stat_off, stat_numel, i0, j0, seq_len,
-                 scale, offs_m, offs_n, offs_d, general,
+def _tile_scores(q, k, KR, QR, table_ptr, table_row, mask_ptr, keys, END, scratch, stat_off, stat_numel, i0, j0,
+                 seq_len, scale, offs_m, offs_n, offs_d, general,
                  TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  WINDOW: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr,
                  HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr, TRANSPOSED: tl.constexpr,
-                 HOIST: tl.constexpr, PRECISION: tl.constexpr):
+                 HOIST: tl.constexpr, ROWS: tl.constexpr, PRECISION: tl.constexpr):
     """Scores of tile ``(i0, j0)`` times ``scale * log2(e)`` (``-inf`` where not visible, whatever the scale:
     a scale of 0 must not make ``-inf * 0``), whether it is saturated and at which end (read per tile from
-    the bucket table), and the count of general tiles so far (it picks the scratch buffer)."""
+    the bucket table), and the count of general tiles so far (it picks the scratch buffer). ``keys``: the tile's
+    keys' padding-mask words (:func:`_mask_words`, read at the tile's start) or, when ``TRANSPOSED`` (a key block),
+    their visibility (read once per block). Query rows are tested only with ``ROWS`` (the forward; the backward
+    needs no query side, :func:`_visible`), and then both sides' words are read here, after the products (read
+    at the tile's start, they spilled at d = 128 on sm_90)."""
     if TRANSPOSED:
         s = tl.dot(k, tl.trans(q), input_precision=PRECISION)
     else:
@@ -360,8 +448,17 @@ def _tile_scores(q, k, KR, QR, table_ptr, table_row, mask_ptr, END, scratch, sta
                              offs_d, HOIST, HEAD_DIM, BLOCK_M, WINDOW, SPLIT, HAS_C2P, HAS_P2C, PRECISION)
             s += _skewed_read(buffer, offs_m, offs_n, BLOCK_M, BLOCK_N, WINDOW, HAS_C2P, HAS_P2C, TRANSPOSED)
             general += 1
-    visible = _visible(mask_ptr, i0, j0, offs_m, offs_n, seq_len, BLOCK_M, BLOCK_N, HAS_MASK, MASK_DIAGONAL,
-                       TRANSPOSED)
+    row_words = (0, 0)
+    if ROWS:
+        row_words = _mask_words(mask_ptr, i0, seq_len, BLOCK_M, HAS_MASK)
+    if TRANSPOSED:  # the block's keys: their visibility came with the block
+        visible = _pair_visible(tl.full([BLOCK_M], 1, tl.int1), keys, i0, j0, offs_m, offs_n, BLOCK_M, BLOCK_N,
+                                MASK_DIAGONAL, True)
+    else:
+        if ROWS:  # the one-loop forward: both sides' words read here, after the products
+            keys = _mask_words(mask_ptr, j0, seq_len, BLOCK_N, HAS_MASK)
+        visible = _visible(row_words, keys, i0, j0, offs_m, offs_n, seq_len, BLOCK_M, BLOCK_N, HAS_MASK,
+                           MASK_DIAGONAL, False, ROWS)
     return tl.where(visible, s * (scale * LOG2E), float("-inf")), saturated, top, general
 
 
@@ -495,79 +592,123 @@ def _general_blocks(i0, seq_len, top_start, bottom_end, BLOCK_M: tl.constexpr, B
 
 
 @triton.jit
-def _path_scores(q, k, V, KR, QR, buckets, mask_ptr, END, scratch, stat_off, stat_numel, i0, j0, seq_len, scale,
-                 base, stride_n, offs_m, offs_n, offs_d, top, PATH: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-                 HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    """The forward's scores of tile ``(i0, j0)`` on path ``PATH``, as :func:`_tile_scores` gives them, and the
-    tile's V rows, loaded where they cost least (a general tile's after its window products). A general tile's
-    window ``buckets`` come from the caller (loaded a tile ahead when it hoists)."""
-    if PATH == GENERAL:  # first: the round trip the products wait for
-        krw, qrw = _window_rows(KR, QR, buckets, offs_d, HEAD_DIM, SPLIT, HAS_C2P, HAS_P2C, BLOCK_M < 64)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    if PATH == GENERAL:
-        # consecutive general tiles alternate two scratch buffers: a tile's stores never race the last one's loads
-        buffer = scratch + ((j0 // BLOCK_N) % 2) * ((BLOCK_M + BLOCK_N) * WINDOW)
-        _store_window_products(q, k, krw, qrw, buffer, offs_m, offs_n, BLOCK_M, WINDOW, SPLIT, HAS_C2P, HAS_P2C,
-                               PRECISION)
-        v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)  # not held across the products
-        s += _skewed_read(buffer, offs_m, offs_n, BLOCK_M, BLOCK_N, WINDOW, HAS_C2P, HAS_P2C, False)
-    else:
-        v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
-        if PATH == SATURATED:
-            s += _end_bias(END, stat_off, stat_numel, i0, j0, offs_m, offs_n, seq_len, top, BLOCK_M, BLOCK_N, HAS_C2P,
-                           HAS_P2C, False)
-    visible = _visible(mask_ptr, i0, j0, offs_m, offs_n, seq_len, BLOCK_M, BLOCK_N, HAS_MASK, MASK_DIAGONAL, False)
-    return tl.where(visible, s * (scale * LOG2E), float("-inf")), v
+def _key_tile(mask_ptr, END, stat_off, stat_numel, j0, limit, offs_n, top, PATH: tl.constexpr,
+              HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What a forward tile of key block ``j0`` reads on its key side apart from its rows: the padding mask's
+    words and, on a saturated run, its keys' p2c end terms. A run issues these a tile ahead (two stages by hand),
+    so no tile waits on them; nothing at or past ``limit`` (the run's end, or the sequence's) is read. The K and
+    V rows are loaded in the tile (a tile ahead, they took 61 more registers: spills with dropout)."""
+    words = _mask_words(mask_ptr, j0, limit, BLOCK_N, HAS_MASK)
+    p_end = ()
+    if PATH == SATURATED:
+        p_end = tl.zeros([BLOCK_N], tl.float32)
+        if HAS_P2C:
+            end = tl.where(top, 1, 0).to(tl.int64)
+            p_end = _load_stat(END + (2 + end) * stat_numel + stat_off, j0, offs_n, limit, 0.0)
+    return words, p_end
 
 
 @triton.jit
-def _fwd_tiles(acc, m_i, l_i, q, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0, j_start, j_end, seed, scale,
-               dropout_p, n_ctx, seq_len, base, stat_off, stat_numel, stride_n, offs_m, offs_n, offs_d, top,
-               PATH: tl.constexpr, TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr,
-               HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr, DROPOUT: tl.constexpr,
-               HOIST: tl.constexpr, PRECISION: tl.constexpr):
-    """Online softmax over key blocks ``j_start, j_start + BN, ... < j_end``, all on path ``PATH`` (at the top
-    end when ``top``)."""
-    general = 0
+def _softmax_step(acc, m_i, l_i, s, v, seed, i0, j0, n_ctx, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of the online softmax in base 2: the running max ``m``, sum ``l`` and accumulator."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Rows with nothing visible yet keep m = -inf; subtract 0 so exp2 gives 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DROPOUT:
+        p = tl.where(_dropout_keep(seed, i0, j0, n_ctx, dropout_p, BLOCK_M, BLOCK_N, False), p, 0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _fwd_run(acc, m_i, l_i, q, row_ok, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0, j_start, j_end, seed, scale,
+             dropout_p, n_ctx, seq_len, base, stat_off, stat_numel, stride_n, offs_m, offs_n, offs_d, top,
+             PATH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             WINDOW: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr,
+             HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr, DROPOUT: tl.constexpr, HOIST: tl.constexpr,
+             PRECISION: tl.constexpr):
+    """Online softmax over key blocks ``j_start, j_start + BN, ... < j_end``, all on path ``PATH`` (saturated at
+    the top end when ``top``, or general). Each tile's mask words and end terms (:func:`_key_tile`) were loaded a
+    tile before it, the query rows' visibility (``row_ok``) once per block and a saturated run's c2p end terms,
+    one per query row, once per run; a general run's window buckets a tile ahead when it hoists, its window rows
+    and K rows at the tile's start, its V rows after the window products."""
+    limit = tl.minimum(seq_len, j_end)
+    c_end = tl.zeros([BLOCK_M], tl.float32)
+    if PATH == SATURATED and HAS_C2P:
+        c_end = _load_stat(END + tl.where(top, 1, 0).to(tl.int64) * stat_numel + stat_off, i0, offs_m, seq_len, 0.0)
     buckets = ()
     if PATH == GENERAL:
         buckets = _window_buckets(TABLE, i0 - j_start - (BLOCK_N - 1), WINDOW, SPLIT)
-    ahead = ()
-    if PATH == PER_TILE and HOIST:
-        ahead = _path_ends(TABLE, i0 - j_start - (BLOCK_N - 1), BLOCK_M, BLOCK_N)
+    ahead = _key_tile(mask_ptr, END, stat_off, stat_numel, j_start, limit, offs_n, top, PATH, HAS_P2C, HAS_MASK,
+                      BLOCK_N)
     for j0 in range(j_start, j_end, BLOCK_N):
+        words, p_end = ahead
+        ahead = _key_tile(mask_ptr, END, stat_off, stat_numel, j0 + BLOCK_N, limit, offs_n, top, PATH, HAS_P2C,
+                          HAS_MASK, BLOCK_N)
         current = buckets
         if PATH == GENERAL and HOIST:  # the next tile's buckets, a tile ahead (the table reaches past the last)
             buckets = _window_buckets(TABLE, i0 - j0 - (2 * BLOCK_N - 1), WINDOW, SPLIT)
         elif PATH == GENERAL:
             current = _window_buckets(TABLE, i0 - j0 - (BLOCK_N - 1), WINDOW, SPLIT)
+        if PATH == GENERAL:  # first: the round trip the products wait for
+            krw, qrw = _window_rows(KR, QR, current, offs_d, HEAD_DIM, SPLIT, HAS_C2P, HAS_P2C, BLOCK_M < 64)
         k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
+        if PATH == SATURATED:
+            v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if PATH == GENERAL:
+            # consecutive general tiles alternate two scratch buffers: a tile's stores never race the last one's loads
+            buffer = scratch + ((j0 // BLOCK_N) % 2) * ((BLOCK_M + BLOCK_N) * WINDOW)
+            _store_window_products(q, k, krw, qrw, buffer, offs_m, offs_n, BLOCK_M, WINDOW, SPLIT, HAS_C2P,
+                                   HAS_P2C, PRECISION)
+            v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)  # not held across the products
+            s += _skewed_read(buffer, offs_m, offs_n, BLOCK_M, BLOCK_N, WINDOW, HAS_C2P, HAS_P2C, False)
+        else:
+            s += _end_row_column(c_end, p_end)
+        col_ok = _words_visible(words, j0, offs_n, limit, BLOCK_N, HAS_MASK)
+        visible = _pair_visible(row_ok, col_ok, i0, j0, offs_m, offs_n, BLOCK_M, BLOCK_N, MASK_DIAGONAL, False)
+        s = tl.where(visible, s * (scale * LOG2E), float("-inf"))
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, seed, i0, j0, n_ctx, dropout_p, BLOCK_M, BLOCK_N,
+                                      DROPOUT, PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _end_row_column(c_end, p_end):
+    """c2p + p2c of a saturated forward tile: its rows' and its columns' end terms, ``[BM, BN]``."""
+    return c_end[:, None] + p_end[None, :]
+
+
+@triton.jit
+def _fwd_tiles(acc, m_i, l_i, q, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0, seed, scale, dropout_p, n_ctx,
+               seq_len, base, stat_off, stat_numel, stride_n, offs_m, offs_n, offs_d, PATH: tl.constexpr,
+               TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               WINDOW: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr,
+               HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr, DROPOUT: tl.constexpr, HOIST: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """Online softmax over every key block in one loop whose tiles read their path (``PER_TILE``) from the
+    table, or take no position terms (``CONTENT``)."""
+    general = 0
+    ahead = ()
+    if PATH == PER_TILE and HOIST:
+        ahead = _path_ends(TABLE, i0 - (BLOCK_N - 1), BLOCK_M, BLOCK_N)
+    for j0 in range(0, seq_len, BLOCK_N):
+        k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
+        row = (0, 0, ())
         if PATH == PER_TILE:
             row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), -BLOCK_N, HOIST, BLOCK_M, BLOCK_N,
                                       WINDOW, SPLIT)
-            s, _, _, general = _tile_scores(q, k, KR, QR, TABLE, row, mask_ptr, END, scratch, stat_off, stat_numel, i0,
-                                            j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM,
-                                            BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK,
-                                            MASK_DIAGONAL, False, HOIST, PRECISION)
-            v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
-        else:
-            s, v = _path_scores(q, k, V, KR, QR, current, mask_ptr, END, scratch, stat_off, stat_numel, i0, j0,
-                                seq_len, scale, base, stride_n, offs_m, offs_n, offs_d, top, PATH, HEAD_DIM,
-                                BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL,
-                                PRECISION)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Rows with nothing visible yet keep m = -inf; subtract 0 so exp2 gives 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DROPOUT:
-            p = tl.where(_dropout_keep(seed, i0, j0, n_ctx, dropout_p, BLOCK_M, BLOCK_N, False), p, 0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        s, _, _, general = _tile_scores(q, k, KR, QR, TABLE, row, mask_ptr, (0, 0), END, scratch, stat_off, stat_numel,
+                                        i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM,
+                                        BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL,
+                                        False, HOIST, True, PRECISION)
+        v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, seed, i0, j0, n_ctx, dropout_p, BLOCK_M, BLOCK_N,
+                                      DROPOUT, PRECISION)
     return acc, m_i, l_i
 
 
@@ -588,25 +729,26 @@ def _fwd_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, O, LSE, scratch, i0, seed,
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     KR, QR = KR + rel_off, QR + rel_off
     if (HAS_C2P or HAS_P2C) and PATHS_APART:
+        row_ok = _side_visible(mask_ptr, i0, offs_m, seq_len, BLOCK_M, HAS_MASK)  # once per block, not per tile
         lo, hi = _general_blocks(i0, seq_len, top_start, bottom_end, BLOCK_M, BLOCK_N)
-        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0, 0, lo, seed,
-                                   scale, dropout_p, n_ctx, seq_len, base, stat_off, stat_numel, stride_n, offs_m,
-                                   offs_n, offs_d, True, SATURATED, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW,
-                                   SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST, PRECISION)
-        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0, lo, hi, seed,
-                                   scale, dropout_p, n_ctx, seq_len, base, stat_off, stat_numel, stride_n, offs_m,
-                                   offs_n, offs_d, False, GENERAL, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW,
-                                   SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST, PRECISION)
-        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0, hi, seq_len,
-                                   seed, scale, dropout_p, n_ctx, seq_len, base, stat_off, stat_numel, stride_n,
-                                   offs_m, offs_n, offs_d, False, SATURATED, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                   WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST, PRECISION)
+        acc, m_i, l_i = _fwd_run(acc, m_i, l_i, q, row_ok, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0, 0, lo,
+                                 seed, scale, dropout_p, n_ctx, seq_len, base, stat_off, stat_numel, stride_n, offs_m,
+                                 offs_n, offs_d, True, SATURATED, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P,
+                                 HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST, PRECISION)
+        acc, m_i, l_i = _fwd_run(acc, m_i, l_i, q, row_ok, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0, lo, hi,
+                                 seed, scale, dropout_p, n_ctx, seq_len, base, stat_off, stat_numel, stride_n, offs_m,
+                                 offs_n, offs_d, False, GENERAL, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P,
+                                 HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST, PRECISION)
+        acc, m_i, l_i = _fwd_run(acc, m_i, l_i, q, row_ok, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0, hi,
+                                 seq_len, seed, scale, dropout_p, n_ctx, seq_len, base, stat_off, stat_numel, stride_n,
+                                 offs_m, offs_n, offs_d, False, SATURATED, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT,
+                                 HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST, PRECISION)
     else:
-        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0, 0, seq_len,
-                                   seed, scale, dropout_p, n_ctx, seq_len, base, stat_off, stat_numel, stride_n,
-                                   offs_m, offs_n, offs_d, False, PER_TILE if HAS_C2P or HAS_P2C else CONTENT,
-                                   TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK,
-                                   MASK_DIAGONAL, DROPOUT, HOIST, PRECISION)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0, seed, scale,
+                                   dropout_p, n_ctx, seq_len, base, stat_off, stat_numel, stride_n, offs_m, offs_n,
+                                   offs_d, PER_TILE if HAS_C2P or HAS_P2C else CONTENT, TWO_SPAN, HEAD_DIM, BLOCK_M,
+                                   BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST,
+                                   PRECISION)
     has_any = l_i > 0.0
     out = acc / tl.where(has_any, l_i, 1.0)[:, None]
     if DROPOUT:
@@ -638,7 +780,7 @@ def _attn_fwd(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, O, LSE, SCRATCH,
                                                    stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, VARLEN)
         i0 = (item % blocks) * BLOCK_M
         if i0 < seq_len:
-            _fwd_block(Q, K, V, KR, QR, TABLE, MASK + seq * n_ctx, END, O, LSE, scratch, i0,
+            _fwd_block(Q, K, V, KR, QR, TABLE, MASK + seq * _mask_stride(n_ctx), END, O, LSE, scratch, i0,
                        seed + seq * n_heads + head, _sequence_scale(SCALES, seq, scale, SCALE_PER_SEQ), dropout_p,
                        n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, top_start, bottom_end,
                        TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL,
@@ -692,12 +834,14 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
     for j0 in range(0, seq_len, BLOCK_N):
         row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), -BLOCK_N, HOIST, BLOCK_M, BLOCK_N, WINDOW,
                                   SPLIT)
+        keys = _mask_words(mask_ptr, j0, seq_len, BLOCK_N, HAS_MASK)
         k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
         v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
         s, saturated, top, general = _tile_scores(
-            q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, END, scratch, stat_off, stat_numel, i0, j0, seq_len,
+            q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, keys, END, scratch, stat_off, stat_numel, i0, j0,
+            seq_len,
             scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C,
-            HAS_MASK, MASK_DIAGONAL, False, HOIST, PRECISION)
+            HAS_MASK, MASK_DIAGONAL, False, HOIST, False, PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         _, ds = _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, scale, BLOCK_M, BLOCK_N, DROPOUT,
                              False)
@@ -744,7 +888,7 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, 
                                                    stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, VARLEN)
         i0 = (item % blocks) * BLOCK_M
         if i0 < seq_len:
-            _dq_block(Q, K, V, KR, QR, TABLE, MASK + seq * n_ctx, END, DO, LSE, DELTA, DQ, part_ptr, scratch, FOLD,
+            _dq_block(Q, K, V, KR, QR, TABLE, MASK + seq * _mask_stride(n_ctx), END, DO, LSE, DELTA, DQ, part_ptr, scratch, FOLD,
                       MERGE, i0, seed + seq * n_heads + head, _sequence_scale(SCALES, seq, scale, SCALE_PER_SEQ),
                       dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo, TWO_SPAN, HEAD_DIM,
                       BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT,
@@ -775,6 +919,7 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
     ahead = ()
     if HOIST:
         ahead = _path_ends(TABLE, -j0 - (BLOCK_N - 1), BLOCK_M, BLOCK_N)
+    keys = _side_visible(mask_ptr, j0, offs_n, seq_len, BLOCK_N, HAS_MASK)  # the block's keys: once
     for i0 in range(0, seq_len, BLOCK_M):
         row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), BLOCK_M, HOIST, BLOCK_M, BLOCK_N, WINDOW,
                                   SPLIT)
@@ -783,9 +928,9 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
         lse = _load_stat(LSE + stat_off, i0, offs_m, seq_len, float("inf"))
         delta = _load_stat(DELTA + stat_off, i0, offs_m, seq_len, 0.0)
         s, saturated, top, general = _tile_scores(
-            q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, END, scratch, stat_off, stat_numel, i0, j0, seq_len,
-            scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C,
-            HAS_MASK, MASK_DIAGONAL, True, HOIST, PRECISION)
+            q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, keys, END, scratch, stat_off, stat_numel, i0,
+            j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT,
+            HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, True, HOIST, False, PRECISION)
         dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         p_dropped, ds = _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, scale, BLOCK_M, BLOCK_N,
                                      DROPOUT, True)
@@ -835,7 +980,7 @@ def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA
                                                    stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, VARLEN)
         j0 = (item % blocks) * BLOCK_N
         if j0 < seq_len:
-            _dkdv_block(Q, K, V, KR, QR, TABLE, MASK + seq * n_ctx, END, DO, LSE, DELTA, DK, DV, part_ptr, scratch,
+            _dkdv_block(Q, K, V, KR, QR, TABLE, MASK + seq * _mask_stride(n_ctx), END, DO, LSE, DELTA, DK, DV, part_ptr, scratch,
                         FOLD, MERGE, j0, seed + seq * n_heads + head,
                         _sequence_scale(SCALES, seq, scale, SCALE_PER_SEQ), dropout_p, n_ctx, seq_len, base, rel_off,
                         stat_off, stat_numel, stride_n, lo, TWO_SPAN,
@@ -875,6 +1020,8 @@ class Tiles:
     # tiles that spill otherwise: the backward and the one-loop forward load one slice's rows at a time, and
     # the general loop loads its buckets in the tile that uses them.
     hoist: bool = True
+    # ... also with the diagonal mask (False where that alone spilled: sm_90's d = 64 dk/dv, 4 B).
+    hoist_diagonal: bool = True
 
     @property
     def window(self) -> int:
@@ -918,14 +1065,16 @@ _TILES = {
     ("half", 32, 90): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 32, 2, 1), dkdv=_T(32, 32, 2, 1)),
     ("half", 32, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(32, 16, 2, 1), dkdv=_T(16, 32, 2, 1)),
     ("half", 32, 100): dict(fwd=_T(32, 64, 4, 1), dq=_T(32, 32, 2, 1), dkdv=_T(32, 32, 2, 1, hoist=False)),
-    ("half", 64, 90): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 64, 4, 1), dkdv=_T(64, 32, 4, 1)),
+    # d = 64 dk/dv, sm_90: rows not hoisted under the diagonal mask (hoisted, 4-8 B spilled with the per-sequence
+    # scale and dropout once the mask was read as words).
+    ("half", 64, 90): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 64, 4, 1), dkdv=_T(64, 32, 4, 1, hoist_diagonal=False)),
     # d = 128, dk/dv, sm_90 and sm_80: every tile without repeated warps spills in some configuration the
     # compile check covers (sm_90: 32 x 16 on 4 warps 8-16 B with p2c alone, 64 x 16 4-16 B, 16 x 16 on 2 8 B;
     # sm_80: 32 x 16 20-48 B, 16 x 16 on 2 88-116 B); 16 x 16 on 4 warps repeats half its products (issued /
     # unique 2.0) and spills nothing: the one exception to the no-repetition rule.
-    # d = 128 forward, sm_90: window products in 32-column slices (64 spilled 4 B with the diagonal mask), rows
-    # not hoisted (hoisted, 4 B spilled; dq 12 B).
-    ("half", 128, 90): dict(fwd=_T(64, 64, 8, 1, columns=32, hoist=False), dq=_T(32, 64, 8, 1, hoist=False),
+    # d = 128 forward, sm_90: window products in 16-column slices (64 spilled 4 B with the diagonal mask, and 32
+    # did once the mask was read as words), rows not hoisted (hoisted, 4 B spilled; dq 12 B).
+    ("half", 128, 90): dict(fwd=_T(64, 64, 8, 1, columns=16, hoist=False), dq=_T(32, 64, 8, 1, hoist=False),
                             dkdv=_T(16, 16, 4, 1)),
     ("half", 64, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
     ("half", 128, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 32, 4, 1), dkdv=_T(16, 16, 4, 1)),
@@ -1117,7 +1266,7 @@ class _Problem:
     stat_strides: tuple     # (sequence, head) strides into them; the token stride is 1
     table: DistanceTable    # bucket index of every distance from -max_distance to +max_distance (host)
     device_table: torch.Tensor  # its device copy, from distance 0 on (what the kernels index)
-    mask: torch.Tensor | None
+    mask: torch.Tensor | None   # the padding mask's words (int32 [num_seqs, mask_words], ``mask_bits``), or None
     cu_seqlens: torch.Tensor | None
     two_span: int
     scale: float                 # the one scale, or 1.0 (unused) when ``scales`` is given
@@ -1175,7 +1324,8 @@ class _Problem:
             TWO_SPAN=self.two_span, HEAD_DIM=q.shape[-1], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
             WINDOW=tiles.window, SPLIT=tiles.split, HAS_C2P=has_c2p, HAS_P2C=has_p2c,
             HAS_MASK=self.mask is not None, VARLEN=self.cu_seqlens is not None, DROPOUT=self.dropout_p > 0,
-            SCALE_PER_SEQ=self.scales is not None, MASK_DIAGONAL=self.mask_diagonal, HOIST=tiles.hoist,
+            SCALE_PER_SEQ=self.scales is not None, MASK_DIAGONAL=self.mask_diagonal,
+            HOIST=tiles.hoist and (tiles.hoist_diagonal or not self.mask_diagonal),
             PRECISION="tf32",  # fp32 inputs use TF32 tensor cores (docs/kernels.md); half inputs ignore it
             num_warps=tiles.num_warps, num_stages=tiles.num_stages, **args)
 
@@ -1213,6 +1363,16 @@ def programs_per_head(items: int, per_program_bytes: int, budget_bytes: int, n_h
     if per_program_bytes:
         wanted = min(wanted, budget_bytes // (n_heads * per_program_bytes))
     return max(1, wanted)
+
+
+def mask_bits(mask: torch.Tensor, n_ctx: int) -> torch.Tensor:
+    """The 2-D padding mask ``[B, n_ctx]`` packed 32 tokens to an int32 word (bit ``j % 32`` of word ``j // 32``
+    set where token ``j`` is real), one word past the last token: the kernels read a tile side's visibility with
+    one scalar load per 32 tokens (``_mask_words``), not one byte load per token pair a thread holds."""
+    words = -(-n_ctx // 32) + 1  # as _mask_stride
+    padded = torch.nn.functional.pad(mask.ne(0), (0, words * 32 - n_ctx)).view(mask.shape[0], words, 32)
+    shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
+    return (padded.to(torch.int32) << shifts).sum(-1, dtype=torch.int32)
 
 
 def attention_forward(q, k, v, pos_key, pos_query, problem: _Problem):
@@ -1386,7 +1546,7 @@ def plan(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
     q, k, v = call.q.contiguous(), call.k.contiguous(), call.v.contiguous()
     if call.cu_seqlens is None:
         batch, heads, n, _ = q.shape
-        mask = None if call.attention_mask is None else call.attention_mask.ne(0).to(torch.int8).contiguous()
+        mask = None if call.attention_mask is None else mask_bits(call.attention_mask, n)
         problem = _make_problem(call, num_seqs=batch, n_ctx=n, strides=(q.stride(0), q.stride(1), q.stride(2)),
                                 stat_shape=(batch, heads, n), stat_strides=(heads * n, n), mask=mask, cu_seqlens=None)
     else:

@@ -130,7 +130,8 @@ def test_kernels_take_the_saturated_path_on_exactly_the_saturated_tiles(tiles, m
             return fn(*args)
         return wrapper
 
-    monkeypatch.setattr(attention, "_end_bias", counted("saturated", attention._end_bias))
+    monkeypatch.setattr(attention, "_end_bias", counted("saturated", attention._end_bias))  # one-loop tiles
+    monkeypatch.setattr(attention, "_end_row_column", counted("saturated", attention._end_row_column))  # runs
     monkeypatch.setattr(attention, "_skewed_read", counted("general", attention._skewed_read))
     batch, heads, n = 1, 2, 130
     paths = attention.tile_paths(n, attention.INTERPRETER_TILES, BUCKETS, MAX_REL)
