@@ -233,8 +233,8 @@ def record_distaff(w: Workload) -> dict:
 
     span = attention_span(BUCKETS, MAX_REL)
     passes = {p: Recording(p) for p in PASSES}
-    planned = distaff_attention.PLANNED_CAPABILITY
-    distaff_attention.PLANNED_CAPABILITY = w.cc
+    planned = distaff_attention.planning.PLANNED_CAPABILITY
+    distaff_attention.planning.PLANNED_CAPABILITY = w.cc
     try:
         with FakeTensorMode():
             q, k, v = (torch.empty(w.batch, HEADS, w.n, w.head_dim, dtype=torch.bfloat16).requires_grad_()
@@ -250,7 +250,7 @@ def record_distaff(w: Workload) -> dict:
             with _recording(passes["bwd"]):
                 torch.autograd.grad(out, (q, k, v, kr, qr), grad)  # no AccumulateGrad copies: the op's own work
     finally:
-        distaff_attention.PLANNED_CAPABILITY = planned
+        distaff_attention.planning.PLANNED_CAPABILITY = planned
     return passes
 
 
