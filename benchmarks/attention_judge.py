@@ -532,13 +532,18 @@ class Work:
 
 def _tile_paths(kernel_name: str, figures) -> list[dict]:
     """The paths of a distaff attention kernel's tile loops, fewest warp-instructions first: the saturated
-    path first, the general one last. The forward walks its key blocks in one loop per path (copies of one
-    inlined loop), the backward kernels in one loop with a branch."""
-    tile_loop = {"_attn_fwd": "for j0 in range(j_start, j_end, BLOCK_N)",
-                 "_attn_bwd_dkdv": "for i0 in range(0, seq_len, BLOCK_M)"}.get(kernel_name,
-                                                                              "for j0 in range(0, seq_len, BLOCK_N)")
-    return sorted((path for entry in figures.loops_at(tile_loop) for path in entry["paths"]),
-                  key=static_perf.instructions)
+    path first, the general one last. The forward with its paths apart walks its key blocks in one loop per run
+    (copies of one inlined loop), the one-loop forward and the backward kernels in one loop with a branch."""
+    lines = {"_attn_fwd": ("for j0 in range(j_start, j_end, BLOCK_N)", "for j0 in range(0, seq_len, BLOCK_N)"),
+             "_attn_bwd_dkdv": ("for i0 in range(0, seq_len, BLOCK_M)",)}.get(kernel_name,
+                                                                           ("for j0 in range(0, seq_len, BLOCK_N)",))
+    for line in lines:
+        try:
+            entries = figures.loops_at(line)
+        except KeyError:
+            continue
+        return sorted((path for entry in entries for path in entry["paths"]), key=static_perf.instructions)
+    raise Unavailable(f"{kernel_name}: no tile loop at {lines}")
 
 
 def _run_mixes(kernel_name: str, kwargs: dict, figures) -> dict:
