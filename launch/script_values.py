@@ -143,8 +143,8 @@ def setup_line(what: str, line: str) -> str:
     bad = next((c for c in line if c != "\t" and unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")), None)
     if bad is not None:
         hint = " (a file with Windows line ends: convert it with dos2unix)" if bad == "\r" else ""
-        raise ConfigError(f"{what} {shown(line)}: contains a control character ({_char_name(bad)}){hint}; give one "
-                          "line per --setup, or one per line of --setup-file")
+        raise ConfigError(f"{what}: {shown(line)} contains a control character ({_char_name(bad)}){hint}; give "
+                          "one line per --setup, or one per line of --setup-file")
     if line.strip() == NODE_SCRIPT_END:
-        raise ConfigError(f"{what} {shown(line)}: this line would end the per-node script early; remove it")
+        raise ConfigError(f"{what}: {shown(line)} would end the per-node script early; remove it")
     return line

@@ -360,3 +360,16 @@ def test_a_stalled_run_requeues_resumes_and_finishes_and_stops_past_max_requeues
     assert (f"distaff: stalled: not requeueing job {stopped_job}: 1 attempts stalled or were lost, more than "
             f"--max-requeues 0; stack dumps: {stops}/stacks-rank0.txt; attempts: {stops}/slurm/attempts-"
             f"{stopped_job}.txt") in batch, batch
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_set_up_line_stops_the_job_before_the_launch(
+        slurm: SlurmCluster, run_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    out_dir = tmp_path / "run"
+    job = _submit(slurm, run_config, tmp_path, monkeypatch, capsys, f"run.out_dir={out_dir}", "--setup",
+                  "echo before", "--setup", "module load no-such-module", "--setup", "echo after", nodes=1)
+    assert slurm.wait_for(job, {"COMPLETED"}, timeout=90) == "FAILED"
+    assert slurm.job_field(job, "Restarts") == "0"
+    node = (out_dir / "slurm" / f"slurm-e2e-{job}-node0.out").read_text()
+    assert node.startswith("before\n") and "distaff: node 0: a set-up line failed with status 127" in node, node
+    assert "after" not in node and "CPUs for its ranks" not in node and not (out_dir / "metrics.jsonl").exists()
