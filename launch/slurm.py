@@ -254,13 +254,15 @@ attempts={shlex.quote(str(spec.log_dir))}/attempts-"$SLURM_JOB_ID".txt
 out_dir={shlex.quote(str(spec.target.out_dir))}
 dumps() {{ ls -1 "$out_dir"/stacks-rank*.txt 2>/dev/null | paste -sd ' '; }}
 attempt=${{SLURM_RESTART_COUNT:-0}}
+max_requeues={spec.max_requeues}
 last=$(tail -n 1 "$attempts" 2>/dev/null)
 if [ "${{last% started}}" != "$last" ]; then   # it started and said nothing more: Slurm requeued it (NODE_FAIL)
     echo "${{last% started}} lost (its node failed, or the job was requeued from outside)" >> "$attempts"
 fi
 failed=$(grep -cE '^attempt [0-9]+ (stalled|lost)' "$attempts" 2>/dev/null)
-if [ "${{failed:-0}}" -gt {spec.max_requeues} ]; then
-    echo "distaff: job $SLURM_JOB_ID: $failed attempts stalled or were lost, more than --max-requeues {spec.max_requeues}: not running again; stack dumps: $(dumps); attempts: $attempts"
+if [ "${{failed:-0}}" -gt "$max_requeues" ]; then
+    echo "distaff: job $SLURM_JOB_ID: $failed attempts stalled or were lost, more than --max-requeues" \
+         "$max_requeues: not running again; stack dumps: $(dumps); attempts: $attempts"
     exit {EXIT_FAILURE}
 fi
 echo "attempt $attempt started" >> "$attempts"
@@ -269,7 +271,7 @@ echo "attempt $attempt started" >> "$attempts"
 
 def _attempts_end(spec: SlurmJobSpec) -> str:
     """Batch-script text after the step: requeue on a signal's checkpoint, and on a stall up to ``--max-requeues``
-    times (the per-node script reports a rank's watchdog as {EXIT_STALLED})."""
+    times (the per-node script reports a rank's watchdog as 76, ``EXIT_STALLED``)."""
     return f"""if [ "$status" -eq {EXIT_PREEMPTED} ]; then
     echo "attempt $attempt checkpointed on a signal" >> "$attempts"
     echo "distaff: checkpointed on a signal: requeueing job $SLURM_JOB_ID"
@@ -277,11 +279,13 @@ def _attempts_end(spec: SlurmJobSpec) -> str:
 elif [ "$status" -eq {EXIT_STALLED} ]; then
     echo "attempt $attempt stalled" >> "$attempts"
     failed=$(( ${{failed:-0}} + 1 ))
-    if [ "$failed" -le {spec.max_requeues} ]; then
-        echo "distaff: stalled (stack dumps: $(dumps)): requeueing job $SLURM_JOB_ID to resume from its latest checkpoint ($failed of --max-requeues {spec.max_requeues})"
+    if [ "$failed" -le "$max_requeues" ]; then
+        echo "distaff: stalled (stack dumps: $(dumps)): requeueing job $SLURM_JOB_ID to resume from its latest" \
+             "checkpoint ($failed of --max-requeues $max_requeues)"
         scontrol requeue "$SLURM_JOB_ID"
     else
-        echo "distaff: stalled: not requeueing job $SLURM_JOB_ID: $failed attempts stalled or were lost, more than --max-requeues {spec.max_requeues}; stack dumps: $(dumps); attempts: $attempts"
+        echo "distaff: stalled: not requeueing job $SLURM_JOB_ID: $failed attempts stalled or were lost, more than" \
+             "--max-requeues $max_requeues; stack dumps: $(dumps); attempts: $attempts"
     fi
 else
     echo "attempt $attempt ended with $status" >> "$attempts"

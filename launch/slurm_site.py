@@ -105,7 +105,8 @@ def add_site_arguments(parser: argparse.ArgumentParser) -> None:
                            "(repeatable; --dry-run shows it verbatim)")
     site.add_argument("--setup-file", metavar="FILE", help="set-up lines from a file, run before the --setup lines")
     site.add_argument("--container-image", metavar="IMAGE", help="run the ranks in this pyxis/enroot image")
-    site.add_argument("--apptainer", metavar="IMAGE", help="run the ranks with `apptainer exec IMAGE` (.sif, docker://)")
+    site.add_argument("--apptainer", metavar="IMAGE",
+                      help="run the ranks with `apptainer exec IMAGE` (.sif, docker://)")
     site.add_argument("--container-mounts", metavar="SRC:DST[,...]",
                       help="the container's mounts (pyxis --container-mounts, Apptainer --bind)")
     site.add_argument("--gres", metavar="SPEC", help="request GPUs as generic resources (gpu:a100:8) instead of "

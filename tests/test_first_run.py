@@ -65,8 +65,9 @@ def test_a_preset_reads_before_its_data_exists_and_inspecting_says_nothing_of_th
         out, err = capsys.readouterr()
         assert yaml.safe_load(out)["model"]["init_from"] == "runs/demo/run"
         assert err.splitlines() == [
-            f"distaff finetune: note: model.init_from: {tmp_path}/runs/demo/run does not exist; set it to a pretraining "
-            "run's folder (scripts/demo.sh writes runs/demo/run), one of its checkpoints or a Hugging Face model folder",
+            f"distaff finetune: note: model.init_from: {tmp_path}/runs/demo/run does not exist; set it to a "
+            "pretraining run's folder (scripts/demo.sh writes runs/demo/run), one of its checkpoints or a Hugging "
+            "Face model folder",
             f"distaff finetune: note: data.train: {tmp_path}/data/movie-snippets.tsv.gz does not exist"]
         assert distaff_main(["finetune", "--config", "sentiment-cpu", "--check"]) == 2
         out, err = capsys.readouterr()

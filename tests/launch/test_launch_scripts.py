@@ -177,7 +177,7 @@ def test_sbatch_script_for_gpu_nodes(target) -> None:
     # exit 75 (a signal's checkpoint) or 76 (a stall, bounded by --max-requeues) -> the job requeues itself
     assert re.search(r'if \[ "\$status" -eq 75 \]; then\n(.*\n){2}\s+scontrol requeue "\$SLURM_JOB_ID"', script)
     assert re.search(r'elif \[ "\$status" -eq 76 \]; then\n(.*\n){3}.*\n\s+scontrol requeue "\$SLURM_JOB_ID"', script)
-    assert 'if [ "${failed:-0}" -gt 3 ]; then' in script and 'if [ "$failed" -le 3 ]; then' in script
+    assert "max_requeues=3\n" in script and 'if [ "$failed" -le "$max_requeues" ]; then' in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)  # valid bash
 
 

@@ -43,13 +43,14 @@ def _node_script(script: str) -> str:
 
 def test_set_up_lines_run_verbatim_on_every_node_before_the_launch(config: Path, capsys) -> None:
     setup = config.parent / "site.sh"
-    setup.write_text("module purge\n  module load cuda/12.4 nccl   # indented, with a comment\n\nsource /shared/env.sh\n")
+    setup.write_text("module purge\n  module load cuda/12.4 nccl   # indented, with a comment\n\n"
+                     "source /shared/env.sh\n")
     lines = ['export NCCL_SOCKET_IFNAME="ib0"; ulimit -n 65536', "[ -d /scratch ] && export TMPDIR=/scratch/$USER"]
     code, script, _ = _submit(config, capsys, "--setup-file", str(setup), "--setup", lines[0], "--setup", lines[1])
     assert code == 0
     node = _node_script(script).splitlines()
-    expected = ["module purge", "  module load cuda/12.4 nccl   # indented, with a comment", "", "source /shared/env.sh",
-                *lines]
+    expected = ["module purge", "  module load cuda/12.4 nccl   # indented, with a comment", "",
+                "source /shared/env.sh", *lines]
     start = node.index("set -e") + 2          # after the ERR trap that names a failing line's node
     assert node[start:start + len(expected)] == expected and node[start + len(expected)] == "trap - ERR"
     assert node.index("trap - ERR") < next(i for i, line in enumerate(node) if "torch.distributed.run" in line)
@@ -124,4 +125,4 @@ def test_site_requests_that_cannot_work_are_refused(config: Path, capsys, option
 def test_gres_requests_the_gpus_instead_of_gpus_per_node(config: Path, capsys) -> None:
     code, script, _ = _submit(config, capsys, "--gres", "gpu:h100:4,nvme:1")
     assert code == 0 and "#SBATCH --gres=gpu:h100:4,nvme:1\n" in script and "--gpus-per-node" not in script
-    assert "--max-requeues 3" in script           # the default bound on stalled or lost attempts
+    assert "max_requeues=3\n" in script           # the default bound on stalled or lost attempts
