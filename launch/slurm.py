@@ -217,13 +217,14 @@ echo "distaff: job $SLURM_JOB_ID ranks exited with $status at $(date -Is)"
 
 
 def _node_script(spec: SlurmJobSpec) -> str:
-    """The per-node script (run by ``bash -c`` on every node): set-up lines, then torchrun for the node's ranks."""
+    """The per-node script (run by ``bash -c`` on every node): set-up lines (after the signal traps: a signal
+    during a slow set-up does not kill the node's script), then torchrun for the node's ranks."""
     prefix = spec.site.command_prefix(spec.cpu)
     # what the ranks inherit (nproc would answer OMP_NUM_THREADS instead)
     affinity = prefix + shlex.join([spec.python, "-c", "import os; print(len(os.sched_getaffinity(0)))"])
-    return f"""{spec.site.setup_block()}stop_requested=0
+    return f"""stop_requested=0
 trap 'stop_requested=1' USR1 TERM
-started=$(mktemp)      # the ranks' stack dumps newer than this are this attempt's
+{spec.site.setup_block()}started=$(mktemp)      # the ranks' stack dumps newer than this are this attempt's
 out_dir={shlex.quote(str(spec.target.out_dir))}
 is_host=$([ "$SLURM_NODEID" = 0 ] && echo true || echo false)
 echo "distaff: node $SLURM_NODEID ($SLURMD_NODENAME): $({affinity}) CPUs for its ranks"
