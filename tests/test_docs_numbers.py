@@ -56,3 +56,87 @@ def test_every_measured_span_is_closed_and_rewritten_by_the_refresh_script():
     assert refresh.rewrite(rewritten, values) == rewritten                 # a second refresh changes nothing
     with pytest.raises(ValueError, match=r"no value for the measured span\(s\) \['demo.new'\]"):
         refresh.rewrite(text + "<!-- measured: demo.new -->1<!-- /measured -->", values)
+
+
+def _results():
+    spec = importlib.util.spec_from_file_location("render_results", REPO / "scripts" / "render_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_results_page_is_what_its_committed_json_renders_to():
+    results = _results()
+    pages = results.pages()
+    assert {"threads.md", "packing.md"} <= set(pages)
+    assert results.stale() == [], "docs/results is stale: run python scripts/render_results.py"
+
+
+def test_a_results_page_that_differs_from_its_json_is_caught(tmp_path, monkeypatch):
+    results = _results()
+    monkeypatch.setattr(results, "PAGES", tmp_path)
+    assert results.main([]) == 0 and results.stale() == []
+    page = tmp_path / "threads.md"
+    page.write_text(page.read_text().replace("| 503 |", "| 530 |", 1))
+    (tmp_path / "orphan.md").write_text("# a page with no JSON\n")
+    assert results.stale() == ["orphan.md", "threads.md"]
+    assert results.main(["--check"]) == 1
+
+
+def test_a_result_renders_typed_cells_and_refuses_a_short_row():
+    results = _results()
+    table = {"columns": [{"name": "run"}, {"name": "tokens/s", "format": ",d", "align": "right"},
+                         {"name": "share", "format": ".1%", "align": "right"}],
+             "rows": [["a|b", 12345, 0.479], ["c", None, 0.0]]}
+    assert results.table_lines(table) == ["| run | tokens/s | share |", "|---|---:|---:|",
+                                          "| a\\|b | 12,345 | 47.9% |", "| c | - | 0.0% |"]
+    table["rows"].append(["d", 1])
+    with pytest.raises(ValueError, match=r"row 3 of table '' has 2 cells, the columns 3"):
+        results.table_lines(table)
+
+
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def anchors(text: str) -> set[str]:
+    """GitHub's anchors for the headings of a markdown text (fenced code excluded), duplicates numbered."""
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    seen: dict[str, int] = {}
+    found = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", prose, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        found.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return found
+
+
+def broken_links(doc: Path) -> list[str]:
+    """Relative links of ``doc`` (outside code) whose file, or heading anchor in a markdown file, does not exist."""
+    text = doc.read_text()
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    prose = re.sub(r"`[^`\n]*`", "", prose)
+    broken = []
+    for match in LINK.finditer(prose):
+        target = match.group(1) or match.group(2)
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):          # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        file = (doc.parent / path).resolve() if path else doc
+        if not file.exists():
+            broken.append(target)
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file.read_text()):
+            broken.append(target)
+    return broken
+
+
+def test_the_link_checker_finds_a_missing_file_and_a_missing_heading(tmp_path):
+    (tmp_path / "b.md").write_text("# Packed training (`data.packing: varlen`)\n\n## Notes\n\n## Notes\n")
+    doc = tmp_path / "a.md"
+    doc.write_text("[ok](b.md#packed-training-datapacking-varlen) [dup](b.md#notes-1) [web](https://x.org/y) "
+                   "`[code](nosuch.md)` [gone](nosuch.md) [bad](b.md#nosuch) [self](#top)\n# Top\n")
+    assert broken_links(doc) == ["nosuch.md", "b.md#nosuch"]
+
+
+@pytest.mark.parametrize("doc", [*DOCS, *sorted((REPO / "docs" / "results").glob("*.md"))], ids=lambda p: p.name)
+def test_every_relative_link_of_the_docs_resolves(doc):
+    assert broken_links(doc) == []
