@@ -4,7 +4,8 @@ One mechanism for every result page. A result file holds what a reader needs bes
 themselves, typed (no formatting baked in):
 
     {"title": "...", "summary": "what the figures say, in a sentence or two",
-     "tables": [{"caption": "...", "command": "python benchmarks/x.py ...", "conditions": "date, machine, load",
+     "tables": [{"caption": "...", "text": "markdown before the table", "command": "python benchmarks/x.py ...",
+                "conditions": "date, machine, load",
                  "columns": [{"name": "tokens/s", "format": ",.0f", "align": "right"}, ...],
                  "rows": [["finetune", 190.0, ...], ...],
                  "notes": "how to read it"}],
@@ -60,6 +61,8 @@ def render(name: str, result: dict) -> str:
     for table in result["tables"]:
         if table.get("caption"):
             out += [f"## {table['caption']}", ""]
+        if table.get("text"):
+            out += [table["text"], ""]
         if table.get("command"):
             out += ["```bash", table["command"], "```", ""]
         if table.get("conditions"):
