@@ -17,7 +17,7 @@ from distaff.train.model.config import ModelConfig
 from distaff.train.model.flops import train_flops_per_token
 from distaff.train.plan import gpus as gpu_kinds
 from distaff.train.plan.gpus import GpuKind
-from distaff.train.plan.memory import GIB, Breakdown, Setting, count_params, step_peak
+from distaff.train.plan.memory import GIB, Breakdown, Setting, parameter_summary, step_peak
 from distaff.train.plan.step_time import Assumptions, StepTime, step_time
 from distaff.train.run.config import RunConfig
 
@@ -106,7 +106,9 @@ def base_setting(cfg: RunConfig, ranks: int, seq_len: int, micro_batch: int | No
     if batch < 1:
         raise ConfigError(f"--micro-batch: must be positive, got {batch}")
     sharing = cfg.rtd.embedding_sharing if cfg.train.objective == "rtd" else None
-    return Setting(models=models, params=count_params(models, sharing), seq_len=seq_len, micro_batch=batch,
+    sizes = parameter_summary(models, sharing)
+    return Setting(models=models, params=sizes.total, largest_param=sizes.largest,
+                   persistent_params=sizes.persistent, seq_len=seq_len, micro_batch=batch,
                    precision=cfg.train.precision, zero=stage, ranks=ranks, offload_optimizer=offload_optimizer,
                    offload_param=cfg.zero.offload_param and stage == 3, fused=True, overlap_comm=True,
                    dropout=any(m.hidden_dropout_prob > 0 for m in models),
