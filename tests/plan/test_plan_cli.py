@@ -1,9 +1,10 @@
-"""``distaff plan``: every run preset on six GPU kinds in under 5 s each, what fits where, the time split,
+"""``distaff plan``: every run preset on eight GPU kinds in under 1 s of CPU each, what fits where, the time split,
 bad input as one line, and the launchers' summary line."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from distaff.train.core.errors import ConfigError
 from distaff.train.plan import cli
 from distaff.train.plan.gpus import KINDS, kind, parse_gpus, parse_spec
 from distaff.train.plan.memory import step_peak
-from distaff.train.plan.planner import largest_micro_batch, make_plan
+from distaff.train.plan.planner import largest_micro_batch, make_plan, parse_tokens, summary
 from distaff.train.plan.step_time import attention_table
 from distaff.train.run.config import load_config
 
@@ -29,9 +30,9 @@ def test_every_run_preset_plans_on_every_kind_fast(preset):
     cfg = load_config(preset)
     make_plan(cfg, "8xA100-80GB")   # the first plan pays for the one-off imports
     for name in KINDS_CHECKED:
-        start = time.perf_counter()
+        start = time.process_time()     # CPU time: the machine's load does not count
         plan = make_plan(cfg, f"8x{name}")
-        assert time.perf_counter() - start < 5.0
+        assert time.process_time() - start < 1.0
         assert plan.time.total > 0 and plan.tokens_per_s > 0 and 0 < plan.mfu < 1
         assert all(value >= 0 for value in plan.time.parts.values())
         assert plan.memory.total > plan.memory.peak > 0
@@ -168,3 +169,27 @@ def test_the_distaff_command_knows_plan(capsys):
 
     assert distaff_cli.main(["plan", "--list-gpus"]) == 0
     assert "| H200 | 140.4 |" in capsys.readouterr().out
+
+
+@pytest.mark.unit
+def test_a_token_budget_gives_the_steps_at_the_stated_global_batch(capsys):
+    cfg = load_config("deberta-v3-base")
+    plan = make_plan(cfg, "8xA100-80GB", tokens=parse_tokens("20B"))
+    assert plan.global_batch == 32 * 4 * 8 and plan.tokens_per_step == 32 * 512 * 4 * 8
+    assert plan.max_steps == math.ceil(20e9 / plan.tokens_per_step) == 38_147
+    assert plan.gpu_hours == pytest.approx(38_147 * plan.time.total / 3600 * 8)
+    assert "for 20B tokens = 38,147 steps (global batch 1,024 sequences = micro-batch 32 x 4" in summary(plan)
+    four_nodes = make_plan(cfg, "8xA100-80GB", nodes=4, tokens=20e9)     # 4x the batch: a quarter of the steps
+    assert four_nodes.max_steps == math.ceil(38_147 / 4)
+    assert [parse_tokens(t) for t in ("500M", "2e10", "1.5T", "20b")] == [5e8, 2e10, 1.5e12, 2e10]
+    assert cli.main(["--config", "deberta-v3-base", "--gpus", "8xA100-80GB", "--tokens", "lots"]) == 2
+    assert "--tokens: expected a token count such as 20B" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_output_into_a_closed_pipe_ends_quietly():
+    proc = subprocess.Popen([sys.executable, "-m", "distaff.launch.cli", "plan", "--config", "deberta-v3-base",
+                             "--gpus", "8xA100-80GB", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()             # the reader is gone before the plan is written (`| head -0`)
+    assert proc.wait(timeout=120) == 0
+    assert proc.stderr.read() == b""

@@ -17,7 +17,7 @@ from dataclasses import asdict
 from distaff.train.core.errors import ConfigError, command_main
 from distaff.train.plan import gpus as gpu_kinds
 from distaff.train.plan.memory import GIB
-from distaff.train.plan.planner import Plan, make_plan, summary
+from distaff.train.plan.planner import Plan, make_plan, parse_tokens, summary
 from distaff.train.plan.step_time import Assumptions
 
 PROG = "distaff plan"
@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default: zero.stage)")
     parser.add_argument("--offload", action="store_true", default=None, help="optimizer states on the host")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the prepared data's)")
+    parser.add_argument("--tokens", help="train on this many tokens (20B, 500M, 2e10): the steps and GPU-hours at the "
+                                         "run's global batch, instead of train.max_steps")
     parser.add_argument("--gpu-spec", help="a kind not in the table: name=N,memory_gib=..,tflops=..,hbm_tb_s=..,"
                                            "intra_gb_s=..,inter_gb_s=..[,like=KIND]")
     parser.add_argument("--gemm-efficiency", type=float, default=Assumptions.gemm_efficiency)
@@ -70,6 +72,7 @@ def time_lines(plan: Plan) -> list[str]:
     lines += [f"  {'total':<32} {t.total * 1e3:10.1f} ms",
               f"  tokens/s (all GPUs)  {plan.tokens_per_s:,.0f}   MFU {plan.mfu:.1%}   "
               f"to {plan.max_steps:,} steps: {plan.hours:,.1f} h, {plan.gpu_hours:,.0f} GPU-hours (estimates)",
+              f"  {plan.batch_line()}",
               "assumptions:", f"  sequence length {plan.setting.seq_len} from {plan.seq_source}",
               f"  attention: {t.attention_source}"]
     return lines + [f"  {line}" for line in plan.assumptions.lines()]
@@ -87,6 +90,8 @@ def as_json(plan: Plan) -> dict:
             "estimate": {"step_seconds": plan.time.parts, "step_total_s": plan.time.total,
                          "tokens_per_s": plan.tokens_per_s, "mfu": plan.mfu, "hours": plan.hours,
                          "gpu_hours": plan.gpu_hours, "attention_source": plan.time.attention_source},
+            "max_steps": plan.max_steps, "token_budget": plan.token_budget, "global_batch": plan.global_batch,
+            "tokens_per_step": plan.tokens_per_step,
             "assumptions": plan.assumptions.lines(), "summary": summary(plan)}
 
 
@@ -121,7 +126,8 @@ def _body(argv: list[str]) -> int:
     if not 0 < args.gemm_efficiency <= 1:
         raise ConfigError(f"--gemm-efficiency: must be in (0, 1], got {args.gemm_efficiency}")
     plan = make_plan(cfg, args.gpus, args.nodes, micro_batch=args.micro_batch, zero=args.zero, offload=args.offload,
-                     seq_len=args.seq_len, gpu_spec=spec, assumptions=Assumptions(gemm_efficiency=args.gemm_efficiency))
+                     seq_len=args.seq_len, gpu_spec=spec, assumptions=Assumptions(gemm_efficiency=args.gemm_efficiency),
+                     tokens=parse_tokens(args.tokens) if args.tokens else None)
     if args.micro_batch is not None and not plan.fits:
         raise ConfigError(f"--micro-batch {args.micro_batch}: needs {plan.memory.total / GIB:.1f} GiB per GPU, "
                           f"more than the {plan.gpu.memory_gib:.1f} GiB of a {plan.gpu.name}; the largest that fits "

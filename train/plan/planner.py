@@ -8,6 +8,7 @@ sequence length (the prepared data's manifest when its folder exists, else ``--s
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -38,6 +39,7 @@ class Plan:
     max_steps: int
     seq_source: str
     assumptions: Assumptions
+    token_budget: float | None = None    # --tokens: max_steps was derived from it
 
     @property
     def fits(self) -> bool:
@@ -46,6 +48,16 @@ class Plan:
     @property
     def tokens_per_step(self) -> int:
         return self.setting.micro_batch * self.setting.seq_len * self.grad_accum * self.setting.ranks
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step: micro-batch x accumulation steps x GPUs."""
+        return self.setting.micro_batch * self.grad_accum * self.setting.ranks
+
+    def batch_line(self) -> str:
+        s = self.setting
+        return (f"global batch {self.global_batch:,} sequences = micro-batch {s.micro_batch} x {self.grad_accum} "
+                f"accumulation step(s) x {s.ranks} GPUs, {self.tokens_per_step:,} tokens per step")
 
     @property
     def tokens_per_s(self) -> float:
@@ -133,8 +145,10 @@ def largest_micro_batch(s: Setting, gpu: GpuKind) -> int:
 
 def make_plan(cfg: RunConfig, gpus: str, nodes: int = 1, *, micro_batch: int | None = None,
               zero: int | None = None, offload: bool | None = None, seq_len: int | None = None,
-              gpu_spec: GpuKind | None = None, assumptions: Assumptions = Assumptions()) -> Plan:
-    """The plan of ``cfg`` on ``nodes`` nodes of ``gpus`` (``8xA100-80GB``)."""
+              gpu_spec: GpuKind | None = None, assumptions: Assumptions = Assumptions(),
+              tokens: float | None = None) -> Plan:
+    """The plan of ``cfg`` on ``nodes`` nodes of ``gpus`` (``8xA100-80GB``); with ``tokens``, the steps to train
+    on that many tokens at the run's global batch instead of ``train.max_steps``."""
     if nodes < 1:
         raise ConfigError(f"--nodes: must be positive, got {nodes}")
     per_node, gpu = gpu_kinds.parse_gpus(gpus, gpu_spec)
@@ -144,20 +158,49 @@ def make_plan(cfg: RunConfig, gpus: str, nodes: int = 1, *, micro_batch: int | N
     memory = step_peak(s)
     stages = {stage: step_peak(replace(s, zero=stage, offload_optimizer=s.offload_optimizer and stage > 0)).total
               for stage in (0, 1, 2, 3)}
+    steps = cfg.train.max_steps
+    if tokens is not None:
+        steps = max(1, math.ceil(tokens / (s.micro_batch * s.seq_len * cfg.train.grad_accum * s.ranks)))
     return Plan(gpu=gpu, per_node=per_node, nodes=nodes, setting=s, memory=memory,
                 largest_micro_batch=largest_micro_batch(s, gpu), zero_fits=stages,
                 time=step_time(s, gpu, nodes, cfg.train.grad_accum, assumptions), grad_accum=cfg.train.grad_accum,
-                max_steps=cfg.train.max_steps, seq_source=source, assumptions=assumptions)
+                max_steps=steps, seq_source=source, assumptions=assumptions, token_budget=tokens)
 
 
 def summary(plan: Plan) -> str:
     """One line: memory per GPU against the card, micro-batch room, tokens/s, MFU and GPU-hours (estimates)."""
     s = plan.setting
     verdict = "fits" if plan.fits else "DOES NOT FIT"
+    goal = f"{plan.max_steps:,} steps"
+    if plan.token_budget is not None:
+        goal = f"{format_tokens(plan.token_budget)} tokens = {goal} ({plan.batch_line()})"
     return (f"plan: {plan.nodes}x{plan.per_node}x{plan.gpu.name}, ZeRO {s.zero}, micro-batch {s.micro_batch} x "
             f"{s.seq_len} tokens: {plan.memory.total / GIB:.1f} of {plan.gpu.memory_gib:.1f} GiB per GPU, {verdict} "
             f"(largest micro-batch {plan.largest_micro_batch}); estimate {plan.tokens_per_s:,.0f} tokens/s, MFU "
-            f"{plan.mfu:.0%}, {plan.hours:,.1f} h = {plan.gpu_hours:,.0f} GPU-hours for {plan.max_steps:,} steps")
+            f"{plan.mfu:.0%}, {plan.hours:,.1f} h = {plan.gpu_hours:,.0f} GPU-hours for {goal}")
+
+
+SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+
+
+def parse_tokens(text: str) -> float:
+    """``--tokens``: a count with an optional K/M/B/T suffix (``20B``, ``500M``) or a plain number (``2e10``)."""
+    value = text.strip().upper().replace(",", "").replace("_", "")
+    scale = SUFFIXES.get(value[-1:], 1.0)
+    try:
+        tokens = float(value[:-1] if value[-1:] in SUFFIXES else value) * scale
+    except ValueError:
+        raise ConfigError(f"--tokens: expected a token count such as 20B, 500M or 2e10, got {text!r}") from None
+    if not tokens >= 1:
+        raise ConfigError(f"--tokens: must be at least 1 token, got {text!r}")
+    return tokens
+
+
+def format_tokens(tokens: float) -> str:
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if tokens >= scale:
+            return f"{tokens / scale:g}{suffix}"
+    return f"{tokens:g}"
 
 
 def plan_summary_line(cfg: RunConfig, gpus: str, nodes: int = 1) -> tuple[str, bool]:
