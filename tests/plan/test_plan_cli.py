@@ -153,14 +153,14 @@ def test_attention_scales_with_tokens_heads_and_length():
 
     cfg = load_config("deberta-v3-base").model_config()
     h100 = kind("H100-SXM")
-    one, two = (attention_seconds(cfg, h100, 512, tokens)[0] for tokens in (16384, 32768))
+    one, two = (attention_seconds(cfg, h100, 512, tokens).seconds for tokens in (16384, 32768))
     assert two == pytest.approx(2 * one)
     rows = [r for r in attention_table()["rows"] if r["cc"] == 90 and r["n"] == 512]
     per_layer = (rows[0]["fwd_ms"] + rows[0]["bwd_ms"]) / 1e3 * cfg.num_attention_heads / rows[0]["heads"]
     assert one == pytest.approx(per_layer * 13)          # 11 encoder layers + 2 EMD applications
-    short, mid, long = (attention_seconds(cfg, h100, n, 16384)[0] for n in (256, 768, 4096))
+    short, mid, long = (attention_seconds(cfg, h100, n, 16384).seconds for n in (256, 768, 4096))
     assert short < one < mid < long
-    assert attention_seconds(cfg, kind("H100-PCIe"), 512, 16384)[0] == pytest.approx(one * 989 / 756)
+    assert attention_seconds(cfg, kind("H100-PCIe"), 512, 16384).seconds == pytest.approx(one * 989 / 756)
 
 
 @pytest.mark.unit
@@ -193,3 +193,41 @@ def test_output_into_a_closed_pipe_ends_quietly():
     proc.stdout.close()             # the reader is gone before the plan is written (`| head -0`)
     assert proc.wait(timeout=120) == 0
     assert proc.stderr.read() == b""
+
+
+@pytest.mark.unit
+def test_attention_share_and_the_judges_content_only_reference_beside_it(monkeypatch, capsys):
+    from distaff.train.plan import step_time
+
+    cfg = load_config("deberta-v3-base")
+    plain = make_plan(cfg, "8xH100-SXM")
+    assert plain.time.attention_reference is None and plain.time.reference_share is None
+    assert 0 < plain.time.attention_share < 1
+    assert cli.main(["--config", "deberta-v3-base", "--gpus", "8xH100-SXM"]) == 0
+    assert f"attention: {plain.time.attention_share:.0%} of the step\n" in capsys.readouterr().out
+    # the judge's table after the attention issue: a content-only FlashAttention-2 time per row (here a tenth)
+    table = attention_table()
+    rows = [{**r, "content_fwd_ms": r["fwd_ms"] / 10, "content_bwd_ms": r["bwd_ms"] / 10} for r in table["rows"]]
+    monkeypatch.setattr(step_time, "attention_table", lambda: {**table, "rows": rows})
+    judged = make_plan(cfg, "8xH100-SXM")
+    assert judged.time.parts["attention"] == pytest.approx(plain.time.parts["attention"])
+    assert judged.time.attention_reference == pytest.approx(plain.time.parts["attention"] / 10)
+    rest = judged.time.total - judged.time.parts["attention"]
+    assert judged.time.reference_share == pytest.approx(judged.time.attention_reference / (
+        rest + judged.time.attention_reference))
+    assert cli.main(["--config", "deberta-v3-base", "--gpus", "8xH100-SXM"]) == 0
+    assert "a content-only FlashAttention-2 at the same shapes (the judge's reference)" in capsys.readouterr().out
+    # content-only attention (no c2p/p2c) runs distaff's kernels without their position terms: the reference
+    bert = load_config("deberta-v3-base", ["model.relative_attention=false", "model.pos_att_type=[]"])
+    assert make_plan(bert, "8xH100-SXM").time.parts["attention"] == pytest.approx(
+        make_plan(bert, "8xH100-SXM").time.attention_reference)
+
+
+@pytest.mark.unit
+def test_the_time_model_is_within_1_5x_of_the_published_runs():
+    from distaff.train.plan.anchors import bert_rows, deberta_rows
+
+    checked = {anchor.name: estimate / anchor.published for anchor, estimate in [*bert_rows(), *deberta_rows()]}
+    for name in ("BERT-large seq 128, 8xA100-80GB, fp16", "deberta-base (v1) seq 512, 4x16xV100-32GB, fp16",
+                 "deberta-large (v1) seq 512, 6x16xV100-32GB, fp16"):
+        assert 1 / 1.5 <= checked[name] <= 1.5, (name, checked[name])

@@ -69,13 +69,23 @@ def time_lines(plan: Plan) -> list[str]:
     lines = [f"step time (ESTIMATE; {plan.grad_accum} micro-batches per step, {plan.nodes} node(s) of "
              f"{plan.per_node} x {plan.gpu.name}):"]
     lines += [f"  {name:<32} {seconds * 1e3:10.1f} ms" for name, seconds in t.parts.items()]
-    lines += [f"  {'total':<32} {t.total * 1e3:10.1f} ms",
+    lines += [f"  {'total':<32} {t.total * 1e3:10.1f} ms", f"  {attention_share_line(t)}",
               f"  tokens/s (all GPUs)  {plan.tokens_per_s:,.0f}   MFU {plan.mfu:.1%}   "
               f"to {plan.max_steps:,} steps: {plan.hours:,.1f} h, {plan.gpu_hours:,.0f} GPU-hours (estimates)",
               f"  {plan.batch_line()}",
               "assumptions:", f"  sequence length {plan.setting.seq_len} from {plan.seq_source}",
               f"  attention: {t.attention_source}"]
     return lines + [f"  {line}" for line in plan.assumptions.lines()]
+
+
+def attention_share_line(t) -> str:
+    """Attention's share of the step, and beside it the share the judge's content-only reference (FlashAttention-2
+    at the same shapes) would take, when the attention table has it."""
+    line = f"attention: {t.attention_share:.0%} of the step"
+    if t.reference_share is not None:
+        line += (f"; a content-only FlashAttention-2 at the same shapes (the judge's reference): "
+                 f"{t.attention_reference * 1e3:,.1f} ms, {t.reference_share:.0%} of such a step")
+    return line
 
 
 def as_json(plan: Plan) -> dict:
@@ -89,7 +99,10 @@ def as_json(plan: Plan) -> dict:
             "zero_stage_total_bytes": {str(k): v for k, v in plan.zero_fits.items()},
             "estimate": {"step_seconds": plan.time.parts, "step_total_s": plan.time.total,
                          "tokens_per_s": plan.tokens_per_s, "mfu": plan.mfu, "hours": plan.hours,
-                         "gpu_hours": plan.gpu_hours, "attention_source": plan.time.attention_source},
+                         "gpu_hours": plan.gpu_hours, "attention_source": plan.time.attention_source,
+                         "stage_seconds": plan.time.stages, "attention_share": plan.time.attention_share,
+                         "content_only_attention_s": plan.time.attention_reference,
+                         "content_only_attention_share": plan.time.reference_share},
             "max_steps": plan.max_steps, "token_budget": plan.token_budget, "global_batch": plan.global_batch,
             "tokens_per_step": plan.tokens_per_step,
             "assumptions": plan.assumptions.lines(), "summary": summary(plan)}

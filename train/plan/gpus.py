@@ -43,8 +43,10 @@ KINDS = {k.name: k for k in (
     GpuKind("L40S", 46068 * MIB, 362, 91.6, 0.864, 32, 12.5, 89),
     GpuKind("RTX-4090", 24564 * MIB, 165, 82.6, 1.008, 32, 12.5, 89),
     GpuKind("B200", 183359 * MIB, 2250, 80, 8.0, 900, 50, 100),
+    # DGX-2's V100 (SXM3 32 GB): NVSwitch, 6 NVLink-2 links of 25 GB/s each way; 8 EDR NICs for 16 GPUs
+    GpuKind("V100-32GB", 32510 * MIB, 125, 15.7, 0.9, 150, 6.25, 70),
 )}
-ALIASES = {"A100": "A100-80GB", "H100": "H100-SXM", "4090": "RTX-4090", "RTX4090": "RTX-4090"}
+ALIASES = {"A100": "A100-80GB", "H100": "H100-SXM", "4090": "RTX-4090", "RTX4090": "RTX-4090", "V100": "V100-32GB"}
 
 
 def _key(name: str) -> str:
