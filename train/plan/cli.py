@@ -4,7 +4,8 @@ Prints, per GPU: the model states, the activations of one micro-batch by part, t
 allocator margin, whether it fits, the largest micro-batch that fits and each ZeRO stage's total; then the
 step time by part, tokens/s, MFU and the time and GPU-hours to ``train.max_steps``: every time an ESTIMATE,
 its assumptions printed. ``--json`` writes the same as one JSON object; ``--list-gpus`` the kinds;
-``--anchors`` the published measurements the time model is checked against.
+``--anchors`` the published measurements the time model is checked against; ``--compare RUN_DIR`` a run's
+measured stage times beside its plan. ``--gpus 2xcpu`` plans CPU ranks of this machine (train/plan/cpu.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 from distaff.train.core.errors import ConfigError, command_main
 from distaff.train.plan import gpus as gpu_kinds
@@ -40,6 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     parser.add_argument("--list-gpus", action="store_true", help="print the GPU kinds and exit")
     parser.add_argument("--anchors", action="store_true", help="plan the published measurements, print ratios")
+    parser.add_argument("--compare", metavar="RUN_DIR", help="a finished (or running) run's measured stage times "
+                                                             "beside its plan, and the stage furthest off")
+    parser.add_argument("--reprobe", action="store_true", help="--gpus Nxcpu: measure this machine again (the probe "
+                                                               "is cached)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides of the run config")
     return parser
 
@@ -132,6 +138,15 @@ def _body(argv: list[str]) -> int:
 
         print("\n".join(anchor_lines()))
         return 0
+    if args.compare:
+        from distaff.train.plan.compare import compare_lines
+
+        print("\n".join(compare_lines(Path(args.compare))))
+        return 0
+    if args.reprobe:
+        from distaff.train.plan.cpu import probed
+
+        probed(refresh=True)
     if not args.config or not args.gpus:
         raise ConfigError("--config and --gpus are required (e.g. --config deberta-v3-base --gpus 8xA100-80GB)")
     cfg = _run_config(args.config, args.overrides)

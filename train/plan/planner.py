@@ -98,9 +98,23 @@ def sequence_length(cfg: RunConfig, model: ModelConfig, given: int | None) -> tu
     return model.max_position_embeddings, "model.max_position_embeddings (no prepared data; --seq-len sets it)"
 
 
+def prepared_vocabulary(cfg: RunConfig) -> dict:
+    """What the trainer takes from the prepared data's tokenizer (train/pretrain/trainer.py build_model_config):
+    its vocabulary size, unless ``model.vocab_size`` is set; nothing when the data is not prepared yet."""
+    manifest = Path(cfg.data.dir) / "manifest.json"
+    if "vocab_size" in cfg.model.overrides or not manifest.is_file():
+        return {}
+    try:
+        return {"vocab_size": int(json.loads(manifest.read_text())["vocab_size"])}
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"{manifest}: no readable vocab_size; is {cfg.data.dir} a prepared data folder?") from None
+
+
 def models_of(cfg: RunConfig) -> tuple[ModelConfig, ...]:
-    """The models the engine trains: the MLM model, or the RTD generator and discriminator."""
-    model = cfg.model_config(**({"tta": True, "emd": False} if cfg.train.objective == "tta" else {}))
+    """The models the engine trains: the MLM model, or the RTD generator and discriminator (with the prepared
+    data's vocabulary, as the trainer builds them)."""
+    model = cfg.model_config(**prepared_vocabulary(cfg),
+                             **({"tta": True, "emd": False} if cfg.train.objective == "tta" else {}))
     if cfg.train.objective == "rtd":
         return cfg.generator_config(model), replace(model, emd=False)
     return (model,)
@@ -155,6 +169,8 @@ def make_plan(cfg: RunConfig, gpus: str, nodes: int = 1, *, micro_batch: int | N
     models = models_of(cfg)
     length, source = sequence_length(cfg, models[-1], seq_len)
     s = base_setting(cfg, per_node * nodes, length, micro_batch, zero, offload)
+    if gpu.is_cpu:       # the PyTorch reference kernels, torch's foreach AdamW, no overlap (train/run/engine.py)
+        s = replace(s, fused=False, overlap_comm=False)
     memory = step_peak(s)
     stages = {stage: step_peak(replace(s, zero=stage, offload_optimizer=s.offload_optimizer and stage > 0)).total
               for stage in (0, 1, 2, 3)}

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -34,6 +35,7 @@ from distaff.train.plan.gpus import GpuKind
 from distaff.train.plan.memory import Setting
 
 TABLE = Path(__file__).with_name("attention_table.json")
+CPU_TABLE = Path(__file__).with_name("cpu_table.json")      # CPU ranks' costs (benchmarks/cpu_table.py)
 CPU_ADAM_PARAMS_S = 1.0e9      # DeepSpeed CPU Adam, parameters per second per rank (many cores, AVX-512)
 PCIE_GB_S = 25.0               # host <-> GPU copies of the offloaded optimizer
 
@@ -54,7 +56,7 @@ class Assumptions:
                 "no data-loading, logging, evaluation or checkpoint time; steady state after warm-up"]
 
 
-# the stages a run times (train/run/stage_clock.py), as the plan splits its step into them
+# the stages a run times (train/run/metrics.py StageClock), as the plan splits its step into them
 STAGES = ("data wait", "forward", "backward", "gradient communication", "optimizer")
 
 
@@ -102,7 +104,7 @@ def _rows_for(arch: int, head_dim: int, dropout: float) -> list[dict]:
     return sorted((r for r in rows if r["dropout"] == chosen), key=lambda r: r["n"])
 
 
-def _per_token_head_ms(rows: list[dict], n: int, keys: tuple[str, ...] = ("fwd_ms", "bwd_ms")) -> float:
+def per_token_head_ms(rows: list[dict], n: int, keys: tuple[str, ...] = ("fwd_ms", "bwd_ms")) -> float:
     """The ``keys``' ms per token per head at length ``n``: linear in ``n`` between the table's lengths,
     proportional to ``n`` beyond them (the score work per token grows with ``n``)."""
     cost = [(r["n"], sum(r[k] for k in keys) / (r["tokens"] * r["heads"])) for r in rows]
@@ -162,10 +164,10 @@ def attention_seconds(cfg: ModelConfig, gpu: GpuKind, seq_len: int, tokens: int,
     applications = layer_applications(cfg) if cfg.emd else cfg.num_hidden_layers
     scale = factor * tokens * cfg.num_attention_heads * applications / 1e3
     has_reference = all(k in r for r in rows for k in CONTENT_KEYS)
-    reference = _per_token_head_ms(rows, seq_len, CONTENT_KEYS) * scale if has_reference else None
+    reference = per_token_head_ms(rows, seq_len, CONTENT_KEYS) * scale if has_reference else None
     terms = len(cfg.pos_att_type) if cfg.relative_attention else 0
     if terms == 0 and reference is not None:
-        forward = _per_token_head_ms(rows, seq_len, CONTENT_KEYS[:1]) * scale
+        forward = per_token_head_ms(rows, seq_len, CONTENT_KEYS[:1]) * scale
         return AttentionTime(reference, forward, how + "; content-only: the table's FlashAttention-2 reference",
                              reference)
     if terms == 0:
@@ -173,8 +175,8 @@ def attention_seconds(cfg: ModelConfig, gpu: GpuKind, seq_len: int, tokens: int,
         seconds = flops / (gpu.tflops * 1e12 * a.gemm_efficiency)
         return AttentionTime(seconds, seconds / 3, "content-only: a FlashAttention kernel's score and value "
                              f"products as GEMMs at {a.gemm_efficiency:.0%} of the dense peak", None)
-    forward = _per_token_head_ms(rows, seq_len, ("fwd_ms",)) * scale
-    return AttentionTime(_per_token_head_ms(rows, seq_len) * scale, forward, how, reference)
+    forward = per_token_head_ms(rows, seq_len, ("fwd_ms",)) * scale
+    return AttentionTime(per_token_head_ms(rows, seq_len) * scale, forward, how, reference)
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -274,12 +276,17 @@ def optimizer_seconds(s: Setting, gpu: GpuKind, a: Assumptions) -> float:
 
 
 def step_time(s: Setting, gpu: GpuKind, nodes: int, grad_accum: int, a: Assumptions = Assumptions()) -> StepTime:
-    """Seconds of one optimizer step (``grad_accum`` micro-batches) by part and by stage: all estimates."""
-    micro = compute_seconds(s, gpu, a)
+    """Seconds of one optimizer step (``grad_accum`` micro-batches) by part and by stage: all estimates. CPU ranks
+    (``--gpus Nxcpu``) take the same parts from their measured costs (train/plan/cpu_time.py)."""
+    if gpu.is_cpu:
+        from distaff.train.plan import cpu_time as costs
+    else:
+        costs = sys.modules[__name__]
+    micro = costs.compute_seconds(s, gpu, a)
     micro_s = sum(micro.parts.values())
     parts = {name: value * grad_accum for name, value in micro.parts.items()}
-    parts["optimizer"] = optimizer_seconds(s, gpu, a)
-    comm = communication_seconds(s, gpu, nodes, grad_accum, micro_s - micro.forward, micro_s, a)
+    parts["optimizer"] = costs.optimizer_seconds(s, gpu, a)
+    comm = costs.communication_seconds(s, gpu, nodes, grad_accum, micro_s - micro.forward, micro_s, a)
     parts["ZeRO communication (exposed)"] = sum(comm.values())
     stages = {"data wait": 0.0, "forward": micro.forward * grad_accum + comm["forward"],
               "backward": (micro_s - micro.forward) * grad_accum,

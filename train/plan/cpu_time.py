@@ -1,0 +1,160 @@
+"""The time model's costs on CPU ranks: the same parts as on a GPU, from this machine's measured costs.
+
+A CPU rank runs the PyTorch reference kernels, one op at a time, on ``threads`` cores (train/plan/cpu.py):
+
+- GEMMs: the model's matrix-multiply FLOPs (as on GPUs) at the probed GEMM rate for the model's hidden size
+  (the rate of a CPU GEMM depends on its inner size far more than a GPU's does);
+- attention: the reference kernels' measured forward and backward per token per head (``cpu_table.json``) at
+  the model's head size, position span, sequence length and dropout, scaled by the ratio of the table's fp32
+  GEMM rate to this machine's (half-precision attention is computed in float32 there);
+- the ops around the GEMMs (on a GPU, the fused ops): per layer two LayerNorms with their residual adds, the
+  bias-GELU, two dropouts, the heads' relayout copies (and in half precision the float32 casts of the
+  reference attention), the embeddings' LayerNorm and dropout, the MLM loss per logit, the tied word table's
+  gradient (a ``V x E`` zero-fill and sum every micro-batch), each at its measured ns per element, scaled by the
+  ratio of copy bandwidths;
+- optimizer: AdamW's measured ns per parameter of the rank's shard, and the copies DeepSpeed makes around it
+  (ZeRO's gradient partition, its float64 norm, the fp32 cast, the new weights' all-gather) at the copy
+  bandwidth;
+- communication: gloo's ring collectives through loopback TCP at the probed rate, plus their flattening copies;
+  no overlap (``overlap_comm`` is off on CPUs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import lru_cache
+
+from distaff.train.model.config import ModelConfig
+from distaff.train.model.flops import layer_applications, train_flops_per_token
+from distaff.train.plan.gpus import GpuKind
+from distaff.train.plan.memory import Setting, act_bytes
+from distaff.train.plan.step_time import (CPU_TABLE, Assumptions, AttentionTime, Compute, attention_flops_per_token,
+                                          per_token_head_ms)
+
+
+@lru_cache(maxsize=1)
+def cpu_table() -> dict:
+    return json.loads(CPU_TABLE.read_text())
+
+
+def gemm_rate(curve: tuple, k: int, precision: str) -> float:
+    """FLOP/s of GEMMs of inner size ``k`` on a ``(size, fp32 GFLOP/s, bf16 GFLOP/s)`` curve, log-linear between its
+    sizes (fp16 runs read the bf16 column: both are half-precision GEMMs on CPUs)."""
+    points = [(point[0], point[1 if precision == "fp32" else 2]) for point in curve]
+    if k <= points[0][0] or len(points) == 1:
+        return points[0][1] * 1e9
+    for (k0, r0), (k1, r1) in zip(points, points[1:]):
+        if k <= k1:
+            weight = math.log(k / k0) / math.log(k1 / k0)
+            return (r0 + (r1 - r0) * weight) * 1e9
+    return points[-1][1] * 1e9
+
+
+def _table_rate(k: int, precision: str) -> float:
+    return gemm_rate(tuple(map(tuple, cpu_table()["probe"]["gemm_gflops"])), k, precision)
+
+
+def _nearest(rows: list[dict], key: str, value: float) -> list[dict]:
+    best = min({r[key] for r in rows}, key=lambda x: (abs(x - value), x))
+    return [r for r in rows if r[key] == best]
+
+
+def attention_seconds(cfg: ModelConfig, gpu: GpuKind, seq_len: int, tokens: int) -> AttentionTime:
+    """The reference attention of ``tokens`` tokens through every layer application, from the measured table."""
+    rows = cpu_table()["attention"]
+    for key, value in (("head_dim", cfg.head_dim), ("span", cfg.att_span if cfg.relative_attention else 0),
+                       ("dropout", cfg.attention_probs_dropout_prob)):
+        rows = _nearest(rows, key, value)
+    rows = sorted(rows, key=lambda r: r["n"])
+    ratio = _table_rate(cfg.head_dim, "fp32") / gemm_rate(gpu.gemm_curve, cfg.head_dim, "fp32")
+    applications = layer_applications(cfg) if cfg.emd else cfg.num_hidden_layers
+    scale = ratio * cfg.head_dim / rows[0]["head_dim"] * tokens * cfg.num_attention_heads * applications / 1e3
+    forward = per_token_head_ms(rows, seq_len, ("fwd_ms",)) * scale
+    how = (f"the reference kernels measured on CPU (cpu_table.json: d={rows[0]['head_dim']}, span {rows[0]['span']}, "
+           f"dropout {rows[0]['dropout']:g}), times the GEMM-rate ratio {ratio:.2f}")
+    return AttentionTime(per_token_head_ms(rows, seq_len) * scale, forward, how, None)
+
+
+def _bandwidth_ratio(gpu: GpuKind) -> float:
+    return cpu_table()["probe"]["copy_gb_s"] / (gpu.hbm_tb_s * 1e3)
+
+
+def _ns(s: Setting) -> dict[str, float]:
+    return cpu_table()["elementwise_ns"]["fp32" if s.precision == "fp32" else "bf16"]
+
+
+def elementwise_ns_per_token(cfg: ModelConfig, s: Setting, labelled: float, generator: bool) -> float:
+    """ns per token of the ops around the GEMMs on the reference path (forward + backward, one thread)."""
+    ns = _ns(s)
+    d, i, e = cfg.hidden_size, cfg.intermediate_size, cfg.embedding_size
+    dropouts = 2 if cfg.hidden_dropout_prob > 0 else 0
+    layer = (2 * d * ns["layer_norm_residual"] + i * ns["bias_gelu"] + dropouts * d * ns["dropout"]
+             + 4 * d * ns["heads_copy"] + (4 * d * ns["cast_to_float"] if s.precision != "fp32" else 0))
+    applications = layer_applications(cfg) if cfg.emd else cfg.num_hidden_layers
+    embeddings = d * ns["layer_norm_residual"] + (d * ns["dropout"] if dropouts else 0)
+    # the MLM head: its transform, the loss per logit (an RTD generator also samples from the logits)
+    head = labelled * (e * (ns["bias_gelu"] + ns["layer_norm_residual"])
+                       + cfg.vocab_size * ns["mlm_loss_per_logit"] * (2 if generator else 1))
+    return layer * applications + embeddings + head
+
+
+def compute_seconds(s: Setting, gpu: GpuKind, a: Assumptions) -> Compute:
+    """GEMM, attention and elementwise seconds of one micro-batch on one CPU rank."""
+    tokens = s.micro_batch * s.seq_len
+    parts, forward, source = {"GEMMs": 0.0, "attention": 0.0, "fused ops": 0.0}, 0.0, ""
+    threads = max(1, gpu.threads)
+    for n, cfg in enumerate(s.models):
+        labelled = s.labelled if n == 0 else 0.0
+        gemm = (train_flops_per_token(cfg, s.seq_len, labelled) - attention_flops_per_token(cfg, s.seq_len))
+        gemm_s = gemm * tokens / gemm_rate(gpu.gemm_curve, cfg.hidden_size, s.precision)
+        attn = attention_seconds(cfg, gpu, s.seq_len, tokens)
+        table = cfg.vocab_size * cfg.embedding_size * _ns(s)["table_gradient"]     # its gradient, every micro-batch
+        elementwise = ((elementwise_ns_per_token(cfg, s, labelled, n == 0 and len(s.models) == 2) * tokens + table)
+                       * 1e-9 * _bandwidth_ratio(gpu) / threads)
+        recompute = 4 / 3 if cfg.activation_checkpointing else 1.0
+        parts["GEMMs"] += gemm_s * recompute
+        parts["attention"] += attn.seconds * recompute
+        parts["fused ops"] += elementwise * recompute
+        forward += gemm_s / 3 + attn.forward + elementwise / 3
+        source = attn.source
+    return Compute(parts, forward, source, None)
+
+
+def _copy_seconds(nbytes: float, gpu: GpuKind) -> float:
+    """Seconds to read and write ``nbytes`` once each (a copy) at the rank's copy bandwidth."""
+    return 2 * nbytes / (gpu.hbm_tb_s * 1e12)
+
+
+def optimizer_seconds(s: Setting, gpu: GpuKind, a: Assumptions) -> float:
+    """AdamW over the rank's shard, and DeepSpeed's copies around it."""
+    shard = s.params / s.ranks if s.zero >= 1 else s.params
+    w = act_bytes(s.precision)
+    adam = cpu_table()["adamw_ns_per_param"] * shard * 1e-9 * _bandwidth_ratio(gpu) / max(1, gpu.threads)
+    if s.zero == 0:              # FP16_UnfusedOptimizer's fp32 gradient copies and the new weights' cast back
+        copies = 0.0 if s.precision == "fp32" else s.params * (w + 4 + 4)
+    else:                        # the partition's float64 norm copy, its fp32 cast, the new weights' copy back
+        copies = shard * (w + 8) + (shard * (w + 4) if s.precision != "fp32" else 0) + shard * (4 + w)
+    return adam + _copy_seconds(copies, gpu)
+
+
+def communication_seconds(s: Setting, gpu: GpuKind, nodes: int, grad_accum: int, backward_s: float,
+                          micro_s: float, a: Assumptions) -> dict[str, float]:
+    """gloo's collectives on loopback TCP with their flattening copies, none hidden (by the stage they show in)."""
+    found = {"gradient communication": 0.0, "optimizer": 0.0, "forward": 0.0}
+    w = s.ranks
+    if w == 1:
+        return found
+    volume = s.params * act_bytes(s.precision)
+    one_pass = (w - 1) / w * volume / (gpu.intra_gb_s * 1e9)
+    flatten = _copy_seconds(volume, gpu)               # into the bucket / flat tensor, and back out
+    if s.zero == 0:
+        found["gradient communication"] = 2 * one_pass + 2 * flatten
+    elif s.zero in (1, 2):
+        reductions = 1 if s.zero == 1 else grad_accum
+        found["gradient communication"] = (one_pass + 2 * flatten) * reductions
+        found["optimizer"] = one_pass + flatten
+    else:
+        found["forward"] = (one_pass + flatten) * grad_accum
+        found["gradient communication"] = (one_pass + 2 * flatten) * grad_accum
+    return found
