@@ -29,8 +29,7 @@ COMPUTE = ("compute is slower than planned: is the device shared or throttled (n
            "kernel_impl: auto)?")
 ADVICE = {
     "data wait": "raise data.num_workers, or move the shards to local disk",
-    "forward": COMPUTE,
-    "backward": COMPUTE,
+    "compute (forward + backward)": COMPUTE,
     "gradient communication": ("the gradients' reduction is slower than the link allows: check the interconnect "
                                "(NCCL_DEBUG=INFO names the transport); raise train.grad_accum to reduce less often"),
     "optimizer": ("the optimizer step is slower than planned: zero.offload_optimizer steps on the host (turn it "
@@ -81,7 +80,14 @@ def rows(plan_stages: dict[str, float], measured: dict[str, float]) -> list[Row]
 
 
 def furthest(found: list[Row]) -> Row:
-    return max(found, key=lambda row: row.over_s)
+    """The stage whose measured time exceeds the plan's by the most seconds; the forward and backward count as
+    one, compute (their advice is the same, and a slow device slows both)."""
+    by_name = {row.stage: row for row in found}
+    forward, backward = by_name["forward"], by_name["backward"]
+    compute = Row("compute (forward + backward)", forward.plan_s + backward.plan_s,
+                  forward.measured_s + backward.measured_s)
+    grouped = [compute] + [row for row in found if row.stage not in ("forward", "backward")]
+    return max(grouped, key=lambda row: row.over_s)
 
 
 def _ms(seconds: float) -> str:
