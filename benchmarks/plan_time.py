@@ -24,7 +24,7 @@ from pathlib import Path
 
 from distaff.train.core.distributed import free_port
 from distaff.train.plan.compare import measured_means, rows
-from distaff.train.plan.cpu import probed
+from distaff.train.plan.cpu import core_kind, probed
 from distaff.train.plan.planner import make_plan
 from distaff.train.run.config import load_config
 
@@ -61,8 +61,8 @@ def prepare(work: Path, seq_len: int, env: dict) -> Path:
     return data
 
 
-def train(preset: str, overrides: list[str], data: Path, steps: int, out: Path, env: dict) -> float:
-    """One 2-rank run; the wall seconds it took."""
+def train(preset: str, overrides: list[str], data: Path, steps: int, out: Path, env: dict) -> tuple[float, str]:
+    """One 2-rank run; the wall seconds it took and the plan check it printed."""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "distaff.train.pretrain",
            "--config", preset, f"run.out_dir={out}", f"data.dir={data}", f"train.max_steps={steps}",
@@ -72,30 +72,33 @@ def train(preset: str, overrides: list[str], data: Path, steps: int, out: Path, 
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    return time.perf_counter() - started
+    check = [line for line in done.stdout.splitlines() if line.startswith("distaff: plan check:")]
+    return time.perf_counter() - started, check[0] if check else ""
 
 
-def plan_stages(preset: str, overrides: list[str], data: Path) -> tuple[dict[str, float], float]:
-    cfg = load_config(preset, [*overrides, f"data.dir={data}"])
-    plan = make_plan(cfg, "2xcpu")
-    return plan.time.stages, plan.time.total
+def cpu_plan(result: dict, probe: dict):
+    """The plan of a measured run (its config, sequence length and vocabulary) on 2 CPU ranks of the probed
+    machine: what this script printed, and what docs/plan.md's table is checked against."""
+    cfg = load_config(result["preset"], [*result["overrides"], f"model.vocab_size={result['vocab_size']}"])
+    return make_plan(cfg, "2xcpu", seq_len=result["seq_len"], gpu_spec=core_kind(probe))
 
 
-def measure(name: str, work: Path, env: dict) -> dict:
+def measure(name: str, work: Path, env: dict, probe: dict) -> dict:
     preset, overrides, seq_len, steps = RUNS[name]
     data = prepare(work, seq_len, env)
     out = work / f"run-{name}"
     shutil.rmtree(out, ignore_errors=True)
     load_before = os.getloadavg()[0]
-    wall = train(preset, overrides, data, steps, out, env)
+    wall, check = train(preset, overrides, data, steps, out, env)
     measured, records = measured_means(out / "metrics.jsonl")
     step_times = [json.loads(line)["step_time_s"] for line in (out / "metrics.jsonl").read_text().splitlines()
                   if '"step_time_s"' in line][1:]
-    stages, total = plan_stages(preset, overrides, data)
-    return {"run": name, "preset": preset, "overrides": overrides, "seq_len": seq_len, "steps": steps,
-            "measured_step_s": sum(step_times) / len(step_times), "measured_stages_s": measured,
-            "plan_step_s": total, "plan_stages_s": stages, "load_before": load_before,
-            "load_after": os.getloadavg()[0], "wall_s": wall}
+    result = {"run": name, "preset": preset, "overrides": overrides, "seq_len": seq_len, "steps": steps,
+              "vocab_size": json.loads((data / "manifest.json").read_text())["vocab_size"],
+              "measured_step_s": sum(step_times) / len(step_times), "measured_stages_s": measured,
+              "load_before": load_before, "load_after": os.getloadavg()[0], "wall_s": wall, "check_line": check}
+    plan = cpu_plan(result, probe)
+    return {**result, "plan_step_s": plan.time.total, "plan_stages_s": plan.time.stages}
 
 
 def row_line(result: dict) -> str:
@@ -134,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         for name in args.runs:
-            tries = sorted((measure(name, work, env) for _ in range(args.repeat)), key=lambda r: r["measured_step_s"])
+            tries = sorted((measure(name, work, env, probe) for _ in range(args.repeat)),
+                           key=lambda r: r["measured_step_s"])
             kept = tries[len(tries) // 2]
             kept["repeats_step_s"] = [t["measured_step_s"] for t in tries]
             results.append(kept)

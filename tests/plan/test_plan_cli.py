@@ -99,7 +99,7 @@ def test_the_report_labels_estimates_and_prints_assumptions(capsys):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("argv,message", [
-    (["--config", "deberta-v3-base", "--gpus", "8xV100"], "unknown GPU kind 'V100'; known kinds: A100-40GB"),
+    (["--config", "deberta-v3-base", "--gpus", "8xT4"], "unknown GPU kind 'T4'; known kinds: A100-40GB"),
     (["--config", "deberta-v3-base", "--gpus", "A100"], "expected COUNTxKIND"),
     (["--config", "deberta-v3-base", "--gpus", "8xRTX-4090", "--micro-batch", "4096"], "--micro-batch 4096: needs"),
     (["--config", "deberta-v3-base", "--gpus", "8xA100", "--gpu-spec", "memory_gib=3"], "--gpu-spec: expected"),

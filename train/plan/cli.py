@@ -56,12 +56,15 @@ def _gib(value: float) -> str:
 
 def memory_lines(plan: Plan) -> list[str]:
     s, m = plan.setting, plan.memory
-    lines = [f"memory per GPU ({s.params / 1e6:,.1f} M parameters, {s.precision}, ZeRO {s.zero}"
+    device = "CPU rank" if plan.gpu.is_cpu else "GPU"
+    lines = [f"memory per {device} ({s.params / 1e6:,.1f} M parameters, {s.precision}, ZeRO {s.zero}"
              f"{' + optimizer offload' if s.offload_optimizer else ''}, micro-batch {s.micro_batch} x {s.seq_len}, "
-             f"{s.ranks} GPUs):"]
+             f"{s.ranks} ranks; the step's buffers are alive at some of its moments, not all at once):"]
     lines += [f"  {name:<36} {_gib(value)}" for name, value in m.items.items() if value]
+    lines += [f"  host memory (offload): {name:<21} {_gib(value)}" for name, value in m.host.items()]
     lines += [f"  peak at the {max(m.phases, key=m.phases.get):<28} {_gib(m.peak)}",
-              f"  allocator margin (5% + 1 GiB context)  {_gib(m.margin)}",
+              f"  allocator margin ({'5%' if plan.gpu.is_cpu else '5% + 1 GiB context'})"
+              f"{' ' * (19 if plan.gpu.is_cpu else 2)}{_gib(m.margin)}",
               f"  total {_gib(m.total)} of {plan.gpu.memory_gib:.1f} GiB: {'fits' if plan.fits else 'DOES NOT FIT'}",
               f"  largest micro-batch that fits: {plan.largest_micro_batch}",
               "  ZeRO stages at this micro-batch: " + ", ".join(
@@ -73,15 +76,21 @@ def memory_lines(plan: Plan) -> list[str]:
 def time_lines(plan: Plan) -> list[str]:
     t = plan.time
     lines = [f"step time (ESTIMATE; {plan.grad_accum} micro-batches per step, {plan.nodes} node(s) of "
-             f"{plan.per_node} x {plan.gpu.name}):"]
+             f"{plan.per_node} x {plan.gpu.name}{cpu_note(plan)}):"]
     lines += [f"  {name:<32} {seconds * 1e3:10.1f} ms" for name, seconds in t.parts.items()]
     lines += [f"  {'total':<32} {t.total * 1e3:10.1f} ms", f"  {attention_share_line(t)}",
-              f"  tokens/s (all GPUs)  {plan.tokens_per_s:,.0f}   MFU {plan.mfu:.1%}   "
+              f"  tokens/s (all ranks)  {plan.tokens_per_s:,.0f}   MFU {plan.mfu:.1%}   "
               f"to {plan.max_steps:,} steps: {plan.hours:,.1f} h, {plan.gpu_hours:,.0f} GPU-hours (estimates)",
               f"  {plan.batch_line()}",
               "assumptions:", f"  sequence length {plan.setting.seq_len} from {plan.seq_source}",
               f"  attention: {t.attention_source}"]
-    return lines + [f"  {line}" for line in plan.assumptions.lines()]
+    return lines + [f"  {line}" for line in plan.assumptions.lines(plan.gpu.is_cpu)]
+
+
+def cpu_note(plan: Plan) -> str:
+    if not plan.gpu.is_cpu:
+        return ""
+    return f", {plan.gpu.threads} thread(s) per rank of {plan.gpu.cores} cores: the probe's rates, or --gpu-spec"
 
 
 def attention_share_line(t) -> str:
@@ -111,7 +120,7 @@ def as_json(plan: Plan) -> dict:
                          "content_only_attention_share": plan.time.reference_share},
             "max_steps": plan.max_steps, "token_budget": plan.token_budget, "global_batch": plan.global_batch,
             "tokens_per_step": plan.tokens_per_step,
-            "assumptions": plan.assumptions.lines(), "summary": summary(plan)}
+            "assumptions": plan.assumptions.lines(plan.gpu.is_cpu), "summary": summary(plan)}
 
 
 def _run_config(path: str, overrides: list[str]):

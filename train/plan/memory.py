@@ -306,7 +306,7 @@ def step_peak(s: Setting) -> Breakdown:
     states, acts, temp, buf = model_states(s), activations(s), transients(s), step_buffers(s)
     moments = phases(s, states, acts, temp, buf)
     peak = max(moments.values())
-    return Breakdown({**states, **acts, **temp, **buf}, peak, margin=margin(peak), phases=moments,
+    return Breakdown({**states, **acts, **temp, **buf}, peak, margin=margin(peak, s.fused), phases=moments,
                      host=host_states(s))
 
 
@@ -320,7 +320,7 @@ def model_states_bytes(s: Setting) -> float:
             + buf["fp32 gradients (step)"] + gathered)
 
 
-def margin(peak: float) -> float:
-    """The caching allocator's fragmentation (5 % of the tensors) plus the CUDA context, kernels and NCCL
-    buffers (1 GiB): assumptions, stated in the plan's output."""
-    return 0.05 * peak + 1.0 * GIB
+def margin(peak: float, on_gpu: bool = True) -> float:
+    """The caching allocator's fragmentation (5 % of the tensors) plus, on GPUs, the CUDA context, kernels and
+    NCCL buffers (1 GiB): assumptions, stated in the plan's output."""
+    return 0.05 * peak + (1.0 * GIB if on_gpu else 0.0)

@@ -46,7 +46,13 @@ class Assumptions:
     bandwidth_efficiency: float = 0.7
     link_efficiency: float = 0.8
 
-    def lines(self) -> list[str]:
+    def lines(self, cpu: bool = False) -> list[str]:
+        if cpu:
+            return ["GEMMs at the probed GEMM rate for the model's hidden size; attention, the ops around the GEMMs "
+                    "and AdamW at their measured costs (train/plan/cpu_table.json) scaled by the probed rates; gloo's "
+                    "collectives at the probed loopback rate, none hidden",
+                    "the probe's rates are an idle machine's: other processes on these cores slow the run",
+                    "no data-loading, logging, evaluation or checkpoint time; steady state after warm-up"]
         return [f"GEMMs at {self.gemm_efficiency:.0%} of the dense peak; fused ops and the optimizer at "
                 f"{self.bandwidth_efficiency:.0%} of HBM bandwidth; collectives at {self.link_efficiency:.0%} of "
                 f"the link",
