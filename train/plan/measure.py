@@ -5,8 +5,9 @@ The measurement shares none of the memory model's assumptions: each rank runs ``
 is an event with its byte count (``c10::ProfiledCPUMemoryReporter``); their running sum is the allocator's
 count of live bytes, whatever made them (weights, DeepSpeed's buckets and flat buffers, autograd's saved
 tensors, the optimizer's temporaries). The rank builds a real DeepSpeed engine (gloo), steps once (the
-optimizer states are born), then marks the second step's forward, backward and optimizer step; the
-peak of the running sum inside each is what the plan's figure is compared with.
+optimizer states are born), lets that step's buffers go (:func:`settle`), then marks the second step's
+forward, backward and optimizer step; the peak of the running sum inside each is what the plan's figure is
+compared with.
 
 ``python -m distaff.train.plan.measure`` is one rank of that measurement (started by :func:`measure_peaks`
 once per rank); it measures several settings in one process, one engine after another.
@@ -20,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +83,18 @@ def _marked_step(engine, batch: dict[str, torch.Tensor]) -> None:
         engine.step()
 
 
+SETTLE_S = 0.5
+
+
+def settle() -> None:
+    """Let the first step's buffers go before the measured step: gloo frees a collective's tensors from its own
+    worker threads, which a loaded machine schedules late (a buffer of the previous step freed inside the
+    measured one is no allocation of it); the ranks then start the measured step together."""
+    gc.collect()
+    time.sleep(SETTLE_S)
+    torch.distributed.barrier()
+
+
 def measure_setting(run_values: dict[str, Any], seq_len: int, world_size: int) -> dict[str, Any]:
     """Build the engine of ``run_values`` under the profiler, step once, mark the second step; its peaks."""
     from distaff.train.model.deberta import DebertaForMaskedLM
@@ -94,6 +108,7 @@ def measure_setting(run_values: dict[str, Any], seq_len: int, world_size: int) -
         engine = engines.initialize(DebertaForMaskedLM(model_cfg), cfg, world_size)
         batch = _batch(model_cfg.vocab_size, cfg.data.batch_size, seq_len, model_cfg.pad_token_id)
         _marked_step(engine, batch)
+        settle()
         with record_function("measured step"):
             _marked_step(engine, batch)
     levels = allocation_levels(prof)

@@ -250,7 +250,9 @@ def transients(s: Setting) -> dict[str, float]:
 def step_buffers(s: Setting) -> dict[str, float]:
     """The step's buffers beyond the kept states (bytes), each alive at some moment of the step (:func:`phases`)."""
     a, shard, p = act_bytes(s.precision), _shard(s), s.params
-    return {"gradients": p * a if s.zero <= 1 else shard * a if s.zero == 2 else 0.0,
+    # ZeRO 2 keeps the rank's gradient partition (on the host with optimizer offload, stage_1_and_2.py:1888)
+    partition = 0.0 if s.offload_optimizer else shard * a
+    return {"gradients": p * a if s.zero <= 1 else partition if s.zero == 2 else 0.0,
             "reduce bucket(s)": buckets(s),
             "reduction's flat copy": min(p, REDUCE_BUCKET) * a if s.zero < 3 else 2 * (p - s.persistent_params) * a,
             "gathered weights and their gradient": gathered_weights(s),
@@ -269,7 +271,8 @@ def _optimizer_moment(s: Setting, buf: dict[str, float]) -> float:
     fp32_step = buf["fp32 gradients (step)"] + buf["optimizer temporaries"]
     if s.zero == 0:         # the gradients stay while FP16_UnfusedOptimizer makes fp32 copies of them
         return buf["gradients"] + fp32_step
-    held = shard * a if s.zero < 3 else 0.0      # the partition copied out of the bucket (stage_1_and_2.py:2192)
+    # the partition copied out of the bucket (stage_1_and_2.py:2192); offloaded, it goes to the host instead
+    held = shard * a if s.zero < 3 and not s.offload_optimizer else 0.0
     norm = held + buf["gradient norm's float64 copy"]
     if s.precision == "fp32" and s.zero < 3:     # the partition is already fp32: the step reads it in place
         return max(norm, held + buf["optimizer temporaries"])
