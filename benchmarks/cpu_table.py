@@ -5,17 +5,19 @@
 
 What the GPU plan reads from the attention judge's table and the datasheets, the CPU plan reads from this: the
 reference kernels' disentangled attention (forward and backward ms per token per head, by head size, position
-span, sequence length and dropout), the per-element cost (ns, forward + backward) of the ops around the GEMMs
-on the PyTorch path (LayerNorm with its residual add, bias + GELU, dropout, the heads' relayout copies, the
-half-to-float casts of the reference attention, the MLM loss per logit, the tied word table's gradient per
-element), and AdamW's ns per parameter. The probe's figures of this machine at the time (GEMM rates, copy
+span, sequence length and dropout), an encoder layer's ops around its GEMMs and attention (ns per token, by
+hidden size, sequence length and dropout: the layer run with its GEMMs and attention taken out), the per-element cost (ns, forward + backward) of the ops of the embeddings and the MLM head (LayerNorm
+with its residual add, bias + GELU, dropout, the loss per logit, the tied word table's gradient), and AdamW's
+ns per parameter. The probe's figures of this machine at the time (GEMM rates, copy
 bandwidth) are stored with them: another machine's plan scales attention by the ratio of fp32 GEMM rates and
-the per-element costs by the ratio of copy bandwidths. Measure on an idle machine; the load average is recorded.
+the per-element costs by the ratio of copy bandwidths. Times are CPU time of the measuring thread, as the
+probe's, so a shared machine measures about what an idle one would; the load average is recorded.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -26,7 +28,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from distaff import kernels
 from distaff.kernels import reference
+from distaff.train.model.config import load_model_config
+from distaff.train.model.deberta import Encoder
 from distaff.train.plan.cpu import probe
 from distaff.train.plan.step_time import CPU_TABLE
 
@@ -36,13 +41,14 @@ ELEMENTS = 1 << 20
 
 
 def best_seconds(fn, repeat: int = 5) -> float:
-    """The fastest of ``repeat`` runs (after one warm-up): the least disturbed by other processes."""
+    """The least CPU time of this thread (``time.thread_time``) over ``repeat`` runs after a warm-up: the cost
+    to a core, as the probe measures it, whatever else the machine runs."""
     fn()
     times = []
     for _ in range(repeat):
-        started = time.perf_counter()
+        started = time.thread_time()
         fn()
-        times.append(time.perf_counter() - started)
+        times.append(time.thread_time() - started)
     return min(times)
 
 
@@ -61,6 +67,47 @@ def attention_row(head_dim: int, span: int, n: int, dropout: float) -> dict:
     both = best_seconds(lambda: torch.autograd.grad(run(), (q, k, v), grad))
     return {"head_dim": head_dim, "span": span, "n": n, "dropout": dropout, "tokens": TOKENS, "heads": HEADS,
             "fwd_ms": forward * 1e3, "bwd_ms": max(0.0, both - forward) * 1e3}
+
+
+LAYERS = ((128, 4, 32), (384, 6, 256), (768, 12, 256))      # (hidden, heads, position span): tiny, xsmall, base
+
+
+@contextlib.contextmanager
+def without_gemms_and_attention():
+    """Inside: every ``F.linear`` returns a broadcast view of its input (no multiply; its backward a sum) and the
+    attention op returns its values as they are, so a layer runs only the ops around them."""
+    linear, attention = F.linear, kernels.disentangled_attention
+
+    def no_gemm(x, weight, bias=None):
+        return x.narrow(-1, 0, 1).expand(*x.shape[:-1], weight.shape[0])
+
+    F.linear = no_gemm
+    kernels.disentangled_attention = lambda q, k, v, *args, **kwargs: v.view_as(v)
+    try:
+        yield
+    finally:
+        F.linear, kernels.disentangled_attention = linear, attention
+
+
+def layer_rest_row(hidden: int, heads: int, span: int, n: int, dropout: float) -> dict:
+    """An encoder layer's forward and backward on the reference path with its GEMMs and attention taken out
+    (:func:`without_gemms_and_attention`): the ops around them (LayerNorms, GELU, dropout, relayouts, residuals,
+    the framework's work per op), ns per token."""
+    cfg = load_model_config("tiny", hidden_size=hidden, intermediate_size=4 * hidden, num_attention_heads=heads,
+                            position_buckets=span, max_position_embeddings=512, hidden_dropout_prob=dropout,
+                            attention_probs_dropout_prob=dropout, kernel_impl="reference", attention_impl="reference")
+    encoder = Encoder(cfg)
+    batch = 1024 // n
+    x = torch.randn(batch, n, hidden, requires_grad=True)
+    mask = torch.ones(batch, n, dtype=torch.long)
+
+    def layer():
+        out, _ = encoder.layer[0](x, mask, encoder.rel_table())
+        out.sum().backward()
+
+    with without_gemms_and_attention():
+        rest = best_seconds(layer)
+    return {"hidden": hidden, "n": n, "dropout": dropout, "ns_per_token": rest / (batch * n) * 1e9}
 
 
 def _fwd_bwd_ns(make, fn, elements: int) -> float:
@@ -84,9 +131,6 @@ def elementwise_ns(dtype: torch.dtype) -> dict[str, float]:
                                            lambda x, r: reference.layer_norm(x, weight, bias, 1e-7, r), ELEMENTS),
         "bias_gelu": _fwd_bwd_ns(lambda: (act(rows, width), bias), reference.bias_gelu, ELEMENTS),
         "dropout": _fwd_bwd_ns(lambda: (act(rows, width),), lambda x: F.dropout(x, 0.1, True), ELEMENTS),
-        "heads_copy": _fwd_bwd_ns(lambda: (act(rows // 64, 64, 8, width // 8),),
-                                  lambda x: x.transpose(1, 2).contiguous(), ELEMENTS),
-        "cast_to_float": _fwd_bwd_ns(lambda: (act(rows, width),), lambda x: x.float(), ELEMENTS),
     }
     vocab = 8192
     logits_rows = ELEMENTS // vocab
@@ -111,7 +155,9 @@ def measure() -> dict:
     torch.set_num_threads(1)
     started = time.perf_counter()
     rows = [attention_row(d, span, n, p) for d in HEAD_DIMS for span in SPANS for n in LENGTHS for p in DROPOUTS]
-    return {"source": "benchmarks/cpu_table.py on one thread: the reference kernels' costs (no GPU)",
+    rests = [layer_rest_row(hidden, heads, span, n, p) for hidden, heads, span in LAYERS for n in (64, 128)
+             for p in DROPOUTS]
+    return {"layer_rest": rests,"source": "benchmarks/cpu_table.py on one thread: the reference kernels' costs (no GPU)",
             "regenerate": "python benchmarks/cpu_table.py", "probe": probe(),
             "attention": rows, "elementwise_ns": {"fp32": elementwise_ns(torch.float32),
                                                   "bf16": elementwise_ns(torch.bfloat16)},
@@ -134,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['head_dim']} | {r['span']} | {r['n']} | {r['dropout']:g} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} |")
     for dtype, costs in table["elementwise_ns"].items():
         print(dtype, {k: round(v, 2) for k, v in costs.items()})
+    print("layer rest ns/token:", [(r["hidden"], r["n"], r["dropout"], round(r["ns_per_token"])) for r in table["layer_rest"]])
     print(f"AdamW {table['adamw_ns_per_param']:.2f} ns per parameter")
     return 0
 

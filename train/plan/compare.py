@@ -109,9 +109,10 @@ def check_line(plan_total: float, gpus: str, nodes: int, found: list[Row]) -> st
 
 
 def first_check(cfg, seq_len: int, world_size: int, device_name: str | None, measured: dict[str, float],
-                out_dir: Path) -> str:
+                out_dir: Path, cpu_seconds: float | None = None) -> str:
     """The trainer's line at its first evaluation, and ``plan.json`` for ``distaff plan --compare``; a plan that
-    cannot be made is said in the line, never raised (the run goes on)."""
+    cannot be made is said in the line, never raised (the run goes on). ``cpu_seconds``: a CPU rank's CPU time per
+    step, said beside the wall clock when other processes took a good part of the cores."""
     try:
         plan, gpus, nodes = plan_for_run(cfg, seq_len, world_size, device_name)
     except Exception as err:  # noqa: BLE001 - a plan check never stops a run
@@ -120,20 +121,24 @@ def first_check(cfg, seq_len: int, world_size: int, device_name: str | None, mea
     record = {"gpus": gpus, "nodes": nodes, "seq_len": seq_len, "plan_stage_seconds": stages,
               "plan_step_total_s": plan.time.total, "gpu": plan.gpu.name, "threads_per_rank": plan.gpu.threads}
     (out_dir / PLAN_RECORD).write_text(json.dumps(record, indent=1) + "\n")
-    return check_line(plan.time.total, gpus, nodes, rows(stages, measured))
+    line = check_line(plan.time.total, gpus, nodes, rows(stages, measured))
+    wall = sum(measured.values())
+    if cpu_seconds is not None and wall > 1.5 * cpu_seconds:
+        line += (f" (the step took {wall:.3f} s but {cpu_seconds:.3f} s of this rank's CPU: other processes, or more "
+                 "ranks than cores, share its cores)")
+    return line
 
 
-def measured_means(metrics_path: Path) -> tuple[dict[str, float], int]:
+def measured_means(metrics_path: Path, clock: str = "") -> tuple[dict[str, float], int]:
     """Stage seconds per step averaged over the run's logged training records, the first (warm-up) left out
-    when there are others; and how many steps they cover."""
+    when there are others, and how many records they are; ``clock="_cpu"``: CPU ranks' CPU seconds."""
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     train = [r for r in records if "forward_s" in r]
     if not train:
         raise ConfigError(f"{metrics_path}: no stage times logged (forward_s, ...); was the run made by a "
                           "distaff that times its stages?")
     kept = train[1:] if len(train) > 1 else train
-    keys = [f"{key}_s" for key in STAGES]
-    return {key[:-2]: sum(r.get(key, 0.0) for r in kept) / len(kept) for key in keys}, len(kept)
+    return {key: sum(r.get(f"{key}{clock}_s", 0.0) for r in kept) / len(kept) for key in STAGES}, len(kept)
 
 
 def compare_lines(run_dir: Path) -> list[str]:

@@ -1,9 +1,11 @@
 """The ``cpu`` device kind: this machine's CPU ranks, from a probe of a few seconds (cached), or ``--gpu-spec``.
 
 ``distaff plan --gpus 2xcpu`` plans 2 CPU ranks on this machine, each with an even share of its cores (as
-``train/core/threads.py`` gives them). The probe measures, on one thread: the dense GEMM rate (fp32 and
-bf16) at the inner sizes encoder layers use, the memory bandwidth of a large copy, and the loopback link
-(what gloo's collectives between ranks of one machine cross); and counts the cores and the memory. It runs
+``train/core/threads.py`` gives them). The probe measures, on one thread and in CPU time (so a busy machine
+does not make it slower): the dense GEMM rate (fp32 and bf16) at the inner sizes encoder layers use, the
+memory bandwidth of a large copy, and the loopback link (what gloo's collectives between ranks of one machine
+cross); and counts the cores and the memory. The plan is then an idle machine's: a run that shares its cores
+with other processes is slower by their share. It runs
 once per machine and torch version and is cached in ``$XDG_CACHE_HOME/distaff/cpu-probe.json`` (else
 ``~/.cache``); ``--reprobe`` measures again. ``--gpu-spec name=cpu,fp32_tflops=..,tflops=..,hbm_tb_s=..,
 intra_gb_s=..,cores=..`` gives the per-core figures instead (no probe).
@@ -28,7 +30,7 @@ import torch
 
 from distaff.train.plan.gpus import GpuKind
 
-PROBE_VERSION = 1
+PROBE_VERSION = 2      # 2: CPU time (thread_time), not the wall clock
 GEMM_SIZES = (128, 256, 512, 1024)       # inner sizes of the probe's GEMMs ([1024, k] x [k, k])
 CPU_ARCH = 0                              # GpuKind.arch of a CPU kind
 
@@ -59,11 +61,13 @@ def usable_cores() -> int:
 
 
 def _seconds(fn, repeat: int) -> float:
+    """CPU seconds of this thread per call (``time.thread_time``): what the work costs a core, whatever else the
+    machine runs meanwhile (a wall clock on a shared machine measures the other processes too)."""
     fn()
-    started = time.perf_counter()
+    started = time.thread_time()
     for _ in range(repeat):
         fn()
-    return (time.perf_counter() - started) / repeat
+    return (time.thread_time() - started) / repeat
 
 
 def gemm_gflops(k: int, dtype: torch.dtype, m: int = 1024) -> float:
@@ -80,7 +84,8 @@ def copy_gb_s(megabytes: int = 128) -> float:
 
 
 def loopback_gb_s(megabytes: int = 256) -> float:
-    """Bytes per second through a loopback TCP connection (gloo's transport between ranks of one machine)."""
+    """Bytes per CPU second of one side of a loopback TCP connection (gloo's transport between ranks of one
+    machine): the sending and receiving threads' CPU time, halved (each rank of a collective does one side)."""
     server = socket.create_server(("127.0.0.1", 0))
     chunk = bytes(1 << 20)
 
@@ -92,7 +97,7 @@ def loopback_gb_s(megabytes: int = 256) -> float:
     sender = threading.Thread(target=send)
     sender.start()
     conn, _ = server.accept()
-    started, received = time.perf_counter(), 0
+    started, received = time.process_time(), 0
     buffer = bytearray(1 << 20)
     with conn:
         while received < megabytes << 20:
@@ -100,8 +105,8 @@ def loopback_gb_s(megabytes: int = 256) -> float:
             if not got:
                 break
             received += got
-    elapsed = time.perf_counter() - started
     sender.join()
+    elapsed = (time.process_time() - started) / 2
     server.close()
     return received / elapsed / 1e9
 

@@ -7,11 +7,11 @@ A CPU rank runs the PyTorch reference kernels, one op at a time, on ``threads`` 
 - attention: the reference kernels' measured forward and backward per token per head (``cpu_table.json``) at
   the model's head size, position span, sequence length and dropout, scaled by the ratio of the table's fp32
   GEMM rate to this machine's (half-precision attention is computed in float32 there);
-- the ops around the GEMMs (on a GPU, the fused ops): per layer two LayerNorms with their residual adds, the
-  bias-GELU, two dropouts, the heads' relayout copies (and in half precision the float32 casts of the
-  reference attention), the embeddings' LayerNorm and dropout, the MLM loss per logit, the tied word table's
-  gradient (a ``V x E`` zero-fill and sum every micro-batch), each at its measured ns per element, scaled by the
-  ratio of copy bandwidths;
+- the ops around the GEMMs (on a GPU, the fused ops): each layer application's (its LayerNorms, GELU,
+  dropouts, relayouts, residual adds and the framework's work per op: the table's measured layers less their
+  GEMMs and attention), the embeddings' LayerNorm and dropout, the MLM head's and its loss per logit, the tied
+  word table's gradient (a ``V x E`` zero-fill and sum every micro-batch), scaled by the ratio of copy
+  bandwidths;
 - optimizer: AdamW's measured ns per parameter of the rank's shard, and the copies DeepSpeed makes around it
   (ZeRO's gradient partition, its float64 norm, the fp32 cast, the new weights' all-gather) at the copy
   bandwidth;
@@ -84,19 +84,36 @@ def _ns(s: Setting) -> dict[str, float]:
     return cpu_table()["elementwise_ns"]["fp32" if s.precision == "fp32" else "bf16"]
 
 
-def elementwise_ns_per_token(cfg: ModelConfig, s: Setting, labelled: float, generator: bool) -> float:
-    """ns per token of the ops around the GEMMs on the reference path (forward + backward, one thread)."""
-    ns = _ns(s)
-    d, i, e = cfg.hidden_size, cfg.intermediate_size, cfg.embedding_size
-    dropouts = 2 if cfg.hidden_dropout_prob > 0 else 0
-    layer = (2 * d * ns["layer_norm_residual"] + i * ns["bias_gelu"] + dropouts * d * ns["dropout"]
-             + 4 * d * ns["heads_copy"] + (4 * d * ns["cast_to_float"] if s.precision != "fp32" else 0))
-    applications = layer_applications(cfg) if cfg.emd else cfg.num_hidden_layers
-    embeddings = d * ns["layer_norm_residual"] + (d * ns["dropout"] if dropouts else 0)
-    # the MLM head: its transform, the loss per logit (an RTD generator also samples from the logits)
+def layer_rest_ns(cfg: ModelConfig, seq_len: int) -> float:
+    """ns per token of one layer application's ops around its GEMMs and attention (the table's measured layers,
+    linear in the hidden size and the sequence length between its rows, at the nearest dropout)."""
+    rows = _nearest(cpu_table()["layer_rest"], "dropout", cfg.hidden_dropout_prob)
+
+    def along(points: list[tuple[float, float]], x: float) -> float:
+        points = sorted(points)
+        if x <= points[0][0] or len(points) == 1:
+            return points[0][1] * (x / points[0][0] if x < points[0][0] else 1.0)
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if x <= x1:
+                return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        return points[-1][1] * x / points[-1][0]
+
+    by_hidden = {}
+    for r in rows:
+        by_hidden.setdefault(r["hidden"], []).append((r["n"], r["ns_per_token"]))
+    return along([(hidden, along(points, seq_len)) for hidden, points in by_hidden.items()], cfg.hidden_size)
+
+
+def model_ns_per_token(cfg: ModelConfig, labelled: float, generator: bool) -> float:
+    """ns per token of the embeddings' and the MLM head's ops around their GEMMs (forward + backward, one
+    thread): LayerNorm and dropout of the embeddings, the head's bias-GELU and LayerNorm and its loss per logit
+    (an RTD generator also samples a replacement from every labelled row's logits)."""
+    ns = cpu_table()["elementwise_ns"]["fp32"]
+    d, e = cfg.hidden_size, cfg.embedding_size
+    embeddings = d * ns["layer_norm_residual"] + (d * ns["dropout"] if cfg.hidden_dropout_prob > 0 else 0)
     head = labelled * (e * (ns["bias_gelu"] + ns["layer_norm_residual"])
                        + cfg.vocab_size * ns["mlm_loss_per_logit"] * (2 if generator else 1))
-    return layer * applications + embeddings + head
+    return embeddings + head
 
 
 def compute_seconds(s: Setting, gpu: GpuKind, a: Assumptions) -> Compute:
@@ -110,8 +127,10 @@ def compute_seconds(s: Setting, gpu: GpuKind, a: Assumptions) -> Compute:
         gemm_s = gemm * tokens / gemm_rate(gpu.gemm_curve, cfg.hidden_size, s.precision)
         attn = attention_seconds(cfg, gpu, s.seq_len, tokens)
         table = cfg.vocab_size * cfg.embedding_size * _ns(s)["table_gradient"]     # its gradient, every micro-batch
-        elementwise = ((elementwise_ns_per_token(cfg, s, labelled, n == 0 and len(s.models) == 2) * tokens + table)
-                       * 1e-9 * _bandwidth_ratio(gpu) / threads)
+        applications = layer_applications(cfg) if cfg.emd else cfg.num_hidden_layers
+        per_token = (applications * layer_rest_ns(cfg, s.seq_len)
+                     + model_ns_per_token(cfg, labelled, n == 0 and len(s.models) == 2))
+        elementwise = (per_token * tokens + table) * 1e-9 * _bandwidth_ratio(gpu) / threads
         recompute = 4 / 3 if cfg.activation_checkpointing else 1.0
         parts["GEMMs"] += gemm_s * recompute
         parts["attention"] += attn.seconds * recompute

@@ -154,8 +154,9 @@ class Trainer(RunBase):
         self.metrics.log({"step": self.state.step, "tokens_seen": self.state.tokens, **self.state.last_eval})
         if not self.plan_checked and self.layout.is_main:      # once: the measured stages against the plan
             device = torch.cuda.get_device_name() if self.device.type == "cuda" else None
+            cpu = None if device else sum(self.clock.steady_cpu_means().values())
             print(first_check(self.cfg, self.loader.seq_len, self.layout.world_size, device, self.clock.steady_means(),
-                              self.cfg.out_dir), flush=True)
+                              self.cfg.out_dir, cpu), flush=True)
         self.plan_checked = True
         scored = self.state.last_eval.get("eval_tokens", MIN_EVAL_TOKENS)
         if scored < MIN_EVAL_TOKENS and self.layout.is_main and not self.warned_small_eval:

@@ -52,8 +52,9 @@ WANDB_SECTIONS = {
     "progress": ("step", "tokens_seen", "epoch"),
     "optim": ("lr", "grad_norm", "loss_scale", "nonfinite_steps"),
     "perf": ("tokens_per_s", "tokens_per_s_per_device", "samples_per_s", "samples_per_s_per_device",
-             "padding_fraction", "step_time_s", "mfu", "eta_s", "peak_mem_gb", "data_wait_s", "forward_s",
-             "backward_s", "grad_comm_s", "optimizer_s", "other_s", "checkpoint_s"),
+             "padding_fraction", "step_time_s", "mfu", "eta_s", "peak_mem_gb", "step_cpu_s",
+             *(f"{stage}{clock}_s" for stage in ("data_wait", "forward", "backward", "grad_comm", "optimizer", "other",
+                                                 "checkpoint") for clock in ("", "_cpu"))),
 }
 WANDB_STEP, WANDB_TOKENS = "progress/step", "progress/tokens_seen"
 WANDB_CHARTED = ("train", "eval", "rtd", "optim", "perf")     # sections charted against the step
@@ -399,7 +400,9 @@ def perplexity(loss: float) -> float:
 # stage named). On CPU ranks every op runs synchronously, so the wall clock is the stage's time. On GPUs a mark
 # records a CUDA event on the current stream and the host moves on; a step's events are read when the next
 # step ends (by then they have completed: ``query()`` says so without waiting), so no mark ever blocks the host.
-# The data wait is the host's wait for the loader in both cases. The gradient reduction runs inside DeepSpeed's
+# The data wait is the host's wait for the loader in both cases. On CPU ranks the process's CPU time is kept
+# beside the wall clock (``step_cpu_s``): on a machine other processes share, the wall clock says how long the
+# step took and the CPU time what it cost. The gradient reduction runs inside DeepSpeed's
 # ``engine.backward`` (its epilogue calls ``engine.allreduce_gradients`` at every ZeRO stage, engine.py:3165):
 # :meth:`watch_reduction` wraps that method so it is a stage of its own. Checkpoint saves are timed on the host
 # (they are synchronous) and spread over the steps of the reporting interval.
@@ -413,6 +416,7 @@ class _Sums:
 
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(CLOCK_STAGES, 0.0)
+        self.cpu_seconds = dict.fromkeys(CLOCK_STAGES, 0.0)     # CPU ranks: the process's CPU time
         self.steps = {"host": 0, "events": 0}
 
     def means(self, events: bool) -> dict[str, float]:
@@ -430,12 +434,12 @@ class StageClock:
         self.events = device.type == "cuda"
         self.pending: deque[tuple[int, list[tuple[str, Any]]]] = deque()   # GPU steps not read yet
         self.marks: list[tuple[str, Any]] = []
-        self.last_host = 0.0
+        self.last_host = self.last_cpu = 0.0
         self.steps = 0
         self.interval, self.steady = _Sums(), _Sums()
 
     def start(self) -> None:
-        self.last_host = time.perf_counter()
+        self.last_host, self.last_cpu = time.perf_counter(), time.process_time()
         self.marks = [("start", self._event())]
 
     def _event(self):
@@ -447,12 +451,12 @@ class StageClock:
 
     def lap(self, stage: str) -> None:
         """The time since the previous mark belongs to ``stage``."""
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         if stage in HOST_STAGES or not self.events:
-            self._add(stage, now - self.last_host, self.steps)
+            self._add(stage, now - self.last_host, self.steps, cpu - self.last_cpu)
         else:
             self.marks.append((stage, self._event()))
-        self.last_host = now
+        self.last_host, self.last_cpu = now, cpu
 
     def add_host(self, stage: str, seconds: float) -> None:
         """Host seconds spent outside a step (a checkpoint save after it)."""
@@ -470,10 +474,10 @@ class StageClock:
                 self._count("events", step)
         self.steps += 1
 
-    def _add(self, stage: str, seconds: float, step: int) -> None:
-        self.interval.seconds[stage] += seconds
-        if step >= 1:
-            self.steady.seconds[stage] += seconds
+    def _add(self, stage: str, seconds: float, step: int, cpu: float = 0.0) -> None:
+        for sums in (self.interval, self.steady) if step >= 1 else (self.interval,):
+            sums.seconds[stage] += seconds
+            sums.cpu_seconds[stage] += cpu
 
     def _count(self, clock: str, step: int) -> None:
         self.interval.steps[clock] += 1
@@ -481,10 +485,20 @@ class StageClock:
             self.steady.steps[clock] += 1
 
     def report(self) -> dict[str, float]:
-        """``<stage>_s``: seconds per step of each stage since the last report."""
+        """``<stage>_s``: seconds per step of each stage since the last report; on CPU ranks also
+        ``<stage>_cpu_s`` and ``step_cpu_s``, the CPU seconds per step of this rank's process (well below the wall
+        clock's when other processes share its cores)."""
         found = {f"{stage}_s": value for stage, value in self.interval.means(self.events).items()}
+        if not self.events:
+            steps = max(1, self.interval.steps["host"])
+            found.update({f"{stage}_cpu_s": value / steps for stage, value in self.interval.cpu_seconds.items()})
+            found["step_cpu_s"] = sum(self.interval.cpu_seconds.values()) / steps
         self.interval = _Sums()
         return found
+
+    def steady_cpu_means(self) -> dict[str, float]:
+        """CPU ranks: the process's CPU seconds per step of each stage since the second step."""
+        return {stage: value / max(1, self.steady.steps["host"]) for stage, value in self.steady.cpu_seconds.items()}
 
     def steady_means(self) -> dict[str, float]:
         """Seconds per step of each stage since the second step (the first one pays for warm-up)."""
