@@ -7,8 +7,10 @@ What the GPU plan reads from the attention judge's table and the datasheets, the
 reference kernels' disentangled attention (forward and backward ms per token per head, by head size, position
 span, sequence length and dropout), an encoder layer's ops around its GEMMs and attention (ns per token, by
 hidden size, sequence length and dropout: the layer run with its GEMMs and attention taken out), the per-element cost (ns, forward + backward) of the ops of the embeddings and the MLM head (LayerNorm
-with its residual add, bias + GELU, dropout, the loss per logit, the tied word table's gradient), and AdamW's
-ns per parameter. The probe's figures of this machine at the time (GEMM rates, copy
+with its residual add, bias + GELU, dropout, the loss per logit, the tied word table's gradient), and
+DeepSpeed's gradient reduction (gloo's all-reduce and the copies around it) and optimizer step (AdamW, ZeRO's
+copies, the weights' all-gather) on two CPU ranks at ZeRO 0-2 (CPU ns per parameter, on a stack of linear
+layers: no DeBERTa model goes into the table). The probe's figures of this machine at the time (GEMM rates, copy
 bandwidth) are stored with them: another machine's plan scales attention by the ratio of fp32 GEMM rates and
 the per-element costs by the ratio of copy bandwidths. Times are CPU time of the measuring thread, as the
 probe's, so a shared machine measures about what an idle one would; the load average is recorded.
@@ -21,6 +23,7 @@ import contextlib
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -143,12 +146,63 @@ def elementwise_ns(dtype: torch.dtype) -> dict[str, float]:
     return found
 
 
-def adamw_ns() -> float:
-    params = [torch.nn.Parameter(torch.randn(ELEMENTS // 8)) for _ in range(8)]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    optimizer = torch.optim.AdamW(params, foreach=True)
-    return best_seconds(optimizer.step) / ELEMENTS * 1e9
+DS_LAYERS, DS_WIDTH = 16, 1024      # the DeepSpeed probe's model: 16 linear layers of 1024 x 1024 (16.8M parameters)
+
+
+def deepspeed_rank(rank: int, port: int) -> None:
+    """One of two ranks timing DeepSpeed's gradient reduction (``engine.allreduce_gradients``) and optimizer step
+    on CPU ranks at ZeRO 0, 1 and 2 (fp32, distaff's engine settings): the process's CPU ns per parameter."""
+    from torch import nn
+
+    from distaff.train.core.distributed import init_distributed
+    from distaff.train.run.config import config_from_dict
+    from distaff.train.run.engine import initialize
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    init_distributed(600)
+    found = {}
+    for zero in (0, 1, 2):
+        model = nn.Sequential(*(nn.Linear(DS_WIDTH, DS_WIDTH) for _ in range(DS_LAYERS)))
+        cfg = config_from_dict({"model": {"preset": "tiny"}, "data": {"dir": "unused", "batch_size": 8},
+                                "train": {"precision": "fp32"}, "zero": {"stage": zero}})
+        engine = initialize(model, cfg, 2)
+        params = sum(p.numel() for p in model.parameters())
+        spent = {"reduction": 0.0, "step": 0.0}
+        reduce = engine.allreduce_gradients
+
+        def timed(*args, **kwargs):
+            started = time.process_time()
+            reduce(*args, **kwargs)
+            spent["reduction"] += time.process_time() - started
+
+        engine.allreduce_gradients = timed
+        x = torch.randn(8, DS_WIDTH)
+        for step in range(4):
+            if step == 1:
+                spent.update(reduction=0.0, step=0.0)
+            engine.backward(engine(x).square().mean())
+            started = time.process_time()
+            engine.step()
+            spent["step"] += time.process_time() - started
+        found[str(zero)] = {key: value / 3 / params * 1e9 for key, value in spent.items()}
+        engine.destroy()
+    if rank == 0:
+        print(json.dumps(found))
+    torch.distributed.barrier()
+
+
+def _two_ranks(flag: str) -> dict:
+    """Run this script's ``flag`` rank program on two processes; rank 0's JSON."""
+    from distaff.train.core.distributed import free_port
+
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    procs = [subprocess.Popen([sys.executable, __file__, flag, str(rank), "--port", str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for rank in (0, 1)]
+    outputs = [proc.communicate(timeout=900)[0] for proc in procs]
+    return json.loads(outputs[0].strip().splitlines()[-1])
 
 
 def measure() -> dict:
@@ -161,7 +215,7 @@ def measure() -> dict:
             "regenerate": "python benchmarks/cpu_table.py", "probe": probe(),
             "attention": rows, "elementwise_ns": {"fp32": elementwise_ns(torch.float32),
                                                   "bf16": elementwise_ns(torch.bfloat16)},
-            "adamw_ns_per_param": adamw_ns(), "load_average": os.getloadavg()[0],
+            "deepspeed": _two_ranks("--deepspeed-rank"), "load_average": os.getloadavg()[0],
             "seconds": round(time.perf_counter() - started, 1)}
 
 
@@ -169,7 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--print", action="store_true", help="print the committed table, measure nothing")
     parser.add_argument("--out", type=Path, default=CPU_TABLE)
+    parser.add_argument("--deepspeed-rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.deepspeed_rank is not None:
+        deepspeed_rank(args.deepspeed_rank, args.port)
+        return 0
     table = json.loads(args.out.read_text()) if args.print else measure()
     if not args.print:
         args.out.write_text(json.dumps(table, indent=1) + "\n")
@@ -181,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     for dtype, costs in table["elementwise_ns"].items():
         print(dtype, {k: round(v, 2) for k, v in costs.items()})
     print("layer rest ns/token:", [(r["hidden"], r["n"], r["dropout"], round(r["ns_per_token"])) for r in table["layer_rest"]])
-    print(f"AdamW {table['adamw_ns_per_param']:.2f} ns per parameter")
+    print(f"DeepSpeed on 2 CPU ranks, CPU ns per parameter: {table['deepspeed']}")
     return 0
 
 

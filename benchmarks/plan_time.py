@@ -132,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     env.pop("TRITON_INTERPRET", None)
     probe = probed(refresh=True)
-    print(f"probe: {probe['gemm_gflops']} GFLOP/s per core, copy {probe['copy_gb_s']:.1f} GB/s, loopback "
-          f"{probe['loopback_gb_s']:.2f} GB/s, load {probe['load_average']:.1f}", flush=True)
+    print(f"probe: {probe['gemm_gflops']} GFLOP/s per core, copy {probe['copy_gb_s']:.1f} GB/s, load "
+          f"{probe['load_average']:.1f}", flush=True)
     print(HEADER, flush=True)
     results = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -89,7 +89,7 @@ def cpu_time_values() -> dict[str, str]:
             "plan.check_example": f"\n```\n{runs[0]['check_line']}\n```\n",
             "plan.cpu_probe": (f"{probe['date']}, {probe['machine']}, load average {probe['load_average']:.1f}: "
                                f"GEMM GFLOP/s per core fp32/bf16 by inner size {gemm}; copy "
-                               f"{probe['copy_gb_s']:.1f} GB/s; loopback {probe['loopback_gb_s']:.2f} GB/s")}
+                               f"{probe['copy_gb_s']:.1f} GB/s")}
 
 
 def values() -> dict[str, str]:

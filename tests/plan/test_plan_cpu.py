@@ -13,7 +13,7 @@ from distaff.train.plan.gpus import parse_gpus, parse_spec
 from distaff.train.plan.planner import make_plan
 from distaff.train.run.config import load_config
 
-SPEC = "name=cpu,tflops=0.2,fp32_tflops=0.08,hbm_tb_s=0.01,intra_gb_s=1.5,cores=4,memory_gib=16"
+SPEC = "name=cpu,tflops=0.2,fp32_tflops=0.08,hbm_tb_s=0.01,cores=4,memory_gib=16"
 
 
 @pytest.mark.unit
@@ -22,7 +22,7 @@ def test_the_probe_is_cached_per_machine_and_measured_again_when_it_changes(tmp_
     calls = []
     monkeypatch.setattr(cpu, "probe", lambda: calls.append(1) or {"version": cpu.PROBE_VERSION,
                                                                    "machine": cpu.machine_key(), "gemm_gflops": [[128, 10, 20]],
-                                                                   "copy_gb_s": 5.0, "loopback_gb_s": 1.0, "cores": 2,
+                                                                   "copy_gb_s": 5.0, "cores": 2,
                                                                    "memory_bytes": 8e9})
     first = cpu.probed()
     assert cpu.probed() == first and len(calls) == 1 and json.loads(cpu.cache_path().read_text()) == first

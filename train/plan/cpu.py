@@ -2,13 +2,12 @@
 
 ``distaff plan --gpus 2xcpu`` plans 2 CPU ranks on this machine, each with an even share of its cores (as
 ``train/core/threads.py`` gives them). The probe measures, on one thread and in CPU time (so a busy machine
-does not make it slower): the dense GEMM rate (fp32 and bf16) at the inner sizes encoder layers use, the
-memory bandwidth of a large copy, and the loopback link (what gloo's collectives between ranks of one machine
-cross); and counts the cores and the memory. The plan is then an idle machine's: a run that shares its cores
+does not make it slower): the dense GEMM rate (fp32 and bf16) at the inner sizes encoder layers use and the
+memory bandwidth of a large copy; and counts the cores and the memory. The plan is then an idle machine's: a run that shares its cores
 with other processes is slower by their share. It runs
 once per machine and torch version and is cached in ``$XDG_CACHE_HOME/distaff/cpu-probe.json`` (else
-``~/.cache``); ``--reprobe`` measures again. ``--gpu-spec name=cpu,fp32_tflops=..,tflops=..,hbm_tb_s=..,
-intra_gb_s=..,cores=..`` gives the per-core figures instead (no probe).
+``~/.cache``); ``--reprobe`` measures again. ``--gpu-spec name=cpu,fp32_tflops=..,tflops=..,hbm_tb_s=..,cores=..`` gives
+the per-core figures instead (no probe).
 
 The time model reads a CPU kind as it reads a GPU (train/plan/step_time.py), with the reference kernels' costs
 measured on this machine (``cpu_table.json``, by ``python benchmarks/cpu_table.py``) scaled by the ratio of
@@ -20,8 +19,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import socket
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -30,7 +27,7 @@ import torch
 
 from distaff.train.plan.gpus import GpuKind
 
-PROBE_VERSION = 2      # 2: CPU time (thread_time), not the wall clock
+PROBE_VERSION = 3      # 2: CPU time (thread_time), not the wall clock; 3: no loopback figure
 GEMM_SIZES = (128, 256, 512, 1024)       # inner sizes of the probe's GEMMs ([1024, k] x [k, k])
 CPU_ARCH = 0                              # GpuKind.arch of a CPU kind
 
@@ -83,34 +80,6 @@ def copy_gb_s(megabytes: int = 128) -> float:
     return 2 * src.numel() * 4 / _seconds(lambda: dst.copy_(src), 5) / 1e9
 
 
-def loopback_gb_s(megabytes: int = 256) -> float:
-    """Bytes per CPU second of one side of a loopback TCP connection (gloo's transport between ranks of one
-    machine): the sending and receiving threads' CPU time, halved (each rank of a collective does one side)."""
-    server = socket.create_server(("127.0.0.1", 0))
-    chunk = bytes(1 << 20)
-
-    def send() -> None:
-        with socket.create_connection(server.getsockname()) as out:
-            for _ in range(megabytes):
-                out.sendall(chunk)
-
-    sender = threading.Thread(target=send)
-    sender.start()
-    conn, _ = server.accept()
-    started, received = time.process_time(), 0
-    buffer = bytearray(1 << 20)
-    with conn:
-        while received < megabytes << 20:
-            got = conn.recv_into(buffer)
-            if not got:
-                break
-            received += got
-    sender.join()
-    elapsed = (time.process_time() - started) / 2
-    server.close()
-    return received / elapsed / 1e9
-
-
 def memory_bytes() -> float:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -128,7 +97,7 @@ def probe() -> dict:
     try:
         curve = [(k, gemm_gflops(k, torch.float32), gemm_gflops(k, torch.bfloat16)) for k in GEMM_SIZES]
         found = {"version": PROBE_VERSION, "machine": machine_key(), "gemm_gflops": curve,
-                 "copy_gb_s": copy_gb_s(), "loopback_gb_s": loopback_gb_s(), "cores": usable_cores(),
+                 "copy_gb_s": copy_gb_s(), "cores": usable_cores(),
                  "memory_bytes": memory_bytes(), "load_average": os.getloadavg()[0],
                  "date": time.strftime("%Y-%m-%d %H:%M")}
     finally:
@@ -158,8 +127,8 @@ def probed(refresh: bool = False) -> dict:
 def core_kind(figures: dict) -> GpuKind:
     """One core of the probed machine as a kind: GEMM rates at the largest probed size, its copy bandwidth."""
     _, fp32, bf16 = figures["gemm_gflops"][-1]
-    return GpuKind("cpu", figures["memory_bytes"], bf16 / 1e3, fp32 / 1e3, figures["copy_gb_s"] / 1e3,
-                   figures["loopback_gb_s"], figures["loopback_gb_s"], CPU_ARCH, cores=figures["cores"],
+    return GpuKind("cpu", figures["memory_bytes"], bf16 / 1e3, fp32 / 1e3, figures["copy_gb_s"] / 1e3, 0.0, 0.0,
+                   CPU_ARCH, cores=figures["cores"],
                    gemm_curve=tuple(tuple(point) for point in figures["gemm_gflops"]))
 
 

@@ -12,11 +12,9 @@ A CPU rank runs the PyTorch reference kernels, one op at a time, on ``threads`` 
   GEMMs and attention), the embeddings' LayerNorm and dropout, the MLM head's and its loss per logit, the tied
   word table's gradient (a ``V x E`` zero-fill and sum every micro-batch), scaled by the ratio of copy
   bandwidths;
-- optimizer: AdamW's measured ns per parameter of the rank's shard, and the copies DeepSpeed makes around it
-  (ZeRO's gradient partition, its float64 norm, the fp32 cast, the new weights' all-gather) at the copy
-  bandwidth;
-- communication: gloo's ring collectives through loopback TCP at the probed rate, plus their flattening copies;
-  no overlap (``overlap_comm`` is off on CPUs).
+- optimizer and communication: DeepSpeed's optimizer step and gradient reduction on two CPU ranks, measured per
+  parameter at each ZeRO stage (the table's, on a stack of linear layers): AdamW, ZeRO's copies and the weights'
+  all-gather; gloo's all-reduce and the bucket's copies, none hidden (``overlap_comm`` is off on CPUs).
 """
 
 from __future__ import annotations
@@ -140,40 +138,33 @@ def compute_seconds(s: Setting, gpu: GpuKind, a: Assumptions) -> Compute:
     return Compute(parts, forward, source, None)
 
 
-def _copy_seconds(nbytes: float, gpu: GpuKind) -> float:
-    """Seconds to read and write ``nbytes`` once each (a copy) at the rank's copy bandwidth."""
-    return 2 * nbytes / (gpu.hbm_tb_s * 1e12)
+def _deepspeed(s: Setting, gpu: GpuKind, what: str) -> float:
+    """Seconds of DeepSpeed's ``what`` (reduction, step) for ``s``: the table's CPU ns per parameter at the run's
+    ZeRO stage (ZeRO 3, which the table does not measure: ZeRO 2's), scaled by the copy bandwidths and, for a
+    ring over ``W`` ranks, by the bytes each rank moves (``(W-1)/W``, the table's at 2 ranks); the reduction by
+    the gradient's bytes against the table's fp32."""
+    ns = cpu_table()["deepspeed"][str(min(s.zero, 2))][what]
+    ring = 2 * (s.ranks - 1) / s.ranks if s.ranks > 1 else 0.0
+    precision = act_bytes(s.precision) / 4 if what == "reduction" else 1.0
+    return ns * s.params * 1e-9 * _bandwidth_ratio(gpu) * (ring if what == "reduction" else 1.0) * precision
 
 
 def optimizer_seconds(s: Setting, gpu: GpuKind, a: Assumptions) -> float:
-    """AdamW over the rank's shard, and DeepSpeed's copies around it."""
-    shard = s.params / s.ranks if s.zero >= 1 else s.params
-    w = act_bytes(s.precision)
-    adam = cpu_table()["adamw_ns_per_param"] * shard * 1e-9 * _bandwidth_ratio(gpu) / max(1, gpu.threads)
-    if s.zero == 0:              # FP16_UnfusedOptimizer's fp32 gradient copies and the new weights' cast back
-        copies = 0.0 if s.precision == "fp32" else s.params * (w + 4 + 4)
-    else:                        # the partition's float64 norm copy, its fp32 cast, the new weights' copy back
-        copies = shard * (w + 8) + (shard * (w + 4) if s.precision != "fp32" else 0) + shard * (4 + w)
-    return adam + _copy_seconds(copies, gpu)
+    """DeepSpeed's optimizer step as the table measured it: AdamW over the rank's shard, ZeRO's copies around it
+    and, at ZeRO 1-2, the new weights' all-gather (all in ``engine.step``)."""
+    return _deepspeed(s, gpu, "step")
 
 
 def communication_seconds(s: Setting, gpu: GpuKind, nodes: int, grad_accum: int, backward_s: float,
                           micro_s: float, a: Assumptions) -> dict[str, float]:
-    """gloo's collectives on loopback TCP with their flattening copies, none hidden (by the stage they show in)."""
+    """DeepSpeed's gradient reduction as the table measured it (gloo's all-reduce of every gradient and the copies
+    into and out of its bucket), none hidden: after the last micro-batch at ZeRO 0-1, after each at ZeRO 2-3;
+    ZeRO 3 also gathers the weights for the forward. The all-gather after the step is the optimizer's."""
     found = {"gradient communication": 0.0, "optimizer": 0.0, "forward": 0.0}
-    w = s.ranks
-    if w == 1:
+    if s.ranks == 1:
         return found
-    volume = s.params * act_bytes(s.precision)
-    one_pass = (w - 1) / w * volume / (gpu.intra_gb_s * 1e9)
-    flatten = _copy_seconds(volume, gpu)               # into the bucket / flat tensor, and back out
-    if s.zero == 0:
-        found["gradient communication"] = 2 * one_pass + 2 * flatten
-    elif s.zero in (1, 2):
-        reductions = 1 if s.zero == 1 else grad_accum
-        found["gradient communication"] = (one_pass + 2 * flatten) * reductions
-        found["optimizer"] = one_pass + flatten
-    else:
-        found["forward"] = (one_pass + flatten) * grad_accum
-        found["gradient communication"] = (one_pass + 2 * flatten) * grad_accum
+    reductions = grad_accum if s.zero >= 2 else 1
+    found["gradient communication"] = _deepspeed(s, gpu, "reduction") * reductions
+    if s.zero == 3:
+        found["forward"] = _deepspeed(s, gpu, "reduction") / 2 * grad_accum
     return found
