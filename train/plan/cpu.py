@@ -27,7 +27,7 @@ import torch
 
 from distaff.train.plan.gpus import GpuKind
 
-PROBE_VERSION = 3      # 2: CPU time (thread_time), not the wall clock; 3: no loopback figure
+PROBE_VERSION = 4      # 2: CPU time (thread_time); 3: no loopback figure; 4: the least of 5 rounds
 GEMM_SIZES = (128, 256, 512, 1024)       # inner sizes of the probe's GEMMs ([1024, k] x [k, k])
 CPU_ARCH = 0                              # GpuKind.arch of a CPU kind
 
@@ -57,27 +57,31 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _seconds(fn, repeat: int) -> float:
-    """CPU seconds of this thread per call (``time.thread_time``): what the work costs a core, whatever else the
-    machine runs meanwhile (a wall clock on a shared machine measures the other processes too)."""
+def _seconds(fn, repeat: int, tries: int = 5) -> float:
+    """CPU seconds of this thread per call (``time.thread_time``: what the work costs a core, whatever else the
+    machine runs meanwhile), the least of ``tries`` rounds of ``repeat`` calls: neighbours on a shared machine
+    (its caches, its clock) only ever slow a round, as benchmarks/cpu_table.py takes its least times too."""
     fn()
-    started = time.thread_time()
-    for _ in range(repeat):
-        fn()
-    return (time.thread_time() - started) / repeat
+    rounds = []
+    for _ in range(tries):
+        started = time.thread_time()
+        for _ in range(repeat):
+            fn()
+        rounds.append((time.thread_time() - started) / repeat)
+    return min(rounds)
 
 
 def gemm_gflops(k: int, dtype: torch.dtype, m: int = 1024) -> float:
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, k, dtype=dtype)
     flops = 2 * m * k * k
-    return flops / _seconds(lambda: a @ b, max(2, int(4e8 / flops))) / 1e9
+    return flops / _seconds(lambda: a @ b, max(2, int(1e8 / flops))) / 1e9
 
 
 def copy_gb_s(megabytes: int = 128) -> float:
     """Read + write bytes per second of one large copy."""
     src = torch.empty(megabytes * 2**20 // 4)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / _seconds(lambda: dst.copy_(src), 5) / 1e9
+    return 2 * src.numel() * 4 / _seconds(lambda: dst.copy_(src), 2) / 1e9
 
 
 def memory_bytes() -> float:

@@ -1,4 +1,5 @@
-"""Estimated time of one optimizer step on a GPU kind, split into its parts; every figure is an ESTIMATE.
+"""Estimated time of one optimizer step on a GPU kind, split into its parts and into the stages a run measures;
+every figure is an ESTIMATE.
 
 - GEMMs: the model's matrix-multiply FLOPs (:mod:`distaff.train.model.flops`, forward + backward) less the
   attention's score and value products, at ``gemm_efficiency`` of the dense bf16/fp16 peak (fp32 runs: the
@@ -6,7 +7,9 @@
 - attention: the static judge's estimate of distaff's fused kernels (``attention_table.json``, written by
   ``python benchmarks/attention_table.py``) for the kind's architecture, head dim and sequence length, scaled
   by tokens x heads x layer applications; kinds without a table row are scaled from the nearest architecture
-  by the ratio of dense peaks, and say so; content-only attention (no c2p/p2c) is scaled by its FLOP share;
+  by the ratio of dense peaks, and say so; content-only attention (no c2p/p2c) is distaff's kernels without
+  their position terms, a FlashAttention kernel: the table's content-only reference when it has one, else its
+  score and value products as GEMMs;
 - fused ops (LayerNorm, bias-GELU, dropout, residual adds, embeddings, the MLM loss's softmax): bytes moved at
   ``bandwidth_efficiency`` of HBM bandwidth;
 - optimizer: AdamW reads and writes ~ 4+4+4 fp32 bytes per parameter of the rank's shard twice, plus the
@@ -14,11 +17,12 @@
   ``CPU_ADAM_PARAMS_S`` parameters/s per rank plus the PCIe copies;
 - ZeRO communication (ring collectives, ``(W-1)/W`` of the volume crosses each GPU's slowest link, at
   ``link_efficiency``): ZeRO 0 all-reduces the gradients after the last micro-step (2x the volume, not
-  overlapped); ZeRO 1 reduce-scatters them at the accumulation boundary (not overlapped); ZeRO 2 reduce-scatters
-  every micro-step overlapped with the backward (``overlap_comm``; only what exceeds the backward shows);
-  ZeRO 1-2 all-gather the updated weights after the step (not overlapped); ZeRO 3 all-gathers the weights for
-  the forward and again for the backward and reduce-scatters the gradients every micro-step, prefetched
-  and overlapped with compute (only what exceeds it shows).
+  overlapped); ZeRO 1 and 2 all-reduce them too (DeepSpeed's ``use_multi_rank_bucket_allreduce``), in the
+  accumulation boundary's backward (ZeRO 1) or every backward (ZeRO 2), overlapped with it on GPUs
+  (``overlap_comm``; only what exceeds the backward shows), and all-gather the updated weights after the step
+  (not overlapped); ZeRO 3 gathers the weights for the forward (kept for the backward: DeepSpeed's reuse
+  distance) and reduce-scatters the gradients every micro-step, prefetched and overlapped with compute (only what
+  exceeds it shows); CPU ranks take the same parts from measured costs (train/plan/cpu_time.py).
 """
 
 from __future__ import annotations
@@ -258,13 +262,13 @@ def communication_seconds(s: Setting, gpu: GpuKind, nodes: int, grad_accum: int,
         return found
     one_pass = (w - 1) / w * s.params * (4 if s.precision == "fp32" else 2) / _link_bytes_s(gpu, nodes, a)
     hidden = backward_s if s.overlap_comm else 0.0
-    if s.zero == 0:                  # all-reduce after the last backward (engine.py:3073)
+    # ZeRO 0 all-reduces after the last backward (engine.py:3073); ZeRO 1-2 reduce with an all-reduce of every
+    # gradient too (use_multi_rank_bucket_allreduce, on by default: stage_1_and_2.py:1636), in the boundary's
+    # backward (ZeRO 1) or every backward (ZeRO 2), and all-gather the new weights after the step
+    if s.zero == 0:
         found["gradient communication"] = 2 * one_pass
-    elif s.zero == 1:                # reduce-scatter in the boundary's backward, all-gather after the step
-        found["gradient communication"] = max(0.0, one_pass - hidden)
-        found["optimizer"] = one_pass
-    elif s.zero == 2:                # reduce-scatter in every backward, all-gather after the step
-        found["gradient communication"] = max(0.0, one_pass - hidden) * grad_accum
+    elif s.zero in (1, 2):
+        found["gradient communication"] = max(0.0, 2 * one_pass - hidden) * (grad_accum if s.zero == 2 else 1)
         found["optimizer"] = one_pass
     else:                            # gathered once for the forward and kept for the backward, reduce-scattered
         overlap = micro_s if s.overlap_comm else 0.0
