@@ -82,10 +82,8 @@ def check_on_device(ok: torch.Tensor, message: str) -> None:
     torch._assert_async(ok, message)
 
 
-def check_varlen_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                        max_seqlen: int) -> tuple[int, ...]:
-    """Validate the packed form. A CPU ``cu_seqlens`` is checked on the host and its offsets returned;
-    a device one is checked on the device (no host sync) and ``()`` returned."""
+def check_varlen_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    """The packed form's shapes and ``cu_seqlens``' dtype, from metadata alone."""
     if q.dim() != 3:
         raise ValueError(f"q must be [total_tokens, H, d], got shape {tuple(q.shape)}")
     for name, t in (("k", k), ("v", v)):
@@ -94,6 +92,13 @@ def check_varlen_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor of >= 2 offsets, got {cu_seqlens.dtype} "
                          f"{tuple(cu_seqlens.shape)}")
+
+
+def check_varlen_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                        max_seqlen: int) -> tuple[int, ...]:
+    """Validate the packed form. A CPU ``cu_seqlens`` is checked on the host and its offsets returned;
+    a device one is checked on the device (no host sync) and ``()`` returned."""
+    check_varlen_shapes(q, k, v, cu_seqlens)
     total = q.shape[0]
     if not readable_on_host(cu_seqlens):
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
@@ -175,6 +180,14 @@ class AttentionCall:
         return isinstance(self.softmax_scale, torch.Tensor)
 
 
+def _tensor_or_none(scale: float | torch.Tensor | None) -> torch.Tensor | None:
+    return scale if isinstance(scale, torch.Tensor) else None
+
+
+def _float_or_none(scale: float | torch.Tensor | None) -> float | None:
+    return None if scale is None or isinstance(scale, torch.Tensor) else float(scale)
+
+
 def attention_op(implementation: Callable[[AttentionCall], torch.Tensor]) -> Callable[..., torch.Tensor]:
     """The padded attention signature, written once: validates, resolves the scale and calls
     ``implementation`` with the :class:`AttentionCall`."""
@@ -186,6 +199,8 @@ def attention_op(implementation: Callable[[AttentionCall], torch.Tensor]) -> Cal
            softmax_scale: float | torch.Tensor | None = None, mask_diagonal: bool = False) -> torch.Tensor:
         span = attention_span(position_buckets, max_relative_positions)
         check_attention_inputs(q, k, v, pos_key, pos_query, span, attention_mask, dropout_p)
+        check_attention_tensors(q, k, v, pos_key, pos_query, attention_mask, None, _tensor_or_none(softmax_scale),
+                                _float_or_none(softmax_scale))
         check_softmax_scale(softmax_scale, q.shape[0], q.device, "[B]")
         scale = resolve_scale(softmax_scale, q.shape[-1], pos_key, pos_query)
         return implementation(AttentionCall(q, k, v, pos_key, pos_query, position_buckets, max_relative_positions,
@@ -203,6 +218,8 @@ def varlen_attention_op(implementation: Callable[[AttentionCall], torch.Tensor])
            pos_query: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor, max_seqlen: int,
            position_buckets: int, max_relative_positions: int, dropout_p: float = 0.0,
            softmax_scale: float | torch.Tensor | None = None, mask_diagonal: bool = False) -> torch.Tensor:
+        check_attention_tensors(q, k, v, pos_key, pos_query, None, cu_seqlens, _tensor_or_none(softmax_scale),
+                                _float_or_none(softmax_scale))
         bounds = check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen)
         span = attention_span(position_buckets, max_relative_positions)
         # The padded contract's checker covers pos_key/pos_query and dropout_p on a one-token view.
@@ -231,3 +248,188 @@ def check_targets(targets: torch.Tensor, n_vocab: int, ignore_index: int | None)
     if bool(bad.any()):
         raise ValueError(f"label {targets[bad][0].item()} is outside the vocabulary [0, {n_vocab}) and is not "
                          f"ignore_index={ignore_index}")
+
+
+# --------------------------------------------------------------------------- the custom ops' own checks
+#
+# ``torch.ops.distaff.*`` (library.py) may be called directly (a user's model, a compiled graph) with no wrapper in
+# front: each op checks its inputs itself, forward and backward, real and fake implementation alike, with the
+# functions below. They read metadata only (shapes, dtypes, devices, the impl string), so they cost nothing, read no
+# device value and run under FakeTensorMode and torch.compile; packed offsets are checked by value only where
+# check_varlen_inputs can (on the host for CPU offsets, by a device-side assert otherwise).
+
+OP_IMPLS = ("triton", "reference")      # what a distaff:: op runs: the public ops resolve "auto" before calling it
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_impl(impl: object) -> None:
+    if impl not in OP_IMPLS:
+        raise ValueError(f"impl must be one of {OP_IMPLS} in a distaff:: op (the public distaff.kernels ops resolve "
+                         f"'auto'), got {impl!r}")
+
+
+def check_devices(tensors: dict[str, torch.Tensor | None]) -> None:
+    """Every tensor on the device of the first one named."""
+    (first, lead), *rest = [(name, t) for name, t in tensors.items() if t is not None]
+    for name, t in rest:
+        if t.device != lead.device:
+            raise ValueError(f"{name} is on {t.device} but {first} is on {lead.device}")
+
+
+def check_dtypes(like: str, dtype: torch.dtype, tensors: dict[str, torch.Tensor | None]) -> None:
+    """Every tensor of ``dtype``, the dtype of ``like``."""
+    for name, t in tensors.items():
+        if t is not None and t.dtype != dtype:
+            raise TypeError(f"{name} must have the dtype of {like} ({dtype}), got {t.dtype}")
+
+
+def check_floating(tensors: dict[str, torch.Tensor | None]) -> None:
+    for name, t in tensors.items():
+        if t is not None and not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+
+
+def _check_shape(name: str, t: torch.Tensor, shape: tuple, what: str = "") -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must be {what or list(shape)} = {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _check_triton_input(name: str, t: torch.Tensor, what: str) -> None:
+    if t.dtype not in TRITON_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32 for the Triton {what}, got {t.dtype}")
+    if t.numel() == 0:
+        raise ValueError(f"{what} (triton) got an empty {name} of shape {tuple(t.shape)}")
+
+
+def check_attention_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_key: torch.Tensor | None,
+                            pos_query: torch.Tensor | None, mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                            scales: torch.Tensor | None, scale: float | None) -> None:
+    """Every attention input on q's device, q floating-point and k, v of its dtype, a finite scale: checked by the
+    public ops (:func:`attention_op`) and the custom op alike."""
+    check_devices({"q": q, "k": k, "v": v, "pos_key": pos_key, "pos_query": pos_query, "attention_mask": mask,
+                   "cu_seqlens": cu_seqlens, "softmax_scale": scales})
+    check_floating({"q": q, "pos_key": pos_key, "pos_query": pos_query})
+    check_dtypes("q", q.dtype, {"k": k, "v": v})
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be a finite number, got {scale}")
+
+
+def check_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_key: torch.Tensor | None,
+                       pos_query: torch.Tensor | None, mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                       scales: torch.Tensor | None, scale: float, max_seqlen: int, position_buckets: int,
+                       max_relative_positions: int, dropout_p: float, impl: str, *, values: bool) -> None:
+    """``distaff::attention``'s inputs, padded or packed (``values``: also ``cu_seqlens``' offsets, as
+    :func:`check_varlen_inputs` checks them; the fake implementation checks metadata only)."""
+    check_impl(impl)
+    check_attention_tensors(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale)
+    check_dtypes("q", q.dtype, {"pos_key": pos_key, "pos_query": pos_query})   # the public ops cast them first
+    span = attention_span(position_buckets, max_relative_positions)
+    if cu_seqlens is None:
+        check_attention_inputs(q, k, v, pos_key, pos_query, span, mask, dropout_p)
+        check_softmax_scale(scales, q.shape[0], q.device, "[B]")
+    else:
+        if mask is not None:
+            raise ValueError("attention_mask must be None in the packed form (cu_seqlens marks the sequences)")
+        check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen) if values else check_varlen_shapes(q, k, v, cu_seqlens)
+        one = q[:1].transpose(0, 1)[None]       # the padded checks of the tables and dropout on a one-token view
+        check_attention_inputs(one, one, one, pos_key, pos_query, span, None, dropout_p)
+        check_softmax_scale(scales, cu_seqlens.shape[0] - 1, q.device, "[S] (len(cu_seqlens) - 1)")
+        if max_seqlen < 1 and q.shape[0] > 0:
+            raise ValueError(f"max_seqlen must be >= 1 for {q.shape[0]} packed tokens, got {max_seqlen}")
+    if impl == "triton":
+        _check_triton_input("q", q, "attention")
+        if q.shape[-1] not in TRITON_HEAD_DIMS:
+            raise ValueError(f"head dim d must be one of {TRITON_HEAD_DIMS} for the Triton kernel, got {q.shape[-1]}")
+
+
+def attention_stat_shapes(q: torch.Tensor, packed: bool, has_tables: bool) -> tuple[tuple, tuple]:
+    """The shapes of the Triton forward's saved row statistics (lse) and end terms."""
+    stats = (q.shape[1], q.shape[0]) if packed else tuple(q.shape[:3])
+    return stats, ((4, *stats) if has_tables else (1,))
+
+
+def check_attention_saved(grad_out: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                          end: torch.Tensor, seed: torch.Tensor, packed: bool, has_tables: bool, impl: str) -> None:
+    """What ``distaff::attention_backward`` receives besides the forward's inputs: the output's gradient and the
+    forward's results (for Triton its row statistics), and the dropout seed, a CPU integer scalar."""
+    check_devices({"q": q, "grad_out": grad_out, "out": out, "lse": lse, "end": end})
+    check_floating({"grad_out": grad_out})
+    _check_shape("grad_out", grad_out, q.shape, "the shape of q")
+    _check_shape("out", out, q.shape, "the shape of q")
+    if seed.device.type != "cpu" or seed.numel() != 1 or seed.dtype.is_floating_point:
+        raise ValueError(f"seed must be the int64 CPU scalar the forward returned, got {seed.dtype} "
+                         f"{tuple(seed.shape)} on {seed.device}")
+    if impl == "triton":
+        stats, ends = attention_stat_shapes(q, packed, has_tables)
+        _check_shape("lse", lse, stats, "the forward's row statistics")
+        if tuple(end.shape) not in (ends, (1,)):    # (1,): a stand-in when no tile of the forward saturated
+            raise ValueError(f"end must be the forward's end terms {ends} (or its one-element stand-in), got "
+                             f"{tuple(end.shape)}")
+        check_dtypes("the forward's statistics", torch.float32, {"lse": lse, "end": end})
+
+
+def check_layer_norm_inputs(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                            residual: torch.Tensor | None, impl: str = "triton") -> None:
+    """``weight`` and ``bias`` of shape ``[x.shape[-1]]``, ``residual`` of x's shape, all on x's device; the Triton
+    kernel takes no empty input."""
+    check_impl(impl)
+    hidden = x.shape[-1] if x.dim() else 0
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            raise ValueError(f"layer_norm needs a {name} tensor, got None")
+        if t.shape != (hidden,):
+            raise ValueError(f"{name} must be [{hidden}] (the last dim of x), got {tuple(t.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+    check_devices({"x": x, "weight": weight, "bias": bias, "residual": residual})
+    check_floating({"x": x, "weight": weight, "bias": bias, "residual": residual})
+    if impl == "triton" and x.numel() == 0:
+        raise ValueError(f"layer_norm got an empty input of shape {tuple(x.shape)}")
+
+
+def check_bias_gelu_inputs(x: torch.Tensor, bias: torch.Tensor | None, impl: str = "triton") -> None:
+    """``bias`` of shape ``[x.shape[-1]]`` on x's device; the Triton kernel takes no empty input."""
+    check_impl(impl)
+    if bias is None or x.dim() == 0 or bias.shape != (x.shape[-1],):
+        got = None if bias is None else tuple(bias.shape)
+        raise ValueError(f"bias must be [{x.shape[-1] if x.dim() else 0}] (the last dim of x), got {got}")
+    check_devices({"x": x, "bias": bias})
+    check_floating({"x": x, "bias": bias})
+    if impl == "triton" and x.numel() == 0:
+        raise ValueError(f"bias_gelu got an empty input of shape {tuple(x.shape)}")
+
+
+def check_gradient(grad_out: torch.Tensor, of: torch.Tensor, name: str = "x") -> None:
+    """A backward op's incoming gradient: the shape of its forward's output (``of``'s), on its device."""
+    _check_shape("grad_out", grad_out, of.shape, f"the shape of {name}")
+    check_devices({name: of, "grad_out": grad_out})
+    check_floating({"grad_out": grad_out})
+
+
+def check_row_statistics(x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, impl: str) -> None:
+    """The Triton layer norm's saved float32 mean and 1/std, one per row of ``x``."""
+    if impl == "triton":
+        rows = x.numel() // max(x.shape[-1], 1)
+        for name, t in (("mean", mean), ("rstd", rstd)):
+            _check_shape(name, t, (rows,), "one float32 per row of x")
+        check_dtypes("the row statistics", torch.float32, {"mean": mean, "rstd": rstd})
+        check_devices({"x": x, "mean": mean, "rstd": rstd})
+
+
+def check_masked_lm_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                       row_chunk: int, vocab_block: int, needs_grad: list, impl: str) -> None:
+    """``distaff::masked_lm_loss``'s inputs: the wrapper's shape and label checks, devices, dtypes (the Triton
+    kernels take hidden, weight and bias in one dtype, prepared by ``mlm_loss.prepare``), the tiling."""
+    check_impl(impl)
+    check_masked_lm_inputs(hidden, weight, bias, labels)
+    check_devices({"hidden": hidden, "weight": weight, "bias": bias, "labels": labels})
+    check_floating({"hidden": hidden, "weight": weight, "bias": bias})
+    if len(needs_grad) != 3:
+        raise ValueError(f"needs_grad must say for hidden, weight and bias whether to compute a gradient, got "
+                         f"{needs_grad}")
+    if impl == "triton":
+        check_dtypes("hidden", hidden.dtype, {"weight": weight, "bias": bias})
+        _check_triton_input("hidden", hidden, "masked-LM loss")
+        if row_chunk < 1 or vocab_block < 16 or vocab_block & (vocab_block - 1):
+            raise ValueError(f"row_chunk must be >= 1 and vocab_block a power of two >= 16, got {row_chunk}, "
+                             f"{vocab_block}")

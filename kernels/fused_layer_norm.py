@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .contract import check_layer_norm_inputs
 from .reduction import reduction_programs
 
 MAX_HIDDEN = 65536  # one row must fit in one program's registers
@@ -84,20 +85,6 @@ def _row_block(n_cols: int) -> tuple[int, int]:
     return block, min(max(block // 256, 1), 16)
 
 
-def check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                  residual: torch.Tensor | None) -> None:
-    hidden = x.shape[-1]
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is None:
-            raise ValueError(f"layer_norm (triton) needs a {name} tensor, got None")
-        if t.shape != (hidden,):
-            raise ValueError(f"{name} must be [{hidden}] (the last dim of x), got {tuple(t.shape)}")
-    if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
-    if x.numel() == 0:
-        raise ValueError(f"layer_norm got an empty input of shape {tuple(x.shape)}")
-
-
 def layer_norm_forward(x2d: torch.Tensor, res2d: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
                        eps: float, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Normalised rows and the float32 per-row mean and 1/std that backward needs."""
@@ -161,5 +148,5 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
                residual: torch.Tensor | None = None) -> torch.Tensor:
     """``LayerNorm(x + residual)`` over the last dim; statistics in float32, output in the
     (promoted) input dtype. ``weight`` and ``bias`` are ``[hidden]`` tensors of any float dtype."""
-    check_inputs(x, weight, bias, residual)
+    check_layer_norm_inputs(x, weight, bias, residual)
     return _LayerNorm.apply(x, weight.contiguous(), bias.contiguous(), float(eps), residual)

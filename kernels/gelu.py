@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .contract import check_bias_gelu_inputs
 from .reduction import reduction_programs
 
 BLOCK_M = 16
@@ -108,16 +109,8 @@ class _BiasGelu(torch.autograd.Function):
         return d_x, d_bias.to(bias.dtype) if ctx.needs_input_grad[1] else None
 
 
-def check_inputs(x: torch.Tensor, bias: torch.Tensor | None) -> None:
-    if bias is None or bias.shape != (x.shape[-1],):
-        got = None if bias is None else tuple(bias.shape)
-        raise ValueError(f"bias must be [{x.shape[-1]}] (the last dim of x), got {got}")
-    if x.numel() == 0:
-        raise ValueError(f"bias_gelu got an empty input of shape {tuple(x.shape)}")
-
-
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``gelu(x + bias)`` (erf form) with ``bias`` of shape ``[x.shape[-1]]``; output in the
     promoted dtype of ``x`` and ``bias``, as ``x + bias`` would be."""
-    check_inputs(x, bias)
+    check_bias_gelu_inputs(x, bias)
     return _BiasGelu.apply(x, bias.contiguous())

@@ -8,7 +8,9 @@ and the reference, whose backward recomputes its forward under autograd (it is t
 
 The public ops in :mod:`distaff.kernels` route here while ``torch.compile`` traces; eager calls run the
 implementation directly (no recomputation, and the Triton interpreter, which crashed intermittently inside
-these ops on CPU, is not involved).
+these ops on CPU, is not involved). Every op, forward and backward, real and fake, checks its own inputs
+(``kernels/contract.py``: shapes, dtypes, devices, ``impl``, from metadata only), so a direct call of
+``torch.ops.distaff.*`` is checked as a call through the public ops is.
 Only torch is imported at module level; the Triton modules are imported by the implementations that use them.
 """
 
@@ -22,7 +24,9 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from . import reference
-from .contract import (IGNORE_INDEX, AttentionCall, MaskedLMLoss, attention_op, check_masked_lm_inputs,
+from .contract import (IGNORE_INDEX, AttentionCall, MaskedLMLoss, attention_op, attention_stat_shapes,
+                       check_attention_op, check_attention_saved, check_bias_gelu_inputs, check_gradient,
+                       check_layer_norm_inputs, check_masked_lm_inputs, check_masked_lm_op, check_row_statistics,
                        dropout_seed, varlen_attention_op)
 
 
@@ -89,6 +93,8 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_key: Op
                   impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, lse, end, seed)``: lse and end terms are the Triton backward's (empty for the reference);
     ``seed`` is the dropout seed drawn for this call, an int64 CPU scalar the backward reuses."""
+    check_attention_op(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale, max_seqlen, position_buckets,
+                       max_relative_positions, dropout_p, impl, values=True)
     if dropout_p > 0 and q.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("distaff attention: dropout_p > 0 inside a CUDA graph capture would replay one dropout "
                            "mask on every replay (the seed is a host value); capture with dropout_p=0 (e.g. "
@@ -105,18 +111,15 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_key: Op
     return (*attention.attention_forward(q, k, v, pos_key, pos_query, problem), seed_tensor)
 
 
-def _stat_shape(q: torch.Tensor, packed: bool) -> tuple:
-    return (q.shape[1], q.shape[0]) if packed else tuple(q.shape[:3])
-
-
 @_attention_op.register_fake
 def _(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale, max_seqlen, position_buckets,
       max_relative_positions, dropout_p, mask_diagonal, impl):
+    check_attention_op(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale, max_seqlen, position_buckets,
+                       max_relative_positions, dropout_p, impl, values=False)
     seed = torch.empty((), dtype=torch.int64, device="cpu")
     if impl == "reference":
         return torch.empty_like(q), _empty(q), _empty(q), seed
-    stats = _stat_shape(q, cu_seqlens is not None)
-    end = (4, *stats) if pos_key is not None or pos_query is not None else (1,)
+    stats, end = attention_stat_shapes(q, cu_seqlens is not None, pos_key is not None or pos_query is not None)
     return (torch.empty_like(q), q.new_empty(stats, dtype=torch.float32), q.new_empty(end, dtype=torch.float32),
             seed)
 
@@ -130,6 +133,8 @@ def _attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
                            max_relative_positions: int, dropout_p: float, mask_diagonal: bool,
                            impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv, d_pos_key, d_pos_query`` (empty for an absent table)."""
+    _check_attention_backward(grad_out, q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse, end, seed,
+                              scale, max_seqlen, position_buckets, max_relative_positions, dropout_p, impl, values=True)
     call = _call(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale, max_seqlen, position_buckets,
                  max_relative_positions, dropout_p, mask_diagonal, int(seed))  # a CPU scalar: no device sync
     if impl == "reference":
@@ -145,8 +150,21 @@ def _attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
 
 
 @_attention_backward_op.register_fake
-def _(grad_out, q, k, v, pos_key, pos_query, *args):
+def _(grad_out, q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse, end, seed, scale, max_seqlen,
+      position_buckets, max_relative_positions, dropout_p, mask_diagonal, impl):
+    _check_attention_backward(grad_out, q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse, end, seed,
+                              scale, max_seqlen, position_buckets, max_relative_positions, dropout_p, impl,
+                              values=False)
     return tuple(_empty(q) if t is None else torch.empty_like(t) for t in (q, k, v, pos_key, pos_query))
+
+
+def _check_attention_backward(grad_out, q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse, end, seed,
+                              scale, max_seqlen, position_buckets, max_relative_positions, dropout_p, impl,
+                              values: bool) -> None:
+    check_attention_op(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale, max_seqlen, position_buckets,
+                       max_relative_positions, dropout_p, impl, values=values)
+    check_attention_saved(grad_out, q, out, lse, end, seed, cu_seqlens is not None,
+                          pos_key is not None or pos_query is not None, impl)
 
 
 _ATTENTION_ARGS = ("mask", "cu_seqlens", "scales", "scale", "max_seqlen", "position_buckets",
@@ -201,6 +219,7 @@ def disentangled_attention_varlen(*args, impl: str, **kwargs) -> torch.Tensor:
 def _layer_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                    residual: Optional[torch.Tensor], impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, mean, rstd)``; the float32 row statistics are the Triton backward's (empty for the reference)."""
+    _check_layer_norm(x, weight, bias, eps, residual, impl)
     if impl == "reference":
         with torch.no_grad():
             return reference.layer_norm(x, weight, bias, eps, residual), _empty(x), _empty(x)
@@ -213,6 +232,7 @@ def _layer_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ep
 
 @_layer_norm_op.register_fake
 def _(x, weight, bias, eps, residual, impl):
+    _check_layer_norm(x, weight, bias, eps, residual, impl)
     out_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     out = x.new_empty(x.shape, dtype=out_dtype)
     if impl == "reference":
@@ -226,6 +246,7 @@ def _layer_norm_backward_op(grad_out: torch.Tensor, x: torch.Tensor, weight: tor
                             eps: float, residual: Optional[torch.Tensor], mean: torch.Tensor, rstd: torch.Tensor,
                             impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dx, d_weight, d_bias, d_residual`` (empty without a residual), each in its input's dtype."""
+    _check_layer_norm_backward(grad_out, x, weight, bias, eps, residual, mean, rstd, impl)
     if impl == "reference":
         grads = _reference_grads(reference.layer_norm, [x, weight, bias], [grad_out], eps, residual)
         dx = grads[0]
@@ -243,8 +264,21 @@ def _layer_norm_backward_op(grad_out: torch.Tensor, x: torch.Tensor, weight: tor
 
 @_layer_norm_backward_op.register_fake
 def _(grad_out, x, weight, bias, eps, residual, mean, rstd, impl):
+    _check_layer_norm_backward(grad_out, x, weight, bias, eps, residual, mean, rstd, impl)
     return (torch.empty_like(x), torch.empty_like(weight), torch.empty_like(bias),
             _empty(x) if residual is None else torch.empty_like(residual))
+
+
+def _check_layer_norm(x, weight, bias, eps, residual, impl) -> None:
+    check_layer_norm_inputs(x, weight, bias, residual, impl)
+    if not 0 <= eps < float("inf"):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+
+
+def _check_layer_norm_backward(grad_out, x, weight, bias, eps, residual, mean, rstd, impl) -> None:
+    _check_layer_norm(x, weight, bias, eps, residual, impl)
+    check_gradient(grad_out, x)
+    check_row_statistics(x, mean, rstd, impl)
 
 
 def _layer_norm_setup(ctx, inputs, output) -> None:
@@ -265,10 +299,7 @@ _layer_norm_op.register_autograd(_layer_norm_backward, setup_context=_layer_norm
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                residual: torch.Tensor | None = None, *, impl: str) -> torch.Tensor:
     """:func:`distaff.kernels.layer_norm` through ``distaff::layer_norm``."""
-    if impl == "triton":
-        from . import fused_layer_norm  # an import statement, not importlib: torch.compile traces this function
-
-        fused_layer_norm.check_inputs(x, weight, bias, residual)
+    check_layer_norm_inputs(x, weight, bias, residual, impl)
     return _layer_norm_op(x, weight.contiguous(), bias.contiguous(), float(eps), residual, impl)[0]
 
 
@@ -277,6 +308,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
 
 @torch.library.custom_op("distaff::bias_gelu", mutates_args=())
 def _bias_gelu_op(x: torch.Tensor, bias: torch.Tensor, impl: str) -> torch.Tensor:
+    check_bias_gelu_inputs(x, bias, impl)
     if impl == "reference":
         with torch.no_grad():
             return reference.bias_gelu(x, bias)
@@ -285,12 +317,15 @@ def _bias_gelu_op(x: torch.Tensor, bias: torch.Tensor, impl: str) -> torch.Tenso
 
 @_bias_gelu_op.register_fake
 def _(x, bias, impl):
+    check_bias_gelu_inputs(x, bias, impl)
     return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, bias.dtype))
 
 
 @torch.library.custom_op("distaff::bias_gelu_backward", mutates_args=())
 def _bias_gelu_backward_op(grad_out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
                            impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    check_bias_gelu_inputs(x, bias, impl)
+    check_gradient(grad_out, x)
     if impl == "reference":
         dx, d_bias = _reference_grads(reference.bias_gelu, [x, bias], [grad_out])
     else:
@@ -301,6 +336,8 @@ def _bias_gelu_backward_op(grad_out: torch.Tensor, x: torch.Tensor, bias: torch.
 
 @_bias_gelu_backward_op.register_fake
 def _(grad_out, x, bias, impl):
+    check_bias_gelu_inputs(x, bias, impl)
+    check_gradient(grad_out, x)
     return torch.empty_like(x), torch.empty_like(bias)
 
 
@@ -319,10 +356,7 @@ _bias_gelu_op.register_autograd(_bias_gelu_backward, setup_context=_bias_gelu_se
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, *, impl: str) -> torch.Tensor:
     """:func:`distaff.kernels.bias_gelu` through ``distaff::bias_gelu``."""
-    if impl == "triton":
-        from . import gelu
-
-        gelu.check_inputs(x, bias)
+    check_bias_gelu_inputs(x, bias, impl)
     return _bias_gelu_op(x, bias.contiguous(), impl)
 
 
@@ -337,6 +371,7 @@ def _masked_lm_loss_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     """``loss, num_labelled, num_correct`` and the loss's gradients (unscaled by the incoming gradient) with
     respect to hidden, weight and bias, computed in the forward pass (the fused kernel's design); empty
     where ``needs_grad`` says no."""
+    check_masked_lm_op(hidden, weight, bias, labels, row_chunk, vocab_block, needs_grad, impl)
     if impl == "reference":
         with _autograd():
             leaves = [None if t is None else t.detach().requires_grad_(need)
@@ -355,6 +390,7 @@ def _masked_lm_loss_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
 
 @_masked_lm_loss_op.register_fake
 def _(hidden, weight, bias, labels, ignore_index, row_chunk, vocab_block, needs_grad, impl):
+    check_masked_lm_op(hidden, weight, bias, labels, row_chunk, vocab_block, needs_grad, impl)
     scalar = hidden.new_empty((), dtype=torch.float32)
     counts = [hidden.new_empty((), dtype=torch.int64) for _ in range(2)]
     grad_dtype = hidden.dtype if impl == "triton" else None

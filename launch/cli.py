@@ -16,6 +16,7 @@ COMMANDS = {
     "finetune": ("distaff.train.finetune.trainer", "fine-tune a classifier/regressor (--config FT.yaml [key=value ...])"),
     "export-hf": ("distaff.train.tools.export", "export a checkpoint to a Hugging Face folder"),
     "ablate": ("distaff.train.tools.ablate", "run config variants on equal budgets and seeds, compare them"),
+    "average": ("distaff.train.tools.average", "average checkpoints' weights (uniform or --ema) into a checkpoint"),
     "grow": ("distaff.train.tools.grow", "widen/deepen a trained model, outputs unchanged (distaff grow CKPT OUT ...)"),
     "embed": ("distaff.train.tools.embed", "sentence embeddings of a text file, optional whitening (distaff embed ...)"),
     "probe": ("distaff.train.tools.probe", "probing tasks (word order, length, words) for frozen and fine-tuned encoders"),
@@ -23,6 +24,7 @@ COMMANDS = {
     "presets": ("distaff.train.core.presets", "list the installed run, model, fine-tune and ablation presets"),
     "launch": ("distaff.launch.launcher", "run pretraining (or --task finetune) under the deepspeed launcher"),
     "slurm": ("distaff.launch.slurm", "write and submit a Slurm job for pretraining (or --task finetune)"),
+    "decay": ("distaff.launch.decay", "a decay branch of a WSD run from a stable-phase checkpoint, launched as it was"),
 }
 
 

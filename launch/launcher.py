@@ -26,11 +26,14 @@ from pathlib import Path
 import torch
 
 from distaff.launch.hostlist import expand_hostlist
-from distaff.launch.run_config import LaunchTarget, add_task_argument, resolve_launch_target
+from distaff.launch.run_config import (LaunchTarget, add_ranks_flag, add_task_argument, record_launch,
+                                       resolve_launch_target)
 from distaff.launch.script_values import host_name, plain_text, remote_argument
 from distaff.launch.watcher import signal_job, start_watcher
 from distaff.train.core import presets
-from distaff.train.core.errors import ConfigError, command_main, shown
+from distaff.train.core.errors import ConfigError, command_main, env_int, shown, whole_number
+from distaff.train.core.files import read_text
+from distaff.train.core.threads import check_ranks_per_node, rank_bound
 from distaff.train.core.verbosity import verbose
 
 DEFAULT_MASTER_PORT = 29500
@@ -95,7 +98,7 @@ def read_hostfile(path: str | Path) -> dict[str, int]:
     """A deepspeed hostfile (``host slots=N`` lines; ``#`` comments and blank lines skipped): host -> slots,
     each host a valid name, each count a positive integer, no host twice."""
     slots: dict[str, int] = {}
-    for number, raw in enumerate(Path(path).read_text().splitlines(), 1):
+    for number, raw in enumerate(read_text(path, error=ConfigError, what="--hostfile").splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
@@ -104,11 +107,9 @@ def read_hostfile(path: str | Path) -> dict[str, int]:
         if not match:
             raise ConfigError(f"{where}: {shown(raw)} is not 'HOST slots=N'; write one host and its slot count per line")
         host, count = host_name(match.group(1), f"{where}: host"), match.group(2)
-        if not count.isdigit() or int(count) < 1:
-            raise ConfigError(f"{where}: slots={count} of {host}: expected a positive whole number of ranks")
         if host in slots:
             raise ConfigError(f"{where}: {host} is listed twice; give each host one line")
-        slots[host] = int(count)
+        slots[host] = whole_number(count, f"{where}: slots of {host}", low=1)   # ASCII digits: '²' is refused
     if not slots:
         raise ConfigError(f"--hostfile {path}: no hosts in it; write 'HOST slots=N' lines")
     return slots
@@ -120,18 +121,12 @@ def hosts_from_environment(hosts_arg: str | None, env: Mapping[str, str]) -> lis
     return expand_hostlist(spec) if spec else []
 
 
-def _positive(what: str, text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 1:
-        raise ConfigError(f"{what} {shown(text)}: expected a positive whole number")
-    return int(text)
-
-
 def host_slots(hosts: list[str] | Mapping[str, int], gpus_per_node: int | None,
                env: Mapping[str, str]) -> dict[str, int]:
     """Ranks per host: ``--gpus-per-node``, else a hostfile's counts, else ``$SLURM_GPUS_ON_NODE``, else 1."""
     if isinstance(hosts, Mapping):
         return {host: gpus_per_node or count for host, count in hosts.items()}
-    slots = gpus_per_node or _positive("$SLURM_GPUS_ON_NODE", env.get("SLURM_GPUS_ON_NODE", "1"))
+    slots = gpus_per_node or env_int(env, "SLURM_GPUS_ON_NODE", 1, low=1)
     if len(set(hosts)) != len(hosts):
         raise ConfigError(f"hosts {shown(hosts)}: a host is named twice; name each once")
     return {host: slots for host in hosts}
@@ -179,6 +174,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus-per-node", type=int,
                         help="ranks per node (default: every local GPU; for several hosts: the hostfile's slots, "
                         "$SLURM_GPUS_ON_NODE, else 1)")
+    add_ranks_flag(parser)
     parser.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT)
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="extra variable for every node (repeatable)")
@@ -196,11 +192,13 @@ class LaunchPlan:
 
 
 def plan_launch(target: LaunchTarget, *, hosts: list[str] | Mapping[str, int], gpus_per_node: int | None,
-                master_port: int, env: Mapping[str, str], extra: Mapping[str, str] | None = None) -> LaunchPlan:
+                master_port: int, env: Mapping[str, str], extra: Mapping[str, str] | None = None,
+                max_ranks_per_node: int | None = None) -> LaunchPlan:
     """The command, environment and files for a launch on ``hosts`` (none or one: this node; a mapping: a
     hostfile's slots per host); ``extra``, the user's ``--env`` variables, reach every rank: in the environment
     on one node, through ``.deepspeed_env`` on several, where a credential is refused (it would be written
-    into the run directory)."""
+    into the run directory). Ranks per node are bounded (:mod:`distaff.launch.ranks_per_node`;
+    ``max_ranks_per_node`` is ``--max-ranks-per-node``)."""
     env = {**env, **(extra or {})}
     if gpus_per_node is not None and gpus_per_node < 1:
         raise ConfigError(f"--gpus-per-node {gpus_per_node}: expected at least 1 rank per node")
@@ -208,9 +206,15 @@ def plan_launch(target: LaunchTarget, *, hosts: list[str] | Mapping[str, int], g
         raise ConfigError(f"--master-port {master_port}: expected a TCP port, 1 to 65535")
     if len(hosts) <= 1:  # this node only: deepspeed starts the ranks without ssh
         local = gpus_per_node or (next(iter(hosts.values())) if isinstance(hosts, Mapping) and hosts else None)
+        if local is not None:
+            what = f"--gpus-per-node {local}" if gpus_per_node else f"hostfile: slots={local} of {next(iter(hosts))}"
+            check_ranks_per_node(local, what, rank_bound(max_ranks_per_node, here=True))
         command = deepspeed_command(target, gpus_per_node=local, master_port=master_port)
         return LaunchPlan(command, env, {})
     slots = host_slots(hosts, gpus_per_node, env)
+    bound = rank_bound(max_ranks_per_node, here=False)
+    for host, count in slots.items():
+        check_ranks_per_node(count, f"--gpus-per-node {count}" if gpus_per_node else f"slots={count} of {host}", bound)
     launch_dir = target.out_dir / "launch"
     hostfile, env_file = launch_dir / "hostfile", launch_dir / ".deepspeed_env"
     for name in extra or {}:
@@ -233,7 +237,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    args = _parser().parse_intermixed_args(argv)    # options may follow the overrides
+    return launch(_parser().parse_intermixed_args(argv))    # options may follow the overrides
+
+
+def launch(args: argparse.Namespace) -> int:
+    """``distaff launch`` with parsed options (``distaff decay`` passes a parent run's, recorded)."""
     target = resolve_launch_target(args.config, args.overrides, args.task)
     extra = _parse_env_pairs(args.env)
     env = dict(os.environ)
@@ -242,7 +250,7 @@ def _main(argv: list[str]) -> int:
         # this node's ranks run on CPU: named, deepspeed's launchers do not warn once each that they guessed
         env.setdefault("DS_ACCELERATOR", "cpu")
     plan = plan_launch(target, hosts=hosts, gpus_per_node=args.gpus_per_node, master_port=args.master_port,
-                       env=env, extra=extra)
+                       env=env, extra=extra, max_ranks_per_node=args.max_ranks_per_node)
     command = (f"DS_ENV_FILE={shlex.quote(plan.env['DS_ENV_FILE'])} " if plan.files else "") + shlex.join(plan.command)
     if args.dry_run:
         if torch.cuda.is_available() or args.gpu_kind:   # the plan's line for this job
@@ -257,6 +265,8 @@ def _main(argv: list[str]) -> int:
     for path, text in plan.files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
+    record_launch(target.out_dir, "launch", argparse.Namespace(**{
+        **vars(args), "env": [pair for pair in args.env if not is_secret(pair.partition("=")[0])]}))
     print(f"distaff launch: {command}", file=sys.stderr, flush=True)
     return run_forwarding_signals(plan.command, plan.env, target.module, to_ranks=not plan.files)
 

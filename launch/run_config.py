@@ -7,12 +7,20 @@ writes (the run's name and folder, the config path, the overrides) holds no cont
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from distaff.launch.script_values import plain_text
+from distaff.train.core.threads import MOST_GPUS_PER_NODE, RANKS_FLAG
 from distaff.train.finetune.config import load_finetune_config
 from distaff.train.run.config import config_file, load_config
+
+# what started a run, written by `distaff launch` and `distaff slurm submit`; `distaff decay` reads it
+LAUNCH_RECORD = Path("launch") / "command.json"
 
 # ``--task``: the trainer module each launcher runs, the loader that validates its config, its kind of preset
 TASKS = {"pretrain": ("distaff.train.pretrain", load_config, "run"),
@@ -43,6 +51,12 @@ class LaunchTarget:
                 *(("override", item) for item in self.overrides)]
 
 
+def add_ranks_flag(parser) -> None:
+    parser.add_argument(RANKS_FLAG, type=int, metavar="N",
+                        help="allow up to N ranks per node (default: this node's GPUs, else its cores, when the ranks "
+                             f"run here; {MOST_GPUS_PER_NODE} on other nodes)")
+
+
 def add_task_argument(parser) -> None:
     parser.add_argument("--task", choices=sorted(TASKS), default="pretrain",
                         help="what the ranks run: pretraining (default) or fine-tuning (distaff finetune)")
@@ -67,3 +81,23 @@ def resolve_launch_target(config: str | Path, overrides: list[str], task: str = 
     pinned.append(f"run.out_dir={out_dir}")
     return LaunchTarget(config=config, out_dir=out_dir, name=cfg.run.name, overrides=tuple(pinned), task=task,
                         data_workers=getattr(cfg.data, "num_workers", 0))
+
+
+def record_launch(out_dir: Path, launcher: str, args: argparse.Namespace) -> None:
+    """Write which launcher started the run in ``out_dir``, with its parsed options and the working folder, so that
+    ``distaff decay`` launches a branch of the run the same way (credentials are left out by the caller)."""
+    path = out_dir / LAUNCH_RECORD
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"launcher": launcher, "cwd": os.getcwd(), "args": vars(args)}, indent=1) + "\n")
+
+
+def read_launch_record(out_dir: Path) -> dict[str, Any] | None:
+    """The launch record of the run in ``out_dir`` (None: started some other way, or by an older distaff)."""
+    path = out_dir / LAUNCH_RECORD
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and {"launcher", "cwd", "args"} <= set(record) else None

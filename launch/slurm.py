@@ -31,12 +31,14 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from distaff.launch.run_config import LaunchTarget, add_task_argument, resolve_launch_target
+from distaff.launch.run_config import (LaunchTarget, add_ranks_flag, add_task_argument, record_launch,
+                                       resolve_launch_target)
 from distaff.launch.script_values import (plain_text, sbatch_extra, sbatch_option, slurm_path_pattern,
                                           slurm_time)
 from distaff.train.core import presets
 from distaff.train.core.errors import ConfigError, RunFailure, command_main
 from distaff.train.core.exit_codes import EXIT_PREEMPTED
+from distaff.train.core.threads import check_ranks_per_node, rank_bound
 
 DEFAULT_SIGNAL_LEAD_S = 300
 DEFAULT_MEM_PER_CPU = "4G"   # the rank and each DataLoader worker get one CPU, hence this much memory each
@@ -62,6 +64,7 @@ class SlurmJobSpec:
     sbatch_lines: tuple[str, ...] = ()   # extra "#SBATCH" options, e.g. "--qos=high"
     workdir: Path = field(default_factory=Path.cwd)  # job cwd: relative config paths resolve as here
     python: str = sys.executable
+    max_ranks_per_node: int | None = None  # --max-ranks-per-node (ranks_per_node.py)
 
     @property
     def cpus(self) -> int:
@@ -90,6 +93,12 @@ def _validate(spec: SlurmJobSpec) -> None:
         raise ConfigError(f"--nodes must be >= 1, got {spec.nodes}")
     if spec.ranks_per_node < 1:
         raise ConfigError(f"--gpus-per-node must be >= 1, got {spec.ranks_per_node}")
+    check_ranks_per_node(spec.ranks_per_node, f"--gpus-per-node {spec.ranks_per_node}",
+                         rank_bound(spec.max_ranks_per_node, here=False))
+    if spec.cpu and spec.cpus_per_task is not None and spec.ranks_per_node > spec.cpus_per_task:
+        raise ConfigError(f"--gpus-per-node {spec.ranks_per_node} with --cpu: more ranks than the node's "
+                          f"--cpus-per-task {spec.cpus_per_task}; a CPU rank needs a core of its own: give at most "
+                          f"{spec.cpus_per_task} ranks, or more CPUs")
     if spec.signal_lead_s < 1:
         raise ConfigError(f"--signal-lead must be >= 1 second, got {spec.signal_lead_s}")
     if spec.cpus_per_task is not None and spec.cpus_per_task < 1:
@@ -278,6 +287,7 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     add_task_argument(sub)
     sub.add_argument("--nodes", type=int, required=True)
     sub.add_argument("--gpus-per-node", type=int, required=True, help="ranks per node (one per GPU)")
+    add_ranks_flag(sub)
     sub.add_argument("--cpu", action="store_true", help="CPU ranks: request no GPUs, set DS_ACCELERATOR=cpu")
     sub.add_argument("--cpus-per-task", type=int,
                      help="CPUs per node (default: ranks per node x (1 + data.num_workers))")
@@ -307,13 +317,18 @@ def _main(argv: list[str]) -> int:
     parser, submit_parser = _parser()
     if not argv or argv[0] != "submit":
         parser.parse_args(argv)            # help, or the usage error naming the subcommands
-    args = submit_parser.parse_intermixed_args(argv[1:])
+    return submit_job(submit_parser.parse_intermixed_args(argv[1:]))
+
+
+def submit_job(args: argparse.Namespace) -> int:
+    """``distaff slurm submit`` with parsed options (``distaff decay`` passes a parent run's, recorded)."""
     target = resolve_launch_target(args.config, args.overrides, args.task)
     spec = SlurmJobSpec(
         target=target, nodes=args.nodes, ranks_per_node=args.gpus_per_node, cpu=args.cpu,
         cpus_per_task=args.cpus_per_task, mem=args.mem, mem_per_cpu=args.mem_per_cpu, exclusive=args.exclusive,
         partition=args.partition, account=args.account, time=args.time, job_name=args.job_name,
-        signal_lead_s=args.signal_lead, sbatch_lines=tuple(args.sbatch), python=sys.executable)
+        signal_lead_s=args.signal_lead, sbatch_lines=tuple(args.sbatch), python=sys.executable,
+        max_ranks_per_node=args.max_ranks_per_node)
     script = render_sbatch_script(spec)   # a bad request is refused before anything is printed
     warn_if_node_local(spec.python, dict(os.environ))
     if not args.cpu:   # the plan's line for this job (memory per GPU, fit, estimated time)
@@ -325,6 +340,7 @@ def _main(argv: list[str]) -> int:
         print(f"# submit with:\n{shlex.join(sbatch_command(spec.script_path))}")
         return 0
     job_id = submit(spec)
+    record_launch(target.out_dir, "slurm", args)
     print(job_id)
     print(f"distaff slurm: job {job_id}, logs in {spec.log_dir}", file=sys.stderr)
     return 0

@@ -49,9 +49,10 @@ def test_attention_backward_memory_stays_within_its_gradients():
 
 
 @pytest.mark.timeout(300)
-def test_packing_benchmark_runs_both_layouts_on_real_text(tmp_path, sample_data):
-    """benchmarks/packing.py end to end on a slice of the bundled Shakespeare: both rows measured,
-    padding only in the padded run."""
+@pytest.mark.parametrize("objective", ["mlm", "rtd"])
+def test_packing_benchmark_runs_both_layouts_on_real_text(tmp_path, sample_data, objective):
+    """benchmarks/packing.py end to end on a slice of the bundled Shakespeare, MLM and RTD: both rows measured,
+    padding only in the padded run, the objective's held-out figures in the table and the load stated."""
     import gzip
 
     text = tmp_path / "plays.txt"
@@ -60,14 +61,19 @@ def test_packing_benchmark_runs_both_layouts_on_real_text(tmp_path, sample_data)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, str(BENCHMARKS / "packing.py"), "--text", str(text), "--vocab-size", "800",
                           "--seq-len", "64", "--batch-size", "4", "--tokens", "1500", "--ranks", "1",
-                          "--work-dir", str(tmp_path / "work")], capture_output=True, text=True, timeout=290, env=env)
+                          "--objective", objective, "--work-dir", str(tmp_path / "work")],
+                         capture_output=True, text=True, timeout=290, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in run.stdout.splitlines()
             if line.startswith("| padded |") or line.startswith("| varlen |")}
     assert rows.keys() == {"padded", "varlen"}, run.stdout
     padding = {mode: float(cells[3].strip(" %")) for mode, cells in rows.items()}
     assert padding["varlen"] == 0.0 < padding["padded"]
-    assert all(float(cells[6].replace(",", "")) > 0 for cells in rows.values())  # measured tokens/s
+    assert all(float(cells[5].replace(",", "")) > 0 for cells in rows.values())  # measured tokens/s
+    assert all(len(cells) == (7 if objective == "mlm" else 9) for cells in rows.values()), run.stdout
+    if objective == "rtd":      # the discriminator's held-out accuracy, with its all-"original" baseline
+        assert all(0.0 < float(cells[6].split()[0]) <= 1.0 for cells in rows.values()), run.stdout
+    assert f"{objective}, tiny preset" in run.stdout and "load average (1/5/15 min)" in run.stdout
 
 
 @pytest.mark.timeout(120)

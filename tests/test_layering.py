@@ -20,6 +20,7 @@ FOLDERS = {"kernels": "distaff.kernels", "train": "distaff.train", "launch": "di
 ALLOWED = {
     "distaff.kernels": set(),
     "distaff.kernels.aot": {"distaff.kernels"},
+    "distaff.kernels.attention": {"distaff.kernels"},  # the fused attention: its contract and tables
     "distaff.train.core": set(),
     "distaff.train.data": {"distaff.kernels", "distaff.train.core"},
     "distaff.train.model": {"distaff.kernels", "distaff.train.core"},
@@ -31,11 +32,14 @@ ALLOWED = {
                                "distaff.train.run"},
     "distaff.train.tools": {"distaff.kernels", "distaff.train.core", "distaff.train.data", "distaff.train.model",
                             "distaff.train.run", "distaff.train.pretrain", "distaff.train.finetune", "distaff.train.plan"},
-    # The plan reads run configs and models (parameter sizes from their shapes), never a trainer's loop.
-    "distaff.train.plan": {"distaff.train.core", "distaff.train.model", "distaff.train.run"},
+    # The plan reads run configs and models (parameter sizes from their shapes), and a prepared data dir's manifest
+    # (its seq_len, read and range-checked as a run reads it), never a trainer's loop.
+    "distaff.train.plan": {"distaff.train.core", "distaff.train.model", "distaff.train.run",
+                           "distaff.train.data.manifest"},
     # The launchers read configs and start trainers as processes: never a trainer's loop.
+    # A decay branch's config comes from its parent's checkpoint: its file layout and the schedule (distaff decay).
     "distaff.launch": {"distaff.train.core", "distaff.train.run.config", "distaff.train.finetune.config",
-                       "distaff.train.plan"},
+                       "distaff.train.plan", "distaff.train.run.checkpoint_files", "distaff.train.run.schedule"},
 }
 MAX_MODULES = {"kernels": 12, "train": 12, "tests": 20}
 

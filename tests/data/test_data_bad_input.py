@@ -135,7 +135,7 @@ def test_corrupt_gzip(corpus_files: list[Path], tokenizer_dir: Path, tmp_path: P
 def test_invalid_utf8(tokenizer_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     src = tmp_path / "mixed.txt"
     src.write_bytes(b"A first good paragraph.\n\nA bad \xff\xfe paragraph\non two lines.\n\nThe last good one.\n")
-    with pytest.raises(DataError, match=rf"{src}:3: invalid UTF-8 at byte 6"):
+    with pytest.raises(DataError, match=rf"{src}, line 3, byte 7: byte 0xff is not UTF-8"):
         _prepare([src], tokenizer_dir, tmp_path / "a")
     _prepare([src], tokenizer_dir, tmp_path / "b", skip_bad=True)
     manifest = read_manifest(tmp_path / "b")

@@ -99,7 +99,7 @@ def test_directory_empty_and_bad_inputs_are_named(corpus_files: list[Path], tmp_
     assert train(empty) == 2
     assert f"no text to train on in {empty} (skipped: nothing): every line is empty or skipped" in capsys.readouterr().err
     assert train(bad) == 2
-    assert f"{bad}:1: invalid UTF-8" in capsys.readouterr().err
+    assert f"{bad}, line 1, byte 5: byte 0xff is not UTF-8" in capsys.readouterr().err
     assert train(bad, skip_bad=True) == 2
     err = capsys.readouterr().err
     assert f"no text to train on in {bad}" in err and "'invalid_utf8': 1" in err

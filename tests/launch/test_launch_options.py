@@ -42,7 +42,7 @@ def test_a_port_out_of_range_is_refused(config: Path, capsys, port: str) -> None
 def test_options_may_follow_the_overrides(config: Path, capsys) -> None:
     """The red-team case: options after the overrides gave "unrecognized arguments"."""
     assert cli.main(["launch", "--config", str(config), "optim.lr=1e-3", "--gpus-per-node", "3", "train.max_steps=5",
-                     "--dry-run"]) == 0
+                     "--max-ranks-per-node", "3", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "--num_gpus 3" in out and "optim.lr=1e-3 train.max_steps=5 run.out_dir=" in out
     assert cli.main(["slurm", "submit", "optim.lr=1e-3", "--config", str(config), "--nodes", "1", "train.max_steps=5",
@@ -93,15 +93,17 @@ def test_a_one_host_hostfile_runs_here_with_its_slots(config: Path, tmp_path: Pa
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=3\n")
     target = resolve_launch_target(config, [])
-    plan = plan_launch(target, hosts=read_hostfile(hostfile), gpus_per_node=None, master_port=29500, env={})
+    plan = plan_launch(target, hosts=read_hostfile(hostfile), gpus_per_node=None, master_port=29500, env={},
+                       max_ranks_per_node=3)
     assert plan.files == {} and plan.command[3:5] == ["--num_gpus", "3"]
 
 
 @pytest.mark.parametrize("text, problem", [
     ("gpu01 slots=8\ngpu01 slots=8\n", "line 2: gpu01 is listed twice"),
-    ("gpu01 slots=0\n", "line 1: slots=0 of gpu01: expected a positive whole number"),
-    ("gpu01 slots=-1\n", "slots=-1 of gpu01"),
-    ("gpu01 slots=two\n", "slots=two of gpu01"),
+    ("gpu01 slots=0\n", "line 1: slots of gpu01: expected a whole number >= 1, got '0'"),
+    ("gpu01 slots=-1\n", "slots of gpu01: expected a whole number >= 1, got '-1'"),
+    ("gpu01 slots=two\n", "slots of gpu01: expected a whole number >= 1, got 'two'"),
+    ("gpu01 slots=\u00b2\n", "slots of gpu01: expected a whole number >= 1, got '\u00b2'"),
     ("gpu01\n", "line 1: 'gpu01' is not 'HOST slots=N'"),
     ("gpu01 slots=2 extra\n", "is not 'HOST slots=N'"),
     ("gpu;01 slots=2\n", "line 1: host 'gpu;01': not a host name"),

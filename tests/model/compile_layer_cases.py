@@ -119,3 +119,27 @@ def test_public_ops_keep_their_signatures() -> None:
                  "masked_lm_loss"):
         op = getattr(kernels, name)
         assert op.__wrapped__ is getattr(kernels.reference, name)
+
+
+def test_a_compiled_graph_refuses_bad_inputs_to_the_ops(device) -> None:
+    """The ops check their inputs while torch.compile traces them (the fake implementation), so a compiled graph
+    with k of 4 tokens against q of 8, or a short LayerNorm weight, fails naming it instead of reading past the end
+    (issue 41; every other path: tests/kernels/test_op_contract.py)."""
+    q, k = torch.randn(1, 2, 8, 16, device=device), torch.randn(1, 2, 4, 16, device=device)
+    table = torch.randn(2, 16, 16, device=device)
+
+    def direct(q, k):
+        return torch.ops.distaff.attention(q, k, k, table, table, None, None, None, 0.1, 0, 8, 16, 0.0, False,
+                                           "reference")[0]
+
+    def public(q, k):
+        return kernels.disentangled_attention(q, k, k, table, table, position_buckets=8, max_relative_positions=16)
+
+    def layer_norm(x):
+        return kernels.layer_norm(x, torch.ones(8, device=x.device), torch.zeros(8, device=x.device), 1e-5)
+
+    for fn, args, message in ((direct, (q, k), "k must have the shape of q"), (public, (q, k), "k must have the shape"),
+                              (layer_norm, (torch.randn(3, 16, device=device),), r"weight must be \[16\]")):
+        with pytest.raises(Exception, match=message):
+            torch.compile(fn, fullgraph=True, backend="aot_eager")(*args)
+        torch._dynamo.reset()

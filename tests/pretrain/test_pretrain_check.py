@@ -3,6 +3,8 @@ commands that look at a run without training it: ``distaff pretrain --check`` an
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 from pathlib import Path
 
@@ -12,6 +14,8 @@ import yaml
 from pretrain_fixtures import prepare_data, rank_logs, spawn_ranks, torchrun, run_log, wait_all, write_config
 
 from distaff.train.pretrain.trainer import load_run_config, main
+from distaff.train.run.checkpoint_files import FILES, META, write_file_list
+from distaff.train.tools.export import main as export_main
 from distaff.train.run.config import config_to_dict
 
 pytestmark = pytest.mark.integration
@@ -84,3 +88,33 @@ def test_a_run_resumed_with_another_seed_is_refused_before_its_engine(finished, 
         log = (tmp_path / f"rank{rank}.log").read_text()
         assert "run.seed: 7 in checkpoint" in log and "Traceback" not in log, log[-2000:]
         assert "DeepSpeed" not in log and "resuming from" not in log, log[-2000:]
+
+
+def test_a_checkpoints_meta_json_is_verified_and_a_missing_field_differs(finished, tmp_path, capsys, monkeypatch):
+    """Issue 41: editing meta.json's format number turned verification off, so export wrote altered weights with
+    exit 0; a model field missing from it was never compared, so --check said OK for a changed layer count and the
+    resume failed with a traceback. Now both are refused, by export, --check and the run alike."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    run, config = finished
+    copy = shutil.copytree(run, tmp_path / "run")
+    step = copy / "checkpoints" / "step-00000002"
+    assert META.as_posix() in json.loads((step / FILES).read_text())
+    text = (step / META).read_text()
+    (step / META).write_text(text.replace('"format": 4', '"format": 2'))          # "turns verification off"
+    assert export_main([str(step), str(tmp_path / "hf")]) == 2
+    assert "distaff/meta.json has changed since it was saved" in capsys.readouterr().err
+    code, out, _ = _check(config, capsys, f"run.out_dir={copy}")
+    assert code == 0 and f"skipping checkpoint {step}: distaff/meta.json has changed" in out and "a new run" in out
+    # a checkpoint whose meta.json lacks num_hidden_layers (recorded in its file list): a difference
+    meta = json.loads(text)
+    del meta["model_config"]["num_hidden_layers"]
+    (step / META).write_text(json.dumps(meta))
+    write_file_list(step)
+    overrides = [f"run.out_dir={copy}", "model.num_hidden_layers=1", "train.max_steps=4"]
+    code, _, err = _check(config, capsys, *overrides)
+    assert code == 2 and re.search(r"model.num_hidden_layers: missing \(default \d+\) in checkpoint .*, 1 in this run",
+                                   err), err
+    codes = wait_all(spawn_ranks(config, tmp_path, *overrides), 120)
+    log = (tmp_path / "rank0.log").read_text()
+    assert codes == [2, 2] and "model.num_hidden_layers: missing (default" in log, log[-2000:]
+    assert "Traceback" not in log and "resuming from" not in log, log[-2000:]

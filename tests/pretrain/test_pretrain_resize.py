@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from pretrain_fixtures import SEQ_LEN, assert_redealt, metrics, prepare_data, run_probe, write_config
+from pretrain_fixtures import (SEQ_LEN, assert_redealt, metrics, prepare_data, rank_logs, run_probe, spawn_ranks,
+                               wait_all, write_config)
 
 from distaff.train.data.loader import PretrainLoader, open_data_dir
 from distaff.train.pretrain.trainer import EXIT_PREEMPTED
@@ -105,14 +106,15 @@ def test_other_zero_stages_resume_on_fewer_ranks(stage, sample_data, tmp_path_fa
 
 @pytest.mark.timeout(200)
 def test_rank0_alone_checks_the_checkpoint_and_tells_the_others(sample_data, tmp_path_factory):
-    """Only rank 0 resolves and hashes the checkpoint; its verdict, here an error, reaches rank 1 at once."""
+    """Only rank 0 resolves and hashes the checkpoint, before any engine; its verdict, here bad input, reaches rank 1
+    at once, and both refuse in one line, exit 2."""
     config, tmp = _config(0, sample_data, tmp_path_factory, steps=2)
-    codes, logs = run_probe(config, tmp, 2, tmp / "probe", f"checkpoint.resume={tmp / 'no-such-checkpoint'}",
-                            state=False, timeout=120)
-    assert codes == [1, 1], logs
-    assert "FileNotFoundError: checkpoint.resume=" in (tmp / "rank0.log").read_text()
-    assert "rank 0 could not choose a checkpoint to resume from: FileNotFoundError: checkpoint.resume=" \
-        in (tmp / "rank1.log").read_text()
+    codes = wait_all(spawn_ranks(config, tmp, f"checkpoint.resume={tmp / 'no-such-checkpoint'}"), timeout=120)
+    assert codes == [2, 2], rank_logs(tmp)
+    for rank in (0, 1):
+        log = (tmp / f"rank{rank}.log").read_text()
+        assert f"rank {rank}: checkpoint.resume='{tmp / 'no-such-checkpoint'}': not a complete checkpoint" in log, log
+        assert "Traceback" not in log and "DeepSpeed" not in log, log
 
 
 @pytest.mark.timeout(1000)

@@ -14,13 +14,14 @@ pytestmark = pytest.mark.integration
 
 
 def zero_run(base: Path, sample_data: Path, stage: int) -> Path:
-    """A finished 2-rank run at ZeRO ``stage`` (cached per session: test_export uses the ZeRO-3 one)."""
+    """A finished 2-rank run at ZeRO ``stage`` (cached per session: test_export uses the ZeRO-3 one, test_average
+    all three runs' last three checkpoints)."""
     out = base / f"zero{stage}-run"
     if (out / "summary.json").is_file():
         return out
     data = prepare_data(base, sample_data)
     config = write_config(base / f"zero{stage}.yaml", data, out, zero={"stage": stage}, train={"max_steps": 16},
-                          checkpoint={"every": 8, "keep": 1}, eval={"every": 8, "batches": 4})
+                          checkpoint={"every": 4, "keep": 3}, eval={"every": 8, "batches": 4})
     proc = torchrun(config, base)
     assert proc.returncode == 0, run_log(proc)
     return out
@@ -53,5 +54,5 @@ def test_zero_run_learns_and_writes_its_outputs(stage, sample_data, tmp_path_fac
     assert 0 < summary["unigram_baseline_accuracy"] < 0.2
     assert (out / "metrics.png").stat().st_size > 1000
     ckpts = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
-    assert ckpts == ["step-00000016"]                         # keep=1 pruned step 8
+    assert ckpts == ["step-00000008", "step-00000012", "step-00000016"]   # keep=3 pruned step 4
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000016"

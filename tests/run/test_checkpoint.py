@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from distaff.train.run.checkpoint import (META, Checkpointer, RNGState, latest_checkpoint, prune, remove_partial, resolve_resume,
-                                      tag_for_step)
+from distaff.train.run.checkpoint import (FORMAT_VERSION, META, Checkpointer, RNGState, latest_checkpoint, prune, remove_partial,
+                                      resolve_resume, tag_for_step)
 from distaff.train.core.files import atomic_write_text
+from distaff.train.run.checkpoint_files import write_file_list
 from distaff.train.data.errors import DataError
 
 pytestmark = pytest.mark.unit
@@ -44,10 +45,11 @@ def test_atomic_write_replaces_whole_files(tmp_path):
 
 
 def _fake_complete(root, step):
-    """A folder that has our completion marker (the DeepSpeed files do not matter for finding)."""
+    """A folder that has our completion marker and its file list (the DeepSpeed files do not matter for finding)."""
     folder = root / tag_for_step(step)
     (folder / META).parent.mkdir(parents=True)
-    (folder / META).write_text(json.dumps({"step": step}))
+    (folder / META).write_text(json.dumps({"format": FORMAT_VERSION, "step": step, "world_size": 1}))
+    write_file_list(folder)
     return folder
 
 
@@ -141,7 +143,7 @@ def test_checkpointer_saves_on_schedule_signal_and_last_step_once_and_restores(t
 
     restored_position, restored_totals = _Counter(), _Counter()
     resumed = _checkpointer(tmp_path, _FakeEngine(), restored_position, restored_totals)
-    assert resumed.restore("auto") == tmp_path / "step-00000007"
+    assert resumed.restore_chosen(resolve_resume("auto", tmp_path)) == tmp_path / "step-00000007"
     assert (restored_position.value, restored_totals.value) == (7, 70)
     resumed.maybe_save(7, last=True)                                       # already saved: nothing to do
     assert resumed.engine.saves == 0

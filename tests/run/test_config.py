@@ -126,7 +126,7 @@ def test_flop_count_includes_position_terms_and_emd():
                                       "data.masking.mlm_probability=-.inf", "optim.eps=nan"])
 def test_non_finite_float_values_are_rejected_naming_the_key(override):
     key = override.split("=")[0]
-    with pytest.raises(ConfigError, match="must be a finite number") as err:
+    with pytest.raises(ConfigError, match="expected a finite number") as err:
         load_config(None, ["data.dir=/d", override])
     assert str(err.value).startswith(key.replace("optim.betas", "optim.betas[1]"))
 
@@ -140,17 +140,15 @@ def test_token_budget_defaults_to_the_padded_batch_positions():
     assert chosen.data.token_budget(128) == 5000
 
 
-@pytest.mark.parametrize("setting, first, second", [
-    ("packing", r"train\.objective=rtd", r"data\.packing=varlen"),
-    ("init_from", r"model\.init_from", r"rtd\.init_discriminator"),
-])
-def test_rtd_refuses_settings_it_cannot_run_naming_both_keys(tmp_path, setting, first, second):
+def test_rtd_refuses_init_from_naming_both_keys_and_takes_packed_batches(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(load_config(None, ["data.dir=/d"]).model_config())))
-    override = "data.packing=varlen" if setting == "packing" else f"model.init_from={tmp_path}"
+    override = f"model.init_from={tmp_path}"
     load_config(None, ["data.dir=/d", override])            # valid for MLM
-    with pytest.raises(ConfigError, match=first) as err:
+    with pytest.raises(ConfigError, match=r"model\.init_from") as err:
         load_config(None, ["data.dir=/d", "train.objective=rtd", override])
-    assert re.search(second, str(err.value)), err.value
+    assert re.search(r"rtd\.init_discriminator", str(err.value)), err.value
+    packed = load_config(None, ["data.dir=/d", "train.objective=rtd", "data.packing=varlen"])
+    assert (packed.train.objective, packed.data.packing) == ("rtd", "varlen")
 
 
 def _alias_bomb(depth: int) -> str:
@@ -222,3 +220,40 @@ def test_a_yaml_syntax_error_is_one_line_naming_the_line(tmp_path):
     with pytest.raises(ConfigError) as raised:
         load_config(config)
     assert len(str(raised.value).splitlines()) == 1 and f"{config}, line 4" in str(raised.value)
+
+
+@pytest.mark.parametrize("raw, where", [
+    (b"run:\n  name: caf\xe9\n", "line 2, byte 12: byte 0xe9 is not UTF-8"),
+    (b"run:\n  name: a\x00b\n", "line 2, byte 10: a NUL byte"),
+])
+def test_a_config_that_is_not_utf8_text_is_one_line_naming_it_in_every_command(tmp_path, capsys, monkeypatch, raw,
+                                                                               where):
+    """Issue 41, cause 5: a Latin-1 byte or a NUL gave tracebacks naming no file. Every command that reads a config:
+    the two trainers (their run and --check), launch, slurm, plan, ablate, and a model preset file."""
+    from distaff.launch import cli
+    from distaff.train.finetune.trainer import main as finetune_main
+    from distaff.train.pretrain.trainer import main as pretrain_main
+    from distaff.train.tools.ablate import main as ablate_main
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    config = tmp_path / "bad.yaml"
+    config.write_bytes(raw)
+    model = tmp_path / "model.yaml"
+    model.write_bytes(raw.replace(b"run:\n  name", b"hidden_size: 32\nname"))
+    calls = [(lambda: pretrain_main(["--config", str(config)]), "distaff pretrain"),
+             (lambda: pretrain_main(["--config", str(config), "--check"]), "distaff pretrain"),
+             (lambda: finetune_main(["--config", str(config)]), "distaff finetune"),
+             (lambda: finetune_main(["--config", str(config), "--check"]), "distaff finetune"),
+             (lambda: cli.main(["launch", "--config", str(config), "--dry-run"]), "distaff launch"),
+             (lambda: cli.main(["slurm", "submit", "--config", str(config), "--nodes", "1", "--gpus-per-node", "1",
+                                "--dry-run"]), "distaff slurm"),
+             (lambda: cli.main(["plan", "--config", str(config), "--gpus", "1xA100-80GB"]), "distaff plan"),
+             (lambda: ablate_main(["--config", str(config), "--dry-run"]), "distaff ablate")]
+    for call, prog in calls:
+        assert call() == 2, prog
+        err = capsys.readouterr().err
+        assert err.startswith(f"{prog}: ") and err.count("\n") == 1 and "Traceback" not in err, err
+        assert f"bad.yaml, {where}" in err, err
+    assert pretrain_main(["--config", "tiny-cpu", f"model.preset={model}", "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "model.yaml, line 2, byte " in err and where.split(": ", 1)[1] in err, err

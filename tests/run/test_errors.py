@@ -34,12 +34,16 @@ def _raising(err: BaseException):
     (OSError(errno.EROFS, "Read-only file system", "/ro/run"), 2, "distaff x: /ro/run: read-only file system"),
     (RunFailure("no space left on /runs; step 2 is intact"), 1, "distaff x: no space left on /runs; step 2 is intact"),
     (ZeroDivisionError("division by zero"), 1, "distaff x: failed: ZeroDivisionError: division by zero"),
+    # issue 41: a write refused by the file-size limit (or a full disk) says so, in one line, without a traceback
+    (OSError(errno.EFBIG, "File too large", "/runs/s.tar"), 1,
+     "distaff x: /runs/s.tar: a file reached the file-size limit (`ulimit -f`; raise it, e.g. ulimit -f unlimited)"),
+    (OSError(errno.ENOSPC, "No space left on device", "/runs/s.tar"), 1, "distaff x: /runs/s.tar: no space left"),
 ])
 def test_each_kind_of_error_is_one_line_with_its_exit_status(err, code, line, capsys):
     assert command_main("distaff x", _raising(err), []) == code
     err_text = capsys.readouterr().err
     assert err_text.splitlines()[-1] == line
-    assert ("Traceback" in err_text) == (code == 1 and not isinstance(err, RunFailure))
+    assert ("Traceback" in err_text) == (code == 1 and not isinstance(err, (RunFailure, OSError)))
 
 
 @pytest.mark.unit

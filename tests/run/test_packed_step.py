@@ -35,6 +35,9 @@ class AccumulatingEngine:
     def step(self) -> None:
         pass
 
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        pass
+
 
 @pytest.fixture
 def one_rank_group():

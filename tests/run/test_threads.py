@@ -26,6 +26,7 @@ from pretrain_fixtures import PYTHON, prepare_data, rank_env, run_log, write_con
     ({"SLURM_NTASKS_PER_NODE": "8"}, 8),                         # srun --ntasks-per-node
     ({"LOCAL_WORLD_SIZE": "2", "SLURM_NTASKS_PER_NODE": "1"}, 2),  # torchrun inside a one-task-per-node job
     ({"LOCAL_WORLD_SIZE": "", "LOCAL_SIZE": "0", "SLURM_NTASKS_PER_NODE": "2(x3)"}, 1),  # unusable values
+    ({"LOCAL_WORLD_SIZE": "\u00b2"}, 1),                          # str.isdigit() says yes, int() says no
 ])
 def test_local_world_size_comes_from_the_launcher(env, ranks):
     assert local_world_size(env) == ranks

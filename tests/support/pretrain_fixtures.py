@@ -67,6 +67,25 @@ def prepare_data(base: Path, sample_data: Path, pack_documents: bool = True) -> 
     return data_dir
 
 
+def prepare_source(base: Path, sample_data: Path, corpus: str = "austen-emma-pride.txt.gz", seq_len: int = SEQ_LEN,
+                   chars: int = 300_000) -> Path:
+    """Another data dir with :func:`prepare_data`'s tokenizer (documents packed), from another bundled text and/or at
+    another length: a second source to mix, or a phase's; cached per session."""
+    prepare_data(base, sample_data)                                    # the shared tokenizer
+    data_dir = base / f"source-{corpus.split('.')[0]}-{seq_len}"
+    if (data_dir / "manifest.json").is_file():
+        return data_dir
+    text = base / f"{corpus.split('.')[0]}-{chars}.txt"
+    if not text.is_file():
+        with gzip.open(sample_data / corpus, "rt") as handle:
+            text.write_text(handle.read(chars))
+    subprocess.run([PYTHON, "-m", "distaff.launch.cli", "data", "prepare", "--input", str(text), "--tokenizer",
+                    str(base / "tokenizer"), "--seq-len", str(seq_len), "--out", str(data_dir), "--heldout-fraction",
+                    "0.05", "--shard-mb", "0.05", "--workers", "1", "--no-progress", "--pack-documents"],
+                   check=True, env=rank_env(base), capture_output=True)
+    return data_dir
+
+
 def write_config(path: Path, data_dir: Path, out_dir: Path, **sections) -> Path:
     """A small run config; ``sections`` (e.g. ``train={"max_steps": 5}``) update the defaults."""
     values = {
@@ -91,10 +110,11 @@ RUN_DEFAULTS = {
 
 
 def write_sections(path: Path, values: dict, sections: dict) -> Path:
-    """``RUN_DEFAULTS``, then ``values``, each section updated by ``sections``, written as YAML to ``path``."""
+    """``RUN_DEFAULTS``, then ``values``, each section updated by ``sections`` (a list, ``phases``, replaced), written
+    as YAML to ``path``."""
     merged = {**RUN_DEFAULTS, **values}
     for name, update in sections.items():
-        merged[name] = {**merged.get(name, {}), **update}
+        merged[name] = update if isinstance(update, list) else {**merged.get(name, {}), **update}
     path.write_text(yaml.safe_dump(merged))
     return path
 

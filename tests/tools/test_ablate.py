@@ -267,3 +267,73 @@ def test_paired_differences_use_only_seeds_both_variants_finished(unprepared_bas
             {"variant": "relative", "seed": 4, "eval_loss": 6.0}, {"variant": "rope", "seed": 4, "eval_loss": 5.75},
             {"variant": "rope", "seed": 5, "eval_loss": 1.0}]
     assert paired_differences(cfg, rows) == {"rope": [0.5, -0.25]}
+
+
+DERIVED = [{"name": "linear", "overrides": {}},
+           {"name": "wsd", "overrides": {"optim.schedule": "wsd", "checkpoint.every": 2}},
+           {"name": "wsd-decay", "branch": {"of": "wsd", "decay": 0.5, "shape": "linear"}},
+           {"name": "wsd-avg", "average": {"of": "wsd", "last": 3}},
+           {"name": "wsd-last", "average": {"of": "wsd", "last": 1}}]
+
+
+@pytest.mark.unit
+def test_branches_and_averages_plan_from_their_parent_run(unprepared_base, tmp_path):
+    cfg = load_ablation(_ablation(tmp_path, unprepared_base, tokens=8 * 4 * 64, seeds=[3], variants=DERIVED,
+                                  prepare={"input": "corpus.txt", "seq_len": 64}))
+    runs = {run.variant: run for run in plan_runs(cfg)}
+    assert {name: run.max_steps for name, run in runs.items()} == dict.fromkeys(runs, 8)
+    parent, branch = runs["wsd"], runs["wsd-decay"]
+    assert "optim.decay_start=8" in parent.overrides and "checkpoint.keep=3" in parent.overrides   # stable; 4 6 8 kept
+    assert branch.parent is parent and runs["wsd-avg"].parent is parent and runs["wsd-avg"].average.last == 3
+    assert {"optim.decay_start=4", "optim.decay_steps=4", "optim.decay_shape=linear", "checkpoint.resume=auto",
+            f"checkpoint.branch_from={(parent.out_dir / 'checkpoints' / 'step-00000004').resolve()}",
+            f"run.out_dir={tmp_path / 'abl' / 'runs' / 'wsd-decay' / 'seed-3'}"} <= set(branch.overrides)
+    assert runs["wsd-avg"].config == parent.config and not runs["wsd-avg"].overrides
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("variants,message", [
+    ([{"name": "b", "branch": {"of": "a", "decay": 0.2}}], r"variants\[0\]\.branch\.of: 'a' is not an earlier variant"),
+    ([DERIVED[0], {"name": "b", "branch": {"of": "linear", "decay": 1.5}}], r"branch\.decay: .* between 0 and 1"),
+    ([DERIVED[0], {"name": "b", "branch": {"of": "linear", "decay": 0.2}}],
+     r"variant linear: other variants branch from it, so it needs optim\.schedule: wsd"),
+    ([DERIVED[0], {"name": "b", "average": {"of": "linear", "last": 2}}],
+     r"variant linear: other variants average its last checkpoints, so it needs checkpoint\.every"),
+    ([DERIVED[0], {"name": "b", "average": {"of": "linear", "last": 0}}], r"average\.last: a number of checkpoints"),
+    ([DERIVED[0], {"name": "b", "average": {"of": "linear", "last": 1}, "overrides": {"optim.lr": 1}}],
+     r"an average trains nothing"),
+    ([DERIVED[0], {"name": "b", "overrides": {"train.objective": "rtd"}}], r"variants train different objectives"),
+])
+def test_bad_branches_and_averages_are_one_line(unprepared_base, tmp_path, variants, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        load_ablation(_ablation(tmp_path, unprepared_base, variants=variants))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(500)
+def test_a_decay_branch_and_averages_run_after_their_parent_and_are_reported(base_config, tmp_path):
+    config = _ablation(tmp_path, base_config, tokens=8 * 4 * 64, seeds=[3], evals=4, variants=DERIVED[1:],
+                       overrides={"eval.batches": 0})
+    done = _ablate(config, tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runs = tmp_path / "abl" / "runs"
+    summary = {v["name"]: json.loads((runs / v["name"] / "seed-3" / "summary.json").read_text()) for v in DERIVED[1:]}
+    assert {name: s["steps"] for name, s in summary.items()} == dict.fromkeys(summary, 8)
+    losses = {name: {r["step"]: r["loss"] for r in map(json.loads, (runs / name / "seed-3" / "metrics.jsonl")
+                                                       .read_text().splitlines()) if "loss" in r}
+              for name in ("wsd", "wsd-decay")}
+    # the branch continues its parent's step 4 exactly: step 5 still runs at the peak rate, the decay changes step 6 on
+    assert sorted(losses["wsd-decay"]) == [6, 8] and losses["wsd-decay"][6] == losses["wsd"][6]
+    assert losses["wsd-decay"][8] != losses["wsd"][8]
+    # an average of the last checkpoint alone, scored in one process, is the run's own final evaluation
+    assert summary["wsd-last"]["eval_loss"] == summary["wsd"]["eval_loss"]
+    assert summary["wsd-avg"]["eval_loss"] != summary["wsd"]["eval_loss"]
+    averaged = json.loads((runs / "wsd-avg" / "seed-3" / "checkpoint" / "distaff" / "meta.json").read_text())
+    assert [s["step"] for s in averaged["averaged_from"]] == [4, 6, 8]
+    report = (tmp_path / "abl" / "ablation.md").read_text()
+    assert "`wsd-decay` is a decay branch of `wsd`" in report and "| wsd-avg | 1 |" in report
+    assert f"| wsd-avg | wsd | 1 | {summary['wsd-avg']['eval_loss'] - summary['wsd']['eval_loss']:+.4f} +- 0.0000 |" \
+        in report                                   # each made variant against the run it was made from
+    again = _ablate(config, tmp_path)
+    assert again.returncode == 0 and again.stdout.count("done before") == 4, again.stdout[-2000:]

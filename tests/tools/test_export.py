@@ -63,6 +63,8 @@ def _two_checkpoints(run: Path, copy: Path) -> tuple[Path, Path]:
     shutil.copytree(run, copy)
     newest = copy / "checkpoints" / "step-00000016"
     older = copy / "checkpoints" / "step-00000008"
+    for kept in (older, copy / "checkpoints" / "step-00000012"):    # the run's own older ones (keep=3)
+        shutil.rmtree(kept)
     shutil.copytree(newest, older)
     return newest, older
 

@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn
@@ -21,6 +22,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from distaff.train.core.errors import ConfigError, env_int
 from distaff.train.core.verbosity import quiet_torch_warnings
 
 
@@ -45,14 +47,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def env_from_environ() -> DistEnv:
-    """Rank layout from torchrun/deepspeed variables, else Slurm's, else a single process."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return DistEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)))
+# (rank, world size, local rank) variables of each launcher: torchrun and deepspeed's, else srun's
+LAUNCHER_VARIABLES = (("RANK", "WORLD_SIZE", "LOCAL_RANK"), ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
+MAX_PORT = 65535
+
+
+def env_from_environ(env: Mapping[str, str] = os.environ) -> DistEnv:
+    """Rank layout from torchrun/deepspeed variables, else Slurm's, else a single process; a variable that is not
+    a whole number in range (``MASTER_PORT`` too, a TCP port) is a ConfigError naming it."""
+    env_int(env, "MASTER_PORT", low=1, high=MAX_PORT)
+    for rank_name, size_name, local_name in LAUNCHER_VARIABLES:
+        if rank_name in env and size_name in env:
+            world_size = env_int(env, size_name, low=1)
+            rank = env_int(env, rank_name, high=world_size - 1)
+            return DistEnv(rank, world_size, env_int(env, local_name, 0, high=world_size - 1))
     return DistEnv(0, 1, 0)
+
+
+def _check_rendezvous(layout: DistEnv, env: Mapping[str, str]) -> None:
+    """MASTER_ADDR and MASTER_PORT set for several processes; LOCAL_RANK one of this node's GPUs when it has any."""
+    if layout.world_size > 1 and not ("MASTER_ADDR" in env and "MASTER_PORT" in env):
+        raise ConfigError("MASTER_ADDR and MASTER_PORT must be set for a multi-process run "
+                           "(the deepspeed launcher and torchrun set them; export them in an sbatch script)")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and layout.local_rank >= gpus:
+        raise ConfigError(f"environment variable LOCAL_RANK: {layout.local_rank}, but this node has {gpus} GPU(s) "
+                          f"(ranks 0 to {gpus - 1}); start at most {gpus} ranks per node")
 
 
 def quiet_library_warnings(rank: int) -> None:
@@ -88,9 +108,7 @@ def die_with_launcher() -> None:
 def init_distributed(timeout_s: int) -> DistEnv:
     """Initialise torch.distributed (NCCL on GPUs, gloo on CPUs) for the launcher's layout."""
     layout = env_from_environ()
-    if layout.world_size > 1 and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
-        raise RuntimeError("MASTER_ADDR and MASTER_PORT must be set for a multi-process run "
-                           "(the deepspeed launcher and torchrun set them; export them in an sbatch script)")
+    _check_rendezvous(layout, os.environ)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     # DeepSpeed reads these names whichever launcher started us.

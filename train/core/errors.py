@@ -9,18 +9,25 @@ else is a bug or a broken machine: its traceback, then one line naming the excep
 ``--debug`` anywhere on a command line (or ``DISTAFF_DEBUG=1``, which ``--debug`` sets for the
 processes a command starts) prints the traceback of every error.
 
+Numbers a user gives (command-line values, launcher variables, fields of the files distaff reads) are parsed
+here too, by :func:`finite_float`, :func:`whole_number` and :func:`env_int`, so every one is range-checked and its
+error names where it came from.
+
 Imports nothing heavy: launchers use it without importing torch.
 """
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import errno
+import math
 import os
+import re
 import reprlib
 import sys
 import traceback
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from distaff.train.core.exit_codes import EXIT_BAD_CONFIG, EXIT_FAILURE
 from distaff.train.core.verbosity import take_verbose_flag
@@ -77,19 +84,98 @@ def reject_unknown_keys(values: Iterable[str], known: Iterable[str], what: str, 
     raise ConfigError(f"{what} {[prefix + key for key in unknown]}{hint}{question}")
 
 
+_DIGITS = re.compile(r"[0-9]+")     # ASCII digits only: str.isdigit() also takes '²', which int() refuses
+
+
+def _number(value: float) -> str:
+    return f"{value:,}" if isinstance(value, int) else f"{value:g}"
+
+
+def _bounds(low: float | None, high: float | None, low_open: bool) -> str:
+    parts = [f"{'>' if low_open else '>='} {_number(low)}" if low is not None else "",
+             f"<= {_number(high)}" if high is not None else ""]
+    return " and ".join(part for part in parts if part)
+
+
+def finite_float(value: Any, what: str, *, low: float | None = None, high: float | None = None,
+                 low_open: bool = False, error: type[UserError] = ConfigError) -> float:
+    """``value`` (text or a number) as a finite float within the bounds; else ``error`` naming ``what``. nan and
+    inf are refused: they pass every comparison a range check makes, and turn a plan or a run into NaN."""
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            pass
+    bounds = _bounds(low, high, low_open)
+    below = low is not None and number is not None and (number <= low if low_open else number < low)
+    if number is None or not math.isfinite(number) or below or (high is not None and number > high):
+        raise error(f"{what}: expected a finite number{' ' + bounds if bounds else ''}, got {shown(value)}")
+    return number
+
+
+def whole_number(value: Any, what: str, *, low: int | None = 0, high: int | None = None,
+                 error: type[UserError] = ConfigError) -> int:
+    """``value`` (an int, or text of ASCII digits) as an int within the bounds; else ``error`` naming ``what``."""
+    number = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str) and _DIGITS.fullmatch(value.strip().removeprefix("-")):
+        number = int(value.strip())
+    if number is None or (low is not None and number < low) or (high is not None and number > high):
+        bounds = _bounds(low, high, False)
+        raise error(f"{what}: expected a whole number{' ' + bounds if bounds else ''}, got {shown(value)}")
+    return number
+
+
+def env_int(env: Mapping[str, str], name: str, default: int | None = None, *, low: int = 0,
+            high: int | None = None) -> int | None:
+    """The launcher variable ``name`` of ``env`` as a whole number (``default`` when unset); a bad value is a
+    :class:`ConfigError` naming the variable."""
+    if name not in env:
+        return default
+    return whole_number(env[name], f"environment variable {name}", low=low, high=high)
+
+
+def float_arg(what: str, **bounds: Any) -> Callable[[str], float]:
+    """An argparse ``type`` for a float option: :func:`finite_float` with ``bounds``, reported by argparse."""
+    def parse(text: str) -> float:
+        try:
+            return finite_float(text, what, **bounds)
+        except ConfigError as err:
+            raise argparse.ArgumentTypeError(str(err).removeprefix(f"{what}: ")) from None
+
+    return parse
+
+
 def is_bad_input(err: BaseException) -> bool:
     return isinstance(err, (UserError, *_PATH_ERRORS)) or (isinstance(err, OSError) and err.errno in _PATH_ERRNOS)
 
 
+# a write refused for want of room: a full disk or quota, or the process's file-size limit (RLIMIT_FSIZE)
+_NO_ROOM_ERRNOS = {errno.ENOSPC: "no space left", errno.EDQUOT: "the disk quota is used up",
+                   errno.EFBIG: "a file reached the file-size limit (`ulimit -f`; raise it, e.g. ulimit -f unlimited)"}
+
+
+def is_run_failure(err: BaseException) -> bool:
+    """A failure outside the input and the code (one line, exit 1, no traceback): a :class:`RunFailure`, or a write
+    refused for want of room."""
+    return isinstance(err, RunFailure) or (isinstance(err, OSError) and err.errno in _NO_ROOM_ERRNOS)
+
+
 def describe(err: BaseException) -> str:
     """The one-line message of ``err`` (an ``OSError`` as ``path: reason``), at most MAX_MESSAGE_CHARS long."""
-    if isinstance(err, OSError) and err.strerror and err.filename is not None:
+    if isinstance(err, OSError) and err.errno in _NO_ROOM_ERRNOS:
+        message = f"{err.filename or 'a write'}: {_NO_ROOM_ERRNOS[err.errno]}"
+    elif isinstance(err, OSError) and err.strerror and err.filename is not None:
         message = f"{err.filename}: {err.strerror.lower()}"
     else:
         message = str(err) or type(err).__name__
     if is_bad_input(err):
         message = " ".join(line.strip() for line in message.splitlines())
-    elif not isinstance(err, RunFailure):
+    elif not is_run_failure(err):
         message = f"failed: {type(err).__name__}: {message}"
     if len(message) > MAX_MESSAGE_CHARS:
         half = MAX_MESSAGE_CHARS // 2
@@ -112,7 +198,7 @@ def report(prog: str, err: BaseException, where: str = "", hint: str = "") -> in
     """Print ``err`` for the command ``prog`` (``where``, e.g. ``"rank 1: "``, after its name; ``hint`` in
     parentheses after the message); the exit status."""
     bad = is_bad_input(err)
-    if debug_enabled() or not (bad or isinstance(err, RunFailure)):
+    if debug_enabled() or not (bad or is_run_failure(err)):
         traceback.print_exception(err)
     print(f"{prog}: {where}{describe(err)}{f' ({hint})' if hint else ''}", file=sys.stderr, flush=True)
     return EXIT_BAD_INPUT if bad else EXIT_FAILURE

@@ -23,7 +23,7 @@ import socket
 import sys
 from pathlib import Path
 
-from distaff.train.core.errors import ConfigError
+from distaff.train.core.errors import ConfigError, env_int
 
 __all__ = ["LOCK_FILE", "DirLock", "DirectoryBusy"]
 
@@ -36,7 +36,7 @@ class DirectoryBusy(ConfigError):
 
 def _holder() -> dict[str, object]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-            "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+            "slurm_restart": env_int(os.environ, "SLURM_RESTART_COUNT", 0),
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -46,7 +46,7 @@ def _earlier_attempt_of_this_job(text: str) -> bool:
     try:
         holder = json.loads(text)
         return bool(job) and holder["slurm_job_id"] == job and \
-            int(holder["slurm_restart"]) < int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+            int(holder["slurm_restart"]) < env_int(os.environ, "SLURM_RESTART_COUNT", 0)
     except (ValueError, KeyError, TypeError):
         return False
 

@@ -12,27 +12,41 @@ machine's CPU time), with a one-line notice saying so; ``OMP_NUM_THREADS`` is ex
 for the processes it starts. Importing ``distaff.train`` sets ``OMP_WAIT_POLICY=PASSIVE`` (unless set), read
 when torch loads its OpenMP runtime: idle OpenMP workers sleep instead of spinning, so a thread that waits
 takes no CPU time from a neighbour.
+
+The same cores bound how many ranks one node may run (:func:`check_ranks_per_node`), for every path that starts
+ranks (``distaff launch``'s ``--gpus-per-node`` and hostfile ``slots=``, ``distaff slurm submit``, ``distaff
+ablate``): each rank is a process with a GPU of its own, or a core of its own on a CPU node; more do not run (two
+ranks on one GPU) or only fight for the cores, and a typo (``slots=1000000``) would start a million processes,
+a fork bomb on the node. The bound is this node's GPUs (else its cores) when the ranks run here; the nodes of a
+hostfile, a ``--hosts`` list or a Slurm job cannot be counted from here, so for them it is
+:data:`MOST_GPUS_PER_NODE`. ``--max-ranks-per-node N`` (:data:`RANKS_FLAG`) sets it instead.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from distaff.train.core.errors import ConfigError
+
 # Ranks on this node, as each launcher tells its ranks: torchrun, the deepspeed launcher, srun
 # (``--ntasks-per-node``); the first one set wins.
 LOCAL_WORLD_SIZE_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
 SAMPLE_S = 0.3   # how long the machine's CPU time is watched before choosing
+RANKS_FLAG = "--max-ranks-per-node"
+MOST_GPUS_PER_NODE = 16   # the most accelerators one node of any current system holds (HGX-2 class: 16)
 
 
 def local_world_size(env: Mapping[str, str]) -> int:
-    """The number of ranks on this node (1 for a process no launcher started)."""
+    """The number of ranks on this node (1 for a process no launcher started). Only a hint for the threads: a value
+    that is no positive number of ASCII digits (Slurm's ``2(x3)`` for uneven nodes, or ``²``) is passed over."""
     for name in LOCAL_WORLD_SIZE_VARS:
         value = env.get(name, "").strip()
-        if value.isdigit() and int(value) > 0:
+        if re.fullmatch(r"[0-9]+", value) and int(value) > 0:
             return int(value)
     return 1
 
@@ -115,3 +129,46 @@ def configure_threads(env: dict[str, str] | os._Environ = os.environ, affinity: 
         if plan.threads < plan.share and env.get("LOCAL_RANK", "0") in ("", "0"):
             print(plan.notice(), file=sys.stderr, flush=True)
     return torch.get_num_threads()
+
+
+# ---------------------------------------------------------------- ranks per node
+
+
+@dataclass(frozen=True)
+class RankBound:
+    limit: int
+    what: str       # what the limit is, for the error: "the 2 core(s) of this node (it has no GPU)"
+
+
+def this_node() -> RankBound:
+    """This node's GPUs, else the cores this process may run on."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus:
+        return RankBound(gpus, f"the {gpus} GPU(s) of this node")
+    cores = len(os.sched_getaffinity(0))
+    return RankBound(cores, f"the {cores} core(s) of this node (it has no GPU)")
+
+
+def rank_bound(override: int | None, *, here: bool) -> RankBound:
+    """The bound for ranks that run on this node (``here``) or on other nodes, or the user's ``override``."""
+    if override is not None:
+        if override < 1:
+            raise ConfigError(f"{RANKS_FLAG} {override}: expected at least 1")
+        return RankBound(override, f"{RANKS_FLAG} {override}")
+    if here:
+        return this_node()
+    return RankBound(MOST_GPUS_PER_NODE, f"{MOST_GPUS_PER_NODE}, the most GPUs a node has (other nodes' GPUs cannot "
+                                         "be counted from here)")
+
+
+def check_ranks_per_node(count: int, what: str, bound: RankBound) -> None:
+    """``count`` ranks per node, as ``what`` asks (``--gpus-per-node 8``, ``slots=8 of gpu01``), must be at least 1
+    and at most ``bound``; a ConfigError naming ``what``, the bound and :data:`RANKS_FLAG` otherwise."""
+    if count < 1:
+        raise ConfigError(f"{what}: expected at least 1 rank per node")
+    if count > bound.limit:
+        raise ConfigError(f"{what}: {count:,} ranks per node, more than {bound.what}; each rank is a process with a "
+                          f"GPU (or a core) of its own: ask for at most {bound.limit}, or pass {RANKS_FLAG} {count} "
+                          "if the nodes really run that many")

@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from distaff.train.core.errors import command_main
+from distaff.train.core.errors import command_main, float_arg
 from distaff.train.core.runlock import DirLock
 from distaff.train.data.errors import DataError
 from distaff.train.data.heldout import MIN_HELDOUT_TOKENS, choose_heldout
@@ -28,10 +28,11 @@ def _parser() -> argparse.ArgumentParser:
                    "(default: documents are separated by blank lines)")
     p.add_argument("--text-field", default="text", help=".jsonl/.parquet field holding the text")
     p.add_argument("--pack-documents", action="store_true", help="fill sequences with several documents")
-    p.add_argument("--heldout-fraction", type=float, default=None,
+    p.add_argument("--heldout-fraction", type=float_arg("--heldout-fraction"), default=None,
                    help=f"share of documents held out (0: none; default: 1%%, more for a small corpus, so that the "
                         f"held-out split holds {MIN_HELDOUT_TOKENS:,} tokens or more)")
-    p.add_argument("--shard-mb", type=float, default=16.0, help="MB of raw text per shard")
+    p.add_argument("--shard-mb", type=float_arg("--shard-mb", low=0, low_open=True), default=16.0,
+                   help="MB of raw text per shard")
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
     p.add_argument("--skip-bad", action="store_true", help="skip, count and log bad documents instead of failing")
     p.add_argument("--no-progress", action="store_true")

@@ -48,6 +48,18 @@ class MaskingConfig:
             raise ValueError(f"max_ngram {self.max_ngram} must be >= 1")
 
 
+def is_packed(batch: dict) -> bool:
+    return "cu_seqlens" in batch
+
+
+def batch_counts(batch: dict) -> list[int]:
+    """``[real tokens, samples, positions computed]`` of a collated batch (positions include padding)."""
+    ids = batch["input_ids"]
+    if is_packed(batch):
+        return [ids.numel(), batch["cu_seqlens"].numel() - 1, ids.numel()]
+    return [int(batch["attention_mask"].sum()), ids.shape[0], ids.numel()]
+
+
 class MLMCollator:
     """Turns token arrays (``[CLS] ... [SEP]``, each at most ``seq_len``) into masked training batches."""
 

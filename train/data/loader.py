@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from distaff.train.data.collator import MaskingConfig, MLMCollator
+from distaff.train.data.collator import MaskingConfig, MLMCollator, batch_counts
 from distaff.train.data.errors import DataError
 from distaff.train.data.manifest import Manifest, load_data_tokenizer, read_manifest
 from distaff.train.data.stream import EpochOrder, GroupReader, Plan, PlanStream
@@ -233,3 +233,183 @@ def build_eval_loader(data_dir: str | Path, *, batch_size: int, rank: int, world
     manifest, tokenizer = open_data_dir(data_dir)
     return EvalLoader(data_dir, manifest, tokenizer, batch_size=batch_size, rank=rank, world_size=world_size,
                       seed=seed, masking=masking, token_budget=token_budget)
+
+
+# ---------------------------------------------------------------- several sources
+
+MIXED_FORMAT = "distaff-mixed-stream/1"
+
+
+def source_seed(seed: int, index: int) -> int:
+    """Source 0 reads with the run's seed (so one source reads as the plain stream would); the others with seeds
+    drawn from it, so that no two sources share an order or masks."""
+    return seed if index == 0 else int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
+
+
+def open_sources(dirs: list[str]) -> dict[str, tuple[Manifest, TokenizerInfo]]:
+    """Every dir's manifest and tokenizer; all must have been prepared with one tokenizer."""
+    opened = {d: open_data_dir(d) for d in dirs}
+    prints = {d: manifest.tokenizer_fingerprint for d, (manifest, _) in opened.items()}
+    first = dirs[0]
+    for d in dirs[1:]:
+        if prints[d] != prints[first]:
+            raise DataError(f"data sources {first} and {d} were prepared with different tokenizers (fingerprints "
+                            f"{prints[first][:12]} and {prints[d][:12]}); prepare every source with one tokenizer "
+                            "folder")
+    return opened
+
+
+def continues(saved: list[dict] | dict, sources: list[dict] | dict) -> bool:
+    """Whether a stream of ``sources`` (:meth:`MixedLoader.identity`) can continue one saved with ``saved``: the same
+    sources in the same order, and perhaps more after them (phases added since the save); a single stream's
+    identity (a dict: a run that reads ``data.dir`` alone) is its first source."""
+    saved = [saved] if isinstance(saved, dict) else saved
+    sources = [sources] if isinstance(sources, dict) else sources
+    return 0 < len(saved) <= len(sources) and sources[:len(saved)] == saved
+
+
+class MixedLoader:
+    """Several prepared datasets as one endless stream of micro-batches (docs/data.md, "Several sources").
+
+    Each source is its own :class:`PretrainLoader` (its own epochs, plan and masks, seeded by :func:`source_seed`),
+    and each micro-batch comes whole from one source. Every rank reads its next micro-batch from the same source:
+    the one whose share of the phase lags most, the largest ``weight * (slots + round) - slots it had``, where
+    slots are token slots (sequences x seq_len, or the token budget of packed batches) over all ranks and
+    ``round`` is one micro-batch on every rank (weights normalised, ties to the earlier source). Counting slots
+    over all ranks keeps the weights on a resume with another world size, whose rounds are larger or smaller. As
+    every rank reads as many batches from each source, each source's plan stays aligned across ranks, and a
+    resume - on this world size or another - continues every source as a single stream continues.
+    :meth:`set_phase` sets the weights, micro-batch and masking; ``tokens`` counts the real tokens this rank read
+    from each source.
+    """
+
+    def __init__(self, opened: dict[str, tuple[Manifest, TokenizerInfo]], *, rank: int, world_size: int,
+                 num_workers: int, seed: int, masking: MaskingConfig | None):
+        """``masking``: the run's; a phase may change its ``mlm_probability`` only."""
+        self.dirs, self.opened, self.masking = list(opened), opened, masking
+        self.rank, self.world_size, self.num_workers, self.seed = rank, world_size, num_workers, seed
+        count = len(self.dirs)
+        self.loaders: list[PretrainLoader | None] = [None] * count
+        self.iterators: dict[int, Iterator[dict]] = {}
+        self.phase, self.weights, self.slots, self.tokens = -1, [0.0] * count, [0] * count, [0] * count
+        self.from_single_stream = False     # resumed from a single stream's state, which counts no tokens
+
+    def _active(self) -> list[int]:
+        return [i for i, weight in enumerate(self.weights) if weight > 0]
+
+    def set_phase(self, phase: int, weights: dict[str, float], *, batch_size: int, token_budget: int,
+                  masking: MaskingConfig | None) -> None:
+        """Read the sources of ``weights`` (dir -> weight) with these settings from the next batch on; a new
+        ``phase`` starts counting its batches afresh, the same one keeps its count (a resumed phase)."""
+        if phase != self.phase:
+            self.phase, self.slots = phase, [0] * len(self.dirs)
+        self.weights = [float(weights.get(d, 0.0)) for d in self.dirs]
+        for i, weight in enumerate(self.weights):
+            if weight > 0:
+                self._configure(i, batch_size, token_budget, masking)
+            else:
+                self._stop(i)
+
+    def _new_loader(self, i: int, batch_size: int, token_budget: int, masking: MaskingConfig | None) -> PretrainLoader:
+        manifest, tokenizer = self.opened[self.dirs[i]]
+        return PretrainLoader(self.dirs[i], manifest, tokenizer, batch_size=batch_size, rank=self.rank,
+                              world_size=self.world_size, num_workers=self.num_workers,
+                              seed=source_seed(self.seed, i), masking=masking, token_budget=token_budget)
+
+    def _configure(self, i: int, batch_size: int, token_budget: int, masking: MaskingConfig | None) -> None:
+        loader = self.loaders[i]
+        if loader is None:
+            self.loaders[i] = self._new_loader(i, batch_size, token_budget, masking)
+            return
+        if (loader.batch_size, loader.token_budget) != (0 if token_budget else batch_size, token_budget):
+            self._stop(i)       # another micro-batch: the rest of the epoch is dealt again in the new size
+            state = loader.state_dict()
+            loader = self.loaders[i] = self._new_loader(i, batch_size, token_budget, masking)
+            loader.load_state_dict(state)
+        if loader.collator.masking != masking:
+            self._stop(i)       # the workers hold the old collator
+            loader.collator.masking = masking   # another mlm_probability: the collator's n-gram tables still hold
+
+    def _stop(self, i: int) -> None:
+        """Close source ``i``'s iterator (its workers exit); its position stays in its loader."""
+        iterator = self.iterators.pop(i, None)
+        if iterator is not None:
+            iterator.close()
+
+    def _round_slots(self, i: int) -> int:
+        """Token slots of one micro-batch of source ``i`` on every rank (the same for every source of a phase)."""
+        loader = self.loaders[i]
+        return self.world_size * (loader.token_budget or loader.batch_size * loader.seq_len)
+
+    def _next_source(self) -> int:
+        active = self._active()
+        if not active:
+            raise RuntimeError("MixedLoader: set_phase() gives the sources to read before the first batch")
+        total, after = sum(self.weights), sum(self.slots) + self._round_slots(active[0])
+        return max(active, key=lambda i: (self.weights[i] / total * after - self.slots[i], -i))
+
+    def __iter__(self) -> Iterator[dict]:
+        while True:
+            i = self._next_source()
+            if i not in self.iterators:
+                self.iterators[i] = iter(self.loaders[i])
+            batch = next(self.iterators[i])
+            self.slots[i] += self._round_slots(i)
+            self.tokens[i] += batch_counts(batch)[0]
+            yield batch
+
+    def tokens_by_source(self) -> dict[str, int]:
+        """This rank's real tokens from each source."""
+        return dict(zip(self.dirs, self.tokens))
+
+    def identity(self) -> list[dict]:
+        """What the sources are, for the resume check: each one's shard sizes and tokenizer, not its path."""
+        return [{"shard_samples": [s.samples for s in manifest.splits["train"].shards],
+                 "fingerprint": manifest.tokenizer_fingerprint} for manifest, _ in self.opened.values()]
+
+    def state_dict(self) -> dict:
+        return {"format": MIXED_FORMAT, "seed": self.seed, "data": self.identity(), "phase": self.phase,
+                "slots": list(self.slots), "tokens": list(self.tokens),
+                "sources": [None if loader is None else loader.state_dict() for loader in self.loaders]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (call :meth:`set_phase` before iterating)."""
+        self._load([state], resized=False)
+
+    def load_resized_state_dict(self, states: list[dict]) -> None:
+        """Continue from the states of every rank of a run with another world size: each source continues as
+        :meth:`PretrainLoader.load_resized_state_dict` does, and rank 0 takes over the real tokens every saved rank
+        counted (so their sum over the ranks is kept)."""
+        self._load(states, resized=True)
+
+    def _load(self, states: list[dict], resized: bool) -> None:
+        self.from_single_stream = states[0].get("format") == STATE_FORMAT
+        if self.from_single_stream:     # a run that read data.dir alone, continued with phases
+            states = [{"format": MIXED_FORMAT, "seed": s["seed"], "data": [s["data"]], "phase": 0, "slots": [0],
+                       "tokens": [0], "sources": [s]} for s in states]
+        first = states[0]
+        if first.get("format") != MIXED_FORMAT:
+            raise ValueError(f"not a {MIXED_FORMAT} state: format {first.get('format')!r}")
+        if first["seed"] != self.seed or not continues(first["data"], self.identity()):
+            raise ValueError("the saved stream's seed or sources differ from this loader's: the sample order would "
+                             "differ")
+        extra = [0] * (len(self.dirs) - len(first["data"]))     # sources of phases added since: never read
+        self.phase, self.slots, self.tokens = first["phase"], first["slots"] + extra, first["tokens"] + extra
+        if resized:
+            self.tokens = [sum(s["tokens"][i] for s in states) if self.rank == 0 else 0
+                           for i in range(len(first["data"]))] + extra
+        for i in range(len(self.dirs)):
+            self._stop(i)
+            saved = [s["sources"][i] for s in states] if i < len(first["data"]) else [None]
+            self.loaders[i] = None if saved[0] is None else self._resumed(i, saved, resized)
+
+    def _resumed(self, i: int, saved: list[dict], resized: bool) -> PretrainLoader:
+        """Source ``i``'s loader in the micro-batch it was saved with (so that its plan is kept as it was), at the
+        saved position; :meth:`set_phase` then gives it its phase's settings."""
+        plan = saved[0]["plan"]
+        loader = self._new_loader(i, plan["batch_size"] or 1, plan.get("token_budget", 0), self.masking)
+        if resized:
+            loader.load_resized_state_dict(saved)
+        else:
+            loader.load_state_dict(saved[0])
+        return loader

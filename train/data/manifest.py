@@ -17,21 +17,29 @@ import json
 import re
 import shlex
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO
 
+import numpy as np
 import webdataset as wds
 
-from distaff.train.core.files import atomic_write_text, file_sha256
+from distaff.train.core.errors import shown, whole_number
+from distaff.train.core.files import atomic_write_text, file_sha256, parse_json
 from distaff.train.data.errors import DataError
-from distaff.train.data.tokenizer import METADATA_FILE, MODEL_FILE, TokenizerInfo, load_tokenizer_info
+from distaff.train.data.shards import TOKEN_DTYPES
+from distaff.train.data.tokenizer import (METADATA_FILE, MODEL_FILE, SPECIAL_TOKENS, TokenizerInfo,
+                                          load_tokenizer_info)
 
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 FORMAT = "distaff-shards/1"
 SPLITS = ("train", "heldout")
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+SPECIAL_NAMES = tuple(SPECIAL_TOKENS)       # pad, cls, sep, unk, mask
+MIN_SEQ_LEN = 3             # [CLS], a token, [SEP]
+MAX_SEQ_LEN = 1 << 24       # far above any encoder's context; a larger value is a damaged manifest
+MAX_VOCAB = 2**31 - 1       # int32 ids
 # Manifest paths end up in shell commands (``pipe:`` URLs): only plain relative names are allowed.
 _SAFE_PATH = re.compile(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*")
 
@@ -52,10 +60,20 @@ def check_relpath(path: object, where: str) -> str:
     return path
 
 
+def _count(value: object, what: str, low: int = 0, high: int | None = None) -> int:
+    return whole_number(value, what, low=low, high=high, error=DataError)
+
+
 def _shard_info(entry: dict, where: str) -> ShardInfo:
+    if not isinstance(entry, dict):
+        raise DataError(f"{where}: a shard entry is {shown(entry)}, not a mapping")
     info = ShardInfo(**entry)
     check_relpath(info.path, where)
-    return info
+    samples = _count(info.samples, f"{where}: shard {info.path} samples", low=1)
+    tokens = _count(info.tokens, f"{where}: shard {info.path} tokens", low=samples)
+    if not isinstance(info.sha256, str):
+        raise DataError(f"{where}: shard {info.path} sha256: expected text, got {shown(info.sha256)}")
+    return replace(info, samples=samples, tokens=tokens)
 
 
 @dataclass
@@ -94,19 +112,49 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: dict, where: str) -> "Manifest":
-        if data.get("format") != FORMAT:
-            raise DataError(f"{where}: format {data.get('format')!r} is not {FORMAT!r}")
+        """The manifest of the JSON value ``data``; every field checked where it is read (a seq_len of 0 or a token
+        dtype that cannot hold the vocabulary would otherwise fail deep inside a run, or pass ``--check``)."""
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise DataError(f"{where}: format {data.get('format') if isinstance(data, dict) else data!r} is not "
+                            f"{FORMAT!r}")
         try:
-            splits = {name: SplitInfo(shards=[_shard_info(s, where) for s in split["shards"]],
-                                      top_tokens=[(int(i), int(c)) for i, c in split["top_tokens"]],
-                                      non_special_tokens=int(split["non_special_tokens"]))
+            vocab_size = _count(data["vocab_size"], f"{where}: vocab_size", low=len(SPECIAL_NAMES), high=MAX_VOCAB)
+            splits = {name: _split_info(split, f"{where}: splits.{name}", vocab_size)
                       for name, split in data["splits"].items()}
-            return cls(seq_len=int(data["seq_len"]), dtype=data["dtype"], vocab_size=int(data["vocab_size"]),
-                       tokenizer_fingerprint=data["tokenizer_fingerprint"], special_ids=dict(data["special_ids"]),
+            return cls(seq_len=_count(data["seq_len"], f"{where}: seq_len", low=MIN_SEQ_LEN, high=MAX_SEQ_LEN),
+                       dtype=_token_dtype(data["dtype"], vocab_size, where), vocab_size=vocab_size,
+                       tokenizer_fingerprint=str(data["tokenizer_fingerprint"]),
+                       special_ids=_special_ids(data["special_ids"], vocab_size, where),
                        pack_documents=bool(data["pack_documents"]), sources=list(data["sources"]), splits=splits,
                        skipped=dict(data.get("skipped", {})))
-        except (KeyError, TypeError, ValueError) as err:
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            if isinstance(err, DataError):
+                raise
             raise DataError(f"{where}: malformed manifest ({err!r})") from err
+
+
+def _split_info(split: dict, where: str, vocab_size: int) -> SplitInfo:
+    top = [(_count(i, f"{where}.top_tokens id", high=vocab_size - 1), _count(c, f"{where}.top_tokens count"))
+           for i, c in split["top_tokens"]]
+    return SplitInfo(shards=[_shard_info(s, where) for s in split["shards"]], top_tokens=top,
+                     non_special_tokens=_count(split["non_special_tokens"], f"{where}.non_special_tokens"))
+
+
+def _token_dtype(name: object, vocab_size: int, where: str) -> str:
+    """The token arrays' dtype: one prepare writes, wide enough for every id of the vocabulary."""
+    if name not in TOKEN_DTYPES:
+        raise DataError(f"{where}: dtype {shown(name)} is not a token dtype ({', '.join(TOKEN_DTYPES)}); the data dir "
+                        "was not written by `distaff data prepare`, or its manifest was edited")
+    if np.iinfo(np.dtype(name)).max < vocab_size - 1:
+        raise DataError(f"{where}: dtype {name} cannot hold the ids of a vocabulary of {vocab_size}")
+    return name
+
+
+def _special_ids(ids: dict, vocab_size: int, where: str) -> dict[str, int]:
+    """Every special token's id, inside the vocabulary (a [MASK] id outside it fails the first step's lookup)."""
+    if not isinstance(ids, dict) or set(SPECIAL_NAMES) - set(ids):
+        raise DataError(f"{where}: special_ids must name {list(SPECIAL_NAMES)}, got {shown(ids)}")
+    return {name: _count(value, f"{where}: special_ids.{name}", high=vocab_size - 1) for name, value in ids.items()}
 
 
 def is_remote(data_dir: str | Path) -> bool:
@@ -135,10 +183,10 @@ def read_manifest(data_dir: str | Path) -> Manifest:
     where = data_url(data_dir, MANIFEST_FILE)
     try:
         with open_data_file(data_dir, MANIFEST_FILE) as f:
-            data = json.loads(f.read())
-    except (OSError, json.JSONDecodeError) as err:
+            raw = f.read()
+    except OSError as err:
         raise DataError(f"{where}: cannot read manifest ({err})") from err
-    return Manifest.from_json(data, where)
+    return Manifest.from_json(parse_json(raw, where, error=DataError), where)
 
 
 def write_manifest(data_dir: str | Path, manifest: Manifest) -> None:
@@ -176,4 +224,8 @@ def load_data_tokenizer(data_dir: str | Path, manifest: Manifest, cache_dir: str
     info = load_tokenizer_info(local)
     if info.vocab_size != manifest.vocab_size:
         raise DataError(f"{local}: vocab size {info.vocab_size} does not match the manifest's {manifest.vocab_size}")
+    ids = dict(zip(SPECIAL_NAMES, info.special_ids))
+    if ids != {name: manifest.special_ids[name] for name in SPECIAL_NAMES}:
+        raise DataError(f"{local}: special ids {ids} differ from the manifest's {manifest.special_ids} "
+                        f"({data_url(data_dir, MANIFEST_FILE)}); the shards were framed with the manifest's")
     return info

@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from distaff.train.core.files import atomic_write_text, file_sha256
+from distaff.train.core.files import atomic_write_text, file_sha256, read_json
 from distaff.train.core.progress import ProgressLines
 from distaff.train.data import manifest as mf
 from distaff.train.data.errors import DataError
@@ -206,8 +206,8 @@ class _State:
         self.path = out_dir / STATE_FILE
         self.blocks: dict[int, dict] = {}
         if self.path.is_file():
-            saved = json.loads(self.path.read_text())
-            if saved["settings"] != settings:
+            saved = read_json(self.path, error=DataError)
+            if not isinstance(saved, dict) or saved.get("settings") != settings:
                 raise DataError(f"{self.path}: this output dir holds a prepare with different inputs or settings; "
                                 "use a new --out (or delete it)")
             self.blocks = {int(k): v for k, v in saved["blocks"].items()}

@@ -20,6 +20,9 @@ from distaff.train.data.errors import DataError
 SAMPLE_SUFFIX = ".npy"
 
 
+TOKEN_DTYPES = ("uint16", "int32")      # what token_dtype gives: the manifest's dtype is one of these
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.int32)
 
@@ -54,11 +57,46 @@ def _parse_npy(data: bytes, where: str, dtype: np.dtype) -> np.ndarray:
     return array
 
 
+class _Tail:
+    """A read-only stream that keeps its last :data:`TAIL_BYTES` bytes: tarfile ends a streamed archive at the first
+    header it cannot parse, silently, so the block it stopped at is read back to tell a garbled header (corrupt)
+    from the end of the archive (zeros) or of the file (truncated)."""
+
+    def __init__(self, raw: BinaryIO):
+        self.raw, self.total, self.tail = raw, 0, b""
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.raw.read(size)
+        self.total += len(data)
+        self.tail = (self.tail + data)[-TAIL_BYTES:]
+        return data
+
+    def block(self, offset: int) -> bytes | None:
+        """The 512 bytes at ``offset`` of the stream (fewer at its end), or None when no longer held."""
+        start = offset - (self.total - len(self.tail))
+        return self.tail[start:start + tarfile.BLOCKSIZE] if start >= 0 else None
+
+
+TAIL_BYTES = 4 * tarfile.RECORDSIZE     # tarfile reads a record at a time: the header it stopped at is in here
+
+
+def _check_archive_end(tar: tarfile.TarFile, tail: _Tail, where: str, last_member: str) -> None:
+    """A DataError when the archive stopped at a header that is neither the end-of-archive zeros nor past the
+    file's end: a garbled header, and the shard is corrupt (not truncated)."""
+    header = tail.block(tar.offset)
+    if header and len(header) == tarfile.BLOCKSIZE and any(header):
+        raise DataError(f"{where}: corrupt tar header at byte {tar.offset:,} (after member {last_member}): the shard is "
+                        "damaged, not truncated; prepare the data again or restore the shard (distaff data verify "
+                        "lists every damaged one)")
+
+
 def iter_shard(stream: BinaryIO, where: str, dtype: np.dtype) -> Iterator[tuple[str, np.ndarray]]:
-    """(member name, token array) for each sample of a tar stream, in file order."""
+    """(member name, token array) for each sample of a tar stream, in file order; a garbled header is a
+    DataError saying the shard is corrupt."""
     member_name = "<start of archive>"
+    tail = _Tail(stream)
     try:
-        with tarfile.open(fileobj=stream, mode="r|") as tar:
+        with tarfile.open(fileobj=tail, mode="r|") as tar:
             for member in tar:
                 member_name = member.name
                 if not member.isfile():
@@ -70,6 +108,7 @@ def iter_shard(stream: BinaryIO, where: str, dtype: np.dtype) -> Iterator[tuple[
                 if len(data) != member.size:
                     raise DataError(f"{where}: member {member.name}: truncated ({len(data)} of {member.size} bytes)")
                 yield member.name, _parse_npy(data, f"{where}: member {member.name}", dtype)
+            _check_archive_end(tar, tail, where, member_name)
     except (tarfile.TarError, EOFError, OSError) as err:
         raise DataError(f"{where}: unreadable tar after member {member_name} ({err})") from err
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterable, Iterator, Sequence
 
+from distaff.train.core.files import decode_text
 from distaff.train.data.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -104,11 +105,15 @@ def numbered_lines(path: Path, options: ReadOptions, stats: ReadStats,
         stats.skip("corrupt_file", f"{path}: after line {lineno}", f"corrupt compressed stream ({err})", options.skip_bad)
 
 
-def decode_utf8(raw: bytes, where: str, options: ReadOptions, stats: ReadStats) -> str | None:
+def decode_utf8(raw: bytes, path: Path, first_line: int, options: ReadOptions, stats: ReadStats) -> str | None:
+    """``raw`` (lines of ``path`` from ``first_line`` on) as text; a byte that is not UTF-8 is a DataError naming
+    the file, line and byte (:func:`~distaff.train.core.files.decode_text`), or with ``skip_bad`` a counted skip."""
     try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        stats.skip("invalid_utf8", where, f"invalid UTF-8 at byte {err.start} of the document", options.skip_bad)
+        return decode_text(raw, str(path), first_line=first_line, error=DataError, nul_ok=True)
+    except DataError as err:
+        if not options.skip_bad:
+            raise
+        stats.skip("invalid_utf8", f"{path}:{first_line}", err, skip_bad=True)
         return None
 
 
@@ -123,7 +128,7 @@ def _line_documents(path: Path, options: ReadOptions, stats: ReadStats) -> Itera
 
 
 def _emit(path: Path, first_line: int, raw: bytes, options: ReadOptions, stats: ReadStats) -> Iterable[Document]:
-    text = decode_utf8(raw, f"{path}:{first_line}", options, stats)
+    text = decode_utf8(raw, path, first_line, options, stats)
     return () if text is None else (Document(str(path), first_line, text.strip("\n")),)
 
 
@@ -150,7 +155,7 @@ def _jsonl_documents(path: Path, lines: Iterable[tuple[int, bytes]], options: Re
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
-        decoded = decode_utf8(line, where, options, stats)
+        decoded = decode_utf8(line, path, lineno, options, stats)
         if decoded is None:
             continue
         try:

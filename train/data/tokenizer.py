@@ -24,8 +24,8 @@ from typing import Iterator, Sequence
 
 import sentencepiece as spm
 
-from distaff.train.core.errors import command_main
-from distaff.train.core.files import file_sha256
+from distaff.train.core.errors import command_main, float_arg, shown, whole_number
+from distaff.train.core.files import file_sha256, read_json
 from distaff.train.core.progress import ProgressLines
 from distaff.train.data.errors import DataError
 from distaff.train.data.sources import ReadOptions, ReadStats, check_inputs, iter_documents
@@ -36,6 +36,7 @@ METADATA_FILE = "distaff_tokenizer.json"
 MODEL_FILE = "spm.model"
 SPECIAL_TOKENS = {"pad": "[PAD]", "cls": "[CLS]", "sep": "[SEP]", "unk": "[UNK]", "mask": "[MASK]"}
 WORD_START = "\u2581"  # SentencePiece's marker for a piece that begins a word
+MAX_ADDED_VOCAB = 1 << 16  # ids Hugging Face's files may add after spm.model's pieces (DeBERTa-v3 adds one)
 
 
 @dataclass(frozen=True)
@@ -65,13 +66,27 @@ def load_tokenizer_info(path: str | Path) -> TokenizerInfo:
         if (path / MODEL_FILE).is_file():
             return hf_tokenizer_info(path)
         raise FileNotFoundError(f"{meta_path}: tokenizer metadata not found (train one with `distaff tokenizer train`)")
-    meta = json.loads(meta_path.read_text())
+    meta = read_json(meta_path, error=DataError)
+    if not isinstance(meta, dict) or not {"fingerprint", "vocab_size", "special_ids"} <= set(meta):
+        raise DataError(f"{meta_path}: expected the fields fingerprint, vocab_size and special_ids; is it a distaff "
+                        "tokenizer folder?")
     fingerprint = file_sha256(path / MODEL_FILE)
     if fingerprint != meta["fingerprint"]:
         raise DataError(f"{path / MODEL_FILE}: sha256 {fingerprint} does not match {meta_path} ({meta['fingerprint']})")
-    ids = meta["special_ids"]
-    return TokenizerInfo(path=path, vocab_size=int(meta["vocab_size"]), pad_id=ids["pad"], cls_id=ids["cls"],
-                         sep_id=ids["sep"], unk_id=ids["unk"], mask_id=ids["mask"], fingerprint=fingerprint)
+    vocab_size = whole_number(meta["vocab_size"], f"{meta_path}: vocab_size", low=len(SPECIAL_TOKENS), error=DataError)
+    return _info(path, vocab_size, meta["special_ids"], fingerprint, str(meta_path))
+
+
+def _info(path: Path, vocab_size: int, ids: object, fingerprint: str, where: str) -> TokenizerInfo:
+    """The tokenizer's description, every special id a piece of its vocabulary (a [MASK] id beyond it would pass
+    every check and fail the first training step's embedding lookup)."""
+    if not isinstance(ids, dict) or set(SPECIAL_TOKENS) - set(ids):
+        raise DataError(f"{where}: special_ids must name {list(SPECIAL_TOKENS)}, got {shown(ids)}")
+    checked = {name: whole_number(ids[name], f"{where}: special_ids.{name}", high=vocab_size - 1, error=DataError)
+               for name in SPECIAL_TOKENS}
+    return TokenizerInfo(path=path, vocab_size=vocab_size, pad_id=checked["pad"], cls_id=checked["cls"],
+                         sep_id=checked["sep"], unk_id=checked["unk"], mask_id=checked["mask"],
+                         fingerprint=fingerprint)
 
 
 def hf_tokenizer_info(path: Path) -> TokenizerInfo:
@@ -85,16 +100,21 @@ def hf_tokenizer_info(path: Path) -> TokenizerInfo:
         piece_id = processor.piece_to_id(piece)
         found = piece_id != processor.unk_id() or piece == SPECIAL_TOKENS["unk"]
         ids[name] = piece_id if found else _added_token_id(path, piece)
-    return TokenizerInfo(path=path, vocab_size=max(processor.get_piece_size(), max(ids.values()) + 1),
-                         pad_id=ids["pad"], cls_id=ids["cls"], sep_id=ids["sep"], unk_id=ids["unk"],
-                         mask_id=ids["mask"], fingerprint=file_sha256(path / MODEL_FILE))
+    vocab_size = max(processor.get_piece_size(), max(ids.values()) + 1)
+    if vocab_size > MAX_ADDED_VOCAB + processor.get_piece_size():
+        raise DataError(f"{path}: an added token's id {max(ids.values())} is far beyond the {processor.get_piece_size()} "
+                        "pieces of spm.model; check added_tokens.json / tokenizer_config.json / tokenizer.json")
+    return _info(path, vocab_size, ids, file_sha256(path / MODEL_FILE), str(path))
 
 
 def _added_token_id(path: Path, token: str) -> int:
     """The id Hugging Face's files beside ``spm.model`` give ``token`` (a token added after the model's pieces)."""
     def read(name: str) -> dict:
         file = path / name
-        return json.loads(file.read_text()) if file.is_file() else {}
+        found = read_json(file, error=DataError) if file.is_file() else {}
+        if not isinstance(found, dict):
+            raise DataError(f"{file}: expected a JSON object, got {shown(found)}")
+        return found
 
     added = dict(read("added_tokens.json"))
     added.update({entry["content"]: int(key) for key, entry in read("tokenizer_config.json")
@@ -103,7 +123,7 @@ def _added_token_id(path: Path, token: str) -> int:
     if token not in added:
         raise DataError(f"{path / MODEL_FILE}: no {token} piece, and neither added_tokens.json, tokenizer_config.json "
                          f"nor tokenizer.json in {path} gives its id (is this a DeBERTa-v2/v3 tokenizer?)")
-    return int(added[token])
+    return whole_number(added[token], f"{path}: the id of {token}", error=DataError)
 
 
 def word_start_table(processor: spm.SentencePieceProcessor) -> list[bool]:
@@ -112,7 +132,28 @@ def word_start_table(processor: spm.SentencePieceProcessor) -> list[bool]:
             for i in range(processor.get_piece_size())]
 
 
-def _training_lines(inputs: Sequence[str | Path], max_bytes: int | None, options: ReadOptions,
+def _pieces(line: str, max_bytes: int) -> Iterator[str]:
+    """``line``, or when it is longer than ``max_bytes`` UTF-8 bytes, its consecutive pieces of at most that many,
+    cut at the last space of each (inside a character never)."""
+    encoded = line.encode()
+    if len(encoded) <= max_bytes:
+        yield line
+        return
+    start = 0
+    while start < len(encoded):
+        end = min(start + max_bytes, len(encoded))
+        if end < len(encoded):
+            space = encoded.rfind(b" ", start + 1, end + 1)
+            end = space if space > start else end
+            while end > start + 1 and encoded[end] & 0xC0 == 0x80:     # a UTF-8 continuation byte
+                end -= 1
+        piece = encoded[start:end].decode()
+        if piece.strip():
+            yield piece
+        start = end
+
+
+def _document_lines(inputs: Sequence[str | Path], max_bytes: int | None, options: ReadOptions,
                     stats: ReadStats) -> Iterator[str]:
     # Documents are read with the data pipeline's readers (same formats, same errors); SentencePiece
     # trains on lines, so each document is split into its non-empty lines.
@@ -124,6 +165,21 @@ def _training_lines(inputs: Sequence[str | Path], max_bytes: int | None, options
                 seen += len(line)
                 if max_bytes is not None and seen >= max_bytes:
                     return
+
+
+def _training_lines(inputs: Sequence[str | Path], max_bytes: int | None, options: ReadOptions,
+                    stats: ReadStats, max_line_bytes: int) -> Iterator[str]:
+    """The inputs' lines as SentencePiece reads them: it drops a line longer than ``max_line_bytes`` (its
+    ``max_sentence_length``) without a word, so such a line is cut into pieces, and the lines cut are counted
+    and reported once all are read."""
+    long_lines = 0
+    for line in _document_lines(inputs, max_bytes, options, stats):
+        if len(line) * 4 > max_line_bytes and len(line.encode()) > max_line_bytes:   # 4: UTF-8's widest character
+            long_lines += 1
+        yield from _pieces(line, max_line_bytes)
+    if long_lines:
+        log.warning("distaff tokenizer: %d line(s) longer than %s bytes were cut at spaces into pieces of at most "
+                    "that many (SentencePiece would have dropped them)", long_lines, f"{max_line_bytes:,}")
 
 
 def _reported(lines: Iterator[str], progress: ProgressLines) -> Iterator[str]:
@@ -171,7 +227,7 @@ def train_tokenizer(inputs: Sequence[str | Path], vocab_size: int, out_dir: str 
     out_dir.mkdir(parents=True, exist_ok=True)
     model, stats = io.BytesIO(), ReadStats()
     try:
-        lines = _training_lines(inputs, max_input_bytes, read or ReadOptions(), stats)
+        lines = _training_lines(inputs, max_input_bytes, read or ReadOptions(), stats, max_sentence_length)
         if progress:
             lines = _reported(lines, ProgressLines("distaff tokenizer train", "lines"))
         _train_spm(lines, model, vocab_size, character_coverage, num_threads, max_sentence_length, seed_sentences)
@@ -219,8 +275,10 @@ def _main(argv: list[str]) -> int:
     train.add_argument("--input", nargs="+", required=True, help=".txt/.txt.gz/.jsonl(.gz)/.parquet files")
     train.add_argument("--vocab-size", type=int, required=True)
     train.add_argument("--out", required=True, help="output folder")
-    train.add_argument("--character-coverage", type=float, default=0.9995)
-    train.add_argument("--max-input-mb", type=float, default=None, help="train on the first MB of text only")
+    train.add_argument("--character-coverage", type=float_arg("--character-coverage", low=0, low_open=True, high=1),
+                       default=0.9995)
+    train.add_argument("--max-input-mb", type=float_arg("--max-input-mb", low=0, low_open=True), default=None,
+                       help="train on the first MB of text only")
     train.add_argument("--threads", type=int, default=2)
     train.add_argument("--skip-bad", action="store_true", help="skip, count and log bad documents instead of failing")
     args = parser.parse_args(argv)

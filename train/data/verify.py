@@ -76,6 +76,23 @@ def verify_shard(data_dir: str | Path, manifest: Manifest, shard: ShardInfo) -> 
     return problems
 
 
+def check_first_samples(data_dir: str | Path, manifest: Manifest) -> None:
+    """The first sample of each split's first shard, read and checked as ``verify`` checks every sample (the
+    manifest's dtype, length and framing): a DataError naming the shard and member if it is wrong. What a run's
+    first batches would find, found before it starts (``--check``); ``distaff data verify`` reads everything."""
+    for split in manifest.splits.values():
+        if not split.shards:
+            continue
+        shard = split.shards[0]
+        where = data_url(data_dir, shard.path)
+        with open_data_file(data_dir, shard.path) as raw:
+            for member, array in iter_shard(raw, where, np.dtype(manifest.dtype)):
+                problems = _sample_problems(array, manifest)
+                if problems:
+                    raise DataError(f"{where}: member {member}: {problems[0]}; run `distaff data verify {data_dir}`")
+                break
+
+
 def verify(data_dir: str | Path) -> list[str]:
     """Every problem found, one line each naming the file (and member); empty when the data dir is sound."""
     try:

@@ -10,13 +10,13 @@ with, is a :class:`ConfigError`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from distaff.train.data.tokenizer import TokenizerInfo, load_tokenizer_info
+from distaff.train.core.files import read_json
 from distaff.train.model.config import ConfigError, ModelConfig
 from distaff.train.model.hf import _matched_state, model_config_from_hf, read_hf_weights
 from distaff.train.run.model_folder import MODEL_CONFIG_FILE, _tokenizer_beside, load_model
@@ -53,7 +53,7 @@ def load_encoder(path: str | Path, overrides: dict, field: str = "model.init_fro
 
 
 def _hf_encoder(folder: Path) -> EncoderSource:
-    config = model_config_from_hf(json.loads((folder / "config.json").read_text()), str(folder / "config.json"))
+    config = model_config_from_hf(read_json(folder / "config.json", error=ConfigError), str(folder / "config.json"))
     from distaff.train.model.deberta import DebertaModel
 
     expected = {ENCODER_PREFIX + k: t for k, t in DebertaModel(config).state_dict().items()}

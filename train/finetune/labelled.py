@@ -179,7 +179,7 @@ def check_labelled_file(path: str | Path) -> Path:
 def _decoded_lines(path: Path) -> Iterator[tuple[int, str]]:
     options, stats = ReadOptions(), ReadStats()  # no skipping: a corrupt or non-UTF-8 file is an error
     for lineno, raw in numbered_lines(path, options, stats, MAX_LINE_BYTES):
-        line = decode_utf8(raw, f"{path}:{lineno}", options, stats)
+        line = decode_utf8(raw, path, lineno, options, stats)
         yield lineno, line.removeprefix("\ufeff") if lineno == 1 else line  # a byte-order mark (spreadsheet exports)
 
 

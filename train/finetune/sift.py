@@ -22,7 +22,6 @@ Gaussians centred on them. docs/finetuning.md ("SiFT") gives the sources and the
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distaff.train.core.errors import shown
+from distaff.train.core.errors import finite_float, shown
 from distaff.train.model.config import ConfigError
 
 __all__ = ["SiftConfig", "SiFT", "divergence", "symmetric_kl"]
@@ -56,10 +55,9 @@ class SiftConfig:
             raise ConfigError(f"sift.adversarial_steps must be an integer >= 0, got {self.adversarial_steps!r}")
         for name, positive in (("perturbation_size", True), ("step_size", False), ("loss_weight", False)):
             value = getattr(self, name)
-            if type(value) not in (int, float) or not math.isfinite(value) or value < 0 or (positive and value == 0):
-                bound = "> 0" if positive else ">= 0"
-                raise ConfigError(f"sift.{name} must be a finite number {bound}, got {shown(value)}")
-            setattr(self, name, float(value))
+            if isinstance(value, str):      # a number, not text that reads as one
+                raise ConfigError(f"sift.{name}: expected a finite number, got {shown(value)}")
+            setattr(self, name, finite_float(value, f"sift.{name}", low=0, low_open=positive))
 
 
 def symmetric_kl(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -102,7 +102,8 @@ class FinetunePlan:
     """A fine-tuning run up to its engine: the encoder, tokenizer and labelled data loaded, the batches dealt, the
     steps planned and a checkpoint to resume checked. Built by every rank of a run, and by ``--check``."""
 
-    def __init__(self, cfg: FinetuneConfig, layout: dist_utils.DistEnv):
+    def __init__(self, cfg: FinetuneConfig, layout: dist_utils.DistEnv,
+                 from_rank0: Callable[[str], str] = lambda text: text):
         self.cfg, self.layout = cfg, layout
         self.source = load_encoder(cfg.model.init_from, cfg.model.overrides)
         self.tokenizer = resolve_tokenizer(self.source, cfg.data.tokenizer, cfg.model.init_from)
@@ -111,11 +112,13 @@ class FinetunePlan:
                               "lower data.max_len (the architecture is model.init_from's)")
         self.data = load_data(cfg, self.tokenizer)
         self.num_labels = 1 if cfg.regression else len(self.data.label_names)
+        # the names an export shows (id2label), checked against the data's labels now, not at the first save
+        self.label_names = display_names(self.data.label_names, cfg.data.label_names)
         self.loader = TrainBatches(self.data.train, batch_size=cfg.data.batch_size, rank=layout.rank,
                                    world_size=layout.world_size, seed=cfg.run.seed, pad_id=self.tokenizer.pad_id,
                                    packed=cfg.data.packing == "varlen")
         self.steps_per_epoch, self.max_steps = self._plan_steps()
-        self.resume_from = self._check_resumable()
+        self.resume_from = self._check_resumable(from_rank0)
 
     def _plan_steps(self) -> tuple[int, int]:
         """Optimizer steps per epoch and in the run (``train.max_steps``, else ``train.epochs`` epochs)."""
@@ -127,15 +130,17 @@ class FinetunePlan:
                               f"{self.layout.world_size} rank(s)")
         return per_epoch, cfg.train.max_steps or cfg.train.epochs * per_epoch
 
-    def _check_resumable(self) -> Path | None:
-        """A checkpoint this run would resume from with another model, ZeRO stage, task or seed, or whose batches
-        were dealt otherwise (another batch size or data), is refused now, before the engine is built, naming the
-        key (train/run/resume_check.py, shared with pretraining)."""
-        cfg = self.cfg
+    def _check_resumable(self, from_rank0: Callable[[str], str]) -> Path | None:
+        """The checkpoint to resume, chosen and verified as the run chooses it; one this run would resume with another
+        model, ZeRO stage, task or seed, or whose batches were dealt otherwise (another batch size or data), is
+        refused now, before the engine is built, naming the key (train/run/resume_check.py, shared with
+        pretraining)."""
+        cfg, main = self.cfg, self.layout.is_main
         return check_resumable(cfg.checkpoint.resume, cfg.out_dir / "checkpoints",
                                RunIdentity(model=self.model_cfg.to_dict(), seed=cfg.run.seed,
                                            zero_stage=cfg.zero.stage, objective=cfg.data.task,
-                                           data_problem=self.loader.resume_problem))
+                                           data_problem=self.loader.resume_problem),
+                               is_main=main, from_rank0=from_rank0, report=print if main else lambda line: None)
 
 
 def check_run(cfg: FinetuneConfig) -> str:
@@ -153,9 +158,10 @@ class FinetuneTrainer(RunBase):
 
     def __init__(self, cfg: FinetuneConfig, layout: dist_utils.DistEnv):
         super().__init__(cfg, layout)
-        plan = FinetunePlan(cfg, layout)
+        plan = FinetunePlan(cfg, layout, lambda text: dist_utils.broadcast_text(text, self.device))
         source, self.tokenizer, self.model_cfg, self.data = plan.source, plan.tokenizer, plan.model_cfg, plan.data
-        self.num_labels, self.loader = plan.num_labels, plan.loader
+        self.num_labels, self.loader, self.label_names = plan.num_labels, plan.loader, plan.label_names
+        self.resume_from = plan.resume_from
         self.steps_per_epoch, self.max_steps = plan.steps_per_epoch, plan.max_steps
         self.engine = self._initialize_engine(lambda: self._build_model(source.weights), self._param_groups())
         sift = SiFT(cfg.sift, self.engine.module) if cfg.sift.enabled else None
@@ -195,7 +201,7 @@ class FinetuneTrainer(RunBase):
     def _checkpointer(self, root: Path, every: int, keep: int) -> Checkpointer:
         meta = {"task": CLASSIFIER_TASK, "config": finetune_config_to_dict(self.cfg),
                 "model_config": self.model_cfg.to_dict(), "num_labels": self.num_labels,
-                "label_names": display_names(self.data.label_names, self.cfg.data.label_names),
+                "label_names": self.label_names,
                 "pooler_dropout": self.cfg.model.pooler_dropout}
         per_rank = {"data": self.loader, "rng": RNGState(self.layout.rank)}
         return self._new_checkpointer(root, per_rank=per_rank, meta=meta, every=every, keep=keep,

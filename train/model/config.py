@@ -9,6 +9,7 @@ the field.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from distaff.kernels import IMPLS, attention_span
 from distaff.train.core import presets
 from distaff.train.core.config_yaml import load_yaml
 from distaff.train.core.errors import ConfigError, closest, reject_unknown_keys, shown
+from distaff.train.core.files import read_text
 
 POSITION_TERMS = ("c2p", "p2c")
 
@@ -140,7 +142,8 @@ class ModelConfig:
 
 _TYPE_CHECKS = {
     "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    # nan and inf pass every range check below (and come from config.json files as NaN / Infinity)
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
     "bool": lambda v: isinstance(v, bool),
     "str": lambda v: isinstance(v, str),
     "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
@@ -150,7 +153,8 @@ _TYPE_CHECKS = {
 
 def _check_type(name: str, value: Any, annotation: str) -> None:
     if not _TYPE_CHECKS[str(annotation)](value):
-        raise ConfigError(f"{name} must be of type {annotation}, got {shown(value)} ({type(value).__name__})")
+        kind = "a finite number" if str(annotation) == "float" else f"of type {annotation}"
+        raise ConfigError(f"{name} must be {kind}, got {shown(value)} ({type(value).__name__})")
 
 
 def preset_names() -> list[str]:
@@ -163,7 +167,7 @@ def load_model_config(preset_or_path: str | Path, **overrides: Any) -> ModelConf
     if path.suffix in (".yaml", ".yml"):
         if not path.is_file():
             raise FileNotFoundError(f"model config file not found: {path}")
-        text, source = path.read_text(), str(path)
+        text, source = read_text(path, error=ConfigError), str(path)
     else:
         resource = presets.preset_file(str(preset_or_path), "model")
         if resource is None:

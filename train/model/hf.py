@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from distaff.train.core.files import chmod_default
+from distaff.train.core.files import chmod_default, read_json
 from distaff.train.core.safe_load import UnsafeCheckpointError, safe_load
 from distaff.train.model.config import ConfigError, ModelConfig
 from distaff.train.model.deberta import DebertaForMaskedLM
@@ -119,7 +119,11 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     if single.is_file():
         return load_file(single)
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        index_values = read_json(index, error=ConfigError)
+        weight_map = index_values.get("weight_map") if isinstance(index_values, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ConfigError(f"{index}: no weight_map of tensor names to files")
+        shards = sorted(set(map(str, weight_map.values())))
         state: dict[str, torch.Tensor] = {}
         for shard in shards:
             if not (folder / shard).is_file():
@@ -176,7 +180,7 @@ def _read_hf_config(folder: Path, **overrides: Any) -> ModelConfig:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"no config.json in {folder}")
-    return model_config_from_hf(json.loads(config_path.read_text()), str(config_path), **overrides)
+    return model_config_from_hf(read_json(config_path, error=ConfigError), str(config_path), **overrides)
 
 
 def from_hf(path: str | Path, **overrides: Any) -> DebertaForMaskedLM:

@@ -5,6 +5,8 @@ config with half its layers) predicts the masked positions; a token is sampled f
 distribution at each of them (temperature 1, no gradient through the sampling); the
 *discriminator* reads the original sequence with those positions replaced and classifies every
 real token as original or replaced. A sampled token equal to the original counts as original.
+Both networks take padded ``[B, N]`` batches or packed ones (``cu_seqlens``: attention within each
+document, the RTD head reading each document's own ``[CLS]``), with the same results per real token.
 Loss = generator MLM loss + ``weight`` x RTD loss (binary cross-entropy over real tokens), or the two
 combined by another ``rtd.loss_weighting`` (:mod:`distaff.train.model.loss_weighting`).
 
@@ -34,8 +36,8 @@ from torch import nn
 
 from distaff import kernels
 from distaff.train.model.loss_weighting import LossWeighting
-from distaff.train.model.deberta import (DebertaForMaskedLM, DebertaModel, LayerNorm, _dense_gelu, init_weights,
-                                 labelled_positions)
+from distaff.train.model.deberta import (DebertaForMaskedLM, DebertaModel, LayerNorm, Layout, Packed, _dense_gelu,
+                                         batch_layout, init_weights, labelled_positions)
 from distaff.train.model.config import ModelConfig
 
 EMBEDDING_SHARING = ("none", "es", "gdes")
@@ -67,10 +69,21 @@ class RTDHead(nn.Module):
         self.classifier = nn.Linear(cfg.hidden_size, 1)
         self.impl = cfg.kernel_impl
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[B, N, H]`` -> logits ``[B, N]`` (positive: replaced)."""
-        states = self.LayerNorm(hidden + hidden[:, :1])
+    def forward(self, hidden: torch.Tensor, mask: Layout | None = None) -> torch.Tensor:
+        """``[B, N, H]`` -> logits ``[B, N]`` (positive: replaced); packed (``mask`` a :class:`Packed`),
+        ``[T, H]`` -> ``[T]``, each token reading its own sequence's ``[CLS]``."""
+        states = self.LayerNorm(hidden + sequence_starts(hidden, mask))
         return self.classifier(_dense_gelu(self.dense, states, self.impl)).squeeze(-1)
+
+
+def sequence_starts(hidden: torch.Tensor, mask: Layout | None) -> torch.Tensor:
+    """Each token's ``[CLS]`` state: the first position of its row (padded, broadcast over the row), or of
+    its sequence when packed (a token at ``position_ids`` p of a packed batch has its sequence's first
+    token p places before it: no host read of ``cu_seqlens``)."""
+    if not isinstance(mask, Packed):
+        return hidden[:, :1]
+    tokens = torch.arange(hidden.shape[0], device=hidden.device)
+    return hidden.index_select(0, tokens - mask.position_ids)
 
 
 class Discriminator(nn.Module):
@@ -83,10 +96,11 @@ class Discriminator(nn.Module):
         self.mask_predictions = RTDHead(config)
         self.apply(lambda module: init_weights(module, config.initializer_range))
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor, attention_mask: Layout | None = None,
                 token_type_ids: torch.Tensor | None = None, word_offset: torch.Tensor | None = None) -> torch.Tensor:
-        """Replaced-token logits ``[B, N]``."""
-        return self.mask_predictions(self.deberta(input_ids, attention_mask, token_type_ids, word_offset=word_offset))
+        """Replaced-token logits ``[B, N]`` (``[T]`` when ``attention_mask`` is a :class:`Packed` layout)."""
+        hidden = self.deberta(input_ids, attention_mask, token_type_ids, word_offset=word_offset)
+        return self.mask_predictions(hidden, attention_mask)
 
 
 def _rng_to_text(generator: torch.Generator) -> str:
@@ -144,9 +158,9 @@ class RTDOutput(NamedTuple):
     sums: torch.Tensor                  # float64 [NUM_SUMS]: SUM_NAMES then the AUC histograms
     generator_loss: torch.Tensor
     rtd_loss: torch.Tensor
-    rtd_logits: torch.Tensor            # [B, N]
-    replaced: torch.Tensor              # [B, N] bool: the discriminator's labels
-    discriminator_ids: torch.Tensor     # [B, N]: the sequence the discriminator read
+    rtd_logits: torch.Tensor            # [B, N] ([T] packed)
+    replaced: torch.Tensor              # [B, N] ([T]) bool: the discriminator's labels
+    discriminator_ids: torch.Tensor     # [B, N] ([T]): the sequence the discriminator read
 
 
 class ReplacedTokenDetection(nn.Module):
@@ -196,12 +210,18 @@ class ReplacedTokenDetection(nn.Module):
         return own + self.generator.word_embeddings.weight if self.sharing == "gdes" else own
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> RTDOutput:
+                token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                max_seqlen: int | None = None) -> RTDOutput:
         """``input_ids`` are the masked sequences and ``labels`` the originals at the masked positions
-        (``IGNORE_INDEX`` elsewhere), as the MLM collator makes them."""
+        (``IGNORE_INDEX`` elsewhere), as the MLM collator makes them: padded ``[B, N]`` with
+        ``attention_mask``, or packed (``MLMCollator.packed``: 1-D over tokens, ``cu_seqlens``,
+        ``max_seqlen``, ``position_ids``), where both networks attend within each sequence only. The
+        labelled positions come in the same order either way, so the same sampler state draws the
+        same replacements for the same documents."""
         if labels is None:
             raise ValueError("ReplacedTokenDetection needs labels (the masked positions' original tokens)")
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        mask = batch_layout(input_ids, attention_mask, position_ids, cu_seqlens, max_seqlen)
         labelled = labelled_positions(labels)
         targets = labels.reshape(-1).index_select(0, labelled)
         _, decoded = self.generator.decode(input_ids, mask, token_type_ids)
@@ -214,8 +234,9 @@ class ReplacedTokenDetection(nn.Module):
         offset = self.generator.word_embeddings(fake).detach() if self.sharing == "gdes" else None
         logits = self.discriminator(fake, mask, token_type_ids, word_offset=offset)
         replaced = fake != original
-        real = mask.bool()
-        real_logits, real_labels = logits[real].float(), replaced[real]
+        # packed batches hold real tokens only
+        real_logits, real_labels = ((logits.float(), replaced) if isinstance(mask, Packed)
+                                    else (logits[mask.bool()].float(), replaced[mask.bool()]))
         rtd_loss = F.binary_cross_entropy_with_logits(real_logits, real_labels.float(), reduction="sum") \
             / real_labels.numel()
         loss, weights = self.weighting([generated.loss, rtd_loss])

@@ -16,7 +16,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from distaff.train.core.errors import ConfigError, command_main
+from distaff.train.core.errors import ConfigError, command_main, float_arg
 from distaff.train.plan import gpus as gpu_kinds
 from distaff.train.plan.memory import GIB
 from distaff.train.plan.planner import Plan, make_plan, parse_tokens, summary
@@ -38,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
                                          "run's global batch, instead of train.max_steps")
     parser.add_argument("--gpu-spec", help="a kind not in the table: name=N,memory_gib=..,tflops=..,hbm_tb_s=..,"
                                            "intra_gb_s=..,inter_gb_s=..[,like=KIND]")
-    parser.add_argument("--gemm-efficiency", type=float, default=Assumptions.gemm_efficiency)
+    parser.add_argument("--gemm-efficiency", type=float_arg("--gemm-efficiency", low=0, low_open=True, high=1),
+                        default=Assumptions.gemm_efficiency)
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     parser.add_argument("--list-gpus", action="store_true", help="print the GPU kinds and exit")
     parser.add_argument("--anchors", action="store_true", help="plan the published measurements, print ratios")
@@ -138,7 +139,7 @@ def _run_config(path: str, overrides: list[str]):
 
 
 def _body(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)       # options may follow the overrides, as in launch
     if args.list_gpus:
         print("\n".join(gpu_kinds.table_rows()))
         return 0
@@ -160,8 +161,6 @@ def _body(argv: list[str]) -> int:
         raise ConfigError("--config and --gpus are required (e.g. --config deberta-v3-base --gpus 8xA100-80GB)")
     cfg = _run_config(args.config, args.overrides)
     spec = gpu_kinds.parse_spec(args.gpu_spec) if args.gpu_spec else None
-    if not 0 < args.gemm_efficiency <= 1:
-        raise ConfigError(f"--gemm-efficiency: must be in (0, 1], got {args.gemm_efficiency}")
     plan = make_plan(cfg, args.gpus, args.nodes, micro_batch=args.micro_batch, zero=args.zero, offload=args.offload,
                      seq_len=args.seq_len, gpu_spec=spec, assumptions=Assumptions(gemm_efficiency=args.gemm_efficiency),
                      tokens=parse_tokens(args.tokens) if args.tokens else None)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from distaff.train.core.errors import ConfigError, shown
+from distaff.train.core.errors import ConfigError, finite_float, shown, whole_number
 
 MIB = 1024 ** 2
 
@@ -115,15 +115,11 @@ def parse_spec(text: str) -> GpuKind:
         base = kind(values.pop("like", "A100-80GB"))
     changes: dict = {"name": name}
     for key, value in values.items():
-        try:
-            number = float(value)
-        except ValueError:
-            raise ConfigError(f"--gpu-spec: {key} must be a number, got {shown(value)}") from None
-        if number <= 0:
-            raise ConfigError(f"--gpu-spec: {key} must be positive, got {value}")
-        field = SPEC_KEYS[key]
-        changes[field] = number * 1024 ** 3 if key == "memory_gib" else (int(number) if key in ("arch", "cores")
-                                                                          else number)
+        if key in ("arch", "cores"):
+            changes[SPEC_KEYS[key]] = whole_number(value, f"--gpu-spec {key}", low=1)
+            continue
+        number = finite_float(value, f"--gpu-spec {key}", low=0, low_open=True)
+        changes[SPEC_KEYS[key]] = number * 1024 ** 3 if key == "memory_gib" else number
     found = replace(base, **changes)
     if found.is_cpu:        # one GEMM rate for every size
         found = replace(found, gemm_curve=((1, found.fp32_tflops * 1e3, found.tflops * 1e3),))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from distaff.train.core.errors import ConfigError
+from distaff.train.data.manifest import MANIFEST_FILE, read_manifest
 from distaff.train.model.config import ModelConfig
 from distaff.train.model.flops import train_flops_per_token
 from distaff.train.plan import gpus as gpu_kinds
@@ -89,12 +90,9 @@ def sequence_length(cfg: RunConfig, model: ModelConfig, given: int | None) -> tu
         if given < 1:
             raise ConfigError(f"--seq-len: must be positive, got {given}")
         return given, "--seq-len"
-    manifest = Path(cfg.data.dir) / "manifest.json"
-    if manifest.is_file():
-        try:
-            return int(json.loads(manifest.read_text())["seq_len"]), f"{manifest}"
-        except (ValueError, KeyError, TypeError):
-            raise ConfigError(f"{manifest}: no readable seq_len; pass --seq-len") from None
+    manifest = Path(cfg.data.first_dir) / MANIFEST_FILE
+    if manifest.is_file():      # read as a run reads it: every field range-checked
+        return read_manifest(cfg.data.first_dir).seq_len, f"{manifest}"
     return model.max_position_embeddings, "model.max_position_embeddings (no prepared data; --seq-len sets it)"
 
 

@@ -11,28 +11,30 @@ continues from there.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from distaff.train.core import distributed as dist_utils
 from distaff.train.core.exit_codes import EXIT_BAD_CONFIG, EXIT_FAILURE, EXIT_PREEMPTED
-from distaff.train.data.loader import EvalLoader, PretrainLoader, open_data_dir
+from distaff.train.data.loader import EvalLoader, MixedLoader, PretrainLoader, continues, open_sources
 from distaff.train.data.manifest import MANIFEST_FILE, Manifest, is_remote
 from distaff.train.data.tokenizer import TokenizerInfo
+from distaff.train.data.verify import check_first_samples
 from distaff.train.model.config import ModelConfig
 from distaff.train.model.flops import peak_flops
 from distaff.train.plan.compare import first_check
 from distaff.train.pretrain.objectives import objective_for
 from distaff.train.run.checkpoint import Checkpointer, RNGState, latest_checkpoint
 from distaff.train.run.config import ConfigError, RunConfig, config_to_dict, load_config, save_config
-from distaff.train.run.engine import loss_scale
+from distaff.train.run.engine import loss_scale, set_accumulation
 from distaff.train.run.metrics import PLOT_FILE, Throughput, padding_fraction, peak_memory_gb, plot_metrics, warn
 from distaff.train.run.model_folder import load_initial_weights
 from distaff.train.run.resume_check import RunIdentity, check_resumable
 from distaff.train.run.runtime import Inspection, RunBase, TrainState, check_data_fits_model, parse_args as runtime_parse_args, run_main
-from distaff.train.run.schedule import lr_at
+from distaff.train.run.schedule import Phase, RunSchedule, lr_at
 from distaff.train.run.steps import Evaluator
 
 MIN_EVAL_TOKENS = 1_000     # masked tokens an evaluation scores: fewer, and accuracy moves in coarse steps
@@ -51,23 +53,54 @@ def build_model_config(cfg: RunConfig, tokenizer) -> ModelConfig:
     return cfg.model_config(**fixed)
 
 
+class PretrainPlan:
+    """A pretraining run up to its engine: the data dir opened, the model configured, the loaders built, the data
+    checked against the model and the checkpoint to resume chosen. Built by every rank of a run (``from_rank0``:
+    rank 0's text on every rank), and by ``--check``: one set of checks, so a run fails on nothing --check passed."""
+
+    def __init__(self, cfg: RunConfig, layout: dist_utils.DistEnv,
+                 from_rank0: Callable[[str], str] = lambda text: text):
+        self.sources = run_sources(cfg)
+        self.manifest, self.tokenizer = self.sources[cfg.data.first_dir]
+        self.schedule = run_schedule(cfg, layout.world_size, self.sources)
+        self.model_cfg = build_model_config(cfg, self.tokenizer)
+        self.objective = objective_for(cfg, self.model_cfg)
+        self.loader = train_loader(cfg, layout, self.sources, self.objective)
+        self.eval_loader = EvalLoader(cfg.data.first_dir, self.manifest, self.tokenizer, rank=layout.rank,
+                                      world_size=layout.world_size, seed=cfg.run.seed, masking=self.objective.masking,
+                                      batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
+                                      token_budget=cfg.data.token_budget(self.manifest.seq_len, eval=True))
+        for data_dir, (manifest, _) in self.sources.items():     # on every rank: they refuse together
+            check_first_samples(data_dir, manifest)
+        check_lengths(self.objective, self.schedule)
+        self.resume_from = check_resumable(cfg.checkpoint.resume, cfg.out_dir / "checkpoints",
+                                           run_identity(cfg, self.objective, self.loader), is_main=layout.is_main,
+                                           from_rank0=from_rank0, report=print if layout.is_main else _silent,
+                                           branch_from=cfg.checkpoint.branch_from)
+
+
+def _silent(message: str) -> None:
+    """What ranks other than 0 say about the checkpoints rank 0 passed over: nothing (rank 0 says it)."""
+
+
 class Trainer(RunBase):
     """One rank of a run: ``Trainer(cfg, layout).run()`` builds, loops, closes; returns the exit code."""
 
     def __init__(self, cfg: RunConfig, layout: dist_utils.DistEnv):
         super().__init__(cfg, layout)
-        self.manifest, tokenizer = open_data_dir(cfg.data.dir)
-        self.model_cfg = build_model_config(cfg, tokenizer)
-        self.objective = objective_for(cfg, self.model_cfg)
-        self.loader, self.evaluator = self._build_data(tokenizer)
-        for section, model_cfg in self.objective.model_configs().items():
-            check_data_fits_model(model_cfg, self.loader.seq_len, f"data.dir: seq_len {self.loader.seq_len}",
-                                  "raise it or prepare the data with a smaller --seq-len", section)
-        check_resumable(cfg.checkpoint.resume, cfg.out_dir / "checkpoints", run_identity(cfg, self.objective, self.loader))
+        plan = PretrainPlan(cfg, layout, lambda text: dist_utils.broadcast_text(text, self.device))
+        self.sources, self.schedule, self.manifest = plan.sources, plan.schedule, plan.manifest
+        self.model_cfg, self.objective = plan.model_cfg, plan.objective
+        self.loader, self.resume_from = plan.loader, plan.resume_from
+        self.evaluator = Evaluator(plan.eval_loader, cfg.eval.batches, layout.world_size, self.device, self.objective)
+        self.phase: Phase | None = None     # the phase the loader and the log are in (set at the first step)
+        self.global_batch = 0
         self.engine = self._initialize_engine(self._build_model)
         self.state = TrainState()
-        self.checkpointer = self._build_checkpointer(tokenizer.path)
+        self.checkpointer = self._build_checkpointer(plan.tokenizer.path)
         resumed_from = self._restore()
+        if isinstance(self.loader, MixedLoader) and self.loader.from_single_stream and layout.is_main:
+            self.loader.tokens[0] = self.state.tokens      # what the single stream read, all of it source 0's
         if layout.is_main:
             save_config(cfg, cfg.out_dir / "config.yaml", self.model_cfg)
         self.metrics = self._open_metrics(resumed_from, max_steps=cfg.train.max_steps, what="", wandb_config={
@@ -79,17 +112,6 @@ class Trainer(RunBase):
         self.plan_checked = False
 
     # ---------------------------------------------------------------- building
-
-    def _build_data(self, tokenizer: TokenizerInfo) -> tuple[PretrainLoader, Evaluator]:
-        cfg, layout = self.cfg, self.layout
-        shared = dict(rank=layout.rank, world_size=layout.world_size, seed=cfg.run.seed,
-                      masking=self.objective.masking)
-        seq_len = self.manifest.seq_len
-        loader = train_loader(cfg, layout, self.manifest, tokenizer, self.objective)
-        eval_loader = EvalLoader(cfg.data.dir, self.manifest, tokenizer,
-                                 batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
-                                 token_budget=cfg.data.token_budget(seq_len, eval=True), **shared)
-        return loader, Evaluator(eval_loader, cfg.eval.batches, layout.world_size, self.device, self.objective)
 
     def _build_model(self) -> torch.nn.Module:
         model = self.objective.build(self.layout.rank)
@@ -110,7 +132,7 @@ class Trainer(RunBase):
     def _build_throughput(self) -> Throughput:
         on_gpu = self.device.type == "cuda"
         peak = peak_flops(torch.cuda.get_device_name(), self.cfg.train.precision) if on_gpu else None
-        flops = self.objective.flops_per_token(self.loader.seq_len)
+        flops = self.objective.flops_per_token(self.schedule.phases[0].seq_len)
         return Throughput(self.layout.world_size, flops, peak)
 
     # ---------------------------------------------------------------- the loop
@@ -136,7 +158,43 @@ class Trainer(RunBase):
     def _lr(self, step: int) -> float:
         optim = self.cfg.optim
         return lr_at(step, lr=optim.lr, warmup_steps=optim.warmup_steps, max_steps=self.cfg.train.max_steps,
-                     schedule=optim.schedule, min_lr_ratio=optim.min_lr_ratio)
+                     schedule=optim.schedule, min_lr_ratio=optim.min_lr_ratio, decay_start=optim.decay_start,
+                     decay_steps=optim.decay_steps, decay_shape=optim.decay_shape)
+
+    def _micro_batches(self, step: int) -> int:
+        """The step's shape from the schedule (train/run/schedule.py): a phase the loader is not in yet is given to
+        it; the engine accumulates the step's micro-batches."""
+        shape = self.schedule.at(step)
+        if shape.phase != self.phase:
+            self._enter(shape.phase, step)
+        set_accumulation(self.engine, shape.micro_batches, shape.phase.batch_size)
+        self.global_batch = shape.global_batch
+        return shape.micro_batches
+
+    def _enter(self, phase: Phase, step: int) -> None:
+        """Give ``phase`` to the loader; a switch (the loader was in another phase: not a run resumed inside this
+        one) is logged."""
+        mixed = isinstance(self.loader, MixedLoader)
+        switched = mixed and phase.index > 0 and self.loader.phase != phase.index
+        if mixed:
+            base = self.objective.masking
+            self.loader.set_phase(phase.index, dict(phase.sources), batch_size=phase.batch_size,
+                                  token_budget=phase_token_budget(self.cfg, phase),
+                                  masking=None if base is None else replace(base, mlm_probability=phase.mask_rate))
+        if switched:
+            before = self.schedule.phases[phase.index - 1]
+            self.metrics.log({"step": step + 1, "tokens_seen": self.state.tokens, "phase": phase.index,
+                              "phase_change": phase.changes(before)})
+        self.throughput.flops_per_token = self.objective.flops_per_token(phase.seq_len)
+        self.phase = phase
+
+    def _tokens_by_source(self) -> dict[str, int]:
+        """Each source's real tokens so far, over all ranks (collective)."""
+        if not isinstance(self.loader, MixedLoader):
+            return {self.cfg.data.dir: self.state.tokens}
+        local = self.loader.tokens_by_source()
+        totals = dist_utils.all_reduce_sum([float(n) for n in local.values()], self.device)
+        return {source: int(n) for source, n in zip(local, totals)}
 
     def _log_train(self, objective_metrics: dict[str, float | None]) -> None:
         grad_norm = self.engine.get_global_grad_norm()
@@ -144,6 +202,7 @@ class Trainer(RunBase):
                           "lr": self.engine.optimizer.param_groups[0]["lr"],
                           "grad_norm": None if grad_norm is None else float(grad_norm),
                           "loss_scale": loss_scale(self.engine), "tokens_seen": self.state.tokens,
+                          "tokens_by_source": self._tokens_by_source(), "global_batch": self.global_batch,
                           "nonfinite_steps": self.state.nonfinite_steps,
                           "peak_mem_gb": peak_memory_gb(),
                           **self.throughput.report(self.cfg.train.max_steps - self.state.step),
@@ -175,41 +234,85 @@ class Trainer(RunBase):
                              self.layout.world_size)
 
 
-def train_loader(cfg: RunConfig, layout: dist_utils.DistEnv, manifest: Manifest, tokenizer: TokenizerInfo,
-                 objective) -> PretrainLoader:
-    return PretrainLoader(cfg.data.dir, manifest, tokenizer, batch_size=cfg.data.batch_size,
-                          num_workers=cfg.data.num_workers, token_budget=cfg.data.token_budget(manifest.seq_len),
-                          rank=layout.rank, world_size=layout.world_size, seed=cfg.run.seed, masking=objective.masking)
+def source_dirs(cfg: RunConfig) -> dict[str, str]:
+    """Every data dir the run reads, by the key that names it, in the order they first appear (data, then phases)."""
+    named = {"data.dir": cfg.data.dir} if cfg.data.dir else {
+        f"data.sources[{i}].dir": source.dir for i, source in enumerate(cfg.data.sources)}
+    for j, phase in enumerate(cfg.phases):
+        named.update({f"phases[{j}].sources[{i}].dir": source.dir for i, source in enumerate(phase.sources)})
+    return named
+
+
+def run_sources(cfg: RunConfig) -> dict[str, tuple[Manifest, TokenizerInfo]]:
+    """Every data dir's manifest and tokenizer, one tokenizer for all (checked)."""
+    return open_sources(list(dict.fromkeys(source_dirs(cfg).values())))
+
+
+def run_schedule(cfg: RunConfig, world_size: int, sources: dict[str, tuple[Manifest, TokenizerInfo]]) -> RunSchedule:
+    return RunSchedule(cfg, world_size, {d: manifest.seq_len for d, (manifest, _) in sources.items()})
+
+
+def phase_token_budget(cfg: RunConfig, phase: Phase) -> int:
+    """Tokens per packed micro-batch in ``phase`` (0: padded batches)."""
+    if cfg.data.packing == "padded":
+        return 0
+    return cfg.data.tokens_per_batch or phase.batch_size * phase.seq_len
+
+
+def train_loader(cfg: RunConfig, layout: dist_utils.DistEnv, sources: dict[str, tuple[Manifest, TokenizerInfo]],
+                 objective) -> PretrainLoader | MixedLoader:
+    """``data.dir`` alone: its stream; with ``data.sources`` or ``phases``: the mixed stream of every source."""
+    if cfg.data.dir and not cfg.phases:
+        manifest, tokenizer = sources[cfg.data.dir]
+        return PretrainLoader(cfg.data.dir, manifest, tokenizer, batch_size=cfg.data.batch_size,
+                              num_workers=cfg.data.num_workers, token_budget=cfg.data.token_budget(manifest.seq_len),
+                              rank=layout.rank, world_size=layout.world_size, seed=cfg.run.seed,
+                              masking=objective.masking)
+    return MixedLoader(sources, rank=layout.rank, world_size=layout.world_size, num_workers=cfg.data.num_workers,
+                       seed=cfg.run.seed, masking=objective.masking)
+
+
+def check_lengths(objective, schedule: RunSchedule) -> None:
+    """The model takes the longest sequences of any phase."""
+    longest = max(schedule.phases, key=lambda phase: phase.seq_len)
+    for section, model_cfg in objective.model_configs().items():
+        check_data_fits_model(model_cfg, longest.seq_len, f"{longest.key}: seq_len {longest.seq_len}",
+                              "raise it or prepare the data with a smaller --seq-len", section)
 
 
 def check_run(cfg: RunConfig) -> str:
-    """``distaff pretrain --check``: the data, the model it gives and a checkpoint to resume, checked as a run
-    checks them before building its engine (as rank 0 of ``WORLD_SIZE``, default 1); a summary line."""
+    """``distaff pretrain --check``: the checks a run makes before building its engine (:class:`PretrainPlan`, as
+    rank 0 of ``WORLD_SIZE``, default 1); a summary line. A remote data dir is not read: its ``pipe:`` command
+    would run (the run checks it when it starts)."""
     layout = dist_utils.DistEnv(0, dist_utils.env_from_environ().world_size, 0)
-    manifest, tokenizer = open_data_dir(cfg.data.dir)
-    model_cfg = build_model_config(cfg, tokenizer)
-    objective = objective_for(cfg, model_cfg)
-    loader = train_loader(cfg, layout, manifest, tokenizer, objective)
-    for section, checked in objective.model_configs().items():
-        check_data_fits_model(checked, loader.seq_len, f"data.dir: seq_len {loader.seq_len}",
-                              "raise it or prepare the data with a smaller --seq-len", section)
-    resume = check_resumable(cfg.checkpoint.resume, cfg.out_dir / "checkpoints", run_identity(cfg, objective, loader))
-    return (f"config, data {cfg.data.dir} (seq_len {manifest.seq_len}, tokenizer of {tokenizer.vocab_size} pieces) and "
-            f"model ({model_cfg.num_hidden_layers} layers, hidden {model_cfg.hidden_size}, {cfg.train.objective}) fit; "
+    remote = [d for d in source_dirs(cfg).values() if is_remote(d)]
+    if remote:
+        return (f"config fits; data dir {remote[0]} is remote and was not read (--check runs no command and "
+                "fetches nothing): its data, the model's vocabulary and a checkpoint to resume are checked when the "
+                f"run starts; {cfg.train.max_steps} steps on {layout.world_size} rank(s)")
+    plan = PretrainPlan(cfg, layout)
+    model_cfg, resume = plan.model_cfg, plan.resume_from
+    return (f"config, data {cfg.data.first_dir} (seq_len {plan.manifest.seq_len}, tokenizer of "
+            f"{plan.tokenizer.vocab_size} pieces) and model ({model_cfg.num_hidden_layers} layers, hidden "
+            f"{model_cfg.hidden_size}, {cfg.train.objective}) fit; "
             + (f"resumes from {resume}" if resume else f"a new run in {cfg.out_dir}")
             + f"; {cfg.train.max_steps} steps on {layout.world_size} rank(s)")
 
 
-def run_identity(cfg: RunConfig, objective, loader: PretrainLoader) -> RunIdentity:
+def run_identity(cfg: RunConfig, objective, loader: PretrainLoader | MixedLoader) -> RunIdentity:
     """What a checkpoint must match for this run to resume it (train/run/resume_check.py); the data by what the
     loader was built from (the shards' sample counts and the tokenizer's fingerprint), not by its path."""
     data = loader.state_dict()["data"]
 
     def data_problem(state: dict, where: str) -> str | None:
-        if state.get("data", data) == data:
+        saved = state.get("data", data)
+        if saved == data or continues(saved, data):
             return None
-        return (f"data.dir: the data of {where} differ from this run's {cfg.data.dir} (other shards, or another "
-                "tokenizer)")
+        if isinstance(saved, list) and not isinstance(data, list):
+            return (f"data.sources/phases: {where} was written by a run that read several sources or phases; this "
+                    "run reads data.dir alone: give it the run's data.sources and phases")
+        return (f"{'data.sources/phases' if isinstance(data, list) else 'data.dir'}: the data of {where} differ from "
+                f"this run's {cfg.data.first_dir} (other shards or sources, or another tokenizer)")
 
     return RunIdentity(model=objective.model_cfg.to_dict(), seed=cfg.run.seed, zero_stage=cfg.zero.stage,
                        objective=cfg.train.objective, data_problem=data_problem)
@@ -264,14 +367,15 @@ def eval_rtd_line(summary: dict[str, Any]) -> str:
 
 
 def load_run_config(path: str | None, overrides: list[str]) -> RunConfig:
-    """The run config, with a local ``data.dir`` checked: a missing folder or manifest is refused here, before
+    """The run config, with every local data dir checked: a missing folder or manifest is refused here, before
     any process group or run folder exists."""
     cfg = load_config(path, overrides)
-    data_dir = Path(cfg.data.dir)
-    if not is_remote(cfg.data.dir) and not (data_dir / MANIFEST_FILE).is_file():
-        problem = "does not exist" if not data_dir.exists() else f"holds no {MANIFEST_FILE}"
-        raise ConfigError(f"data.dir: {data_dir.resolve()} {problem}; set data.dir to a folder written by "
-                          f"`distaff data prepare ... --out DIR`")
+    for key, value in source_dirs(cfg).items():
+        data_dir = Path(value)
+        if not is_remote(value) and not (data_dir / MANIFEST_FILE).is_file():
+            problem = "does not exist" if not data_dir.exists() else f"holds no {MANIFEST_FILE}"
+            raise ConfigError(f"{key}: {data_dir.resolve()} {problem}; set {key} to a folder written by "
+                              f"`distaff data prepare ... --out DIR`")
     return cfg
 
 

@@ -4,14 +4,15 @@ Layout under ``<run.out_dir>/checkpoints``::
 
     step-00000100/            a complete checkpoint (DeepSpeed files, then ours)
         distaff/rank-00000.json   per rank: step and the per-rank components (data stream, RNG)
-        distaff/files.json        every file's size and sha256 (checkpoint_files.py), checked before resuming
-        distaff/meta.json         written last: step, world size, configs and the shared components
+        distaff/meta.json         step, world size, configs and the shared components
+        distaff/files.json        written last: every other file's size and sha256, meta.json's too
+                                  (checkpoint_files.py), checked before resuming or exporting
         tokenizer/                copy of the tokenizer, so a checkpoint exports on its own
     latest                    text file naming the newest complete checkpoint
     .partial-step-00000200/   a save in progress (or interrupted by a crash)
 
 A save writes everything into ``.partial-<tag>``, and only when every rank has finished does
-rank 0 write ``meta.json``, rename the folder to ``<tag>`` and atomically replace ``latest``. A
+rank 0 write ``meta.json`` and the file list, rename the folder to ``<tag>`` and atomically replace ``latest``. A
 crash at any point before the rename leaves the previous checkpoint complete and named by
 ``latest``. Our state is JSON; DeepSpeed's own files are loaded with ``weights_only=True``
 (``safe_load.py``), so nothing here runs code from a checkpoint.
@@ -26,6 +27,7 @@ import hashlib
 import json
 import os
 import random
+import resource
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -37,13 +39,15 @@ from distaff.train.core.errors import RunFailure, shown
 from distaff.train.core.files import atomic_write_text, fsync_dir
 from distaff.train.core.safe_load import weights_only_loads
 from distaff.train.data.errors import DataError
-from distaff.train.run.checkpoint_files import FIRST_FORMAT_WITH_FILES, META, checkpoint_problem, write_file_list
+from distaff.train.core.files import read_json
+from distaff.train.run.checkpoint_files import (FORMAT_WITH_META_LISTED, META, checkpoint_problem, is_complete,
+                                               read_meta, tag_for_step, write_file_list)
 from distaff.train.run.resize import global_batch_notice, has_partitioned_state, universal_folder, universal_loading
 
 LATEST = "latest"
 PARTIAL_PREFIX = ".partial-"
 STALE_PREFIX = ".stale-"
-FORMAT_VERSION = FIRST_FORMAT_WITH_FILES
+FORMAT_VERSION = FORMAT_WITH_META_LISTED
 
 
 class Stateful(Protocol):
@@ -52,19 +56,11 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def tag_for_step(step: int) -> str:
-    return f"step-{step:08d}"
-
-
 def _rank_file(folder: Path, rank: int) -> Path:
     return folder / "distaff" / f"rank-{rank:05d}.json"
 
 
 # ---------------------------------------------------------------- finding checkpoints
-
-def is_complete(folder: Path) -> bool:
-    return (folder / META).is_file()
-
 
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The checkpoint under ``root`` named by ``latest``, else the highest complete ``step-*``, else None.
@@ -85,21 +81,15 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return max(complete, key=lambda p: p.name) if complete else None
 
 
-def resume_candidate(resume: str, root: Path) -> Path | None:
-    """The checkpoint ``checkpoint.resume`` would most likely resume from, found without hashing anything
-    (for checks before the engine is built; :func:`resolve_resume` makes the choice)."""
-    if resume == "none":
-        return None
-    folder = latest_checkpoint(root) if resume == "auto" else Path(resume)
-    return folder if folder is not None and is_complete(folder) else None
-
-
 def rank_state(folder: Path, rank: int) -> dict[str, Any]:
     """Rank ``rank``'s per-rank components (data stream position, RNG) saved in checkpoint ``folder``."""
     path = _rank_file(folder, rank)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: rank {rank}'s state is missing from the checkpoint")
-    return json.loads(path.read_text())
+    state = read_json(path, error=DataError)
+    if not isinstance(state, dict):
+        raise DataError(f"{path}: expected a JSON object of rank {rank}'s state")
+    return state
 
 
 def newest_sound_checkpoint(root: Path, report: Callable[[str], None]) -> Path | None:
@@ -117,20 +107,27 @@ def newest_sound_checkpoint(root: Path, report: Callable[[str], None]) -> Path |
     return None
 
 
-def resolve_resume(resume: str, root: Path, report: Callable[[str], None] = print) -> Path | None:
-    """``checkpoint.resume``: ``auto`` the newest sound checkpoint under ``root`` (or None), ``none`` None,
-    else the checkpoint folder it names (which must be sound)."""
+def resolve_resume(resume: str, root: Path, report: Callable[[str], None] = print,
+                   branch_from: str = "") -> Path | None:
+    """``checkpoint.resume``: ``auto`` the newest sound checkpoint under ``root`` (none: ``branch_from``'s
+    checkpoint when given, else None), ``none`` None, else the checkpoint folder it names (which must be sound)."""
     if resume == "none":
         return None
     if resume == "auto":
-        return newest_sound_checkpoint(root, report)
-    path = Path(resume)
-    if not is_complete(path):
-        raise FileNotFoundError(f"checkpoint.resume={resume!r}: not a complete checkpoint (no {META} in it)")
-    problem = checkpoint_problem(path)
+        found = newest_sound_checkpoint(root, report)
+        return sound_checkpoint(branch_from, "checkpoint.branch_from") if found is None and branch_from else found
+    return sound_checkpoint(resume, "checkpoint.resume")
+
+
+def sound_checkpoint(path: str, key: str) -> Path:
+    """The checkpoint folder ``path`` (the value of config ``key``), complete and matching its file list."""
+    folder = Path(path)
+    if not is_complete(folder):
+        raise FileNotFoundError(f"{key}={path!r}: not a complete checkpoint (no {META} in it)")
+    problem = checkpoint_problem(folder)
     if problem:
-        raise FileNotFoundError(f"checkpoint.resume={resume!r}: damaged checkpoint: {problem}")
-    return path
+        raise FileNotFoundError(f"{key}={path!r}: damaged checkpoint: {problem}")
+    return folder
 
 
 # ---------------------------------------------------------------- the global RNGs as a component
@@ -218,14 +215,26 @@ def _failure(write: Callable[[], Any]) -> BaseException | None:
     return None
 
 
+def _file_size_limit() -> int | None:
+    """This process's limit on the size of a file it writes (``ulimit -f``, RLIMIT_FSIZE), in bytes; None if none."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
 def _save_failure_cause(err: BaseException, root: Path) -> str:
-    """"no space left on <path>" for a full disk or quota: torch's zip writer reports ENOSPC only as
-    "unexpected pos N vs M", so a failed write on a filesystem that is now (nearly) full counts as one too."""
+    """"no space left on <path>" for a full disk or quota, "a file reached the file-size limit" for EFBIG: torch's
+    zip writer reports either only as "unexpected pos N vs M", so a failed write on a filesystem that is now
+    (nearly) full counts as the first, and one under a finite ``ulimit -f`` as the second."""
     chain = [err, *(e for e in (err.__cause__, err.__context__) if e is not None)]
     oserror = next((e for e in chain if isinstance(e, OSError)), None)
     where = Path(oserror.filename) if oserror is not None and oserror.filename else root
     if (oserror is not None and oserror.errno in _NO_SPACE) or shutil.disk_usage(root).free < _NEARLY_FULL_BYTES:
         return f"no space left on {where} ({shutil.disk_usage(root).free:,} bytes free)"
+    limit = _file_size_limit()
+    if (oserror is not None and oserror.errno == errno.EFBIG) or (limit is not None and "unexpected pos" in str(err)):
+        shown_limit = f"{limit:,} bytes" if limit is not None else "a limit of the filesystem"
+        return (f"a file reached the file-size limit ({shown_limit}; `ulimit -f`) under {where}; raise it (ulimit -f "
+                "unlimited in the job script) or save to a filesystem without one")
     if oserror is not None:
         return f"{oserror.strerror or oserror} on {where}"
     return f"{type(err).__name__}: {err}"
@@ -302,7 +311,7 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)
         self.barrier()
         previous = latest_checkpoint(self.root)
-        intact = (f"previous checkpoint step {json.loads((previous / META).read_text())['step']} is intact "
+        intact = (f"previous checkpoint step {read_meta(previous)['step']} is intact "
                   f"({previous})" if previous else "there is no previous checkpoint")
         cause = _save_failure_cause(failure, self.root) if failure else "another rank failed (see its error)"
         raise CheckpointSaveError(f"{cause} while saving step {step}; {intact}") from failure
@@ -316,38 +325,27 @@ class Checkpointer:
         atomic_write_text(own, json.dumps({"step": step, **states}))
 
     def _write_meta(self, partial: Path, step: int) -> None:
+        """The tokenizer copy and ``meta.json``, then the file list that records them with every other file."""
         if self.tokenizer_dir is not None:
             shutil.copytree(self.tokenizer_dir, partial / "tokenizer")
-        write_file_list(partial)
         states = {name: component.state_dict() for name, component in self.shared.items()}
         meta = {"format": FORMAT_VERSION, "step": step, "world_size": self.world_size, **self.meta, **states}
         atomic_write_text(partial / META, json.dumps(meta, indent=1))
+        write_file_list(partial)
 
     # ---- restoring
-    def restore(self, resume: str) -> Path | None:
-        """Resolve ``checkpoint.resume``, clear interrupted saves and load the checkpoint, if any."""
-        verdict, failure = "", None
-        if self.rank == 0:  # one rank hashes the checkpoints and tells the others what it chose
-            try:
-                chosen = resolve_resume(resume, self.root)
-                verdict = f"ok:{chosen}" if chosen is not None else "none:"
-                if self.root.is_dir():
-                    remove_partial(self.root)
-            except Exception as err:  # noqa: BLE001 - the other ranks must hear of it, not wait
-                verdict, failure = f"error:{type(err).__name__}: {err}", err
-        kind, _, detail = self.from_rank0(verdict).partition(":")
-        if failure is not None:
-            raise failure
-        if kind == "error":
-            raise RuntimeError(f"rank 0 could not choose a checkpoint to resume from: {detail}")
-        folder = Path(detail) if kind == "ok" else None
+    def restore_chosen(self, folder: Path | None) -> Path | None:
+        """Load ``folder``, the checkpoint every rank chose and verified before the engine was built
+        (``resume_check.check_resumable``), if any; rank 0 clears interrupted saves."""
+        if self.rank == 0 and self.root.is_dir():
+            remove_partial(self.root)
         if folder is not None:
             self.load(folder)
         return folder
 
     def load(self, folder: Path) -> None:
         """Restore the engine and every component from ``folder``, written by this world size or another."""
-        meta = json.loads((folder / META).read_text())
+        meta = read_meta(folder)
         saved_world = meta["world_size"]
         if saved_world == self.world_size:
             per_rank = {name: [state] for name, state in self._rank_state(folder, self.rank).items()}

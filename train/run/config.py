@@ -11,7 +11,6 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
-import math
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -21,9 +20,11 @@ import yaml
 
 from distaff.train.core import presets
 from distaff.train.core.config_yaml import load_yaml
-from distaff.train.core.errors import ConfigError, closest, reject_unknown_keys, shown
+from distaff.train.core.errors import ConfigError, closest, finite_float, reject_unknown_keys, shown
+from distaff.train.core.files import read_text
 from distaff.train.data.collator import MaskingConfig
 from distaff.train.model.config import ModelConfig, load_model_config
+from distaff.train.run.schedule import wsd_window
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "parse_overrides", "save_config", "config_to_dict"]
 
@@ -48,8 +49,17 @@ class ModelSection:
 
 
 @dataclass
+class SourceSection:
+    """One prepared dataset of a mixture and its share of the micro-batches (docs/data.md, "Several sources")."""
+    dir: str = ""
+    weight: float = 1.0
+
+
+@dataclass
 class DataSection:
     dir: str = ""                       # output of `distaff data prepare`
+    # instead of `dir`: several prepared datasets (one tokenizer, one seq_len) mixed by weight
+    sources: list[SourceSection] = field(default_factory=list)
     batch_size: int = 8                 # micro-batch per rank
     num_workers: int = 0
     eval_batch_size: int = 0            # 0: same as batch_size
@@ -67,11 +77,27 @@ class DataSection:
             return (self.eval_batch_size or self.batch_size) * seq_len
         return self.tokens_per_batch or self.batch_size * seq_len
 
+    @property
+    def first_dir(self) -> str:
+        """``dir``, or the first source's: the data whose tokenizer the model takes and whose held-out split
+        evaluations read."""
+        return self.dir or (self.sources[0].dir if self.sources else "")
+
+
+@dataclass
+class BatchWarmupSection:
+    """The global batch grows from ``start`` sequences in steps of ``start`` to its full size, each size held
+    for the same number of steps, over ``tokens`` (sequences x seq_len); ``start: 0`` is off
+    (train/run/schedule.py, docs/pretraining.md "Batch-size warmup")."""
+    start: int = 0
+    tokens: int = 0
+
 
 @dataclass
 class TrainSection:
     max_steps: int = 1000               # optimizer steps
     grad_accum: int = 1
+    batch_warmup: BatchWarmupSection = field(default_factory=BatchWarmupSection)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     grad_clip: float = 1.0              # 0 disables clipping
     max_nonfinite_steps: int = 10       # stop after this many skipped (non-finite loss) steps in a row
@@ -105,6 +131,15 @@ class OptimSection:
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
     eps: float = 1e-6
+
+
+@dataclass
+class PretrainOptimSection(OptimSection):
+    """Pretraining's schedules add warmup-stable-decay (docs/pretraining.md, "Warmup-stable-decay")."""
+    schedule: Literal["linear", "cosine", "wsd"] = "linear"
+    decay_start: int = 0                # wsd: the decay's first step; 0: train.max_steps - decay_steps
+    decay_steps: int = 0                # wsd: the decay's length; 0: from decay_start to train.max_steps
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] = "1-sqrt"
 
 
 @dataclass
@@ -158,6 +193,21 @@ class CheckpointSection:
     every: int = 1000                   # 0: only at the end and on preemption
     keep: int = 3
     resume: str = "auto"                # auto | none | PATH to a checkpoint directory
+    # a checkpoint of another run that this one continues from, exactly as a resume, until it has a checkpoint
+    # of its own (resume=auto only); `distaff decay` sets it to the parent's checkpoint
+    branch_from: str = ""
+
+
+@dataclass
+class PhaseSection:
+    """From step ``at_step`` on (steps done before it), the run trains with these; 0 or empty keeps the previous
+    phase's value (train/run/schedule.py, docs/pretraining.md "Phases")."""
+    at_step: int = 0
+    sources: list[SourceSection] = field(default_factory=list)
+    seq_len: int = 0                    # a check: the phase's sources must be prepared at this length
+    mask_rate: float = 0.0              # data.masking.mlm_probability
+    global_batch: int = 0               # sequences per optimizer step, over all ranks
+    batch_size: int = 0                 # micro-batch per rank
 
 
 @dataclass
@@ -166,7 +216,7 @@ class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
-    optim: OptimSection = field(default_factory=OptimSection)
+    optim: PretrainOptimSection = field(default_factory=PretrainOptimSection)
     zero: ZeroSection = field(default_factory=ZeroSection)
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
@@ -175,6 +225,7 @@ class RunConfig:
     eval: EvalSection = field(default_factory=EvalSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     rtd: RTDSection = field(default_factory=RTDSection)
+    phases: list[PhaseSection] = field(default_factory=list)
 
     @property
     def out_dir(self) -> Path:
@@ -238,18 +289,12 @@ def _check_value(key: str, value: Any, annotation: Any) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: must be a list, got {shown(value)} ({type(value).__name__})")
         return [_check_value(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(annotation):
+        return _build(annotation, value, f"{key}.")
     if annotation is float:
-        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = float(value)
-            # .inf / .nan pass every range check below and poison the run silently
-            if not math.isfinite(value):
-                raise ConfigError(f"{key}: must be a finite number, got {value}")
-            return value
+        # YAML 1.1 reads "1e-4" as a string; .inf / .nan would pass every range check and poison the run silently
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return finite_float(value, key)
     elif annotation is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -260,7 +305,7 @@ def _check_value(key: str, value: Any, annotation: Any) -> Any:
 
 def _build(cls: type, values: Any, prefix: str) -> Any:
     if not isinstance(values, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {shown(values)}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {shown(values)}")
     hints = typing.get_type_hints(cls)
     known = sorted(f.name for f in fields(cls))
     reject_unknown_keys(values, known, "unknown config key(s)", prefix, f" (known keys: {known})")
@@ -335,22 +380,97 @@ def _validate(cfg: RunConfig) -> None:
         non_negative={"data.num_workers": cfg.data.num_workers, "data.eval_batch_size": cfg.data.eval_batch_size,
                       "data.tokens_per_batch": cfg.data.tokens_per_batch,
                       "optim.warmup_steps": cfg.optim.warmup_steps, "optim.weight_decay": cfg.optim.weight_decay,
+                      "optim.decay_start": cfg.optim.decay_start, "optim.decay_steps": cfg.optim.decay_steps,
                       "train.grad_clip": cfg.train.grad_clip, "eval.every": cfg.eval.every,
                       "eval.batches": cfg.eval.batches, "checkpoint.every": cfg.checkpoint.every,
                       "distributed.watchdog_s": cfg.distributed.watchdog_s})
     check_engine_sections(cfg)
-    if not cfg.data.dir:
-        raise ConfigError("data.dir: required (a folder written by `distaff data prepare`)")
+    if not cfg.data.dir and not cfg.data.sources:
+        raise ConfigError("data.dir: required (a folder written by `distaff data prepare`), or data.sources")
+    if cfg.data.dir and cfg.data.sources:
+        raise ConfigError("data.dir and data.sources: give one of them (a single dataset is data.dir, or "
+                          "data.sources with one entry)")
+    _check_sources("data.sources", cfg.data.sources)
+    _check_batch_warmup(cfg.train.batch_warmup)
+    _check_phases(cfg)
     _check_combinations(cfg)
+    check_schedule(cfg.optim, cfg.train.max_steps)
+
+
+def check_schedule(optim: PretrainOptimSection, max_steps: int) -> None:
+    """A WSD decay must lie after the warmup and end by ``train.max_steps``; other schedules have no decay fields."""
+    if optim.schedule != "wsd":
+        if optim.decay_start or optim.decay_steps:
+            raise ConfigError(f"optim.decay_start/decay_steps with optim.schedule={optim.schedule}: only "
+                              "optim.schedule=wsd has a decay phase of its own; set it, or drop them")
+        return
+    if not optim.decay_start and not optim.decay_steps:
+        raise ConfigError("optim.schedule=wsd: set optim.decay_steps (a decay ending at train.max_steps) and/or "
+                          "optim.decay_start (its first step); optim.decay_start=train.max_steps keeps the whole run "
+                          "stable, to decay in branches (distaff decay)")
+    start, length = wsd_window(max_steps, optim.decay_start, optim.decay_steps)
+    if start < 0:
+        raise ConfigError(f"optim.decay_steps: {length} steps of decay are longer than the run (train.max_steps="
+                          f"{max_steps}); shorten it or raise train.max_steps")
+    if start > max_steps:
+        raise ConfigError(f"optim.decay_start: {start} is past the end of the run (train.max_steps={max_steps}); "
+                          "start the decay at most at train.max_steps")
+    if start + length > max_steps:
+        raise ConfigError(f"optim.decay_steps: a decay of {length} steps from step {start} ends at step "
+                          f"{start + length}, past train.max_steps={max_steps}; shorten it or raise train.max_steps")
+    if start < optim.warmup_steps:
+        raise ConfigError(f"optim.decay_start: the decay would start at step {start}, inside the warmup "
+                          f"(optim.warmup_steps={optim.warmup_steps}); start it after the warmup")
+
+
+def _check_sources(key: str, sources: list[SourceSection]) -> None:
+    """Weights >= 0 summing to a positive number (NaN and infinity are refused as they are read), distinct dirs."""
+    for i, source in enumerate(sources):
+        if not source.dir:
+            raise ConfigError(f"{key}[{i}].dir: required (a folder written by `distaff data prepare`)")
+        if source.weight < 0:
+            raise ConfigError(f"{key}[{i}].weight: must be >= 0, got {source.weight}")
+        if source.dir in [s.dir for s in sources[:i]]:
+            raise ConfigError(f"{key}[{i}].dir: {source.dir} is listed twice; give it once, with the summed weight")
+    if sources and not sum(s.weight for s in sources) > 0:
+        raise ConfigError(f"{key}: the weights {[s.weight for s in sources]} must sum to a positive number")
+
+
+def _check_batch_warmup(warmup: BatchWarmupSection) -> None:
+    check_ranges(positive={}, non_negative={"train.batch_warmup.start": warmup.start,
+                                             "train.batch_warmup.tokens": warmup.tokens})
+    if bool(warmup.start) != bool(warmup.tokens):
+        raise ConfigError(f"train.batch_warmup: start ({warmup.start}) and tokens ({warmup.tokens}) go together: "
+                          "set both (a ramp) or neither")
+
+
+def _check_phases(cfg: RunConfig) -> None:
+    after = 0
+    for i, phase in enumerate(cfg.phases):
+        key = f"phases[{i}]"
+        if phase.at_step <= after:
+            raise ConfigError(f"{key}.at_step: must be above {after} (phases start after step 0, in increasing "
+                              f"order), got {phase.at_step}")
+        after = phase.at_step
+        check_ranges(positive={}, non_negative={f"{key}.seq_len": phase.seq_len, f"{key}.mask_rate": phase.mask_rate,
+                                                f"{key}.global_batch": phase.global_batch,
+                                                f"{key}.batch_size": phase.batch_size})
+        _check_sources(f"{key}.sources", phase.sources)
+        if not (phase.sources or phase.seq_len or phase.mask_rate or phase.global_batch or phase.batch_size):
+            raise ConfigError(f"{key}: changes nothing; give sources, seq_len, mask_rate, global_batch or batch_size")
+        if phase.mask_rate and not phase.mask_rate < 1.0:
+            raise ConfigError(f"{key}.mask_rate: must lie in (0, 1), got {phase.mask_rate}")
+        if phase.mask_rate and cfg.train.objective == "tta":
+            raise ConfigError(f"{key}.mask_rate with train.objective=tta: T-TA masks nothing; drop the mask_rate")
 
 
 def _check_combinations(cfg: RunConfig) -> None:
     """Settings that are valid alone but not together, each error naming both keys."""
     if cfg.data.tokens_per_batch and cfg.data.packing != "varlen":
         raise ConfigError("data.tokens_per_batch: only packed batches (data.packing=varlen) have a token budget")
-    if cfg.train.objective == "rtd" and cfg.data.packing == "varlen":
-        raise ConfigError("train.objective=rtd with data.packing=varlen: the RTD discriminator and head run on "
-                          "padded [B, N] batches only; use data.packing=padded")
+    if cfg.checkpoint.branch_from and cfg.checkpoint.resume != "auto":
+        raise ConfigError(f"checkpoint.branch_from with checkpoint.resume={cfg.checkpoint.resume}: a branch starts "
+                          "from its parent's checkpoint only while it has none of its own; set checkpoint.resume=auto")
     if cfg.train.objective != "rtd" and cfg.rtd.loss_weighting != "fixed":
         raise ConfigError(f"rtd.loss_weighting={cfg.rtd.loss_weighting} with train.objective={cfg.train.objective}: "
                           "loss weighting combines RTD's two losses; set train.objective=rtd or drop "
@@ -423,7 +543,7 @@ def read_config_values(path: str | Path | None, overrides: list[str] = (), kind:
     values: dict[str, Any] = {}
     if path is not None:
         path = config_file(path, kind)
-        values = load_yaml(path.read_text(), str(path)) or {}
+        values = load_yaml(read_text(path, error=ConfigError), str(path)) or {}
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: expected a mapping of sections")
     for keys, value in parse_overrides(list(overrides)):

@@ -9,13 +9,13 @@ sets it every step from :mod:`distaff.train.run.schedule`, so there is no schedu
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from distaff.train.core.files import read_json
 from distaff.train.run.config import ConfigError, RunConfig
 
 # Keys the training loop relies on; a passthrough JSON may not change them.
@@ -78,10 +78,7 @@ def build_deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
 def _read_passthrough(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"deepspeed.config: file not found: {path}")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"deepspeed.config: {path} is not valid JSON: {err}") from None
+    raw = read_json(path, error=ConfigError)
     if not isinstance(raw, dict):
         raise ConfigError(f"deepspeed.config: {path} must hold a JSON object")
     owned = sorted(set(raw) & set(LOOP_OWNED_KEYS))
@@ -191,6 +188,19 @@ def set_lr(engine, lr: float) -> None:
     """``lr`` times each group's ``lr_scale`` (1 when it has none)."""
     for group in engine.optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)
+
+
+def set_accumulation(engine, micro_batches: int, batch_size: int) -> None:
+    """Make the next optimizer step accumulate ``micro_batches`` micro-batches of ``batch_size`` per rank (the
+    batch ramp, a phase's global batch), without rebuilding the engine: DeepSpeed divides each micro-batch's loss
+    by this count, and the ZeRO optimizer keeps its own copy. The step marks its last micro-batch as the
+    accumulation boundary itself (``train_step``), so the count may change from one step to the next."""
+    if (engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()) == (micro_batches, batch_size):
+        return
+    engine.set_train_micro_batch_size(batch_size)
+    engine.set_train_batch_size(batch_size * micro_batches * engine.dp_world_size)
+    if hasattr(engine.optimizer, "gradient_accumulation_steps"):
+        engine.optimizer.gradient_accumulation_steps = micro_batches
 
 
 def loss_scale(engine) -> float | None:

@@ -49,7 +49,7 @@ def system_info(world_size: int) -> dict[str, Any]:
 # names, which plots, the ablation report and users' scripts read. Keys not listed here: ``eval_*`` -> eval/,
 # RTD's ``gen_*``/``rtd_*``/``weight_*``/``replaced_rate`` -> rtd/, the rest (loss, accuracy) -> train/.
 WANDB_SECTIONS = {
-    "progress": ("step", "tokens_seen", "epoch"),
+    "progress": ("step", "tokens_seen", "epoch", "tokens_by_source", "global_batch", "phase", "phase_change"),
     "optim": ("lr", "grad_norm", "loss_scale", "nonfinite_steps"),
     "perf": ("tokens_per_s", "tokens_per_s_per_device", "samples_per_s", "samples_per_s_per_device",
              "padding_fraction", "step_time_s", "mfu", "eta_s", "peak_mem_gb", "step_cpu_s",
@@ -135,6 +135,14 @@ class WandbSink:
         self.run = None
 
 
+def _flat(record: dict[str, Any]) -> dict[str, Any]:
+    """A mapping's values under ``key/name``, as W&B nests them (``tokens_by_source``: one chart per source)."""
+    flat: dict[str, Any] = {}
+    for key, value in record.items():
+        flat.update({f"{key}/{name}": v for name, v in value.items()} if isinstance(value, dict) else {key: value})
+    return flat
+
+
 class TensorBoardSink:
     """TensorBoard event files in ``<out_dir>/tensorboard`` on rank 0, in W&B's sections (:func:`wandb_key`)
     against the optimizer step; like W&B, a failure disables it and never stops training."""
@@ -149,7 +157,7 @@ class TensorBoardSink:
         if self.writer is None:
             return
         try:
-            for tag, value in scalars.items():
+            for tag, value in _flat(scalars).items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.writer.add_scalar(tag, value, step)
             self.writer.flush()
@@ -193,7 +201,9 @@ def _quality(record: dict[str, Any], prefix: str) -> list[str]:
 
 
 def format_line(record: dict[str, Any], max_steps: int) -> str:
-    """One human-readable line for a train or eval record."""
+    """One human-readable line for a train, eval or phase-switch record."""
+    if "phase_change" in record:
+        return f"step {record['step']}: phase {record['phase']} begins: {record['phase_change']}"
     if "eval_loss" in record:
         parts = [f"eval step {record['step']}", *_quality(record, "eval_")]
         if "eval_perplexity" in record:  # pretraining

@@ -16,7 +16,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from distaff.train.core.errors import shown
-from distaff.train.core.files import chmod_default
+from distaff.train.core.files import chmod_default, read_json
 from distaff.train.data.tokenizer import METADATA_FILE, MODEL_FILE
 from distaff.train.model.config import ConfigError, ModelConfig
 from distaff.train.model.deberta import DebertaForMaskedLM
@@ -40,7 +40,7 @@ def save_model_folder(model: DebertaForMaskedLM, out: str | Path, tokenizer: str
 
 def read_model_config(folder: str | Path) -> ModelConfig:
     path = Path(folder) / MODEL_CONFIG_FILE
-    return ModelConfig.from_dict(json.loads(path.read_text()), str(path))
+    return ModelConfig.from_dict(read_json(path, error=ConfigError), str(path))
 
 
 def _tokenizer_beside(folder: Path) -> Path | None:
@@ -109,7 +109,7 @@ def init_model_config(path: str | Path, overrides: dict, fixed: dict) -> ModelCo
     elif (folder / "config.json").is_file():
         from distaff.train.model.hf import model_config_from_hf
 
-        base = model_config_from_hf(json.loads((folder / "config.json").read_text()), str(folder / "config.json"),
+        base = model_config_from_hf(read_json(folder / "config.json", error=ConfigError), str(folder / "config.json"),
                                     emd=True)
     else:
         raise ConfigError(f"model.init_from: {folder} is not a model folder (no {MODEL_CONFIG_FILE} or config.json); "

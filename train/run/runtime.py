@@ -124,7 +124,8 @@ class RunSections(Protocol):
 
 
 class RunBase:
-    """One rank of a run. Subclasses set ``self.state`` (a :class:`TrainState`), ``self.engine``,
+    """One rank of a run. Subclasses set ``self.resume_from`` (the checkpoint chosen by
+    ``resume_check.check_resumable``, or None), ``self.state`` (a :class:`TrainState`), ``self.engine``,
     ``self.objective``, ``self.batches`` (an iterator of micro-batches), ``self.max_steps``,
     ``self.checkpointer``, ``self.metrics`` and ``self.throughput``, and implement :meth:`_done`,
     :meth:`_lr`, :meth:`_log_train`, :meth:`_after_step`, :meth:`_finish` and :meth:`_summary`."""
@@ -180,12 +181,16 @@ class RunBase:
         return checkpointer
 
     def _restore(self) -> Path | None:
-        """``checkpoint.resume`` applied; every rank must be at the same step afterwards."""
-        resumed_from = self.checkpointer.restore(self.cfg.checkpoint.resume)
+        """The checkpoint the subclass chose before building its engine (``self.resume_from``) loaded; every rank
+        must be at the same step afterwards."""
+        resumed_from = self.checkpointer.restore_chosen(self.resume_from)
+        branch_from = getattr(self.cfg.checkpoint, "branch_from", "")     # pretraining's only
         step = self.state.step
         if dist_utils.all_reduce_sum([float(step)], self.device)[0] != step * self.layout.world_size:
             raise RuntimeError(f"ranks resumed from different steps (this rank: {step}); "
                                f"is {self.checkpointer.root} shared?")
+        if branch_from and resumed_from == Path(branch_from):
+            self.state.wandb_run_id = None      # a branch is its own W&B run, not its parent's continued
         self.state.wandb_run_id = self.state.wandb_run_id or os.environ.get("WANDB_RUN_ID") or new_wandb_id()
         # re-running a finished run: nothing to train, evaluate or log (run() says so and returns)
         self.finished_before = resumed_from is not None and self._done()
@@ -254,12 +259,12 @@ class RunBase:
         return 0
 
     def _step(self) -> bool:
-        """One optimizer step over ``train.grad_accum`` micro-batches of ``self.batches`` and its bookkeeping;
+        """One optimizer step over :meth:`_micro_batches` micro-batches of ``self.batches`` and its bookkeeping;
         returns whether any rank got a signal."""
         state, started = self.state, time.perf_counter()
         self.clock.start()
         set_lr(self.engine, self._lr(state.step))
-        local = train_step(self.engine, self.batches, self.cfg.train.grad_accum, self.device, self.objective,
+        local = train_step(self.engine, self.batches, self._micro_batches(state.step), self.device, self.objective,
                            self.layout.world_size, self.clock)
         (*sums, tokens, samples, positions), skipped, signalled = self._reduce_step(local)
         self.clock.lap("other")
@@ -321,6 +326,10 @@ class RunBase:
         """The base learning rate of optimizer step ``step`` (0-based)."""
         raise NotImplementedError
 
+    def _micro_batches(self, step: int) -> int:
+        """The micro-batches each rank accumulates for optimizer step ``step`` (0-based)."""
+        return self.cfg.train.grad_accum
+
     def _log_train(self, objective_metrics: dict[str, float | None]) -> None:
         raise NotImplementedError
 
@@ -379,7 +388,7 @@ def parse_args(prog: str, description: str, argv: list[str]) -> argparse.Namespa
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config (presets, file and overrides merged) as YAML and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=3e-4")
-    return parser.parse_args(take_verbose_flag(take_debug_flag(argv)))
+    return parser.parse_intermixed_args(take_verbose_flag(take_debug_flag(argv)))
 
 
 @dataclass(frozen=True)
@@ -412,15 +421,15 @@ def run_main(prog: str, description: str, argv: list[str] | None, load: Callable
     there are several. A config error is raised by every rank together, so the process group is shut
     down in step; any other failure leaves at once (its peers may be mid-collective)."""
     args = parse_args(prog, description, sys.argv[1:] if argv is None else argv)
-    configure_threads()
     try:
+        configure_threads()
+        layout = dist_utils.env_from_environ()      # a bad launcher variable is named before anything else
         cfg = load(args.config, args.overrides)
     except Exception as err:  # noqa: BLE001 - reported in the one style
         return report(prog, err)
     if inspection is not None and (args.check or args.print_config):
         return _inspect(prog, args, cfg, inspection)
     dist_utils.die_with_launcher()
-    layout = dist_utils.env_from_environ()
     dist_utils.quiet_library_warnings(layout.rank)
     try:
         layout = dist_utils.init_distributed(cfg.distributed.timeout_s)

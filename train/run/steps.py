@@ -14,6 +14,7 @@ from torch import nn
 from distaff.kernels import IGNORE_INDEX
 
 from distaff.train.core import distributed as dist_utils
+from distaff.train.data.collator import batch_counts, is_packed
 from distaff.train.data.loader import EvalLoader
 from distaff.train.run.metrics import NO_CLOCK, StageClock
 
@@ -43,18 +44,6 @@ def forward_batch(engine, batch: dict[str, torch.Tensor | int], device: torch.de
     return engine(batch.pop("input_ids"), **batch)
 
 
-def is_packed(batch: dict) -> bool:
-    return "cu_seqlens" in batch
-
-
-def batch_counts(batch: dict) -> list[int]:
-    """``[real tokens, samples, positions computed]`` of a batch (positions include padding)."""
-    ids = batch["input_ids"]
-    if is_packed(batch):
-        return [ids.numel(), batch["cu_seqlens"].numel() - 1, ids.numel()]
-    return [int(batch["attention_mask"].sum()), ids.shape[0], ids.numel()]
-
-
 def _loss_weights(micro_batches: list[dict], world_size: int, device: torch.device) -> list[float] | None:
     """Packed batches: the factor turning each micro-batch's mean loss into its share of the mean over
     every labelled token of the step on all ranks (one small collective). DeepSpeed divides the
@@ -79,6 +68,8 @@ def train_step(engine, batches: Iterator[dict], grad_accum: int, device: torch.d
     weights = _loss_weights(micro_batches, world_size, device)
     sums = torch.zeros(objective.num_sums + 3, dtype=torch.float64, device=device)
     for micro, batch in enumerate(micro_batches):
+        # set, not counted by DeepSpeed: its count assumes every step has the same number of micro-batches
+        engine.set_gradient_accumulation_boundary(micro == grad_accum - 1)
         counts = batch_counts(batch)
         batch = to_device(batch, device)
         out = forward_batch(engine, objective.model_inputs(batch), device)

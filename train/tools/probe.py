@@ -45,7 +45,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from distaff.train.core.errors import ConfigError, RunFailure, command_main
+from distaff.train.core.errors import ConfigError, RunFailure, command_main, float_arg
 from distaff.train.core.threads import configure_threads
 from distaff.train.data.sources import ReadOptions, iter_documents
 from distaff.train.finetune.classifier_init import load_encoder
@@ -339,7 +339,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1],
                         help="each: a dev split, random weights, a fine-tuning seed")
     parser.add_argument("--task-seed", type=int, default=0, help="seeds the tasks' construction")
-    parser.add_argument("--dev-fraction", type=float, default=0.2)
+    parser.add_argument("--dev-fraction", type=float_arg("--dev-fraction"),
+                        default=0.2)
     parser.add_argument("--pretraining-data", nargs="+", metavar="DIR",
                         help="distaff data dirs whose train split is the pretraining text (default: each run's own)")
     parser.add_argument("--max-sentences", type=int, default=0, help="use only the first N held-out sentences")
@@ -352,7 +353,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument("finetune_overrides", nargs="*", metavar="key=value",
                         help="fine-tuning config overrides (after --)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)      # options may follow the overrides
     if not 0 < args.dev_fraction < 1:
         parser.error(f"--dev-fraction {args.dev_fraction}: must lie in (0, 1)")
     if any(n < 2 for n in args.finetune):

@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import yaml
 
+from distaff.train.core.config_yaml import load_yaml
+from distaff.train.core.errors import ConfigError
+from distaff.train.core.files import read_text
 from distaff.train.data import manifest as mf
 from distaff.train.data.shards import read_shard
 from distaff.train.data.tokenizer import TokenizerInfo
@@ -33,7 +35,8 @@ def run_data_dir(model: str | Path) -> Path | None:
     for run_dir in (folder, folder.parent, folder.parent.parent):   # the run, checkpoints/, step-N
         config = run_dir / "config.yaml"
         if config.is_file():
-            data_dir = (yaml.safe_load(config.read_text()) or {}).get("data", {}).get("dir")
+            values = load_yaml(read_text(config, error=ConfigError), str(config))
+            data_dir = (values.get("data") or {}).get("dir") if isinstance(values, dict) else None
             return Path(data_dir) if data_dir else None
     return None
 

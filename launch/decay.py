@@ -1,0 +1,236 @@
+"""``distaff decay RUN_DIR --from STEP --steps K``: a decay branch of a warmup-stable-decay run, launched as its parent was.
+
+The branch continues the parent's checkpoint at STEP exactly as a resume would (weights, optimizer state, data
+position, RNGs, counters) with the learning rate decaying over K steps (``--shape``, default the parent's
+``optim.decay_shape``) to ``optim.min_lr_ratio``. STEP must be a checkpoint of the stable phase (after the warmup,
+up to where the parent's own decay starts). Its config is the parent's, as that checkpoint saved it, with
+``optim.decay_start=STEP``, ``optim.decay_steps=K``, ``train.max_steps=STEP+K`` and ``checkpoint.branch_from``
+naming the parent's checkpoint: the run starts from it while it has no checkpoint of its own, and resumes from its
+own after (``checkpoint.resume=auto``), so running the same command again resumes the branch.
+
+Each branch has its own run directory (``--out``, default ``RUN_DIR/branches/decay-STEP-K``), so several branches
+of one run coexist, each found from the parent (``branches/*/config.yaml``) and naming its parent and step (its
+``checkpoint.branch_from``, in ``config.yaml`` and in every checkpoint's ``meta.json``), and its own W&B run, in
+the parent's W&B group (the parent's ``run.name`` when the parent has none). It is launched with the launcher and
+options that started the parent (``distaff launch`` or ``distaff slurm submit``, which record them in
+``RUN_DIR/launch/command.json``), from the folder the parent was launched from, so relative paths resolve as they
+did. ``--dry-run`` writes the branch's config and prints the launch without starting it (for a parent started by
+torchrun, srun or python directly, how to start it). Remaining ``key=value`` arguments override the branch's
+config (evaluation, checkpointing, W&B), not what defines the branch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from distaff.launch.run_config import read_launch_record
+from distaff.train.core.config_yaml import load_yaml
+from distaff.train.core.errors import ConfigError, command_main
+from distaff.train.run.checkpoint_files import META, checkpoint_problem, is_complete, tag_for_step
+from distaff.train.run.config import config_from_dict, parse_overrides
+from distaff.train.run.schedule import DECAY_SHAPES, wsd_window
+
+BRANCHES_DIR = "branches"
+
+
+@dataclass(frozen=True)
+class DecayBranch:
+    parent: Path                # the parent's run directory
+    step: int                   # the parent's checkpoint the branch starts from
+    steps: int                  # the decay's length
+    shape: str
+    out_dir: Path
+    values: dict[str, Any]      # the branch's run config (plain values)
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.parent / "checkpoints" / tag_for_step(self.step)
+
+
+def branch_name(step: int, steps: int) -> str:
+    return f"decay-{step}-{steps}"
+
+
+def parent_checkpoint(parent: Path, step: int) -> tuple[Path, dict[str, Any]]:
+    """The parent's complete, sound checkpoint at ``step`` and its meta, or a one-line error naming what is missing."""
+    root = parent / "checkpoints"
+    if not root.is_dir():
+        raise ConfigError(f"{parent}: no checkpoints folder; name the run directory of a pretraining run")
+    folder = root / tag_for_step(step)
+    if not is_complete(folder):
+        steps = sorted(int(p.name.removeprefix("step-")) for p in root.glob("step-*") if is_complete(p))
+        raise ConfigError(f"--from {step}: {parent} has no complete checkpoint at step {step} (it has steps "
+                          f"{', '.join(map(str, steps)) or 'none'}); branch from one of them, and keep more with "
+                          "checkpoint.every and checkpoint.keep")
+    problem = checkpoint_problem(folder)
+    if problem:
+        raise ConfigError(f"--from {step}: {folder} is damaged ({problem}); branch from another step")
+    return folder, json.loads((folder / META).read_text())
+
+
+def stable_phase(config: dict[str, Any], where: Path) -> tuple[int, int]:
+    """(first, last) step a branch may start from: after the warmup, up to where the parent's decay starts."""
+    optim, train = config.get("optim", {}), config.get("train", {})
+    if "max_steps" not in train:
+        raise ConfigError(f"{where}: not a pretraining checkpoint (its config has no train.max_steps)")
+    if optim.get("schedule") != "wsd":
+        raise ConfigError(f"{where}: optim.schedule={optim.get('schedule')}: its rate decays from the warmup on, so "
+                          "it has no stable phase to branch from; decay branches are for optim.schedule=wsd runs")
+    start, _ = wsd_window(train["max_steps"], optim.get("decay_start", 0), optim.get("decay_steps", 0))
+    return optim.get("warmup_steps", 0), start
+
+
+def plan_branch(parent: Path, step: int, steps: int, shape: str = "", out: Path | None = None,
+                overrides: list[str] = ()) -> DecayBranch:
+    """The decay branch of run directory ``parent`` from its checkpoint at ``step`` over ``steps`` steps (``shape``:
+    the parent's decay shape when empty), into ``out`` (default ``parent/branches/decay-STEP-STEPS``), its config
+    validated; ``overrides`` (``key=value``) apply last (evaluation, checkpointing, W&B...)."""
+    parent = parent.resolve()
+    if steps < 1:
+        raise ConfigError(f"--steps {steps}: a decay takes at least one step")
+    if shape and shape not in DECAY_SHAPES:
+        raise ConfigError(f"--shape {shape}: must be one of {list(DECAY_SHAPES)}")
+    folder, meta = parent_checkpoint(parent, step)
+    config = meta.get("config", {})
+    first, last = stable_phase(config, folder)
+    if not first <= step <= last:
+        raise ConfigError(f"--from {step}: outside {parent}'s stable phase (steps {first} to {last}: its warmup ends "
+                          f"at {first}, its decay starts at {last}); branch from a checkpoint in between")
+    out = (out or parent / BRANCHES_DIR / branch_name(step, steps)).resolve()
+    values = branch_values(config, folder, step, steps, shape or config["optim"].get("decay_shape", "1-sqrt"), out)
+    apply_overrides(values, overrides)
+    try:
+        config_from_dict(copy.deepcopy(values))
+    except ConfigError as err:
+        raise ConfigError(f"the branch's config: {err}") from None
+    return DecayBranch(parent, step, steps, values["optim"]["decay_shape"], out, values)
+
+
+# what makes a branch the branch it is: set by distaff decay's own options
+BRANCH_KEYS = {"train.max_steps": "--steps", "optim.schedule": "--steps", "optim.decay_start": "--from",
+               "optim.decay_steps": "--steps", "optim.decay_shape": "--shape", "run.out_dir": "--out",
+               "checkpoint.branch_from": "--from", "checkpoint.resume": "--from"}
+
+
+def apply_overrides(values: dict[str, Any], overrides: list[str]) -> None:
+    """``key=value`` overrides into ``values``; the keys that define the branch are refused, naming the option."""
+    for keys, value in parse_overrides(list(overrides)):
+        key = ".".join(keys)
+        if key in BRANCH_KEYS:
+            raise ConfigError(f"{key}: set by the branch itself; use {BRANCH_KEYS[key]}")
+        node = values
+        for part in keys[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {key}: {part} is not a section")
+        node[keys[-1]] = value
+
+
+def branch_values(config: dict[str, Any], checkpoint: Path, step: int, steps: int, shape: str,
+                  out: Path) -> dict[str, Any]:
+    """The parent's config (as its checkpoint saved it) made into the branch's."""
+    values = copy.deepcopy(config)
+    run, wandb = values.setdefault("run", {}), values.setdefault("wandb", {})
+    name = f"{run.get('name', 'distaff')}-{branch_name(step, steps)}"
+    values["run"] = {**run, "out_dir": str(out), "name": name}
+    values["wandb"] = {**wandb, "group": wandb.get("group") or run.get("name", "distaff"), "name": ""}
+    values["train"] = {**values["train"], "max_steps": step + steps}
+    values["optim"] = {**values["optim"], "schedule": "wsd", "decay_start": step, "decay_steps": steps,
+                       "decay_shape": shape}
+    values["checkpoint"] = {**values.get("checkpoint", {}), "resume": "auto", "branch_from": str(checkpoint)}
+    return values
+
+
+def check_same_branch(out: Path, branch: DecayBranch) -> None:
+    """A branch folder that already holds a branch (its ``config.yaml``) must hold this one: the same parent
+    checkpoint, decay and step count; it then resumes."""
+    path = out / "config.yaml"
+    if not path.is_file():
+        return
+    saved = load_yaml(path.read_text(), str(path)) or {}
+    keys = (("checkpoint", "branch_from"), ("optim", "decay_start"), ("optim", "decay_steps"),
+            ("optim", "decay_shape"), ("train", "max_steps"))
+    differ = [f"{a}.{b}: {saved.get(a, {}).get(b)!r} there, {branch.values[a][b]!r} now" for a, b in keys
+              if saved.get(a, {}).get(b) != branch.values[a][b]]
+    if differ:
+        raise ConfigError(f"{out}: holds another run ({'; '.join(differ)}); name another --out, or delete {out}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="distaff decay", description=__doc__.splitlines()[0],
+                                     epilog="Remaining key=value arguments override the branch's config.")
+    parser.add_argument("run_dir", help="the WSD run's directory (the parent)")
+    parser.add_argument("--from", dest="step", type=int, required=True,
+                        help="the parent's checkpoint step to branch from (in its stable phase)")
+    parser.add_argument("--steps", type=int, required=True, help="the decay's length in optimizer steps")
+    parser.add_argument("--shape", choices=DECAY_SHAPES, default="",
+                        help="the decay's shape (default: the parent's optim.decay_shape)")
+    parser.add_argument("--out", help="the branch's run directory (default RUN_DIR/branches/decay-STEP-STEPS)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="write the branch's config and print how it is launched; start nothing")
+    parser.add_argument("overrides", nargs="*", help="config overrides dotted.key=value")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    return command_main("distaff decay", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    args = _parser().parse_intermixed_args(argv)
+    parent = Path(args.run_dir)
+    branch = plan_branch(parent, args.step, args.steps, args.shape, Path(args.out) if args.out else None,
+                         args.overrides)
+    check_same_branch(branch.out_dir, branch)
+    record = read_launch_record(branch.parent)
+    if record is None and not args.dry_run:
+        raise ConfigError(f"{parent}: no launch record (launch/command.json): the run was not started by `distaff "
+                          "launch` or `distaff slurm submit`; pass --dry-run to write the branch's config and start "
+                          "it the way its parent was started")
+    config = write_config(branch)
+    resumes = (branch.out_dir / "checkpoints" / "latest").is_file()
+    print(f"distaff decay: {'resuming' if resumes else 'starting'} branch {branch.out_dir}: from {branch.checkpoint}, "
+          f"{branch.steps} steps of {branch.shape} decay (W&B group {branch.values['wandb']['group']!r})",
+          file=sys.stderr, flush=True)
+    if record is None:
+        print(f"# start the branch as its parent was started, with its config:\n"
+              f"torchrun --nproc_per_node N -m distaff.train.pretrain --config {shlex.quote(str(config))}")
+        return 0
+    return relaunch(record, config, args.dry_run)
+
+
+def write_config(branch: DecayBranch) -> Path:
+    """The branch's run config, written into its run directory as ``config.yaml``."""
+    branch.out_dir.mkdir(parents=True, exist_ok=True)
+    path = branch.out_dir / "config.yaml"
+    path.write_text(yaml.safe_dump(branch.values, sort_keys=False))
+    return path
+
+
+def relaunch(record: dict, config: Path, dry_run: bool) -> int:
+    """The parent's launcher with its recorded options, the branch's config instead of the parent's, from the
+    folder the parent was launched from (its relative paths, the data's included, resolve as they did)."""
+    from distaff.launch import launcher, slurm
+
+    # the launcher's defaults first: a record written before an option existed still gives every option a value
+    parser = slurm._parser()[1] if record["launcher"] == "slurm" else launcher._parser()
+    defaults = {action.dest: action.default for action in parser._actions if action.dest != "help"}
+    launched = argparse.Namespace(**{**defaults, **record["args"], "config": str(config), "overrides": [],
+                                     "dry_run": dry_run})
+    if not Path(record["cwd"]).is_dir():
+        raise ConfigError(f"the parent was launched from {record['cwd']}, which is not a folder here; run distaff "
+                          "decay where that folder exists, or start the branch yourself (--dry-run)")
+    os.chdir(record["cwd"])
+    if record["launcher"] == "slurm":
+        return slurm.submit_job(launched)
+    return launcher.launch(launched)
