@@ -81,5 +81,7 @@ def test_real_runs_name_a_slow_data_source_and_an_oversubscribed_cpu(sample_data
     done = torchrun(crowded, tmp_path, timeout=300, ranks=3)
     assert done.returncode == 0, done.stderr[-3000:]
     line = _check_lines(done.stdout)
-    assert len(line) == 1 and "furthest off: compute (forward + backward)" in line[0], line
+    # which stage stretches most is the scheduler's choice (compute, or gloo's waits for a descheduled rank);
+    # what must be said is that the ranks share cores
+    assert len(line) == 1 and "furthest off: " in line[0] and "more ranks than cores, share its cores" in line[0], line
     assert cli.main(["--compare", str(tmp_path / "crowded")]) == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,8 @@ from distaff.train.plan.cpu_time import gemm_rate
 from distaff.train.plan.gpus import parse_gpus, parse_spec
 from distaff.train.plan.planner import make_plan
 from distaff.train.run.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
 
 SPEC = "name=cpu,tflops=0.2,fp32_tflops=0.08,hbm_tb_s=0.01,cores=4,memory_gib=16"
 
@@ -49,7 +52,8 @@ def test_cpu_ranks_share_the_cores_given_per_core_by_gpu_spec():
 
 @pytest.mark.unit
 def test_a_cpu_plan_has_every_part_and_stage_and_reads_the_prepared_vocabulary(tmp_path, capsys):
-    (tmp_path / "manifest.json").write_text(json.dumps({"seq_len": 64, "vocab_size": 1000}))
+    fixture = json.loads((REPO / "tests/run/fixtures/checkpoint-bda9efe/data/manifest.json").read_text())
+    (tmp_path / "manifest.json").write_text(json.dumps({**fixture, "seq_len": 64, "vocab_size": 1000}))
     prepared = make_plan(load_config("tiny-cpu", [f"data.dir={tmp_path}"]), "2xcpu", gpu_spec=parse_spec(SPEC))
     assert prepared.setting.seq_len == 64 and prepared.setting.models[0].vocab_size == 1000   # as the trainer builds it
     cfg = load_config("tiny-cpu")

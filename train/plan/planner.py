@@ -7,7 +7,6 @@ sequence length (the prepared data's manifest when its folder exists, else ``--s
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from dataclasses import dataclass, replace
@@ -99,13 +98,9 @@ def sequence_length(cfg: RunConfig, model: ModelConfig, given: int | None) -> tu
 def prepared_vocabulary(cfg: RunConfig) -> dict:
     """What the trainer takes from the prepared data's tokenizer (train/pretrain/trainer.py build_model_config):
     its vocabulary size, unless ``model.vocab_size`` is set; nothing when the data is not prepared yet."""
-    manifest = Path(cfg.data.dir) / "manifest.json"
-    if "vocab_size" in cfg.model.overrides or not manifest.is_file():
+    if "vocab_size" in cfg.model.overrides or not (Path(cfg.data.first_dir) / MANIFEST_FILE).is_file():
         return {}
-    try:
-        return {"vocab_size": int(json.loads(manifest.read_text())["vocab_size"])}
-    except (ValueError, KeyError, TypeError):
-        raise ConfigError(f"{manifest}: no readable vocab_size; is {cfg.data.dir} a prepared data folder?") from None
+    return {"vocab_size": read_manifest(cfg.data.first_dir).vocab_size}     # read as a run reads it
 
 
 def models_of(cfg: RunConfig) -> tuple[ModelConfig, ...]:
