@@ -45,7 +45,8 @@ def measure_preset(preset: str, zeros: list[int], precisions: list[str], work: P
         plan = step_peak(cpu_run_setting(config_from_dict(values), 2, seq_len))
         found.append({"preset": preset, "zero": values["zero"]["stage"], "precision": values["train"]["precision"],
                       "batch": batch, "seq_len": seq_len, "measured_peak": [r["peak"] for r in ranks],
-                      "measured_phases": [r["phases"] for r in ranks], "plan_peak": plan.peak,
+                      "measured_phases": [r["phases"] for r in ranks],
+                      "measured_unseen_frees": [r["unseen_frees"] for r in ranks], "plan_peak": plan.peak,
                       "plan_phases": plan.phases, "wall_s_all_settings": wall, "load": os.getloadavg()[0]})
     return found
 

@@ -7,11 +7,13 @@ within 10 % of the plan's figure for that CPU setting (reference kernels, no com
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from distaff.train.plan.measure import allocation_levels, measure_peaks, phase_peaks, phase_windows
+from distaff.train.plan.measure import allocation_levels, live_bytes, measure_peaks, phase_peaks, phase_windows
 from distaff.train.plan.memory import model_states_bytes, step_peak
 from distaff.train.plan.planner import base_setting, cpu_run_setting
 from distaff.train.run.config import config_from_dict, load_config
@@ -41,6 +43,21 @@ def test_the_allocator_events_are_read_into_levels_and_phase_peaks():
     levels = allocation_levels(prof)
     assert [level for _, level in levels] == [8000, 20000, 8000, 10000, 2000, 0]
     assert phase_peaks(levels, phase_windows(prof)) == {"forward": 20000, "backward": 10000, "optimizer step": 10000}
+
+
+@pytest.mark.unit
+def test_live_bytes_counts_each_reachable_storage_once():
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 8)).sum().backward()
+    optimizer.step()                             # two moments per parameter are born
+    engine = SimpleNamespace(module=model, optimizer=optimizer)
+    before = live_bytes(engine)
+    block = torch.zeros(250_000)                 # 1,000,000 bytes, seen once through the tensor and its views
+    views = [block[:10], block.view(500, 500)]
+    assert live_bytes(engine) - before == 1_000_000
+    del block, views
+    assert live_bytes(engine) == before
 
 
 @pytest.mark.integration

@@ -11,7 +11,10 @@ compared with. One correction: the profiler sees only the frees of the threads i
 worker threads sometimes drop the last reference to a collective's buffer (a race with the caller): such a
 block from the first step stays in the running sum forever. The bytes alive before the measured step are
 therefore also counted directly (every tensor storage Python can reach, :func:`live_bytes`), and what the
-running sum holds beyond them then (``unseen_frees`` in the result) is taken off the step's levels.
+running sum holds beyond them then (``unseen_frees`` in the result) is taken off the step's levels. The correction
+can only lower a level to what is really alive: bytes allocated before profiling started count in the direct
+count but not in the running sum, so a block's missed free is at worst under-corrected (the measured peak stays
+high, never low); a first-step buffer freed unseen during the measured step itself is not corrected.
 
 ``python -m distaff.train.plan.measure`` is one rank of that measurement (started by :func:`measure_peaks`
 once per rank); it measures several settings in one process, one engine after another.
@@ -81,7 +84,9 @@ def live_bytes(engine) -> int:
         for state in getattr(optimizer, "state", {}).values():
             tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     for tensor in tensors:
-        if tensor.device.type != "meta" and tensor.untyped_storage().nbytes():
+        if tensor.layout != torch.strided or tensor.device.type == "meta":
+            continue                   # sparse or shapeless tensors hold no storage of their own to count
+        if tensor.untyped_storage().nbytes():
             found.setdefault(tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
     return sum(found.values())
 
@@ -144,6 +149,7 @@ def measure_setting(run_values: dict[str, Any], seq_len: int, world_size: int) -
 
 
 def _level_at(levels: list[tuple[int, int]], t: int) -> int:
+    """The running sum just before time ``t``."""
     before = [level for when, level in levels if when < t]
     return before[-1] if before else 0
 
