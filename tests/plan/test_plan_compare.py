@@ -10,7 +10,8 @@ import pytest
 
 from distaff.train.core.errors import ConfigError
 from distaff.train.plan import cli
-from distaff.train.plan.compare import Row, check_line, device_kind, furthest, measured_means, rows
+from distaff.train.plan.compare import (PEER_WAIT, Row, charge_peer_waits, check_line, device_kind, furthest,
+                                        measured_means, rows)
 from pretrain_fixtures import metrics, prepare_data, spawn_ranks, torchrun, wait_all, write_config
 
 PLAN = {"data wait": 0.0, "forward": 0.030, "backward": 0.060, "gradient communication": 0.010, "optimizer": 0.005}
@@ -31,6 +32,29 @@ def test_the_stage_furthest_off_is_named_by_the_seconds_it_costs():
     on_plan = rows(PLAN, {"forward": 0.030, "backward": 0.050})
     assert check_line(0.105, "8xA100-80GB", 2, on_plan).endswith("; no stage is slower than planned")
     assert furthest([Row("forward", 0, 1), Row("backward", 0, 1), Row("other", 0, 3)]).stage == "other"
+
+
+@pytest.mark.unit
+def test_on_shared_cores_a_wait_in_communication_is_compute():
+    # 3 ranks on 2 cores: rank 0 computes on time by its CPU clock but waits 300 ms in the reduction for a peer
+    wall = {"forward": 0.040, "backward": 0.080, "grad_comm": 0.300, "optimizer": 0.005, "other": 0.050}
+    cpu = {"forward": 0.025, "backward": 0.050, "grad_comm": 0.004, "optimizer": 0.004, "other": 0.001}
+    plain = rows(PLAN, wall)
+    assert furthest(plain).stage == "gradient communication"            # what the wall clock alone says
+    charged = charge_peer_waits(plain, cpu)
+    by_name = {row.stage: row for row in charged}
+    # each communication stage keeps the larger of its CPU seconds and its plan (10 ms; "other" is planned at 0)
+    assert by_name["gradient communication"].measured_s == pytest.approx(0.010)
+    assert by_name["other"].measured_s == pytest.approx(0.001)
+    assert by_name[PEER_WAIT].measured_s == pytest.approx(0.290 + 0.049)
+    assert sum(row.measured_s for row in charged) == pytest.approx(sum(wall.values()))   # moved, not lost
+    assert furthest(charged).stage == "compute (forward + backward)"
+    line = check_line(0.105, "3xcpu", 1, charged)
+    assert "furthest off: compute (forward + backward) 459 ms, plan 90 ms; 339 ms of it waiting in communication " \
+           "for descheduled peers: compute is slower than planned" in line, line
+    # cores not shared (the CPU time is most of the wall clock), or a GPU rank: a slow reduction stays the network's
+    assert charge_peer_waits(plain, {**cpu, "grad_comm": 0.290}) == plain
+    assert charge_peer_waits(plain, None) == plain
 
 
 @pytest.mark.unit
@@ -81,7 +105,7 @@ def test_real_runs_name_a_slow_data_source_and_an_oversubscribed_cpu(sample_data
     done = torchrun(crowded, tmp_path, timeout=300, ranks=3)
     assert done.returncode == 0, done.stderr[-3000:]
     line = _check_lines(done.stdout)
-    # which stage stretches most is the scheduler's choice (compute, or gloo's waits for a descheduled rank);
-    # what must be said is that the ranks share cores
-    assert len(line) == 1 and "furthest off: " in line[0] and "more ranks than cores, share its cores" in line[0], line
+    # gloo's waits for a descheduled rank are that rank's compute: the line names compute and the shared cores
+    assert len(line) == 1 and "furthest off: compute (forward + backward)" in line[0], line
+    assert "more ranks than cores, share its cores" in line[0], line
     assert cli.main(["--compare", str(tmp_path / "crowded")]) == 0

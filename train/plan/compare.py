@@ -5,7 +5,9 @@ The trainer prints :func:`check_line` once, at its first evaluation, and records
 ``RUN_DIR/plan.json``; ``distaff plan --compare RUN_DIR`` prints :func:`compare_lines`, the whole table, from
 that record and the run's ``metrics.jsonl``. The furthest stage is the one whose measured time exceeds the
 plan's by the most seconds per step (what costs the run the most), not by the largest ratio (a 1 ms stage
-planned at 0 would win every time).
+planned at 0 would win every time). On a CPU rank whose cores other processes share (its wall clock well above
+its CPU time), a communication stage's wall time beyond its own CPU work and its plan is a wait for peers the
+shared cores descheduled: it is charged to compute (:func:`charge_peer_waits`), not to the network.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ ADVICE = {
               "data, its device, its neighbours)"),
     "checkpoint": "raise checkpoint.every, or write checkpoints to faster storage",
 }
+# a CPU rank's wall clock over its CPU time beyond which other processes (or more ranks than cores) share its cores
+SHARED_CORES = 1.5
+# the stages that wait for the other ranks: the gradients' reduction, and the loss all-reduce in the rest of the step
+PEER_STAGES = ("gradient communication", "other")
+PEER_WAIT = "waiting for descheduled peers"
+COMPUTE_STAGES = ("forward", "backward", PEER_WAIT)
 # torch.cuda.get_device_name() fragments -> the plan's GPU kind (more specific first)
 DEVICE_KINDS = (("A100", "80GB", "A100-80GB"), ("A100", "", "A100-40GB"), ("H100", "PCIe", "H100-PCIe"),
                 ("GH200", "", "H200"), ("H200", "", "H200"), ("H100", "", "H100-SXM"), ("L40S", "", "L40S"),
@@ -79,14 +87,36 @@ def rows(plan_stages: dict[str, float], measured: dict[str, float]) -> list[Row]
     return [Row(name, plan_stages.get(name, 0.0), measured.get(key, 0.0)) for key, name in STAGES.items()]
 
 
+def shares_cores(wall_s: float, cpu_s: float | None) -> bool:
+    """Whether a CPU rank's step took well more wall time than CPU time (``cpu_s`` None: a GPU rank, never)."""
+    return cpu_s is not None and wall_s > SHARED_CORES * cpu_s
+
+
+def charge_peer_waits(found: list[Row], cpu: dict[str, float] | None) -> list[Row]:
+    """On a CPU rank whose cores are shared (``cpu``: its CPU seconds per step by stage, keyed as the run logs
+    them), each communication stage keeps the larger of its own CPU seconds and its plan; the rest of its wall
+    time waited for peers that the shared cores kept off a core, which is their compute stretched, not the
+    network. That rest becomes the row :data:`PEER_WAIT`, which :func:`furthest` counts as compute. Unshared cores
+    or a GPU rank (``cpu`` None): the rows as they are (a wait there is the link's, or a slower device's)."""
+    if not cpu or not shares_cores(sum(row.measured_s for row in found), sum(cpu.values())):
+        return found
+    keys = {name: key for key, name in STAGES.items()}
+    kept, waited = [], 0.0
+    for row in found:
+        own = max(cpu.get(keys.get(row.stage, ""), 0.0), row.plan_s)
+        wait = max(0.0, row.measured_s - own) if row.stage in PEER_STAGES else 0.0
+        kept.append(Row(row.stage, row.plan_s, row.measured_s - wait))
+        waited += wait
+    return kept + [Row(PEER_WAIT, 0.0, waited)]
+
+
 def furthest(found: list[Row]) -> Row:
     """The stage whose measured time exceeds the plan's by the most seconds; the forward and backward count as
-    one, compute (their advice is the same, and a slow device slows both)."""
-    by_name = {row.stage: row for row in found}
-    forward, backward = by_name["forward"], by_name["backward"]
-    compute = Row("compute (forward + backward)", forward.plan_s + backward.plan_s,
-                  forward.measured_s + backward.measured_s)
-    grouped = [compute] + [row for row in found if row.stage not in ("forward", "backward")]
+    one, compute (their advice is the same, and a slow device slows both), with any wait for descheduled peers."""
+    in_compute = [row for row in found if row.stage in COMPUTE_STAGES]
+    compute = Row("compute (forward + backward)", sum(row.plan_s for row in in_compute),
+                  sum(row.measured_s for row in in_compute))
+    grouped = [compute] + [row for row in found if row.stage not in COMPUTE_STAGES]
     return max(grouped, key=lambda row: row.over_s)
 
 
@@ -104,15 +134,19 @@ def check_line(plan_total: float, gpus: str, nodes: int, found: list[Row]) -> st
     if worst.over_s <= 0:
         return head + "; no stage is slower than planned"
     plan_text = "0" if worst.plan_s == 0 else _ms(worst.plan_s)
+    waited = sum(row.measured_s for row in found if row.stage == PEER_WAIT)
+    if worst.stage.startswith("compute") and waited > 0:
+        plan_text += f"; {_ms(waited)} of it waiting in communication for descheduled peers"
     return (f"{head}; furthest off: {worst.stage} {_ms(worst.measured_s)}, plan {plan_text}: "
             f"{ADVICE[worst.stage]}")
 
 
 def first_check(cfg, seq_len: int, world_size: int, device_name: str | None, measured: dict[str, float],
-                out_dir: Path, cpu_seconds: float | None = None) -> str:
+                out_dir: Path, cpu: dict[str, float] | None = None) -> str:
     """The trainer's line at its first evaluation, and ``plan.json`` for ``distaff plan --compare``; a plan that
-    cannot be made is said in the line, never raised (the run goes on). ``cpu_seconds``: a CPU rank's CPU time per
-    step, said beside the wall clock when other processes took a good part of the cores."""
+    cannot be made is said in the line, never raised (the run goes on). ``cpu``: a CPU rank's CPU seconds per step
+    by stage; their sum is said beside the wall clock when other processes took a good part of the cores, and
+    the communication stages' waits for descheduled peers are then compute (:func:`charge_peer_waits`)."""
     try:
         plan, gpus, nodes = plan_for_run(cfg, seq_len, world_size, device_name)
     except Exception as err:  # noqa: BLE001 - a plan check never stops a run
@@ -121,10 +155,10 @@ def first_check(cfg, seq_len: int, world_size: int, device_name: str | None, mea
     record = {"gpus": gpus, "nodes": nodes, "seq_len": seq_len, "plan_stage_seconds": stages,
               "plan_step_total_s": plan.time.total, "gpu": plan.gpu.name, "threads_per_rank": plan.gpu.threads}
     (out_dir / PLAN_RECORD).write_text(json.dumps(record, indent=1) + "\n")
-    line = check_line(plan.time.total, gpus, nodes, rows(stages, measured))
-    wall = sum(measured.values())
-    if cpu_seconds is not None and wall > 1.5 * cpu_seconds:
-        line += (f" (the step took {wall:.3f} s but {cpu_seconds:.3f} s of this rank's CPU: other processes, or more "
+    line = check_line(plan.time.total, gpus, nodes, charge_peer_waits(rows(stages, measured), cpu))
+    wall, cpu_s = sum(measured.values()), None if cpu is None else sum(cpu.values())
+    if shares_cores(wall, cpu_s):
+        line += (f" (the step took {wall:.3f} s but {cpu_s:.3f} s of this rank's CPU: other processes, or more "
                  "ranks than cores, share its cores)")
     return line
 
@@ -149,7 +183,9 @@ def compare_lines(run_dir: Path) -> list[str]:
             raise ConfigError(f"--compare: {path} not found; a run writes it at its first evaluation (eval.every)")
     record = json.loads(record_path.read_text())
     measured, records = measured_means(metrics_path)
-    found = rows(record["plan_stage_seconds"], measured)
+    cpu = measured_means(metrics_path, "_cpu")[0]       # all 0 where no CPU time was logged (GPU ranks)
+    cpu = cpu if any(cpu.values()) else None
+    found = charge_peer_waits(rows(record["plan_stage_seconds"], measured), cpu)
     lines = [f"{run_dir}: {records} logged record(s) against the plan for {record['nodes']} x {record['gpus']} "
              f"(seconds per step; the plan's are ESTIMATES)",
              "| stage | plan ms | measured ms | measured / plan |", "|---|---|---|---|"]

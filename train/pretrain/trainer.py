@@ -213,7 +213,7 @@ class Trainer(RunBase):
         self.metrics.log({"step": self.state.step, "tokens_seen": self.state.tokens, **self.state.last_eval})
         if not self.plan_checked and self.layout.is_main:      # once: the measured stages against the plan
             device = torch.cuda.get_device_name() if self.device.type == "cuda" else None
-            cpu = None if device else sum(self.clock.steady_cpu_means().values())
+            cpu = None if device else self.clock.steady_cpu_means()
             print(first_check(self.cfg, self.loader.seq_len, self.layout.world_size, device, self.clock.steady_means(),
                               self.cfg.out_dir, cpu), flush=True)
         self.plan_checked = True
