@@ -6,8 +6,8 @@ The trainer prints :func:`check_line` once, at its first evaluation, and records
 that record and the run's ``metrics.jsonl``. The furthest stage is the one whose measured time exceeds the
 plan's by the most seconds per step (what costs the run the most), not by the largest ratio (a 1 ms stage
 planned at 0 would win every time). On a CPU rank whose cores other processes share (its wall clock well above
-its CPU time), a communication stage's wall time beyond its own CPU work and its plan is a wait for peers the
-shared cores descheduled: it is charged to compute (:func:`charge_peer_waits`), not to the network.
+its CPU time), the wall time of a stage that waits for the other ranks beyond its own CPU work and its plan is a
+wait for peers the shared cores descheduled: it is charged to compute (:func:`charge_peer_waits`), not to the network.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ ADVICE = {
 }
 # a CPU rank's wall clock over its CPU time beyond which other processes (or more ranks than cores) share its cores
 SHARED_CORES = 1.5
-# the stages that wait for the other ranks: the gradients' reduction, and the loss all-reduce in the rest of the step
-PEER_STAGES = ("gradient communication", "other")
+# the stages that wait for the other ranks: the gradients' reduction, the optimizer step (at ZeRO 1-2 it ends in
+# the new weights' all-gather) and the rest of the step (the loss all-reduce)
+PEER_STAGES = ("gradient communication", "optimizer", "other")
 PEER_WAIT = "waiting for descheduled peers"
 COMPUTE_STAGES = ("forward", "backward", PEER_WAIT)
 # torch.cuda.get_device_name() fragments -> the plan's GPU kind (more specific first)
@@ -94,8 +95,8 @@ def shares_cores(wall_s: float, cpu_s: float | None) -> bool:
 
 def charge_peer_waits(found: list[Row], cpu: dict[str, float] | None) -> list[Row]:
     """On a CPU rank whose cores are shared (``cpu``: its CPU seconds per step by stage, keyed as the run logs
-    them), each communication stage keeps the larger of its own CPU seconds and its plan; the rest of its wall
-    time waited for peers that the shared cores kept off a core, which is their compute stretched, not the
+    them), each stage that waits for the other ranks (:data:`PEER_STAGES`) keeps the larger of its own CPU
+    seconds and its plan; the rest of its wall time waited for peers that the shared cores kept off a core, which is their compute stretched, not the
     network. That rest becomes the row :data:`PEER_WAIT`, which :func:`furthest` counts as compute. Unshared cores
     or a GPU rank (``cpu`` None): the rows as they are (a wait there is the link's, or a slower device's)."""
     if not cpu or not shares_cores(sum(row.measured_s for row in found), sum(cpu.values())):
@@ -145,8 +146,8 @@ def first_check(cfg, seq_len: int, world_size: int, device_name: str | None, mea
                 out_dir: Path, cpu: dict[str, float] | None = None) -> str:
     """The trainer's line at its first evaluation, and ``plan.json`` for ``distaff plan --compare``; a plan that
     cannot be made is said in the line, never raised (the run goes on). ``cpu``: a CPU rank's CPU seconds per step
-    by stage; their sum is said beside the wall clock when other processes took a good part of the cores, and
-    the communication stages' waits for descheduled peers are then compute (:func:`charge_peer_waits`)."""
+    by stage; their sum is said beside the wall clock when other processes took a good part of the cores, and the
+    stages' waits for descheduled peers are then compute (:func:`charge_peer_waits`)."""
     try:
         plan, gpus, nodes = plan_for_run(cfg, seq_len, world_size, device_name)
     except Exception as err:  # noqa: BLE001 - a plan check never stops a run
