@@ -77,6 +77,26 @@ def clusters_table() -> str:
     return "\n" + "\n".join(bench.table_lines()) + "\n"
 
 
+STEP_BOUND, STAGE_BOUND = 1.3, 1.5        # issue 39's bounds: each step, each stage, plan against CPU time
+CHECKED_STAGES = ("forward", "backward", "gradient communication", "optimizer")
+
+
+def _misses(ratios: list[tuple[str, float]], bound: float) -> str:
+    missed = [f"{name} {ratio:.2f}" for name, ratio in ratios if not 1 / bound <= ratio <= bound]
+    return f"{len(ratios) - len(missed)} of {len(ratios)} within {bound}x" + (
+        f" (missed: {', '.join(missed)})" if missed else "")
+
+
+def cpu_time_summary(runs: list[dict]) -> str:
+    """How many steps and stages of the CPU time table the plan holds within the bounds, the misses named."""
+    from distaff.train.plan.compare import rows
+
+    steps = [(r["run"], r["plan_step_s"] / r["measured_cpu_step_s"]) for r in runs]
+    stages = [(f"{r['run']} {row.stage}", row.plan_s / row.measured_s) for r in runs
+              for row in rows(r["plan_stages_s"], r["measured_cpu_stages_s"]) if row.stage in CHECKED_STAGES]
+    return f"steps: {_misses(steps, STEP_BOUND)}; stages: {_misses(stages, STAGE_BOUND)}"
+
+
 def cpu_time_values() -> dict[str, str]:
     bench = _script(REPO / "benchmarks" / "plan_time.py")
     recorded = json.loads((RESULTS / "plan_time_cpu.json").read_text())
@@ -87,6 +107,7 @@ def cpu_time_values() -> dict[str, str]:
     gemm = ", ".join(f"{k}: {fp32:.0f}/{bf16:.0f}" for k, fp32, bf16 in probe["gemm_gflops"])
     return {"plan.cpu_time": "\n" + "\n".join([bench.HEADER, *map(bench.row_line, runs)]) + "\n",
             "plan.check_example": f"\n```\n{runs[0]['check_line']}\n```\n",
+            "plan.cpu_time_summary": cpu_time_summary(runs),
             "plan.cpu_probe": (f"{probe['date']}, {probe['machine']}, load average {probe['load_average']:.1f}: "
                                f"GEMM GFLOP/s per core fp32/bf16 by inner size {gemm}; copy "
                                f"{probe['copy_gb_s']:.1f} GB/s")}
