@@ -1,55 +1,83 @@
-"""The plan's memory against a measured step, as a table: the live-tensor peak of a real forward + backward +
-optimizer step (2 CPU ranks, DeepSpeed over gloo, fp32, reference kernels) next to the plan's figure.
+"""The plan's memory against a measured step, as a table: the CPU allocator's own count of live bytes (torch.profiler
+memory events) over a real forward + backward + optimizer step of DeepSpeed engines on 2 CPU ranks (gloo), beside
+the plan's figure for the same CPU setting (the reference kernels, no communication overlap).
 
-    python benchmarks/plan_memory.py                                   # deberta-v3-base, ZeRO 0 and 2
-    python benchmarks/plan_memory.py --presets tiny deberta-v3-xsmall --batch 2 --seq-len 64
+    python benchmarks/plan_memory.py                                    # tiny and deberta-v3-xsmall, every stage
+    python benchmarks/plan_memory.py --presets deberta-v3-base --zero 0 2 --precisions fp32
+    python benchmarks/plan_memory.py --json benchmarks/results/plan_memory.json
 
-The test suite checks the small models (tests/plan/test_plan_memory.py); the base model is here because
-it takes minutes and several GB of host memory per rank.
+The test suite checks tiny (tests/plan/test_plan_memory.py); the larger models take minutes and GBs of host
+memory per rank. Every setting of a preset runs in the same two processes, one engine after another.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from distaff.train.plan.measure import measure_peak
+from distaff.train.plan.measure import measure_peaks
 from distaff.train.plan.memory import step_peak
 from distaff.train.plan.planner import cpu_run_setting
 from distaff.train.run.config import config_from_dict
 
 MIB = 1024 ** 2
+SIZES = {"tiny": (4, 64), "deberta-v3-xsmall": (2, 64), "deberta-v3-base": (2, 64)}
 
 
-def run_values(preset: str, zero: int, batch: int) -> dict:
+def run_values(preset: str, zero: int, batch: int, precision: str) -> dict:
     return {"model": {"preset": preset}, "data": {"dir": "unused", "batch_size": batch},
-            "train": {"precision": "fp32"}, "zero": {"stage": zero}, "run": {"seed": 3}}
+            "train": {"precision": precision}, "zero": {"stage": zero}, "run": {"seed": 3}}
+
+
+def measure_preset(preset: str, zeros: list[int], precisions: list[str], work: Path) -> list[dict]:
+    batch, seq_len = SIZES[preset]
+    settings = [(run_values(preset, zero, batch, precision), seq_len) for zero in zeros for precision in precisions]
+    started = time.perf_counter()
+    measured = measure_peaks(settings, work / preset)
+    wall = time.perf_counter() - started
+    found = []
+    for (values, _), ranks in zip(settings, measured):
+        plan = step_peak(cpu_run_setting(config_from_dict(values), 2, seq_len))
+        found.append({"preset": preset, "zero": values["zero"]["stage"], "precision": values["train"]["precision"],
+                      "batch": batch, "seq_len": seq_len, "measured_peak": [r["peak"] for r in ranks],
+                      "measured_phases": [r["phases"] for r in ranks],
+                      "measured_unseen_frees": [r["unseen_frees"] for r in ranks], "plan_peak": plan.peak,
+                      "plan_phases": plan.phases, "wall_s_all_settings": wall, "load": os.getloadavg()[0]})
+    return found
+
+
+def table_lines(results: list[dict]) -> list[str]:
+    lines = ["| model | ZeRO | precision | micro-batch x seq | measured peak MiB (rank 0, rank 1) | plan MiB | "
+             "plan / measured |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        ratios = [r["plan_peak"] / m for m in r["measured_peak"]]
+        measured = ", ".join(f"{m / MIB:,.1f}" for m in r["measured_peak"])
+        lines.append(f"| {r['preset']} | {r['zero']} | {r['precision']} | {r['batch']} x {r['seq_len']} | {measured} | "
+                     f"{r['plan_peak'] / MIB:,.1f} | {min(ratios):.3f}-{max(ratios):.3f} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--presets", nargs="+", default=["deberta-v3-base"])
-    parser.add_argument("--zero", type=int, nargs="+", default=[0, 2])
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--presets", nargs="+", default=["tiny", "deberta-v3-xsmall"], choices=sorted(SIZES))
+    parser.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2, 3])
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--json", type=Path, help="write the measurements here (docs/plan.md's table reads them)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    print("| model | ZeRO | micro-batch x seq | measured peak MiB (rank 0) | plan MiB | plan / measured | "
-          "wall s |\n|---|---|---|---|---|---|---|")
+    results = []
     with tempfile.TemporaryDirectory() as tmp:
         for preset in args.presets:
-            for zero in args.zero:
-                values = run_values(preset, zero, args.batch)
-                start = time.perf_counter()
-                measured = measure_peak(values, args.seq_len, Path(tmp) / f"{preset}-{zero}")[0]["peak"]
-                planned = step_peak(cpu_run_setting(config_from_dict(values), 2, args.seq_len)).peak
-                print(f"| {preset} | {zero} | {args.batch} x {args.seq_len} | {measured / MIB:,.1f} | "
-                      f"{planned / MIB:,.1f} | {planned / measured:.3f} | {time.perf_counter() - start:.0f} |",
-                      flush=True)
+            results += measure_preset(preset, args.zero, args.precisions, Path(tmp))
+            print(f"{preset}: measured (load {results[-1]['load']:.1f})", file=sys.stderr, flush=True)
+    print("\n".join(table_lines(results)))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 

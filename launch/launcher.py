@@ -258,7 +258,7 @@ def launch(args: argparse.Namespace) -> int:
         if torch.cuda.is_available() or args.gpu_kind:   # the plan's line for this job
             from distaff.train.plan.planner import print_launch_summary
 
-            print_launch_summary(target, args.gpus_per_node or max(1, torch.cuda.device_count()), max(1, len(hosts)),
+            print_launch_summary(target, ranks_per_node(hosts, args.gpus_per_node), max(1, len(hosts)),
                                  args.gpu_kind, "distaff launch")
         for path, text in plan.files.items():
             print(f"# {path}\n{text}")
@@ -288,6 +288,16 @@ def signal_of(code: int) -> str | None:
         except ValueError:
             return f"signal {256 - code}"
     return None
+
+
+def ranks_per_node(hosts: list[str] | Mapping[str, int], gpus_per_node: int | None) -> int:
+    """Ranks per node as the launch starts them: ``--gpus-per-node``, else a hostfile's slots (their mean when
+    hosts differ), else every local GPU."""
+    if gpus_per_node:
+        return gpus_per_node
+    if isinstance(hosts, Mapping) and hosts:
+        return max(1, round(sum(hosts.values()) / len(hosts)))
+    return max(1, torch.cuda.device_count())
 
 
 def run_forwarding_signals(command: list[str], env: dict[str, str], module: str, *, to_ranks: bool) -> int:

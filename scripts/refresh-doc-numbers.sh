@@ -1,18 +1,39 @@
 #!/usr/bin/env bash
-# Rerun the commands whose output README.md quotes and rewrite its measured spans
-# (<!-- measured: NAME -->...<!-- /measured -->, scripts/refresh_doc_numbers.py) with what they print now.
-# Run it on the machine the README names (a 2-core CPU machine, idle for the "idle" figures): about 5 minutes.
+# Rerun the commands whose output the docs quote and rewrite their measured spans
+# (<!-- measured: NAME -->...<!-- /measured -->).
 #
-#   bash scripts/refresh-doc-numbers.sh && git diff README.md
+#   bash scripts/refresh-doc-numbers.sh            # all of the below
+#   bash scripts/refresh-doc-numbers.sh readme     # reruns the demo, rewrites README.md's spans (about 5 minutes)
+#   bash scripts/refresh-doc-numbers.sh plan       # remeasures the plan's memory and CPU time (15-40 minutes),
+#                                                  # then rewrites docs/plan.md
+#   bash scripts/refresh-doc-numbers.sh plan-tables  # docs/plan.md from the committed measurements (seconds)
+#   bash scripts/refresh-doc-numbers.sh results    # docs/results/*.md from benchmarks/results/*.json (seconds)
+#
+# Run it on the machine the docs name (a 2-core CPU machine, idle for the timed figures), then `git diff`.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
-OUT="${DISTAFF_DEMO_DIR:-runs/demo}"
-LOG="$(mktemp)"
-SECONDS=0
-bash scripts/demo.sh --fresh | tee "$LOG"
-ELAPSED=$SECONDS
-sed -n '/^== distaff demo summary/,$p' "$LOG" > "$OUT/summary.txt"
-.venv/bin/python scripts/refresh_doc_numbers.py README.md "$OUT/summary.txt" "$OUT/run/summary.json" "$ELAPSED"
-rm -f "$LOG"
+PART="${1:-all}"
+PY=.venv/bin/python
+
+if [[ "$PART" == all || "$PART" == readme ]]; then
+    OUT="${DISTAFF_DEMO_DIR:-runs/demo}"
+    LOG="$(mktemp)"
+    SECONDS=0
+    bash scripts/demo.sh --fresh | tee "$LOG"
+    ELAPSED=$SECONDS
+    sed -n '/^== distaff demo summary/,$p' "$LOG" > "$OUT/summary.txt"
+    $PY scripts/refresh_doc_numbers.py README.md "$OUT/summary.txt" "$OUT/run/summary.json" "$ELAPSED"
+    rm -f "$LOG"
+fi
+if [[ "$PART" == all || "$PART" == plan ]]; then
+    $PY benchmarks/plan_memory.py --json benchmarks/results/plan_memory.json
+    $PY benchmarks/plan_time.py --json benchmarks/results/plan_time_cpu.json
+fi
+if [[ "$PART" == all || "$PART" == plan || "$PART" == plan-tables ]]; then
+    $PY scripts/refresh_plan_doc.py docs/plan.md
+fi
+if [[ "$PART" == all || "$PART" == results ]]; then
+    $PY scripts/render_results.py    # docs/results/*.md from benchmarks/results/*.json
+fi

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 FOLDERS = {"kernels": "distaff.kernels", "train": "distaff.train", "launch": "distaff.launch"}
 
 # package -> the distaff packages it may import (itself always allowed). One way, bottom to top:
-# kernels <- core <- data, model <- run <- pretrain, finetune <- tools <- launch.
+# kernels <- core <- data, model <- run <- plan <- pretrain, finetune <- tools <- launch.
 ALLOWED = {
     "distaff.kernels": set(),
     "distaff.kernels.aot": {"distaff.kernels"},
@@ -25,13 +25,14 @@ ALLOWED = {
     "distaff.train.data": {"distaff.kernels", "distaff.train.core"},
     "distaff.train.model": {"distaff.kernels", "distaff.train.core"},
     "distaff.train.run": {"distaff.kernels", "distaff.train.core", "distaff.train.data", "distaff.train.model"},
+    # A pretraining run compares its measured stage times with its plan (train/plan/compare.py).
     "distaff.train.pretrain": {"distaff.kernels", "distaff.train.core", "distaff.train.data", "distaff.train.model",
-                               "distaff.train.run"},
+                               "distaff.train.run", "distaff.train.plan"},
     "distaff.train.finetune": {"distaff.kernels", "distaff.train.core", "distaff.train.data", "distaff.train.model",
                                "distaff.train.run"},
     "distaff.train.tools": {"distaff.kernels", "distaff.train.core", "distaff.train.data", "distaff.train.model",
-                            "distaff.train.run", "distaff.train.pretrain", "distaff.train.finetune"},
-    # The plan reads run configs and models (meta-device parameter counts), and a prepared data dir's manifest
+                            "distaff.train.run", "distaff.train.pretrain", "distaff.train.finetune", "distaff.train.plan"},
+    # The plan reads run configs and models (parameter sizes from their shapes), and a prepared data dir's manifest
     # (its seq_len, read and range-checked as a run reads it), never a trainer's loop.
     "distaff.train.plan": {"distaff.train.core", "distaff.train.model", "distaff.train.run",
                            "distaff.train.data.manifest"},

@@ -81,6 +81,14 @@ def test_a_deepspeed_hostfile_is_read_and_its_slots_kept(config: Path, tmp_path:
     assert "gpu01 slots=2\ngpu02 slots=2\n" in capsys.readouterr().out
 
 
+def test_the_plan_line_counts_the_hostfiles_gpus(config: Path, tmp_path: Path, capsys) -> None:
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("gpu01 slots=8\ngpu02 slots=8\n")
+    assert cli.main(["launch", "--config", str(config), "--hostfile", str(hostfile), "--gpu-kind", "A100-80GB",
+                     "--dry-run"]) == 0
+    assert "distaff launch: plan: 2x8xA100-80GB" in capsys.readouterr().err     # 16 GPUs, as launched
+
+
 def test_a_one_host_hostfile_runs_here_with_its_slots(config: Path, tmp_path: Path) -> None:
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=3\n")

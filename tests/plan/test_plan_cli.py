@@ -1,9 +1,10 @@
-"""``distaff plan``: every run preset on six GPU kinds in under 5 s each, what fits where, the time split,
+"""``distaff plan``: every run preset on eight GPU kinds in under 1 s of CPU each, what fits where, the time split,
 bad input as one line, and the launchers' summary line."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from distaff.train.core.errors import ConfigError
 from distaff.train.plan import cli
 from distaff.train.plan.gpus import KINDS, kind, parse_gpus, parse_spec
 from distaff.train.plan.memory import step_peak
-from distaff.train.plan.planner import largest_micro_batch, make_plan
+from distaff.train.plan.planner import largest_micro_batch, make_plan, parse_tokens, summary
 from distaff.train.plan.step_time import attention_table
 from distaff.train.run.config import load_config
 
@@ -29,9 +30,9 @@ def test_every_run_preset_plans_on_every_kind_fast(preset):
     cfg = load_config(preset)
     make_plan(cfg, "8xA100-80GB")   # the first plan pays for the one-off imports
     for name in KINDS_CHECKED:
-        start = time.perf_counter()
+        start = time.process_time()     # CPU time: the machine's load does not count
         plan = make_plan(cfg, f"8x{name}")
-        assert time.perf_counter() - start < 5.0
+        assert time.process_time() - start < 1.0
         assert plan.time.total > 0 and plan.tokens_per_s > 0 and 0 < plan.mfu < 1
         assert all(value >= 0 for value in plan.time.parts.values())
         assert plan.memory.total > plan.memory.peak > 0
@@ -54,9 +55,12 @@ def test_zero_stages_offload_and_checkpointing_move_memory_the_right_way():
     totals = make_plan(cfg, "8xA100-80GB").zero_fits
     assert totals[1] < totals[0]
     base, zero3 = make_plan(cfg, "8xA100-80GB", zero=1), make_plan(cfg, "8xA100-80GB", zero=3)
-    assert zero3.memory.items["weights"] == pytest.approx(base.memory.items["weights"] / 8)
-    # DeepSpeed's reduce bucket (5e8 elements, two with overlap_comm) is allocated whole at ZeRO 2-3
-    assert zero3.memory.items["reduce bucket"] == 2 * 5e8 * 2 and "reduce bucket" not in base.memory.items
+    persistent = zero3.setting.persistent_params * 2            # parameters of <= 1e5 elements stay whole
+    assert zero3.memory.items["weights"] == pytest.approx(base.memory.items["weights"] / 8 + persistent)
+    # DeepSpeed's reduce bucket (5e8 elements) is allocated whole: two with overlap_comm at ZeRO 1-2 (from the
+    # first gradient to the end of the backward), one kept for the run at ZeRO 3
+    assert base.memory.items["reduce bucket(s)"] == 2 * 5e8 * 2
+    assert zero3.memory.items["reduce bucket (ZeRO 3, kept)"] == 5e8 * 2 and zero3.memory.items["reduce bucket(s)"] == 0
     offloaded = make_plan(cfg, "8xA100-80GB", zero=1, offload=True)
     assert offloaded.memory.items["Adam moments"] == 0 < base.memory.items["Adam moments"]
     checkpointed = make_plan(load_config("deberta-v3-base", ["model.preset=deberta-v3-large",
@@ -90,12 +94,12 @@ def test_the_report_labels_estimates_and_prints_assumptions(capsys):
     assert cli.main(["--config", "deberta-v3-base", "--gpus", "8xH200", "--json", "--zero", "2"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["zero"] == 2 and data["fits"] is True and data["estimate"]["tokens_per_s"] > 0
-    assert data["memory_bytes"]["reduce bucket"] > 0
+    assert data["memory_bytes"]["reduce bucket(s)"] > 0
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("argv,message", [
-    (["--config", "deberta-v3-base", "--gpus", "8xV100"], "unknown GPU kind 'V100'; known kinds: A100-40GB"),
+    (["--config", "deberta-v3-base", "--gpus", "8xT4"], "unknown GPU kind 'T4'; known kinds: A100-40GB"),
     (["--config", "deberta-v3-base", "--gpus", "A100"], "expected COUNTxKIND"),
     (["--config", "deberta-v3-base", "--gpus", "8xRTX-4090", "--micro-batch", "4096"], "--micro-batch 4096: needs"),
     (["--config", "deberta-v3-base", "--gpus", "8xA100", "--gpu-spec", "memory_gib=3"], "--gpu-spec: expected"),
@@ -149,14 +153,14 @@ def test_attention_scales_with_tokens_heads_and_length():
 
     cfg = load_config("deberta-v3-base").model_config()
     h100 = kind("H100-SXM")
-    one, two = (attention_seconds(cfg, h100, 512, tokens)[0] for tokens in (16384, 32768))
+    one, two = (attention_seconds(cfg, h100, 512, tokens).seconds for tokens in (16384, 32768))
     assert two == pytest.approx(2 * one)
     rows = [r for r in attention_table()["rows"] if r["cc"] == 90 and r["n"] == 512]
     per_layer = (rows[0]["fwd_ms"] + rows[0]["bwd_ms"]) / 1e3 * cfg.num_attention_heads / rows[0]["heads"]
     assert one == pytest.approx(per_layer * 13)          # 11 encoder layers + 2 EMD applications
-    short, mid, long = (attention_seconds(cfg, h100, n, 16384)[0] for n in (256, 768, 4096))
+    short, mid, long = (attention_seconds(cfg, h100, n, 16384).seconds for n in (256, 768, 4096))
     assert short < one < mid < long
-    assert attention_seconds(cfg, kind("H100-PCIe"), 512, 16384)[0] == pytest.approx(one * 989 / 756)
+    assert attention_seconds(cfg, kind("H100-PCIe"), 512, 16384).seconds == pytest.approx(one * 989 / 756)
 
 
 @pytest.mark.unit
@@ -165,3 +169,70 @@ def test_the_distaff_command_knows_plan(capsys):
 
     assert distaff_cli.main(["plan", "--list-gpus"]) == 0
     assert "| H200 | 140.4 |" in capsys.readouterr().out
+
+
+@pytest.mark.unit
+def test_a_token_budget_gives_the_steps_at_the_stated_global_batch(capsys):
+    cfg = load_config("deberta-v3-base")
+    plan = make_plan(cfg, "8xA100-80GB", tokens=parse_tokens("20B"))
+    assert plan.global_batch == 32 * 4 * 8 and plan.tokens_per_step == 32 * 512 * 4 * 8
+    assert plan.max_steps == math.ceil(20e9 / plan.tokens_per_step) == 38_147
+    assert plan.gpu_hours == pytest.approx(38_147 * plan.time.total / 3600 * 8)
+    assert "for 20B tokens = 38,147 steps (global batch 1,024 sequences = micro-batch 32 x 4" in summary(plan)
+    four_nodes = make_plan(cfg, "8xA100-80GB", nodes=4, tokens=20e9)     # 4x the batch: a quarter of the steps
+    assert four_nodes.max_steps == math.ceil(38_147 / 4)
+    assert [parse_tokens(t) for t in ("500M", "2e10", "1.5T", "20b")] == [5e8, 2e10, 1.5e12, 2e10]
+    assert cli.main(["--config", "deberta-v3-base", "--gpus", "8xA100-80GB", "--tokens", "lots"]) == 2
+    assert "--tokens: expected a token count such as 20B" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_output_into_a_closed_pipe_ends_quietly():
+    proc = subprocess.Popen([sys.executable, "-m", "distaff.launch.cli", "plan", "--config", "deberta-v3-base",
+                             "--gpus", "8xA100-80GB", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()             # the reader is gone before the plan is written (`| head -0`)
+    assert proc.wait(timeout=120) == 0
+    assert proc.stderr.read() == b""
+
+
+@pytest.mark.unit
+def test_attention_share_and_the_judges_content_only_reference_beside_it(monkeypatch, capsys):
+    from distaff.train.plan import step_time
+
+    cfg = load_config("deberta-v3-base")
+    table = attention_table()
+    assert all("content_fwd_ms" in r and "content_bwd_ms" in r for r in table["rows"])  # the committed table has them
+    # a table without the judge's content-only reference: the share alone, no reference column
+    bare = [{k: v for k, v in r.items() if not k.startswith("content_")} for r in table["rows"]]
+    monkeypatch.setattr(step_time, "attention_table", lambda: {**table, "rows": bare})
+    plain = make_plan(cfg, "8xH100-SXM")
+    assert plain.time.attention_reference is None and plain.time.reference_share is None
+    assert 0 < plain.time.attention_share < 1
+    assert cli.main(["--config", "deberta-v3-base", "--gpus", "8xH100-SXM"]) == 0
+    out = capsys.readouterr().out
+    assert f"attention: {plain.time.attention_share:.0%} of the step\n" in out and "content-only" not in out
+    # with a content-only FlashAttention-2 time per row (here a tenth of distaff's)
+    rows = [{**r, "content_fwd_ms": r["fwd_ms"] / 10, "content_bwd_ms": r["bwd_ms"] / 10} for r in bare]
+    monkeypatch.setattr(step_time, "attention_table", lambda: {**table, "rows": rows})
+    judged = make_plan(cfg, "8xH100-SXM")
+    assert judged.time.parts["attention"] == pytest.approx(plain.time.parts["attention"])
+    assert judged.time.attention_reference == pytest.approx(plain.time.parts["attention"] / 10)
+    rest = judged.time.total - judged.time.parts["attention"]
+    assert judged.time.reference_share == pytest.approx(judged.time.attention_reference / (
+        rest + judged.time.attention_reference))
+    assert cli.main(["--config", "deberta-v3-base", "--gpus", "8xH100-SXM"]) == 0
+    assert "a content-only FlashAttention-2 at the same shapes (the judge's reference)" in capsys.readouterr().out
+    # content-only attention (no c2p/p2c) runs distaff's kernels without their position terms: the reference
+    bert = load_config("deberta-v3-base", ["model.relative_attention=false", "model.pos_att_type=[]"])
+    assert make_plan(bert, "8xH100-SXM").time.parts["attention"] == pytest.approx(
+        make_plan(bert, "8xH100-SXM").time.attention_reference)
+
+
+@pytest.mark.unit
+def test_the_time_model_is_within_1_5x_of_the_published_runs():
+    from distaff.train.plan.anchors import bert_rows, deberta_rows
+
+    checked = {anchor.name: estimate / anchor.published for anchor, estimate in [*bert_rows(), *deberta_rows()]}
+    for name in ("BERT-large seq 128, 8xA100-80GB, fp16", "deberta-base (v1) seq 512, 4x16xV100-32GB, fp16",
+                 "deberta-large (v1) seq 512, 6x16xV100-32GB, fp16"):
+        assert 1 / 1.5 <= checked[name] <= 1.5, (name, checked[name])

@@ -21,7 +21,8 @@ from pretrain_fixtures import (PYTHON, metrics, prepare_data, rank_env, read_wan
     ("eval_rtd_auc", "eval/rtd_auc"), ("rtd_auc", "rtd/auc"), ("gen_loss", "rtd/gen_loss"),
     ("replaced_rate", "rtd/replaced_rate"), ("weight_rtd", "rtd/weight_rtd"), ("lr", "optim/lr"),
     ("grad_norm", "optim/grad_norm"), ("tokens_per_s", "perf/tokens_per_s"), ("mfu", "perf/mfu"),
-    ("peak_mem_gb", "perf/peak_mem_gb"), ("step", "progress/step"), ("tokens_seen", "progress/tokens_seen"),
+    ("peak_mem_gb", "perf/peak_mem_gb"), ("forward_s", "perf/forward_s"), ("data_wait_s", "perf/data_wait_s"),
+    ("grad_comm_s", "perf/grad_comm_s"), ("step", "progress/step"), ("tokens_seen", "progress/tokens_seen"),
     ("epoch", "progress/epoch"), ("f1", "train/f1"),
 ])
 def test_every_logged_key_has_a_section(flat, sectioned):
@@ -58,6 +59,10 @@ def test_offline_run_files_hold_sections_step_axis_and_final_summary(sample_data
         assert row["progress/step"] == step
     assert history[4]["train/loss"] == train[4]["loss"] and history[4]["optim/lr"] == train[4]["lr"]
     assert history[4]["perf/tokens_per_s"] == train[4]["tokens_per_s"]
+    # where the step's time went, beside step_time_s; and the one line comparing it with the plan
+    assert history[4]["perf/forward_s"] == train[4]["forward_s"] > 0 and train[4]["backward_s"] > 0
+    assert "perf/data_wait_s" in history[4] and "perf/optimizer_s" in history[4]
+    assert [line for line in proc.stdout.splitlines() if line.startswith("distaff: plan check: step ")] != []
     assert history[4]["progress/tokens_seen"] == train[4]["tokens_seen"]
     assert history[3]["eval/loss"] == evals[3]["eval_loss"]
     assert history[3]["progress/tokens_seen"] == evals[3]["tokens_seen"] > 0

@@ -120,9 +120,10 @@ def write_sections(path: Path, values: dict, sections: dict) -> Path:
 
 
 def torchrun(config: Path, tmp: Path, *overrides: str, timeout: float = 240, env: dict[str, str] | None = None,
-             module: str = "distaff.train.pretrain") -> subprocess.CompletedProcess:
-    """2 CPU ranks of ``module`` under torchrun; returns the finished process (stdout and stderr captured)."""
-    cmd = [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", module,
+             module: str = "distaff.train.pretrain", ranks: int = 2) -> subprocess.CompletedProcess:
+    """``ranks`` (2) CPU ranks of ``module`` under torchrun; returns the finished process (stdout and stderr
+    captured)."""
+    cmd = [TORCHRUN, "--nproc_per_node", str(ranks), "--master_port", str(free_port()), "-m", module,
            "--config", str(config), *overrides]
     return subprocess.run(cmd, env={**rank_env(tmp), **(env or {})}, capture_output=True, text=True,
                           timeout=timeout, cwd=tmp)

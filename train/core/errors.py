@@ -209,6 +209,12 @@ def command_main(prog: str, body: Callable[[list[str]], int], argv: list[str] | 
     status."""
     argv = take_verbose_flag(take_debug_flag(sys.argv[1:] if argv is None else list(argv)))
     try:
-        return int(body(argv) or 0)
+        code = int(body(argv) or 0)
+        sys.stdout.flush()          # here, where a closed pipe can still be caught, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        # the reader stopped early (`distaff plan ... | head -1`): nothing is wrong, and nobody reads the rest
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as err:  # noqa: BLE001 - every failure is reported in the one style
         return report(prog, err)

@@ -291,7 +291,7 @@ class FinetuneTrainer(RunBase):
                           "lr": self._lr(self.state.step - 1),
                           "grad_norm": None if grad_norm is None else float(grad_norm),
                           "nonfinite_steps": self.state.nonfinite_steps, "peak_mem_gb": peak_memory_gb(),
-                          **self.throughput.report(self.max_steps - self.state.step)})
+                          **self.throughput.report(self.max_steps - self.state.step), **self.clock.report()})
 
     def _eval_due(self) -> bool:
         every = self.cfg.eval.every or self.steps_per_epoch

@@ -4,7 +4,8 @@ Prints, per GPU: the model states, the activations of one micro-batch by part, t
 allocator margin, whether it fits, the largest micro-batch that fits and each ZeRO stage's total; then the
 step time by part, tokens/s, MFU and the time and GPU-hours to ``train.max_steps``: every time an ESTIMATE,
 its assumptions printed. ``--json`` writes the same as one JSON object; ``--list-gpus`` the kinds;
-``--anchors`` the published measurements the time model is checked against.
+``--anchors`` the published measurements the time model is checked against; ``--compare RUN_DIR`` a run's
+measured stage times beside its plan. ``--gpus 2xcpu`` plans CPU ranks of this machine (train/plan/cpu.py).
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 from distaff.train.core.errors import ConfigError, command_main, float_arg
 from distaff.train.plan import gpus as gpu_kinds
 from distaff.train.plan.memory import GIB
-from distaff.train.plan.planner import Plan, make_plan, summary
+from distaff.train.plan.planner import Plan, make_plan, parse_tokens, summary
 from distaff.train.plan.step_time import Assumptions
 
 PROG = "distaff plan"
@@ -32,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default: zero.stage)")
     parser.add_argument("--offload", action="store_true", default=None, help="optimizer states on the host")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the prepared data's)")
+    parser.add_argument("--tokens", help="train on this many tokens (20B, 500M, 2e10): the steps and GPU-hours at the "
+                                         "run's global batch, instead of train.max_steps")
     parser.add_argument("--gpu-spec", help="a kind not in the table: name=N,memory_gib=..,tflops=..,hbm_tb_s=..,"
                                            "intra_gb_s=..,inter_gb_s=..[,like=KIND]")
     parser.add_argument("--gemm-efficiency", type=float_arg("--gemm-efficiency", low=0, low_open=True, high=1),
@@ -39,6 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     parser.add_argument("--list-gpus", action="store_true", help="print the GPU kinds and exit")
     parser.add_argument("--anchors", action="store_true", help="plan the published measurements, print ratios")
+    parser.add_argument("--compare", metavar="RUN_DIR", help="a finished (or running) run's measured stage times "
+                                                             "beside its plan, and the stage furthest off")
+    parser.add_argument("--reprobe", action="store_true", help="--gpus Nxcpu: measure this machine again (the probe "
+                                                               "is cached)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides of the run config")
     return parser
 
@@ -49,12 +57,15 @@ def _gib(value: float) -> str:
 
 def memory_lines(plan: Plan) -> list[str]:
     s, m = plan.setting, plan.memory
-    lines = [f"memory per GPU ({s.params / 1e6:,.1f} M parameters, {s.precision}, ZeRO {s.zero}"
+    device = "CPU rank" if plan.gpu.is_cpu else "GPU"
+    lines = [f"memory per {device} ({s.params / 1e6:,.1f} M parameters, {s.precision}, ZeRO {s.zero}"
              f"{' + optimizer offload' if s.offload_optimizer else ''}, micro-batch {s.micro_batch} x {s.seq_len}, "
-             f"{s.ranks} GPUs):"]
+             f"{s.ranks} ranks; the step's buffers are alive at some of its moments, not all at once):"]
     lines += [f"  {name:<36} {_gib(value)}" for name, value in m.items.items() if value]
+    lines += [f"  host memory (offload): {name:<21} {_gib(value)}" for name, value in m.host.items()]
     lines += [f"  peak at the {max(m.phases, key=m.phases.get):<28} {_gib(m.peak)}",
-              f"  allocator margin (5% + 1 GiB context)  {_gib(m.margin)}",
+              f"  allocator margin ({'5%' if plan.gpu.is_cpu else '5% + 1 GiB context'})"
+              f"{' ' * (19 if plan.gpu.is_cpu else 2)}{_gib(m.margin)}",
               f"  total {_gib(m.total)} of {plan.gpu.memory_gib:.1f} GiB: {'fits' if plan.fits else 'DOES NOT FIT'}",
               f"  largest micro-batch that fits: {plan.largest_micro_batch}",
               "  ZeRO stages at this micro-batch: " + ", ".join(
@@ -66,14 +77,31 @@ def memory_lines(plan: Plan) -> list[str]:
 def time_lines(plan: Plan) -> list[str]:
     t = plan.time
     lines = [f"step time (ESTIMATE; {plan.grad_accum} micro-batches per step, {plan.nodes} node(s) of "
-             f"{plan.per_node} x {plan.gpu.name}):"]
+             f"{plan.per_node} x {plan.gpu.name}{cpu_note(plan)}):"]
     lines += [f"  {name:<32} {seconds * 1e3:10.1f} ms" for name, seconds in t.parts.items()]
-    lines += [f"  {'total':<32} {t.total * 1e3:10.1f} ms",
-              f"  tokens/s (all GPUs)  {plan.tokens_per_s:,.0f}   MFU {plan.mfu:.1%}   "
+    lines += [f"  {'total':<32} {t.total * 1e3:10.1f} ms", f"  {attention_share_line(t)}",
+              f"  tokens/s (all ranks)  {plan.tokens_per_s:,.0f}   MFU {plan.mfu:.1%}   "
               f"to {plan.max_steps:,} steps: {plan.hours:,.1f} h, {plan.gpu_hours:,.0f} GPU-hours (estimates)",
+              f"  {plan.batch_line()}",
               "assumptions:", f"  sequence length {plan.setting.seq_len} from {plan.seq_source}",
               f"  attention: {t.attention_source}"]
-    return lines + [f"  {line}" for line in plan.assumptions.lines()]
+    return lines + [f"  {line}" for line in plan.assumptions.lines(plan.gpu.is_cpu)]
+
+
+def cpu_note(plan: Plan) -> str:
+    if not plan.gpu.is_cpu:
+        return ""
+    return f", {plan.gpu.threads} thread(s) per rank of {plan.gpu.cores} cores: the probe's rates, or --gpu-spec"
+
+
+def attention_share_line(t) -> str:
+    """Attention's share of the step, and beside it the share the judge's content-only reference (FlashAttention-2
+    at the same shapes) would take, when the attention table has it."""
+    line = f"attention: {t.attention_share:.0%} of the step"
+    if t.reference_share is not None:
+        line += (f"; a content-only FlashAttention-2 at the same shapes (the judge's reference): "
+                 f"{t.attention_reference * 1e3:,.1f} ms, {t.reference_share:.0%} of such a step")
+    return line
 
 
 def as_json(plan: Plan) -> dict:
@@ -87,8 +115,13 @@ def as_json(plan: Plan) -> dict:
             "zero_stage_total_bytes": {str(k): v for k, v in plan.zero_fits.items()},
             "estimate": {"step_seconds": plan.time.parts, "step_total_s": plan.time.total,
                          "tokens_per_s": plan.tokens_per_s, "mfu": plan.mfu, "hours": plan.hours,
-                         "gpu_hours": plan.gpu_hours, "attention_source": plan.time.attention_source},
-            "assumptions": plan.assumptions.lines(), "summary": summary(plan)}
+                         "gpu_hours": plan.gpu_hours, "attention_source": plan.time.attention_source,
+                         "stage_seconds": plan.time.stages, "attention_share": plan.time.attention_share,
+                         "content_only_attention_s": plan.time.attention_reference,
+                         "content_only_attention_share": plan.time.reference_share},
+            "max_steps": plan.max_steps, "token_budget": plan.token_budget, "global_batch": plan.global_batch,
+            "tokens_per_step": plan.tokens_per_step,
+            "assumptions": plan.assumptions.lines(plan.gpu.is_cpu), "summary": summary(plan)}
 
 
 def _run_config(path: str, overrides: list[str]):
@@ -115,12 +148,22 @@ def _body(argv: list[str]) -> int:
 
         print("\n".join(anchor_lines()))
         return 0
+    if args.compare:
+        from distaff.train.plan.compare import compare_lines
+
+        print("\n".join(compare_lines(Path(args.compare))))
+        return 0
+    if args.reprobe:
+        from distaff.train.plan.cpu import probed
+
+        probed(refresh=True)
     if not args.config or not args.gpus:
         raise ConfigError("--config and --gpus are required (e.g. --config deberta-v3-base --gpus 8xA100-80GB)")
     cfg = _run_config(args.config, args.overrides)
     spec = gpu_kinds.parse_spec(args.gpu_spec) if args.gpu_spec else None
     plan = make_plan(cfg, args.gpus, args.nodes, micro_batch=args.micro_batch, zero=args.zero, offload=args.offload,
-                     seq_len=args.seq_len, gpu_spec=spec, assumptions=Assumptions(gemm_efficiency=args.gemm_efficiency))
+                     seq_len=args.seq_len, gpu_spec=spec, assumptions=Assumptions(gemm_efficiency=args.gemm_efficiency),
+                     tokens=parse_tokens(args.tokens) if args.tokens else None)
     if args.micro_batch is not None and not plan.fits:
         raise ConfigError(f"--micro-batch {args.micro_batch}: needs {plan.memory.total / GIB:.1f} GiB per GPU, "
                           f"more than the {plan.gpu.memory_gib:.1f} GiB of a {plan.gpu.name}; the largest that fits "

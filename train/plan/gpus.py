@@ -27,7 +27,14 @@ class GpuKind:
     hbm_tb_s: float          # device memory bandwidth, TB/s
     intra_gb_s: float        # GPU-GPU in a node, GB/s per direction
     inter_gb_s: float        # node-node per GPU, GB/s per direction
-    arch: int                # compute capability (80, 89, 90, 100)
+    arch: int                # compute capability (80, 89, 90, 100); 0: CPU ranks (train/plan/cpu.py)
+    cores: int = 0           # CPU kinds: the machine's cores
+    threads: int = 0         # CPU kinds: threads per rank
+    gemm_curve: tuple = ()   # CPU kinds: (inner size, fp32 GFLOP/s, bf16 GFLOP/s) per core or rank
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.arch == 0
 
     @property
     def memory_gib(self) -> float:
@@ -43,8 +50,10 @@ KINDS = {k.name: k for k in (
     GpuKind("L40S", 46068 * MIB, 362, 91.6, 0.864, 32, 12.5, 89),
     GpuKind("RTX-4090", 24564 * MIB, 165, 82.6, 1.008, 32, 12.5, 89),
     GpuKind("B200", 183359 * MIB, 2250, 80, 8.0, 900, 50, 100),
+    # DGX-2's V100 (SXM3 32 GB): NVSwitch, 6 NVLink-2 links of 25 GB/s each way; 8 EDR NICs for 16 GPUs
+    GpuKind("V100-32GB", 32510 * MIB, 125, 15.7, 0.9, 150, 6.25, 70),
 )}
-ALIASES = {"A100": "A100-80GB", "H100": "H100-SXM", "4090": "RTX-4090", "RTX4090": "RTX-4090"}
+ALIASES = {"A100": "A100-80GB", "H100": "H100-SXM", "4090": "RTX-4090", "RTX4090": "RTX-4090", "V100": "V100-32GB"}
 
 
 def _key(name: str) -> str:
@@ -69,14 +78,21 @@ def parse_gpus(text: str, extra: GpuKind | None = None) -> tuple[int, GpuKind]:
     match = re.fullmatch(r"\s*(\d+)\s*[x*]\s*(.+?)\s*", text)
     if not match or int(match.group(1)) < 1:
         raise ConfigError(f"--gpus: expected COUNTxKIND per node (e.g. 8xA100-80GB), got {shown(text)}")
-    name = match.group(2)
+    name, count = match.group(2), int(match.group(1))
+    if _key(name) == "cpu":      # CPU ranks of this machine: the probe's figures, or --gpu-spec name=cpu,...
+        from distaff.train.plan.cpu import cpu_kind
+
+        return count, cpu_kind(count, extra if extra is not None and extra.is_cpu else None)
     if extra is not None and _key(name) == _key(extra.name):
-        return int(match.group(1)), extra
-    return int(match.group(1)), kind(name)
+        return count, extra
+    return count, kind(name)
 
 
 SPEC_KEYS = {"memory_gib": "memory_bytes", "tflops": "tflops", "fp32_tflops": "fp32_tflops",
-             "hbm_tb_s": "hbm_tb_s", "intra_gb_s": "intra_gb_s", "inter_gb_s": "inter_gb_s", "arch": "arch"}
+             "hbm_tb_s": "hbm_tb_s", "intra_gb_s": "intra_gb_s", "inter_gb_s": "inter_gb_s", "arch": "arch",
+             "cores": "cores"}
+# a CPU's per-core figures when --gpu-spec names it cpu (no `like`): what the probe would have measured
+CPU_SPEC_REQUIRED = ("tflops", "fp32_tflops", "hbm_tb_s", "cores")
 
 
 def parse_spec(text: str) -> GpuKind:
@@ -88,15 +104,26 @@ def parse_spec(text: str) -> GpuKind:
     if bad or unknown or "name" not in values:
         raise ConfigError(f"--gpu-spec: expected name=NAME,KEY=VALUE,... with keys {', '.join(SPEC_KEYS)} (and "
                           f"like=KIND for the rest), got {shown(text)}")
-    base = kind(values.pop("like", "A100-80GB"))
-    changes: dict = {"name": values.pop("name")}
+    name = values.pop("name")
+    if _key(name) == "cpu":
+        missing = [key for key in CPU_SPEC_REQUIRED if key not in values]
+        if missing:
+            raise ConfigError(f"--gpu-spec name=cpu: give the per-core figures {', '.join(missing)} (what the probe of "
+                              f"`--gpus Nxcpu` measures), e.g. name=cpu,tflops=0.2,fp32_tflops=0.08,hbm_tb_s=0.01,cores=2")
+        base = GpuKind("cpu", 16 * 1024 ** 3, 0, 0, 0, 1.0, 1.0, 0)
+    else:
+        base = kind(values.pop("like", "A100-80GB"))
+    changes: dict = {"name": name}
     for key, value in values.items():
-        if key == "arch":
-            changes["arch"] = whole_number(value, "--gpu-spec arch", low=1)
+        if key in ("arch", "cores"):
+            changes[SPEC_KEYS[key]] = whole_number(value, f"--gpu-spec {key}", low=1)
             continue
         number = finite_float(value, f"--gpu-spec {key}", low=0, low_open=True)
         changes[SPEC_KEYS[key]] = number * 1024 ** 3 if key == "memory_gib" else number
-    return replace(base, **changes)
+    found = replace(base, **changes)
+    if found.is_cpu:        # one GEMM rate for every size
+        found = replace(found, gemm_curve=((1, found.fp32_tflops * 1e3, found.tflops * 1e3),))
+    return found
 
 
 def table_rows() -> list[str]:

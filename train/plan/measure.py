@@ -1,14 +1,23 @@
-"""What a real training step holds in memory: a live-tensor tracker and the 2-rank step it measures.
+"""What a real training step holds in memory, read from the allocator's own counters on 2 CPU ranks.
 
-:class:`LiveTensors` is a ``TorchDispatchMode`` that sees every tensor an op returns, counts the bytes of
-each storage it has not seen (by the storage's identity) and, through a weakref finalizer on that storage,
-subtracts them when the storage dies. Its peak plus the census of what was alive before (parameters,
-gradients, optimizer states, DeepSpeed's flat buffers: every tensor the garbage collector knows) is the
-step's peak of live tensor bytes. It measures what the plan's memory model predicts, on any device.
+The measurement shares none of the memory model's assumptions: each rank runs ``torch.profiler`` with
+``profile_memory=True`` from before its model is built, so every allocation and free of the CPU allocator
+is an event with its byte count (``c10::ProfiledCPUMemoryReporter``); their running sum is the allocator's
+count of live bytes, whatever made them (weights, DeepSpeed's buckets and flat buffers, autograd's saved
+tensors, the optimizer's temporaries). The rank builds a real DeepSpeed engine (gloo), steps once (the
+optimizer states are born), lets that step's buffers go (:func:`settle`), then marks the second step's
+forward, backward and optimizer step; the peak of the running sum inside each is what the plan's figure is
+compared with. One correction: the profiler sees only the frees of the threads it profiles, and gloo's
+worker threads sometimes drop the last reference to a collective's buffer (a race with the caller): such a
+block from the first step stays in the running sum forever. The bytes alive before the measured step are
+therefore also counted directly (every tensor storage Python can reach, :func:`live_bytes`), and what the
+running sum holds beyond them then (``unseen_frees`` in the result) is taken off the step's levels. The correction
+can only lower a level to what is really alive: bytes allocated before profiling started count in the direct
+count but not in the running sum, so a block's missed free is at worst under-corrected (the measured peak stays
+high, never low); a first-step buffer freed unseen during the measured step itself is not corrected.
 
-``python -m distaff.train.plan.measure`` is one rank of that measurement (started by :func:`measure_peak`
-once per rank): a real DeepSpeed engine (gloo on CPU), a synthetic masked batch, one step to create
-the optimizer states, then the tracked step (forward, backward, optimizer).
+``python -m distaff.train.plan.measure`` is one rank of that measurement (started by :func:`measure_peaks`
+once per rank); it measures several settings in one process, one engine after another.
 """
 
 from __future__ import annotations
@@ -19,66 +28,67 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
-import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+PHASES = ("forward", "backward", "optimizer step")
 
 
-class LiveTensors(TorchDispatchMode):
-    """Bytes of live tensor storage from the moment it is entered: ``current``, ``peak`` (above ``base``)."""
-
-    def __init__(self, known: dict[int, int] | None = None):
-        super().__init__()
-        self.live: dict[int, int] = {}       # storage data_ptr -> bytes, for storages born or counted here
-        self.base = 0
-        self.current = self.peak = 0
-        for ptr, storage in (known or {}).items():
-            self._count(ptr, storage, born=False)
-
-    def _count(self, ptr: int, storage: torch.UntypedStorage, born: bool = True) -> None:
-        nbytes = storage.nbytes()
-        if nbytes == 0 or ptr in self.live:
-            return
-        self.live[ptr] = nbytes
-        if born:
-            self.current += nbytes
-            self.peak = max(self.peak, self.current)
-        else:
-            self.base += nbytes
-        weakref.finalize(storage, self._free, ptr, nbytes, born)
-
-    def _free(self, ptr: int, nbytes: int, born: bool) -> None:
-        if self.live.get(ptr) == nbytes:
-            del self.live[ptr]
-        self.current -= nbytes   # a census storage freed during the step lowers the level below base
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for value in tree_flatten(out)[0]:
-            if isinstance(value, torch.Tensor) and value.device.type != "meta":
-                storage = value.untyped_storage()
-                self._count(storage.data_ptr(), storage)
-        return out
+def allocation_levels(prof) -> list[tuple[int, int]]:
+    """(time ns, live bytes) after each CPU allocator event of ``prof``, in time order: the running sum of the
+    events' signed byte counts (frees of blocks allocated before profiling started are not reported)."""
+    events = [e for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]" and e.device_type() == DeviceType.CPU]
+    events.sort(key=lambda e: e.start_ns())
+    levels, level = [], 0
+    for event in events:
+        level += event.nbytes()
+        levels.append((event.start_ns(), level))
+    return levels
 
 
-def live_storages(extra: list[torch.Tensor] = ()) -> dict[int, torch.UntypedStorage]:
-    """Every tensor storage alive now that Python can reach (the garbage collector's tensors plus ``extra``)."""
-    found: dict[int, torch.UntypedStorage] = {}
-    with warnings.catch_warnings():   # isinstance() on every object touches deprecated torch module attributes
-        warnings.simplefilter("ignore", FutureWarning)
-        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)] + list(extra)
-    for tensor in tensors:
-        if tensor.device.type == "meta":
-            continue
-        storage = tensor.untyped_storage()
-        if storage.nbytes():
-            found.setdefault(storage.data_ptr(), storage)
+def phase_windows(prof) -> dict[str, tuple[int, int]]:
+    """The (start, end) ns of each marked phase of the measured step."""
+    found = {}
+    for event in prof.profiler.kineto_results.events():
+        if event.name() in PHASES:
+            found[event.name()] = (event.start_ns(), event.end_ns())
     return found
+
+
+def phase_peaks(levels: list[tuple[int, int]], windows: dict[str, tuple[int, int]]) -> dict[str, int]:
+    """The highest live-bytes level inside each window (the level on entry counts: it is live there too)."""
+    peaks = {}
+    for name, (start, end) in windows.items():
+        before = [level for t, level in levels if t < start]
+        inside = [level for t, level in levels if start <= t <= end]
+        peaks[name] = max(inside + before[-1:]) if inside or before else 0
+    return peaks
+
+
+def live_bytes(engine) -> int:
+    """Bytes of every tensor storage alive now that Python can reach: the garbage collector's tensors and the
+    engine's gradients and optimizer states (each storage once)."""
+    found: dict[int, int] = {}
+    with warnings.catch_warnings():    # isinstance() on every object touches deprecated torch module attributes
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    tensors += [p.grad for p in engine.module.parameters() if p.grad is not None]
+    for optimizer in (engine.optimizer, getattr(engine.optimizer, "optimizer", None)):
+        for state in getattr(optimizer, "state", {}).values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    for tensor in tensors:
+        if tensor.layout != torch.strided or tensor.device.type == "meta":
+            continue                   # sparse or shapeless tensors hold no storage of their own to count
+        if tensor.untyped_storage().nbytes():
+            found.setdefault(tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
+    return sum(found.values())
 
 
 def _batch(vocab: int, batch: int, seq: int, pad: int) -> dict[str, torch.Tensor]:
@@ -91,70 +101,94 @@ def _batch(vocab: int, batch: int, seq: int, pad: int) -> dict[str, torch.Tensor
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
-def _engine_tensors(engine) -> list[torch.Tensor]:
-    """Tensors the engine holds that Python objects may not expose: gradients and optimizer states."""
-    found = [p.grad for p in engine.module.parameters() if p.grad is not None]
-    for optimizer in (engine.optimizer, getattr(engine.optimizer, "optimizer", None)):
-        for state in getattr(optimizer, "state", {}).values():
-            found += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    return found
+def _marked_step(engine, batch: dict[str, torch.Tensor]) -> None:
+    with record_function("forward"):
+        loss = engine(**batch).loss
+    with record_function("backward"):
+        engine.backward(loss)
+    with record_function("optimizer step"):
+        engine.step()
 
 
-def _step(engine, batch: dict[str, torch.Tensor]) -> None:
-    loss = engine(**batch).loss
-    engine.backward(loss)
-    engine.step()
+SETTLE_S = 0.5
 
 
-def rank_main(argv: list[str]) -> int:
-    """One rank: build the engine for the run config's values, step once, track the second step."""
-    from distaff.train.core.distributed import init_distributed
+def settle() -> None:
+    """Let the first step's buffers go before the measured step (gloo frees a collective's tensors from its
+    worker threads), then start the measured step on every rank together."""
+    gc.collect()
+    time.sleep(SETTLE_S)
+    torch.distributed.barrier()
+
+
+def measure_setting(run_values: dict[str, Any], seq_len: int, world_size: int) -> dict[str, Any]:
+    """Build the engine of ``run_values`` under the profiler, step once, mark the second step; its peaks."""
     from distaff.train.model.deberta import DebertaForMaskedLM
     from distaff.train.run import engine as engines
     from distaff.train.run.config import config_from_dict
 
-    parser = argparse.ArgumentParser(prog="distaff.train.plan.measure")
-    parser.add_argument("--config-json", required=True)
-    parser.add_argument("--seq-len", type=int, required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    cfg = config_from_dict(json.loads(args.config_json))
-    layout = init_distributed(cfg.distributed.timeout_s)
+    cfg = config_from_dict(run_values)
     torch.manual_seed(cfg.run.seed)
     model_cfg = cfg.model_config()
-    engine = engines.initialize(DebertaForMaskedLM(model_cfg), cfg, layout.world_size)
-    batch = _batch(model_cfg.vocab_size, cfg.data.batch_size, args.seq_len, model_cfg.pad_token_id)
-    _step(engine, batch)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        engine = engines.initialize(DebertaForMaskedLM(model_cfg), cfg, world_size)
+        batch = _batch(model_cfg.vocab_size, cfg.data.batch_size, seq_len, model_cfg.pad_token_id)
+        _marked_step(engine, batch)
+        settle()
+        alive = live_bytes(engine)
+        with record_function("measured step"):
+            _marked_step(engine, batch)
+    levels = allocation_levels(prof)
+    windows = phase_windows(prof)
+    unseen = max(0, _level_at(levels, windows["forward"][0]) - alive)
+    peaks = {name: peak - unseen for name, peak in phase_peaks(levels, windows).items()}
+    engine.destroy()
+    del engine, prof
     gc.collect()
-    known = live_storages(_engine_tensors(engine))
-    with LiveTensors(known) as tracker:
-        _step(engine, batch)
-    result = {"rank": layout.rank, "base": tracker.base, "peak_above_base": tracker.peak,
-              "peak": tracker.base + tracker.peak}
-    Path(f"{args.out}.rank{layout.rank}.json").write_text(json.dumps(result))
+    return {"peak": max(peaks.values()), "phases": peaks, "unseen_frees": unseen}
+
+
+def _level_at(levels: list[tuple[int, int]], t: int) -> int:
+    """The running sum just before time ``t``."""
+    before = [level for when, level in levels if when < t]
+    return before[-1] if before else 0
+
+
+def rank_main(argv: list[str]) -> int:
+    """One rank: measure each setting of ``--settings-json`` (a list of [run values, seq_len])."""
+    from distaff.train.core.distributed import init_distributed
+
+    parser = argparse.ArgumentParser(prog="distaff.train.plan.measure")
+    parser.add_argument("--settings-json", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    settings = json.loads(args.settings_json)
+    layout = init_distributed(600)
+    results = [measure_setting(values, seq_len, layout.world_size) for values, seq_len in settings]
+    Path(f"{args.out}.rank{layout.rank}.json").write_text(json.dumps(results))
     torch.distributed.barrier()
     return 0
 
 
-def measure_peak(run_values: dict[str, Any], seq_len: int, out: Path, world_size: int = 2,
-                 timeout: float = 600) -> list[dict[str, int]]:
-    """The measured live-tensor peak of each rank for the run config ``run_values`` (plain values), on
-    ``world_size`` CPU ranks started as processes; rank results are written next to ``out``."""
+def measure_peaks(settings: list[tuple[dict[str, Any], int]], out: Path, world_size: int = 2,
+                  timeout: float = 1800) -> list[list[dict[str, Any]]]:
+    """For each (run config values, sequence length) of ``settings``, the measured peak of each rank (a list per
+    setting); the settings run one after another in ``world_size`` CPU ranks started as processes."""
     from distaff.train.core.distributed import free_port
 
-    port, procs = free_port(), []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size), "WANDB_MODE": "disabled"}
-    command = [sys.executable, "-m", "distaff.train.plan.measure", "--config-json", json.dumps(run_values),
-               "--seq-len", str(seq_len), "--out", str(out)]
-    for rank in range(world_size):
-        procs.append(subprocess.Popen(command, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size), "WANDB_MODE": "disabled"}
+    command = [sys.executable, "-m", "distaff.train.plan.measure", "--settings-json", json.dumps(settings),
+               "--out", str(out)]
+    procs = [subprocess.Popen(command, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(world_size)]
     logs = [proc.communicate(timeout=timeout)[0] for proc in procs]
     for proc, log in zip(procs, logs):
         if proc.returncode != 0:
             raise RuntimeError(f"measurement rank exited {proc.returncode}:\n{log[-3000:]}")
-    return [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(world_size)]
+    ranks = [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(world_size)]
+    return [list(per_setting) for per_setting in zip(*ranks)]
 
 
 if __name__ == "__main__":

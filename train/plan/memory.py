@@ -1,43 +1,70 @@
-"""Bytes per GPU of one training step: model states under ZeRO, every saved activation, the peak's transients.
+"""Bytes per rank of one training step, as DeepSpeed 0.19.8 allocates them for the engine distaff builds.
 
-Model states (per rank, ``W`` data-parallel ranks, ``P`` parameters, weights in the run's precision):
+``train/run/engine.py`` gives DeepSpeed a torch AdamW (fused on GPUs, foreach on CPUs), ZeRO >= 1 with
+``contiguous_gradients`` and ``reduce_scatter`` on and ``overlap_comm`` on GPUs only, and no
+``grad_accum_dtype`` (so gradients are accumulated in the model's precision). From DeepSpeed's code
+(``deepspeed/runtime/...``, lines of 0.19.8), per rank, ``P`` parameters over ``W`` ranks, ``S = P / W``,
+``a`` bytes per weight (4 fp32, 2 bf16/fp16), ``L`` the largest parameter (the tied word table):
 
-- weights: ``P`` (ZeRO 0-2) or ``P / W`` (ZeRO 3, plus the prefetch bucket of gathered weights) in the run
-  precision;
-- gradients: ZeRO 0-1 keep every gradient (``P``, run precision); ZeRO 2-3 keep their partition (``P / W``)
-  plus DeepSpeed's contiguous reduce bucket (``reduce_bucket_size`` = 5e8 elements, two with ``overlap_comm``
-  on GPUs): allocated whole, whatever the model's size, so small models see it dominate;
-- optimizer (torch AdamW): the fp32 master partition DeepSpeed clones (ZeRO >= 1, even in fp32), ``exp_avg``
-  and ``exp_avg_sq`` in fp32 over ``P / W`` (ZeRO >= 1); without ZeRO ``P`` of them: fp16 runs DeepSpeed's
-  FP16 optimizer (fp32 masters and moments), bf16 plain AdamW on the bf16 weights (bf16 moments, no masters);
-  offloaded to the host with ``zero.offload_optimizer``; the step's temporary (one moment-sized buffer).
+- ZeRO 0, fp32: the torch optimizer itself (engine.py:2365): weights, gradients, two fp32 moments;
+- ZeRO 0, bf16/fp16: ``FP16_UnfusedOptimizer`` (engine.py:2321 picks it for a non-fused optimizer at
+  engine.py:2599): fp32 master copies of every weight (fp16/unfused_optimizer.py:78), fp32 moments, and at
+  the step an fp32 copy of every gradient (unfused_optimizer.py:222) beside the half-precision ones;
+- ZeRO 0 all-reduces the gradients through one flat copy (engine.py:3796, ``allreduce_bucket``'s flatten);
+- ZeRO 1-2: ``DeepSpeedZeroOptimizer``: the weights flattened into one buffer per group
+  (zero/stage_1_and_2.py:505), an fp32 master partition cloned even in fp32 (stage_1_and_2.py:560), fp32
+  moments of the partition; with ``contiguous_gradients`` the first gradient hook allocates the reduce
+  bucket, ``reduce_bucket_size`` = 5e8 elements whatever the model's size, a second one with
+  ``overlap_comm`` (stage_1_and_2.py:3266, 3275): ZeRO 1 too, and it lives until the backward's epilogue
+  (stage_1_and_2.py:1061); the reduction flattens the bucket's gradient slices once more (``allreduce_bucket``,
+  stage_1_and_2.py:2367), the rank's partition is copied out (stage_1_and_2.py:2192), the step casts it to
+  fp32 (stage_1_and_2.py:3118) and takes its norm in float64 one gradient at a time (stage_1_and_2.py:2684);
+  the new weights are all-gathered into a fresh buffer (gloo and NCCL's ``all_gather_into_tensor``);
+- ZeRO 3: ``DeepSpeedZeroOptimizer_Stage3``: the weights' partitions, except parameters of at most
+  ``stage3_param_persistence_threshold`` = 1e5 elements, kept whole on every rank (zero/partition_parameters.py
+  :1292); an fp32 master partition (stage3.py:1172; a copy in fp32 too);
+  one reduce bucket allocated at start and kept (stage3.py:782, whatever ``overlap_comm``); the gradient
+  partitions in one flat buffer, kept (stage3.py:791); a module's weights are gathered whole for its forward
+  and backward, so never less than the largest parameter (the word table, gathered for the embedding and
+  again for the tied decoder) is gathered, and with the default reuse distance every weight stays gathered
+  from its forward to its backward (:func:`gathered_weights`); the reduction flattens the gradients and
+  reduce-scatters a copy (stage3.py:1912);
+- optimizer offload: the master partition, its fp32 gradient and the moments live on the host; the GPU keeps
+  a buffer of the largest parameter's size for the copies (stage_1_and_2.py:659).
 
 Activations (what autograd keeps from the forward for the backward), per layer application, for ``T`` tokens
-of hidden ``D``, feed-forward ``I``, ``H`` heads, activation bytes ``a``: the layer input, Q/K/V, the attention
-output and its ``[B, N, D]`` relayout, the attention's float32 log-sum-exp, two LayerNorm inputs with float32
-mean and 1/std, the feed-forward input, the pre-GELU and post-GELU ``[T, I]`` tensors, the dropout masks
-(one byte per element, when dropout is on) and the per-layer position tables ``Kr``/``Qr``. The PyTorch
-reference path (the CPU) adds the relative-position index and keeps the attention output in the heads'
-layout (no relayout copy). The MLM head keeps the labelled rows (15 %) and, fused, the float32 gradient of
-the ``V x E`` decoder computed in the forward; the reference keeps the float32 log-softmax of ``[M, V]``.
-The peak is the larger of the end of the forward (states + activations + the head's transients) and the
-optimizer step (states + gradients + the step's temporaries).
+of hidden ``D``, feed-forward ``I``, ``H`` heads: the layer input, Q/K/V, the attention output and its
+``[B, N, D]`` relayout, the attention's float32 log-sum-exp, two LayerNorm inputs with float32 mean and
+1/std, the feed-forward input, the pre-GELU and post-GELU ``[T, I]`` tensors, the dropout masks (one byte per
+element) and the per-layer position tables ``Kr``/``Qr``. The PyTorch reference path (the CPU) adds the
+relative-position index, keeps the attention output in the heads' layout (no relayout copy) and computes
+half-precision attention in float32 (its Q/K/V/output copies are float32). The MLM head keeps the labelled
+rows (15 %) and, fused, the float32 gradient of the ``V x E`` decoder computed in the forward; the reference
+keeps the float32 log-softmax of ``[M, V]``.
+
+A step's peak is the largest of five moments: the end of the forward (activations, the head's logits), the
+start of the backward (activations, ZeRO 1-2's bucket(s)), the word table's backward (the decoder's and the
+lookup's gradients of the tied table and their sum, alive together), the reduction at the end of the backward
+(its flat copies) and the optimizer step (the fp32 gradients and the optimizer's temporaries).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from distaff.train.model.config import ModelConfig
 from distaff.train.model.flops import layer_applications
+from distaff.train.model.param_count import mlm_parameter_sizes, rtd_parameter_sizes
 
-REDUCE_BUCKET = 500_000_000         # DeepSpeed's default zero_optimization.reduce_bucket_size (elements)
-PREFETCH_BUCKET = 50_000_000       # DeepSpeed's default stage3_prefetch_bucket_size (elements)
+REDUCE_BUCKET = 500_000_000         # zero_optimization.reduce_bucket_size default (zero/config.py), elements
+PERSISTENCE = 100_000              # stage3_param_persistence_threshold default (zero/config.py:228), elements
+MAX_LIVE = 1_000_000_000           # stage3_max_live_parameters default (zero/config.py:245), elements
 LABELLED = 0.15                     # masked fraction of the collator's default
 LOGITS_CHUNK = 1 << 24              # the fused MLM loss's logits chunk (kernels/mlm_loss.py LOGITS_CHUNK_ELEMENTS)
 GIB = 1024 ** 3
+# items that make up "model states" as DeepSpeed's estimators count them (weights, gradients, optimizer states)
+MODEL_STATE_ITEMS = ("weights", "gradients", "fp32 master weights", "Adam moments", "fp32 gradients (step)",
+                     "gathered weights and their gradient")
 
 
 @dataclass(frozen=True)
@@ -53,69 +80,114 @@ class Setting:
     ranks: int                       # data-parallel ranks (all GPUs)
     offload_optimizer: bool = False
     offload_param: bool = False
-    fused: bool = True               # Triton kernels (GPU) or the PyTorch reference (CPU)
+    fused: bool = True               # the GPU path (Triton kernels, fused AdamW) or the CPU's (PyTorch reference)
     overlap_comm: bool = True        # DeepSpeed's ZeRO setting: True on GPUs (train/run/engine.py)
     dropout: bool = True
     labelled: float = LABELLED       # fraction of tokens the MLM head reads (T-TA: all)
+    largest_param: int = 0           # elements of the largest parameter (the word table)
+    persistent_params: int = 0       # elements of parameters ZeRO 3 keeps whole on every rank
 
 
 @dataclass
 class Breakdown:
-    """Bytes per rank by item, the peak, and what each item is."""
+    """Bytes per rank by item, the peak, what each moment of the step holds, and host memory (offload)."""
 
     items: dict[str, float] = field(default_factory=dict)
     peak: float = 0.0
     margin: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)
+    host: dict[str, float] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
         return self.peak + self.margin
 
 
-def count_params(models: tuple[ModelConfig, ...], rtd_sharing: str | None = None) -> int:
-    """Exact parameter count, from the model built on the meta device (no memory, no time)."""
-    from distaff.train.model.deberta import DebertaForMaskedLM
-
-    with torch.device("meta"):
-        built = [DebertaForMaskedLM(cfg) for cfg in models]
-    total = sum(p.numel() for model in built for p in model.parameters())
-    if rtd_sharing == "es":    # one word table for both
-        total -= models[0].vocab_size * models[0].embedding_size
-    return total
+@dataclass(frozen=True)
+class ParamSummary:
+    total: int
+    largest: int
+    persistent: int     # elements in parameters of at most PERSISTENCE elements
 
 
-def _act_bytes(precision: str) -> int:
+def parameter_summary(models: tuple[ModelConfig, ...], rtd_sharing: str | None = None) -> ParamSummary:
+    """Parameter count, largest parameter and ZeRO 3's persistent elements, from the configs' shapes."""
+    sizes = (rtd_parameter_sizes(models[0], models[1], rtd_sharing or "gdes") if len(models) == 2
+             else mlm_parameter_sizes(models[0]))
+    return ParamSummary(sum(sizes), max(sizes), sum(n for n in sizes if n <= PERSISTENCE))
+
+
+def act_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
+def _shard(s: Setting) -> float:
+    return s.params / s.ranks if s.zero >= 1 else s.params
+
+
 def model_states(s: Setting) -> dict[str, float]:
-    """Weights, gradients, optimizer states and their buffers per rank (bytes)."""
-    a, p, w = _act_bytes(s.precision), s.params, s.ranks
-    shard = p / w if s.zero >= 1 else p
-    states = {"weights": p * a / (w if s.zero == 3 else 1) * (0 if s.offload_param else 1)}
-    states["gradients"] = p * a / (w if s.zero >= 2 else 1)
-    if s.zero >= 2:
-        states["reduce bucket"] = REDUCE_BUCKET * a * (2 if s.overlap_comm else 1)
-    if s.zero == 3:   # the weights gathered ahead of use (stage3_prefetch_bucket_size, 5e7 elements)
-        states["gathered weights (prefetch)"] = min(p, PREFETCH_BUCKET) * a
-    # ZeRO >= 1 steps an fp32 partition; without ZeRO, fp16 runs DeepSpeed's FP16 optimizer (fp32 masters)
-    # and bf16 plain AdamW on the bf16 weights (moments in bf16)
-    fp32_moments = s.zero >= 1 or s.precision != "bf16"
+    """What every rank keeps between steps on the GPU (bytes): weights, optimizer states, ZeRO 3's buffers."""
+    a, shard = act_bytes(s.precision), _shard(s)
     on_gpu = 0 if s.offload_optimizer else 1
-    states["fp32 master weights"] = (shard * 4 if s.zero >= 1 or s.precision == "fp16" else 0) * on_gpu
-    states["Adam moments"] = 2 * shard * (4 if fp32_moments else 2) * on_gpu
+    if s.zero == 3:
+        weights = 0 if s.offload_param else shard * a + s.persistent_params * a
+    else:
+        weights = s.params * a
+    # ZeRO >= 1 clones an fp32 partition even in fp32; ZeRO 0 only in half precision (FP16_UnfusedOptimizer)
+    separate_master = s.zero >= 1 or s.precision != "fp32"
+    states = {"weights": weights,
+              "fp32 master weights": shard * 4 * on_gpu if separate_master else 0.0,
+              "Adam moments": 2 * shard * 4 * on_gpu}
+    if s.zero == 3:
+        states["reduce bucket (ZeRO 3, kept)"] = REDUCE_BUCKET * a
+        states["gradient partitions (ZeRO 3, kept)"] = shard * a * on_gpu
+    if s.offload_optimizer and s.zero in (1, 2):   # the copies' staging buffer, largest parameter's size
+        states["offload copy buffer"] = s.largest_param * a
     return states
+
+
+def host_states(s: Setting) -> dict[str, float]:
+    """What optimizer (and ZeRO 3 parameter) offload keeps in host memory per rank (bytes)."""
+    if not s.offload_optimizer and not s.offload_param:
+        return {}
+    shard, a = _shard(s), act_bytes(s.precision)
+    host = {}
+    if s.offload_optimizer:
+        host.update({"fp32 master weights": shard * 4, "fp32 gradients": shard * 4, "Adam moments": 2 * shard * 4})
+    if s.offload_param:
+        host["weights (partition)"] = shard * a
+    return host
+
+
+def buckets(s: Setting) -> float:
+    """ZeRO 1-2's contiguous reduce bucket(s), alive from the first gradient to the end of the backward."""
+    if s.zero not in (1, 2):
+        return 0.0
+    return REDUCE_BUCKET * act_bytes(s.precision) * (2 if s.overlap_comm else 1)
+
+
+def gathered_weights(s: Setting) -> float:
+    """ZeRO 3: the weights gathered whole for their modules. With DeepSpeed's default
+    ``stage3_max_reuse_distance`` (1e9 elements) a gathered parameter used again within that many elements is
+    not released (partitioned_param_coordinator.py:653), and every weight's next use (its backward) is closer
+    than that for models under 5e8 parameters: every partitioned weight stays gathered from its forward to its
+    backward, up to ``stage3_max_live_parameters`` (1e9 elements). On CPU ranks gloo's all-gather adds an
+    output buffer of the largest fetch (the word table), freed from gloo's thread."""
+    if s.zero != 3:
+        return 0.0
+    elements = min(s.params - s.persistent_params, MAX_LIVE)
+    return (elements + (0 if s.fused else s.largest_param)) * act_bytes(s.precision)
 
 
 def layer_activations(cfg: ModelConfig, s: Setting, tokens: int) -> float:
     """Bytes one layer application keeps for its backward."""
-    a, d, i, h = _act_bytes(s.precision), cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
+    a, d, i, h = act_bytes(s.precision), cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
     mask = tokens * d if s.dropout and cfg.hidden_dropout_prob > 0 else 0
-    # the layer input (also both residuals), Q, K, V (the fused op's contiguous copies; the reference keeps the
-    # projections' outputs), the attention output, its [B, N, D] relayout as the output projection's input
-    # (a view on the reference path), the LayerNorm-1 input, attended (LN-1 out), the LayerNorm-2 input
-    hidden = (9 if s.fused else 8) * tokens * d * a
+    # the layer input (also both residuals), Q, K, V (the fused op's contiguous copies; the reference keeps
+    # float32 copies), the attention output, its [B, N, D] relayout as the output projection's input (a view on
+    # the reference path), the LayerNorm-1 input, attended (LN-1 out), the LayerNorm-2 input
+    attention = 4 * tokens * d * (a if s.fused else 4)
+    hidden = (5 if s.fused else 4) * tokens * d * a + attention
     ffn = 2 * tokens * i * a
     stats = 2 * tokens * 8 + tokens // s.seq_len * h * s.seq_len * 4          # LN mean/rstd, attention lse
     terms = len(cfg.pos_att_type) if cfg.relative_attention else 0
@@ -126,7 +198,7 @@ def layer_activations(cfg: ModelConfig, s: Setting, tokens: int) -> float:
 
 def head_activations(cfg: ModelConfig, s: Setting, tokens: int) -> tuple[float, float]:
     """The MLM head's saved bytes and its largest transient (bytes) for ``tokens`` positions."""
-    a, d, e, v = _act_bytes(s.precision), cfg.hidden_size, cfg.embedding_size, cfg.vocab_size
+    a, d, e, v = act_bytes(s.precision), cfg.hidden_size, cfg.embedding_size, cfg.vocab_size
     rows = round(tokens * s.labelled)
     kept = rows * (d + 2 * e) * a + rows * 8 * 2                                # dense in, GELU out, LN in, stats
     if s.fused:
@@ -139,7 +211,7 @@ def head_activations(cfg: ModelConfig, s: Setting, tokens: int) -> tuple[float, 
 def activations(s: Setting) -> dict[str, float]:
     """Saved activations of one micro-batch (bytes), by part."""
     tokens = s.micro_batch * s.seq_len
-    a, found = _act_bytes(s.precision), {}
+    a, found = act_bytes(s.precision), {}
     for n, cfg in enumerate(s.models):
         layers = layer_applications(cfg) if cfg.emd else cfg.num_hidden_layers
         scale = 1 if not cfg.activation_checkpointing else 0
@@ -160,7 +232,7 @@ def transients(s: Setting) -> dict[str, float]:
     """The largest short-lived buffers: one recomputed layer, the head's logits, the backward of one layer."""
     tokens = s.micro_batch * s.seq_len
     cfg = s.models[-1]
-    a = _act_bytes(s.precision)
+    a = act_bytes(s.precision)
     out = {"MLM logits (transient)": head_activations(s.models[0], s, tokens)[1]}
     if cfg.activation_checkpointing:
         out["recomputed layer (transient)"] = layer_activations(cfg, s, tokens)
@@ -175,35 +247,83 @@ def transients(s: Setting) -> dict[str, float]:
     return out
 
 
-def _phases(s: Setting, states: dict[str, float], acts: dict[str, float], temp: dict[str, float]) -> dict[str, float]:
-    """Bytes alive at the three candidate peaks of a step.
+def step_buffers(s: Setting) -> dict[str, float]:
+    """The step's buffers beyond the kept states (bytes), each alive at some moment of the step (:func:`phases`)."""
+    a, shard, p = act_bytes(s.precision), _shard(s), s.params
+    # ZeRO 2 keeps the rank's gradient partition (on the host with optimizer offload, stage_1_and_2.py:1888)
+    partition = 0.0 if s.offload_optimizer else shard * a
+    return {"gradients": p * a if s.zero <= 1 else partition if s.zero == 2 else 0.0,
+            "reduce bucket(s)": buckets(s),
+            "reduction's flat copy": min(p, REDUCE_BUCKET) * a if s.zero < 3 else 2 * (p - s.persistent_params) * a,
+            "gathered weights and their gradient": gathered_weights(s),
+            "fp32 gradients (step)": 0.0 if s.offload_optimizer or (s.precision == "fp32" and s.zero < 3) else shard * 4,
+            # torch AdamW: foreach (CPU) keeps sqrt(v) of the whole partition; fused (GPU) keeps nothing
+            "optimizer temporaries": 0.0 if s.fused or s.offload_optimizer else shard * 4,
+            # ZeRO takes each gradient's norm on a float64 copy (stage_1_and_2.py:2684, stage3.py:2460)
+            "gradient norm's float64 copy": (min(s.largest_param, shard) if s.zero < 3
+                                             else s.largest_param / s.ranks) * 8 if s.zero else 0.0}
 
-    The head's backward starts with every activation alive and the decoder's gradient (the tied word table's,
-    ``V x E``) born. ZeRO 0-1 gradients are born in the backward as the activations die, so the end of the
-    backward holds every gradient and the word table's two others (the lookup's, and the sum of the two);
-    ZeRO 2 fills its reduce bucket as the backward goes and, the bucket larger than these models, reduces
-    into the gradient partition only at its end, after the three word-table gradients were alive together.
-    The optimizer step holds the states and its temporaries (ZeRO 0: the all-reduce's flat gradient copy;
-    torch AdamW: one fp32 buffer of the partition)."""
-    table = s.models[0].vocab_size * s.models[0].embedding_size * _act_bytes(s.precision)
-    fixed = sum(states.values()) - states["gradients"]
-    shard = s.params / s.ranks if s.zero >= 1 else s.params
-    flat_copy = min(s.params, REDUCE_BUCKET) * _act_bytes(s.precision) if s.zero == 0 else 0
-    step_temp = 0 if s.offload_optimizer else shard * (4 if s.zero >= 1 or s.precision != "bf16" else 2)
-    return {"start of backward": fixed + table + sum(acts.values()) + max(temp.values()),
-            "end of backward": fixed + (3 * table if s.zero >= 2 else states["gradients"] + 2 * table),
-            "optimizer step": fixed + states["gradients"] + max(flat_copy, step_temp)}
+
+def _optimizer_moment(s: Setting, buf: dict[str, float]) -> float:
+    """Bytes above the kept states at the optimizer step: the gradients, their fp32 copy (half precision; ZeRO 3
+    flattens them in fp32 too), and the larger of the norm's float64 copy and AdamW's temporaries."""
+    a, shard = act_bytes(s.precision), _shard(s)
+    fp32_step = buf["fp32 gradients (step)"] + buf["optimizer temporaries"]
+    if s.zero == 0:         # the gradients stay while FP16_UnfusedOptimizer makes fp32 copies of them
+        return buf["gradients"] + fp32_step
+    # the partition copied out of the bucket (stage_1_and_2.py:2192); offloaded, it goes to the host instead
+    held = shard * a if s.zero < 3 and not s.offload_optimizer else 0.0
+    norm = held + buf["gradient norm's float64 copy"]
+    if s.precision == "fp32" and s.zero < 3:     # the partition is already fp32: the step reads it in place
+        return max(norm, held + buf["optimizer temporaries"])
+    return max(norm, fp32_step)
+
+
+def phases(s: Setting, states: dict[str, float], acts: dict[str, float], temp: dict[str, float],
+           buf: dict[str, float]) -> dict[str, float]:
+    """Bytes alive at each candidate peak of a step (the moments of the module's docstring)."""
+    a = act_bytes(s.precision)
+    table, fixed, saved = s.largest_param * a, sum(states.values()), sum(acts.values())
+    bucket, gathered = buf["reduce bucket(s)"], buf["gathered weights and their gradient"]
+    # ZeRO 0, and ZeRO 1 without overlap_comm, keep every gradient in .grad until the reduction; ZeRO 2 or
+    # overlap_comm copy each into the bucket as it is produced (stage_1_and_2.py:2290, 1452); ZeRO 3 reduces
+    # them by the bucketful (stage3.py:1583)
+    held = s.zero == 0 or (s.zero == 1 and not s.overlap_comm)
+    others = (s.params - s.largest_param) * a if held else 0.0
+    reduction = buf["reduction's flat copy"] + (buf["gradients"] if s.zero == 0 else 0.0)
+    # the tied table's gradients: the decoder's, the lookup's and their sum (ZeRO 3's decoder gradient is summed
+    # in its own partition: two)
+    table_grads = (2 if s.zero == 3 else 3) * table
+    return {"end of forward": fixed + saved + gathered + temp["MLM logits (transient)"],
+            # the reference head's backward makes the decoder's V x E gradient first (the fused loss made it in the
+            # forward: an activation), while nearly every activation is alive
+            "start of backward": fixed + saved + gathered + bucket + max(temp.values()) + (0 if s.fused else table),
+            "word table's backward": fixed + bucket + gathered + others + table_grads,
+            "reduction": fixed + bucket + gathered + reduction,
+            "optimizer step": fixed + _optimizer_moment(s, buf),
+            "weights all-gather": fixed + (s.params * a if s.zero in (1, 2) else 0.0)}
 
 
 def step_peak(s: Setting) -> Breakdown:
     """Bytes per rank at the step's peak, with every item, and the allocator margin on top."""
-    states, acts, temp = model_states(s), activations(s), transients(s)
-    phases = _phases(s, states, acts, temp)
-    peak = max(phases.values())
-    return Breakdown({**states, **acts, **temp}, peak, margin=margin(peak), phases=phases)
+    states, acts, temp, buf = model_states(s), activations(s), transients(s), step_buffers(s)
+    moments = phases(s, states, acts, temp, buf)
+    peak = max(moments.values())
+    return Breakdown({**states, **acts, **temp, **buf}, peak, margin=margin(peak, s.fused), phases=moments,
+                     host=host_states(s))
 
 
-def margin(peak: float) -> float:
-    """The caching allocator's fragmentation (5 % of the tensors) plus the CUDA context, kernels and NCCL
-    buffers (1 GiB): assumptions, stated in the plan's output."""
-    return 0.05 * peak + 1.0 * GIB
+def model_states_bytes(s: Setting) -> float:
+    """Model states as DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs`` count them: weights, gradients,
+    fp32 master weights and gradients, moments, and at ZeRO 3 the largest layer gathered with its gradient."""
+    states, buf = model_states(s), step_buffers(s)
+    grads = buf["gradients"] if s.zero != 3 else states.get("gradient partitions (ZeRO 3, kept)", 0.0)
+    gathered = 2 * s.largest_param * act_bytes(s.precision) if s.zero == 3 else 0.0
+    return (states["weights"] + states["fp32 master weights"] + states["Adam moments"] + grads
+            + buf["fp32 gradients (step)"] + gathered)
+
+
+def margin(peak: float, on_gpu: bool = True) -> float:
+    """The caching allocator's fragmentation (5 % of the tensors) plus, on GPUs, the CUDA context, kernels and
+    NCCL buffers (1 GiB): assumptions, stated in the plan's output."""
+    return 0.05 * peak + (1.0 * GIB if on_gpu else 0.0)

@@ -7,6 +7,7 @@ sequence length (the prepared data's manifest when its folder exists, else ``--s
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -17,7 +18,7 @@ from distaff.train.model.config import ModelConfig
 from distaff.train.model.flops import train_flops_per_token
 from distaff.train.plan import gpus as gpu_kinds
 from distaff.train.plan.gpus import GpuKind
-from distaff.train.plan.memory import GIB, Breakdown, Setting, count_params, step_peak
+from distaff.train.plan.memory import GIB, Breakdown, Setting, parameter_summary, step_peak
 from distaff.train.plan.step_time import Assumptions, StepTime, step_time
 from distaff.train.run.config import RunConfig
 
@@ -38,6 +39,7 @@ class Plan:
     max_steps: int
     seq_source: str
     assumptions: Assumptions
+    token_budget: float | None = None    # --tokens: max_steps was derived from it
 
     @property
     def fits(self) -> bool:
@@ -46,6 +48,16 @@ class Plan:
     @property
     def tokens_per_step(self) -> int:
         return self.setting.micro_batch * self.setting.seq_len * self.grad_accum * self.setting.ranks
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step: micro-batch x accumulation steps x GPUs."""
+        return self.setting.micro_batch * self.grad_accum * self.setting.ranks
+
+    def batch_line(self) -> str:
+        s = self.setting
+        return (f"global batch {self.global_batch:,} sequences = micro-batch {s.micro_batch} x {self.grad_accum} "
+                f"accumulation step(s) x {s.ranks} GPUs, {self.tokens_per_step:,} tokens per step")
 
     @property
     def tokens_per_s(self) -> float:
@@ -83,9 +95,19 @@ def sequence_length(cfg: RunConfig, model: ModelConfig, given: int | None) -> tu
     return model.max_position_embeddings, "model.max_position_embeddings (no prepared data; --seq-len sets it)"
 
 
+def prepared_vocabulary(cfg: RunConfig) -> dict:
+    """What the trainer takes from the prepared data's tokenizer (train/pretrain/trainer.py build_model_config):
+    its vocabulary size, unless ``model.vocab_size`` is set; nothing when the data is not prepared yet."""
+    if "vocab_size" in cfg.model.overrides or not (Path(cfg.data.first_dir) / MANIFEST_FILE).is_file():
+        return {}
+    return {"vocab_size": read_manifest(cfg.data.first_dir).vocab_size}     # read as a run reads it
+
+
 def models_of(cfg: RunConfig) -> tuple[ModelConfig, ...]:
-    """The models the engine trains: the MLM model, or the RTD generator and discriminator."""
-    model = cfg.model_config(**({"tta": True, "emd": False} if cfg.train.objective == "tta" else {}))
+    """The models the engine trains: the MLM model, or the RTD generator and discriminator (with the prepared
+    data's vocabulary, as the trainer builds them)."""
+    model = cfg.model_config(**prepared_vocabulary(cfg),
+                             **({"tta": True, "emd": False} if cfg.train.objective == "tta" else {}))
     if cfg.train.objective == "rtd":
         return cfg.generator_config(model), replace(model, emd=False)
     return (model,)
@@ -103,7 +125,9 @@ def base_setting(cfg: RunConfig, ranks: int, seq_len: int, micro_batch: int | No
     if batch < 1:
         raise ConfigError(f"--micro-batch: must be positive, got {batch}")
     sharing = cfg.rtd.embedding_sharing if cfg.train.objective == "rtd" else None
-    return Setting(models=models, params=count_params(models, sharing), seq_len=seq_len, micro_batch=batch,
+    sizes = parameter_summary(models, sharing)
+    return Setting(models=models, params=sizes.total, largest_param=sizes.largest,
+                   persistent_params=sizes.persistent, seq_len=seq_len, micro_batch=batch,
                    precision=cfg.train.precision, zero=stage, ranks=ranks, offload_optimizer=offload_optimizer,
                    offload_param=cfg.zero.offload_param and stage == 3, fused=True, overlap_comm=True,
                    dropout=any(m.hidden_dropout_prob > 0 for m in models),
@@ -128,31 +152,64 @@ def largest_micro_batch(s: Setting, gpu: GpuKind) -> int:
 
 def make_plan(cfg: RunConfig, gpus: str, nodes: int = 1, *, micro_batch: int | None = None,
               zero: int | None = None, offload: bool | None = None, seq_len: int | None = None,
-              gpu_spec: GpuKind | None = None, assumptions: Assumptions = Assumptions()) -> Plan:
-    """The plan of ``cfg`` on ``nodes`` nodes of ``gpus`` (``8xA100-80GB``)."""
+              gpu_spec: GpuKind | None = None, assumptions: Assumptions = Assumptions(),
+              tokens: float | None = None) -> Plan:
+    """The plan of ``cfg`` on ``nodes`` nodes of ``gpus`` (``8xA100-80GB``); with ``tokens``, the steps to train
+    on that many tokens at the run's global batch instead of ``train.max_steps``."""
     if nodes < 1:
         raise ConfigError(f"--nodes: must be positive, got {nodes}")
     per_node, gpu = gpu_kinds.parse_gpus(gpus, gpu_spec)
     models = models_of(cfg)
     length, source = sequence_length(cfg, models[-1], seq_len)
     s = base_setting(cfg, per_node * nodes, length, micro_batch, zero, offload)
+    if gpu.is_cpu:       # the PyTorch reference kernels, torch's foreach AdamW, no overlap (train/run/engine.py)
+        s = replace(s, fused=False, overlap_comm=False)
     memory = step_peak(s)
     stages = {stage: step_peak(replace(s, zero=stage, offload_optimizer=s.offload_optimizer and stage > 0)).total
               for stage in (0, 1, 2, 3)}
+    steps = cfg.train.max_steps
+    if tokens is not None:
+        steps = max(1, math.ceil(tokens / (s.micro_batch * s.seq_len * cfg.train.grad_accum * s.ranks)))
     return Plan(gpu=gpu, per_node=per_node, nodes=nodes, setting=s, memory=memory,
                 largest_micro_batch=largest_micro_batch(s, gpu), zero_fits=stages,
                 time=step_time(s, gpu, nodes, cfg.train.grad_accum, assumptions), grad_accum=cfg.train.grad_accum,
-                max_steps=cfg.train.max_steps, seq_source=source, assumptions=assumptions)
+                max_steps=steps, seq_source=source, assumptions=assumptions, token_budget=tokens)
 
 
 def summary(plan: Plan) -> str:
     """One line: memory per GPU against the card, micro-batch room, tokens/s, MFU and GPU-hours (estimates)."""
     s = plan.setting
     verdict = "fits" if plan.fits else "DOES NOT FIT"
+    goal = f"{plan.max_steps:,} steps"
+    if plan.token_budget is not None:
+        goal = f"{format_tokens(plan.token_budget)} tokens = {goal} ({plan.batch_line()})"
     return (f"plan: {plan.nodes}x{plan.per_node}x{plan.gpu.name}, ZeRO {s.zero}, micro-batch {s.micro_batch} x "
             f"{s.seq_len} tokens: {plan.memory.total / GIB:.1f} of {plan.gpu.memory_gib:.1f} GiB per GPU, {verdict} "
             f"(largest micro-batch {plan.largest_micro_batch}); estimate {plan.tokens_per_s:,.0f} tokens/s, MFU "
-            f"{plan.mfu:.0%}, {plan.hours:,.1f} h = {plan.gpu_hours:,.0f} GPU-hours for {plan.max_steps:,} steps")
+            f"{plan.mfu:.0%}, {plan.hours:,.1f} h = {plan.gpu_hours:,.0f} GPU-hours for {goal}")
+
+
+SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+
+
+def parse_tokens(text: str) -> float:
+    """``--tokens``: a count with an optional K/M/B/T suffix (``20B``, ``500M``) or a plain number (``2e10``)."""
+    value = text.strip().upper().replace(",", "").replace("_", "")
+    scale = SUFFIXES.get(value[-1:], 1.0)
+    try:
+        tokens = float(value[:-1] if value[-1:] in SUFFIXES else value) * scale
+    except ValueError:
+        raise ConfigError(f"--tokens: expected a token count such as 20B, 500M or 2e10, got {text!r}") from None
+    if not tokens >= 1:
+        raise ConfigError(f"--tokens: must be at least 1 token, got {text!r}")
+    return tokens
+
+
+def format_tokens(tokens: float) -> str:
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if tokens >= scale:
+            return f"{tokens / scale:g}{suffix}"
+    return f"{tokens:g}"
 
 
 def plan_summary_line(cfg: RunConfig, gpus: str, nodes: int = 1) -> tuple[str, bool]:

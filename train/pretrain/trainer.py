@@ -25,6 +25,7 @@ from distaff.train.data.tokenizer import TokenizerInfo
 from distaff.train.data.verify import check_first_samples
 from distaff.train.model.config import ModelConfig
 from distaff.train.model.flops import peak_flops
+from distaff.train.plan.compare import first_check
 from distaff.train.pretrain.objectives import objective_for
 from distaff.train.run.checkpoint import Checkpointer, RNGState, latest_checkpoint
 from distaff.train.run.config import ConfigError, RunConfig, config_to_dict, load_config, save_config
@@ -108,6 +109,7 @@ class Trainer(RunBase):
         self.max_steps = cfg.train.max_steps
         self.batches = iter(self.loader)
         self.warned_small_eval = False
+        self.plan_checked = False
 
     # ---------------------------------------------------------------- building
 
@@ -203,11 +205,18 @@ class Trainer(RunBase):
                           "tokens_by_source": self._tokens_by_source(), "global_batch": self.global_batch,
                           "nonfinite_steps": self.state.nonfinite_steps,
                           "peak_mem_gb": peak_memory_gb(),
-                          **self.throughput.report(self.cfg.train.max_steps - self.state.step)})
+                          **self.throughput.report(self.cfg.train.max_steps - self.state.step),
+                          **self.clock.report()})
 
     def _evaluate(self) -> None:
         self.state.last_eval = self.evaluator(self.engine)
         self.metrics.log({"step": self.state.step, "tokens_seen": self.state.tokens, **self.state.last_eval})
+        if not self.plan_checked and self.layout.is_main:      # once: the measured stages against the plan
+            device = torch.cuda.get_device_name() if self.device.type == "cuda" else None
+            cpu = None if device else self.clock.steady_cpu_means()
+            print(first_check(self.cfg, self.loader.seq_len, self.layout.world_size, device, self.clock.steady_means(),
+                              self.cfg.out_dir, cpu), flush=True)
+        self.plan_checked = True
         scored = self.state.last_eval.get("eval_tokens", MIN_EVAL_TOKENS)
         if scored < MIN_EVAL_TOKENS and self.layout.is_main and not self.warned_small_eval:
             self.warned_small_eval = True

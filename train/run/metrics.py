@@ -1,4 +1,5 @@
-"""Rank-0 metrics: a stdout line, ``metrics.jsonl``, W&B, a progress bar, and a PNG plot at the end.
+"""Rank-0 metrics: a stdout line, ``metrics.jsonl``, W&B, a progress bar, and a PNG plot at the end; every
+rank's clock of where a step's time goes (:class:`StageClock`).
 
 W&B is best effort: any failure (no network, bad credentials, a crash inside wandb) is logged
 once and the sink switches itself off; training never stops because of it. The JSONL file and
@@ -13,6 +14,7 @@ import platform
 import socket
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +52,9 @@ WANDB_SECTIONS = {
     "progress": ("step", "tokens_seen", "epoch", "tokens_by_source", "global_batch", "phase", "phase_change"),
     "optim": ("lr", "grad_norm", "loss_scale", "nonfinite_steps"),
     "perf": ("tokens_per_s", "tokens_per_s_per_device", "samples_per_s", "samples_per_s_per_device",
-             "padding_fraction", "step_time_s", "mfu", "eta_s", "peak_mem_gb"),
+             "padding_fraction", "step_time_s", "mfu", "eta_s", "peak_mem_gb", "step_cpu_s",
+             *(f"{stage}{clock}_s" for stage in ("data_wait", "forward", "backward", "grad_comm", "optimizer", "other",
+                                                 "checkpoint") for clock in ("", "_cpu"))),
 }
 WANDB_STEP, WANDB_TOKENS = "progress/step", "progress/tokens_seen"
 WANDB_CHARTED = ("train", "eval", "rtd", "optim", "perf")     # sections charted against the step
@@ -395,3 +399,157 @@ def padding_fraction(tokens: int, positions: int) -> float | None:
 
 def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 50 else float("inf")
+
+
+# ---------------------------------------------------------------- the step's stages
+
+# Where a training step's time goes, without a host sync: data wait, forward, backward, gradient
+# communication, optimizer step, the rest of the step, and checkpoint saves.
+#
+# The step marks each boundary with :meth:`StageClock.lap` (the time since the previous mark belongs to the
+# stage named). On CPU ranks every op runs synchronously, so the wall clock is the stage's time. On GPUs a mark
+# records a CUDA event on the current stream and the host moves on; a step's events are read when the next
+# step ends (by then they have completed: ``query()`` says so without waiting), so no mark ever blocks the host.
+# The data wait is the host's wait for the loader in both cases. On CPU ranks the process's CPU time is kept
+# beside the wall clock (``step_cpu_s``): on a machine other processes share, the wall clock says how long the
+# step took and the CPU time what it cost. The gradient reduction runs inside DeepSpeed's
+# ``engine.backward`` (its epilogue calls ``engine.allreduce_gradients`` at every ZeRO stage, engine.py:3165):
+# :meth:`watch_reduction` wraps that method so it is a stage of its own. Checkpoint saves are timed on the host
+# (they are synchronous) and spread over the steps of the reporting interval.
+
+CLOCK_STAGES = ("data_wait", "forward", "backward", "grad_comm", "optimizer", "other", "checkpoint")
+HOST_STAGES = ("data_wait", "checkpoint")
+
+
+class _Sums:
+    """Seconds by stage and the steps they cover, per clock (host, GPU events)."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(CLOCK_STAGES, 0.0)
+        self.cpu_seconds = dict.fromkeys(CLOCK_STAGES, 0.0)     # CPU ranks: the process's CPU time
+        self.steps = {"host": 0, "events": 0}
+
+    def means(self, events: bool) -> dict[str, float]:
+        def steps(stage: str) -> int:
+            return max(1, self.steps["events" if events and stage not in HOST_STAGES else "host"])
+
+        return {stage: value / steps(stage) for stage, value in self.seconds.items()}
+
+
+class StageClock:
+    """Seconds per step by stage, averaged over the steps since the last :meth:`report`, and over the steps
+    since the run's second (the first pays for warm-up)."""
+
+    def __init__(self, device: torch.device):
+        self.events = device.type == "cuda"
+        self.pending: deque[tuple[int, list[tuple[str, Any]]]] = deque()   # GPU steps not read yet
+        self.marks: list[tuple[str, Any]] = []
+        self.last_host = self.last_cpu = 0.0
+        self.steps = 0
+        self.interval, self.steady = _Sums(), _Sums()
+
+    def start(self) -> None:
+        self.last_host, self.last_cpu = time.perf_counter(), time.process_time()
+        self.marks = [("start", self._event())]
+
+    def _event(self):
+        if not self.events:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def lap(self, stage: str) -> None:
+        """The time since the previous mark belongs to ``stage``."""
+        now, cpu = time.perf_counter(), time.process_time()
+        if stage in HOST_STAGES or not self.events:
+            self._add(stage, now - self.last_host, self.steps, cpu - self.last_cpu)
+        else:
+            self.marks.append((stage, self._event()))
+        self.last_host, self.last_cpu = now, cpu
+
+    def add_host(self, stage: str, seconds: float) -> None:
+        """Host seconds spent outside a step (a checkpoint save after it)."""
+        self._add(stage, seconds, self.steps)
+
+    def finish(self) -> None:
+        """The step is over: count it, and read every earlier step whose events have completed."""
+        self._count("host", self.steps)
+        if self.events:
+            self.pending.append((self.steps, self.marks))
+            while self.pending and self.pending[0][1][-1][1].query():
+                step, marks = self.pending.popleft()
+                for (_, before), (stage, after) in zip(marks, marks[1:]):
+                    self._add(stage, before.elapsed_time(after) / 1e3, step)
+                self._count("events", step)
+        self.steps += 1
+
+    def _add(self, stage: str, seconds: float, step: int, cpu: float = 0.0) -> None:
+        for sums in (self.interval, self.steady) if step >= 1 else (self.interval,):
+            sums.seconds[stage] += seconds
+            sums.cpu_seconds[stage] += cpu
+
+    def _count(self, clock: str, step: int) -> None:
+        self.interval.steps[clock] += 1
+        if step >= 1:
+            self.steady.steps[clock] += 1
+
+    def report(self) -> dict[str, float]:
+        """``<stage>_s``: seconds per step of each stage since the last report; on CPU ranks also
+        ``<stage>_cpu_s`` and ``step_cpu_s``, the CPU seconds per step of this rank's process (well below the wall
+        clock's when other processes share its cores)."""
+        found = {f"{stage}_s": value for stage, value in self.interval.means(self.events).items()}
+        if not self.events:
+            steps = max(1, self.interval.steps["host"])
+            found.update({f"{stage}_cpu_s": value / steps for stage, value in self.interval.cpu_seconds.items()})
+            found["step_cpu_s"] = sum(self.interval.cpu_seconds.values()) / steps
+        self.interval = _Sums()
+        return found
+
+    def steady_cpu_means(self) -> dict[str, float]:
+        """CPU ranks: the process's CPU seconds per step of each stage since the second step."""
+        return {stage: value / max(1, self.steady.steps["host"]) for stage, value in self.steady.cpu_seconds.items()}
+
+    def steady_means(self) -> dict[str, float]:
+        """Seconds per step of each stage since the second step (the first one pays for warm-up)."""
+        return self.steady.means(self.events)
+
+    def watch_reduction(self, engine) -> None:
+        """Time DeepSpeed's gradient reduction (``engine.allreduce_gradients``, called by ``engine.backward``'s
+        epilogue at every ZeRO stage) as the stage ``grad_comm``, apart from the backward around it."""
+        reduce = engine.allreduce_gradients
+
+        def timed(*args, **kwargs):
+            self.lap("backward")
+            try:
+                return reduce(*args, **kwargs)
+            finally:
+                self.lap("grad_comm")
+
+        engine.allreduce_gradients = timed
+
+    def watch_saves(self, checkpointer) -> None:
+        """Time the checkpointer's saves (host seconds: a save waits for its copies) as the stage ``checkpoint``."""
+        save = checkpointer.save
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return save(*args, **kwargs)
+            finally:
+                self.add_host("checkpoint", time.perf_counter() - started)
+
+        checkpointer.save = timed
+
+
+class NoClock(StageClock):
+    """A clock that records nothing (callers that time no stages)."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+
+    def lap(self, stage: str) -> None:
+        pass
+
+
+NO_CLOCK = NoClock()

@@ -39,7 +39,7 @@ from distaff.train.model.config import ModelConfig
 from distaff.train.run.checkpoint import Checkpointer, Stateful, latest_checkpoint
 from distaff.train.run.config import ConfigError, changed_keys, config_fingerprint, fingerprinted
 from distaff.train.run.engine import initialize, set_lr
-from distaff.train.run.metrics import MetricsLogger, TensorBoardSink, WandbSink, system_info
+from distaff.train.run.metrics import MetricsLogger, StageClock, TensorBoardSink, WandbSink, system_info
 from distaff.train.run.steps import optimizer_step, train_step
 
 SUMMARY_FILE = "summary.json"       # written by rank 0 when a run ends, "finished": true once it is complete
@@ -164,16 +164,21 @@ class RunBase:
         groups = param_groups(model) if param_groups is not None else None
         engine = initialize(model, self.cfg, self.layout.world_size, groups)
         seed_everything(self.cfg.run.seed + 7919 * (self.layout.rank + 1))
+        self.clock = StageClock(self.device)
+        self.clock.watch_reduction(engine)
         return engine
 
     def _new_checkpointer(self, root: Path, *, per_rank: dict[str, Stateful], meta: dict[str, Any], every: int,
                           keep: int, tokenizer_dir: Path | None) -> Checkpointer:
-        """A checkpointer of the engine, ``per_rank`` components and the loop's state (rank 0 writes it)."""
-        return Checkpointer(root, self.engine, per_rank=per_rank, shared={"train_state": self.state}, meta=meta,
+        """A checkpointer of the engine, ``per_rank`` components and the loop's state (rank 0 writes it); its
+        saves are timed."""
+        checkpointer = Checkpointer(root, self.engine, per_rank=per_rank, shared={"train_state": self.state}, meta=meta,
                             every=every, keep=keep, rank=self.layout.rank, world_size=self.layout.world_size,
                             barrier=dist_utils.barrier, any_rank=self._any_rank,
                             from_rank0=lambda text: dist_utils.broadcast_text(text, self.device),
                             tokenizer_dir=tokenizer_dir)
+        self.clock.watch_saves(checkpointer)
+        return checkpointer
 
     def _restore(self) -> Path | None:
         """The checkpoint the subclass chose before building its engine (``self.resume_from``) loaded; every rank
@@ -257,11 +262,14 @@ class RunBase:
         """One optimizer step over :meth:`_micro_batches` micro-batches of ``self.batches`` and its bookkeeping;
         returns whether any rank got a signal."""
         state, started = self.state, time.perf_counter()
+        self.clock.start()
         set_lr(self.engine, self._lr(state.step))
         local = train_step(self.engine, self.batches, self._micro_batches(state.step), self.device, self.objective,
-                           self.layout.world_size)
+                           self.layout.world_size, self.clock)
         (*sums, tokens, samples, positions), skipped, signalled = self._reduce_step(local)
+        self.clock.lap("other")
         optimizer_step(self.engine, skip=skipped)
+        self.clock.lap("optimizer")
         if not skipped:
             self.objective.after_step(self.engine.module, sums)
         state.step += 1
@@ -270,6 +278,7 @@ class RunBase:
         state.positions += int(positions)
         state.train_time_s += time.perf_counter() - started
         self.throughput.add(int(tokens), int(samples), int(positions))
+        self.clock.finish()
         if state.step % self.cfg.logging.every == 0 or state.step == self.max_steps:
             self._log_train(self.objective.report(sums))
         return signalled

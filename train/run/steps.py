@@ -16,6 +16,7 @@ from distaff.kernels import IGNORE_INDEX
 from distaff.train.core import distributed as dist_utils
 from distaff.train.data.collator import batch_counts, is_packed
 from distaff.train.data.loader import EvalLoader
+from distaff.train.run.metrics import NO_CLOCK, StageClock
 
 
 class Objective:
@@ -56,13 +57,14 @@ def _loss_weights(micro_batches: list[dict], world_size: int, device: torch.devi
 
 
 def train_step(engine, batches: Iterator[dict], grad_accum: int, device: torch.device, objective: Objective,
-               world_size: int = 1) -> torch.Tensor:
+               world_size: int = 1, clock: StageClock = NO_CLOCK) -> torch.Tensor:
     """Forward and backward over ``grad_accum`` micro-batches, stopping short of the optimizer step
     (:func:`optimizer_step`, once the ranks have agreed the loss was finite); this rank's sums
     (the objective's, then ``tokens, samples, positions``) as a float64 tensor on ``device`` (kept
     there so micro-batches queue without a host sync); ``tokens`` are real tokens, ``positions``
-    include padding."""
+    include padding; ``clock`` times the stages (data wait, forward, backward)."""
     micro_batches = [next(batches) for _ in range(grad_accum)]
+    clock.lap("data_wait")
     weights = _loss_weights(micro_batches, world_size, device)
     sums = torch.zeros(objective.num_sums + 3, dtype=torch.float64, device=device)
     for micro, batch in enumerate(micro_batches):
@@ -72,7 +74,9 @@ def train_step(engine, batches: Iterator[dict], grad_accum: int, device: torch.d
         batch = to_device(batch, device)
         out = forward_batch(engine, objective.model_inputs(batch), device)
         loss = objective.training_loss(engine, batch, out)
+        clock.lap("forward")
         engine.backward(loss if weights is None else loss * weights[micro])
+        clock.lap("backward")
         if micro < grad_accum - 1:
             engine.step()   # below the accumulation boundary DeepSpeed only counts the micro-step
         sums[:-3] += objective.sums(out)

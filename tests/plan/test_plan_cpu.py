@@ -1,0 +1,71 @@
+"""The cpu device kind: the probe's cache, per-core figures from --gpu-spec, and the CPU time model's parts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from distaff.train.core.errors import ConfigError
+from distaff.train.plan import cli, cpu
+from distaff.train.plan.cpu_time import gemm_rate
+from distaff.train.plan.gpus import parse_gpus, parse_spec
+from distaff.train.plan.planner import make_plan
+from distaff.train.run.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+SPEC = "name=cpu,tflops=0.2,fp32_tflops=0.08,hbm_tb_s=0.01,cores=4,memory_gib=16"
+
+
+@pytest.mark.unit
+def test_the_probe_is_cached_per_machine_and_measured_again_when_it_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(cpu, "probe", lambda: calls.append(1) or {"version": cpu.PROBE_VERSION,
+                                                                   "machine": cpu.machine_key(), "gemm_gflops": [[128, 10, 20]],
+                                                                   "copy_gb_s": 5.0, "cores": 2,
+                                                                   "memory_bytes": 8e9})
+    first = cpu.probed()
+    assert cpu.probed() == first and len(calls) == 1 and json.loads(cpu.cache_path().read_text()) == first
+    cpu.cache_path().write_text(json.dumps({**first, "machine": "another CPU"}))
+    cpu.probed()
+    assert len(calls) == 2                                    # another machine's cache is measured again
+    cpu.probed(refresh=True)
+    assert len(calls) == 3
+
+
+@pytest.mark.unit
+def test_cpu_ranks_share_the_cores_given_per_core_by_gpu_spec():
+    per_core = parse_spec(SPEC)
+    assert per_core.is_cpu and per_core.cores == 4 and per_core.gemm_curve == ((1, 80.0, 200.0),)
+    two, kind = parse_gpus("2xcpu", per_core)
+    assert two == 2 and kind.threads == 2 and kind.fp32_tflops == pytest.approx(0.16)
+    assert kind.memory_gib == pytest.approx(8.0)
+    assert parse_gpus("8xcpu", per_core)[1].threads == 1       # more ranks than cores: one thread each
+    with pytest.raises(ConfigError, match="give the per-core figures fp32_tflops, hbm_tb_s, cores"):
+        parse_spec("name=cpu,tflops=1")
+    assert gemm_rate(((128, 10, 40), (1024, 40, 80)), 362, "fp32") == pytest.approx(25e9, rel=1e-3)   # log-linear
+    assert gemm_rate(((128, 10, 40), (1024, 40, 80)), 64, "bf16") == 40e9
+
+
+@pytest.mark.unit
+def test_a_cpu_plan_has_every_part_and_stage_and_reads_the_prepared_vocabulary(tmp_path, capsys):
+    fixture = json.loads((REPO / "tests/run/fixtures/checkpoint-bda9efe/data/manifest.json").read_text())
+    (tmp_path / "manifest.json").write_text(json.dumps({**fixture, "seq_len": 64, "vocab_size": 1000}))
+    prepared = make_plan(load_config("tiny-cpu", [f"data.dir={tmp_path}"]), "2xcpu", gpu_spec=parse_spec(SPEC))
+    assert prepared.setting.seq_len == 64 and prepared.setting.models[0].vocab_size == 1000   # as the trainer builds it
+    cfg = load_config("tiny-cpu")
+    plan = make_plan(cfg, "2xcpu", seq_len=128, gpu_spec=parse_spec(SPEC))
+    assert all(plan.time.parts[part] > 0 for part in ("GEMMs", "attention", "fused ops", "optimizer"))
+    assert plan.time.stages["forward"] < plan.time.stages["backward"] and plan.time.stages["data wait"] == 0
+    assert sum(plan.time.stages.values()) == pytest.approx(plan.time.total)
+    assert not plan.setting.fused and not plan.setting.overlap_comm     # the reference kernels, gloo
+    slower = make_plan(cfg, "2xcpu", seq_len=128, gpu_spec=parse_spec(SPEC.replace("cores=4", "cores=2")))
+    assert slower.time.parts["GEMMs"] == pytest.approx(2 * plan.time.parts["GEMMs"])
+    assert cli.main(["--config", "tiny-cpu", "--gpus", "2xcpu", "--seq-len", "128", "--gpu-spec", SPEC, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["estimate"]["step_total_s"] == pytest.approx(plan.time.total)
+    assert set(data["estimate"]["stage_seconds"]) == {"data wait", "forward", "backward", "gradient communication",
+                                                      "optimizer"}

@@ -1,0 +1,170 @@
+"""The time model's costs on CPU ranks: the same parts as on a GPU, from this machine's measured costs.
+
+A CPU rank runs the PyTorch reference kernels, one op at a time, on ``threads`` cores (train/plan/cpu.py):
+
+- GEMMs: the model's matrix-multiply FLOPs (as on GPUs) at the probed GEMM rate for the model's hidden size
+  (the rate of a CPU GEMM depends on its inner size far more than a GPU's does);
+- attention: the reference kernels' measured forward and backward per token per head (``cpu_table.json``) at
+  the model's head size, position span, sequence length and dropout, scaled by the ratio of the table's fp32
+  GEMM rate to this machine's (half-precision attention is computed in float32 there);
+- the ops around the GEMMs (on a GPU, the fused ops): each layer application's (its LayerNorms, GELU,
+  dropouts, relayouts, residual adds and the framework's work per op: the table's measured layers less their
+  GEMMs and attention), the embeddings' LayerNorm and dropout, the MLM head's and its loss per logit, the tied
+  word table's gradient (a ``V x E`` zero-fill and sum every micro-batch), scaled by the ratio of copy
+  bandwidths;
+- optimizer and communication: DeepSpeed's optimizer step and gradient reduction on two CPU ranks, measured per
+  parameter at each ZeRO stage (the table's, on a stack of linear layers): AdamW, ZeRO's copies and the weights'
+  all-gather; gloo's all-reduce and the bucket's copies, none hidden (``overlap_comm`` is off on CPUs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import lru_cache
+
+from distaff.train.model.config import ModelConfig
+from distaff.train.model.flops import layer_applications, train_flops_per_token
+from distaff.train.plan.gpus import GpuKind
+from distaff.train.plan.memory import Setting, act_bytes
+from distaff.train.plan.step_time import (CPU_TABLE, Assumptions, AttentionTime, Compute, attention_flops_per_token,
+                                          per_token_head_ms)
+
+
+@lru_cache(maxsize=1)
+def cpu_table() -> dict:
+    return json.loads(CPU_TABLE.read_text())
+
+
+def gemm_rate(curve: tuple, k: int, precision: str) -> float:
+    """FLOP/s of GEMMs of inner size ``k`` on a ``(size, fp32 GFLOP/s, bf16 GFLOP/s)`` curve, log-linear between its
+    sizes (fp16 runs read the bf16 column: both are half-precision GEMMs on CPUs)."""
+    points = [(point[0], point[1 if precision == "fp32" else 2]) for point in curve]
+    if k <= points[0][0] or len(points) == 1:
+        return points[0][1] * 1e9
+    for (k0, r0), (k1, r1) in zip(points, points[1:]):
+        if k <= k1:
+            weight = math.log(k / k0) / math.log(k1 / k0)
+            return (r0 + (r1 - r0) * weight) * 1e9
+    return points[-1][1] * 1e9
+
+
+def _table_rate(k: int, precision: str) -> float:
+    return gemm_rate(tuple(map(tuple, cpu_table()["probe"]["gemm_gflops"])), k, precision)
+
+
+def _nearest(rows: list[dict], key: str, value: float) -> list[dict]:
+    best = min({r[key] for r in rows}, key=lambda x: (abs(x - value), x))
+    return [r for r in rows if r[key] == best]
+
+
+def attention_seconds(cfg: ModelConfig, gpu: GpuKind, seq_len: int, tokens: int) -> AttentionTime:
+    """The reference attention of ``tokens`` tokens through every layer application, from the measured table."""
+    rows = cpu_table()["attention"]
+    for key, value in (("head_dim", cfg.head_dim), ("span", cfg.att_span if cfg.relative_attention else 0),
+                       ("dropout", cfg.attention_probs_dropout_prob)):
+        rows = _nearest(rows, key, value)
+    rows = sorted(rows, key=lambda r: r["n"])
+    ratio = _table_rate(cfg.head_dim, "fp32") / gemm_rate(gpu.gemm_curve, cfg.head_dim, "fp32")
+    applications = layer_applications(cfg) if cfg.emd else cfg.num_hidden_layers
+    scale = ratio * cfg.head_dim / rows[0]["head_dim"] * tokens * cfg.num_attention_heads * applications / 1e3
+    forward = per_token_head_ms(rows, seq_len, ("fwd_ms",)) * scale
+    how = (f"the reference kernels measured on CPU (cpu_table.json: d={rows[0]['head_dim']}, span {rows[0]['span']}, "
+           f"dropout {rows[0]['dropout']:g}), times the GEMM-rate ratio {ratio:.2f}")
+    return AttentionTime(per_token_head_ms(rows, seq_len) * scale, forward, how, None)
+
+
+def _bandwidth_ratio(gpu: GpuKind) -> float:
+    return cpu_table()["probe"]["copy_gb_s"] / (gpu.hbm_tb_s * 1e3)
+
+
+def _ns(s: Setting) -> dict[str, float]:
+    return cpu_table()["elementwise_ns"]["fp32" if s.precision == "fp32" else "bf16"]
+
+
+def layer_rest_ns(cfg: ModelConfig, seq_len: int) -> float:
+    """ns per token of one layer application's ops around its GEMMs and attention (the table's measured layers,
+    linear in the hidden size and the sequence length between its rows, at the nearest dropout)."""
+    rows = _nearest(cpu_table()["layer_rest"], "dropout", cfg.hidden_dropout_prob)
+
+    def along(points: list[tuple[float, float]], x: float) -> float:
+        points = sorted(points)
+        if x <= points[0][0] or len(points) == 1:
+            return points[0][1] * (x / points[0][0] if x < points[0][0] else 1.0)
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if x <= x1:
+                return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        return points[-1][1] * x / points[-1][0]
+
+    by_hidden = {}
+    for r in rows:
+        by_hidden.setdefault(r["hidden"], []).append((r["n"], r["ns_per_token"]))
+    return along([(hidden, along(points, seq_len)) for hidden, points in by_hidden.items()], cfg.hidden_size)
+
+
+def model_ns_per_token(cfg: ModelConfig, labelled: float, generator: bool) -> float:
+    """ns per token of the embeddings' and the MLM head's ops around their GEMMs (forward + backward, one
+    thread): LayerNorm and dropout of the embeddings, the head's bias-GELU and LayerNorm and its loss per logit
+    (an RTD generator also samples a replacement from every labelled row's logits)."""
+    ns = cpu_table()["elementwise_ns"]["fp32"]
+    d, e = cfg.hidden_size, cfg.embedding_size
+    embeddings = d * ns["layer_norm_residual"] + (d * ns["dropout"] if cfg.hidden_dropout_prob > 0 else 0)
+    head = labelled * (e * (ns["bias_gelu"] + ns["layer_norm_residual"])
+                       + cfg.vocab_size * ns["mlm_loss_per_logit"] * (2 if generator else 1))
+    return embeddings + head
+
+
+def compute_seconds(s: Setting, gpu: GpuKind, a: Assumptions) -> Compute:
+    """GEMM, attention and elementwise seconds of one micro-batch on one CPU rank."""
+    tokens = s.micro_batch * s.seq_len
+    parts, forward, source = {"GEMMs": 0.0, "attention": 0.0, "fused ops": 0.0}, 0.0, ""
+    threads = max(1, gpu.threads)
+    for n, cfg in enumerate(s.models):
+        labelled = s.labelled if n == 0 else 0.0
+        gemm = (train_flops_per_token(cfg, s.seq_len, labelled) - attention_flops_per_token(cfg, s.seq_len))
+        gemm_s = gemm * tokens / gemm_rate(gpu.gemm_curve, cfg.hidden_size, s.precision)
+        attn = attention_seconds(cfg, gpu, s.seq_len, tokens)
+        table = cfg.vocab_size * cfg.embedding_size * _ns(s)["table_gradient"]     # its gradient, every micro-batch
+        applications = layer_applications(cfg) if cfg.emd else cfg.num_hidden_layers
+        per_token = (applications * layer_rest_ns(cfg, s.seq_len)
+                     + model_ns_per_token(cfg, labelled, n == 0 and len(s.models) == 2))
+        elementwise = (per_token * tokens + table) * 1e-9 * _bandwidth_ratio(gpu) / threads
+        recompute = 4 / 3 if cfg.activation_checkpointing else 1.0
+        parts["GEMMs"] += gemm_s * recompute
+        parts["attention"] += attn.seconds * recompute
+        parts["fused ops"] += elementwise * recompute
+        forward += gemm_s / 3 + attn.forward + elementwise / 3
+        source = attn.source
+    return Compute(parts, forward, source, None)
+
+
+def _deepspeed(s: Setting, gpu: GpuKind, what: str) -> float:
+    """Seconds of DeepSpeed's ``what`` (reduction, step) for ``s``: the table's CPU ns per parameter at the run's
+    ZeRO stage (ZeRO 3, which the table does not measure: ZeRO 2's), scaled by the copy bandwidths and, for a
+    ring over ``W`` ranks, by the bytes each rank moves (``(W-1)/W``, the table's at 2 ranks); the reduction by
+    the gradient's bytes against the table's fp32."""
+    ns = cpu_table()["deepspeed"][str(min(s.zero, 2))][what]
+    ring = 2 * (s.ranks - 1) / s.ranks if s.ranks > 1 else 0.0
+    precision = act_bytes(s.precision) / 4 if what == "reduction" else 1.0
+    return ns * s.params * 1e-9 * _bandwidth_ratio(gpu) * (ring if what == "reduction" else 1.0) * precision
+
+
+def optimizer_seconds(s: Setting, gpu: GpuKind, a: Assumptions) -> float:
+    """DeepSpeed's optimizer step as the table measured it: AdamW over the rank's shard, ZeRO's copies around it
+    and, at ZeRO 1-2, the new weights' all-gather (all in ``engine.step``)."""
+    return _deepspeed(s, gpu, "step")
+
+
+def communication_seconds(s: Setting, gpu: GpuKind, nodes: int, grad_accum: int, backward_s: float,
+                          micro_s: float, a: Assumptions) -> dict[str, float]:
+    """DeepSpeed's gradient reduction as the table measured it (gloo's all-reduce of every gradient and the copies
+    into and out of its bucket), none hidden: after the last micro-batch at ZeRO 0-1, after each at ZeRO 2-3;
+    ZeRO 3 also gathers the weights for the forward. The all-gather after the step is the optimizer's."""
+    found = {"gradient communication": 0.0, "optimizer": 0.0, "forward": 0.0}
+    if s.ranks == 1:
+        return found
+    reductions = grad_accum if s.zero >= 2 else 1
+    found["gradient communication"] = _deepspeed(s, gpu, "reduction") * reductions
+    if s.zero == 3:
+        found["forward"] = _deepspeed(s, gpu, "reduction") / 2 * grad_accum
+    return found
