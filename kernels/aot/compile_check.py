@@ -95,6 +95,7 @@ class Row:
     error: str = ""
     half: bool = False       # half-precision inputs: the zero-spill bar applies
     has_dot: bool = False    # the kernel has matrix products (in its TTGIR): tensor-core instructions are required
+    cached: bool = False     # read from the compile cache, not compiled by this run
 
     def problems(self) -> list[str]:
         """Why this compiled kernel fails the bar (empty when it passes)."""
@@ -263,7 +264,7 @@ def compile_artifacts(kernel, args: tuple, kwargs: dict, case: Case, cc: int) ->
     stem = _cache_dir() / _cache_key(kernel, src, options, cc)
     cached = stem.with_suffix(".json")
     if cached.exists() and stem.with_suffix(".cubin").exists():
-        return Row(**{**asdict(row), **json.loads(cached.read_text()), "case": case.name}), stem
+        return Row(**{**asdict(row), **json.loads(cached.read_text()), "case": case.name, "cached": True}), stem
     started = time.perf_counter()
     log = io.StringIO()
     triton.knobs.nvidia.dump_ptxas_log = True
@@ -289,12 +290,21 @@ def compile_artifacts(kernel, args: tuple, kwargs: dict, case: Case, cc: int) ->
     row.has_dot = bool(re.search(r"= tt\.dot |= ttng\.warp_group_dot |\bttng\.tc_gen5_mma ", ttgir))
     row.repetition = max((dot.repetition for dot in static_perf.ttgir_dots(ttgir)), default=1.0)
     row.seconds = round(time.perf_counter() - started, 1)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".cubin").write_bytes(compiled.asm["cubin"])
-    stem.with_suffix(".ttgir").write_text(compiled.asm["ttgir"])
-    figures = {k: v for k, v in asdict(row).items() if k not in ("case",)}
-    cached.write_text(json.dumps(figures))
+    figures = {k: v for k, v in asdict(row).items() if k not in ("case", "cached")}
+    # The row's .json goes last: its presence says the entry is whole.
+    for suffix, data in ((".cubin", compiled.asm["cubin"]), (".ttgir", compiled.asm["ttgir"].encode()),
+                         (".json", json.dumps(figures).encode())):
+        _write_atomically(stem.with_suffix(suffix), data)
     return row, stem
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all: processes sharing the cache (the check's workers, the judge, pytest
+    workers) may compile the same launch at once, and a reader must never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    partial.write_bytes(data)
+    os.replace(partial, path)
 
 
 def check_case(case: Case, targets: tuple[int, ...], only: str | None = None) -> list[Row]:
@@ -351,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     if opts.json:
         opts.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
     failing = [r for r in rows if r.problems()]
-    print(f"\n{len(rows)} compiled kernels, {len(failing)} failing the bar")
+    hits = sum(r.cached for r in rows)
+    print(f"\n{len(rows)} compiled kernels ({len(rows) - hits} compiled now, {hits} read from the cache "
+          f"{_cache_dir()}), {len(failing)} failing the bar")
     return 1 if failing else 0
 
 
