@@ -330,6 +330,9 @@ def submit_job(args: argparse.Namespace) -> int:
         signal_lead_s=args.signal_lead, sbatch_lines=tuple(args.sbatch), python=sys.executable,
         max_ranks_per_node=args.max_ranks_per_node)
     script = render_sbatch_script(spec)   # a bad request is refused before anything is printed
+    from distaff.launch.eval_jobs import preview   # (it imports this module) evals.mode=slurm's job, checked now
+
+    eval_job = preview(target)
     warn_if_node_local(spec.python, dict(os.environ))
     if not args.cpu:   # the plan's line for this job (memory per GPU, fit, estimated time)
         from distaff.train.plan.planner import print_launch_summary
@@ -338,6 +341,8 @@ def submit_job(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(f"# {spec.script_path}\n{script}")
         print(f"# submit with:\n{shlex.join(sbatch_command(spec.script_path))}")
+        if eval_job is not None:
+            print(f"# each selected checkpoint's evaluation job (evals.mode=slurm; the trainer submits it):\n{eval_job}")
         return 0
     job_id = submit(spec)
     record_launch(target.out_dir, "slurm", args)

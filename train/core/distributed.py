@@ -50,6 +50,12 @@ def free_port() -> int:
 # (rank, world size, local rank) variables of each launcher: torchrun and deepspeed's, else srun's
 LAUNCHER_VARIABLES = (("RANK", "WORLD_SIZE", "LOCAL_RANK"), ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
 MAX_PORT = 65535
+# what makes a process one rank of a run (the launchers' variables, the rendezvous, the W&B run of the job): a
+# process a rank starts that is not a rank itself (an evaluation, the fine-tuning it starts) goes without them
+RANK_VARIABLES = tuple(name for names in LAUNCHER_VARIABLES for name in names) + (
+    "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR",
+    "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_ERROR_FILE", "WANDB_RUN_ID")
 
 
 def env_from_environ(env: Mapping[str, str] = os.environ) -> DistEnv:
