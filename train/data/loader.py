@@ -259,11 +259,12 @@ def open_sources(dirs: list[str]) -> dict[str, tuple[Manifest, TokenizerInfo]]:
     return opened
 
 
-def continues(saved: list[dict] | dict, sources: list[dict]) -> bool:
+def continues(saved: list[dict] | dict, sources: list[dict] | dict) -> bool:
     """Whether a stream of ``sources`` (:meth:`MixedLoader.identity`) can continue one saved with ``saved``: the same
     sources in the same order, and perhaps more after them (phases added since the save); a single stream's
-    ``saved`` (a dict: a run that read ``data.dir`` alone) is its first source."""
+    identity (a dict: a run that reads ``data.dir`` alone) is its first source."""
     saved = [saved] if isinstance(saved, dict) else saved
+    sources = [sources] if isinstance(sources, dict) else sources
     return 0 < len(saved) <= len(sources) and sources[:len(saved)] == saved
 
 

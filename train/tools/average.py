@@ -34,7 +34,8 @@ from distaff.train.core.files import atomic_write_text, file_sha256, replaced_fo
 from distaff.train.core.safe_load import safe_load
 from distaff.train.core.threads import configure_threads
 from distaff.train.data.errors import DataError
-from distaff.train.run.checkpoint_files import FILES, META, checkpoint_problem, is_complete, write_file_list
+from distaff.train.run.checkpoint_files import (FILES, FORMAT_WITH_META_LISTED, META, checkpoint_problem, is_complete,
+                                               read_meta, write_file_list)
 from distaff.train.run.resume_check import RESUME_FREE_MODEL_FIELDS
 from distaff.train.tools.export import check_out_dir
 
@@ -72,7 +73,7 @@ def gather(paths: list[str], last: int = 0) -> list[Source]:
     twice = sorted({str(f) for f in folders if folders.count(f) > 1})
     if twice:
         raise ConfigError(f"{twice[0]}: named twice; name each checkpoint once")
-    sources = sorted((Source(f, json.loads((f / META).read_text())) for f in folders), key=lambda s: s.step)
+    sources = sorted((Source(f, read_meta(f)) for f in folders), key=lambda s: s.step)
     sources = sources[-last:] if last else sources
     for source in sources:
         problem = checkpoint_problem(source.folder)
@@ -183,12 +184,12 @@ def write_average(sources: list[Source], weights: list[float], out: Path, method
             stale.unlink(missing_ok=True)
         for name in deepspeed_files(newest.folder):
             torch.save(average_file([s.folder / name for s in sources], weights), fresh / name)
-        write_file_list(fresh)
-        meta = {**newest.meta, "averaging": method,
+        meta = {**newest.meta, "format": FORMAT_WITH_META_LISTED, "averaging": method,
                 "averaged_from": [{"checkpoint": str(s.folder), "step": s.step, "weight": w}
                                   for s, w in zip(sources, weights)],
                 "train_state": {**newest.meta.get("train_state", {}), "wandb_run_id": None}}
         atomic_write_text(fresh / META, json.dumps(meta, indent=1))
+        write_file_list(fresh)      # last: it lists meta.json too
     problem = checkpoint_problem(out)
     if problem:
         raise DataError(f"{out}: the average did not verify ({problem})")
@@ -228,7 +229,7 @@ def _main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     configure_threads()
     out = average(args.checkpoints, args.out, args.last, args.ema, args.overwrite)
-    meta = json.loads((out / META).read_text())
+    meta = read_meta(out)
     steps = ", ".join(str(s["step"]) for s in meta["averaged_from"])
     print(f"distaff average: wrote {out}: {meta['averaging']} average of {len(meta['averaged_from'])} checkpoint(s) "
           f"(steps {steps}); resume it (checkpoint.resume={out}), fine-tune it (model.init_from={out}) or export it "
