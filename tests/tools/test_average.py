@@ -146,6 +146,7 @@ def test_checkpoints_of_other_partitionings_shapes_or_tokenizers_are_refused_in_
     meta = json.loads((wider / META).read_text())
     meta["model_config"]["hidden_size"] = 128
     (wider / META).write_text(json.dumps(meta))
+    write_file_list(wider)                                   # sound (meta.json is listed), but of another shape
     assert average_main([str(wider), str(checkpoint(zero3, 16)), "--out", str(tmp_path / "z")]) == 2
     err = capsys.readouterr().err
     assert "model.hidden_size 128, but 64" in err and err.count("\n") == 1
