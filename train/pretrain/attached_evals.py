@@ -13,7 +13,7 @@ evaluation that completes it removes the pin. The evaluation itself is ``python 
   ``evals_inline_s`` beside ``step_time_s``.
 - ``side``: rank 0 starts it beside training, one at a time (later checkpoints queue), on the CPU with
   ``evals.threads`` threads at the lowest priority (nice 19), and never waits for it, except for the last ones when
-  the run ends.
+  the run ends (the other ranks then wait in short broadcasts of that group, never in a collective of the run).
 - ``slurm``: rank 0 starts ``python -m distaff.launch.eval_jobs``, which submits one Slurm job per checkpoint.
 
 A process that fails, is killed or outlives ``evals.timeout_s`` is run again up to ``evals.retries`` times, then
@@ -33,11 +33,12 @@ from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from distaff.train.core.distributed import RANK_VARIABLES, DistEnv
+from distaff.train.core.distributed import DistEnv, without_rank_variables
 from distaff.train.core.errors import ConfigError
 from distaff.train.core.files import read_text
 from distaff.train.data.loader import open_data_dir
@@ -52,8 +53,9 @@ LOGS = Path("evals") / "logs"
 RUNNER = "distaff.train.tools.evals"            # python -m: the evaluation of one checkpoint (or distaff evals)
 SUBMITTER = "distaff.launch.eval_jobs"          # python -m: submits a checkpoint's evaluation job (evals.mode=slurm)
 EXIT_EVALUATED_ELSEWHERE = 3    # the runner found another process evaluating the checkpoint: not a failure
+EXIT_STOPPED = -1               # close(): the run stops before its evaluations are done
 SIDE_NICENESS = 19
-INLINE_MARGIN_S = 60            # the inline barrier's timeout beyond evals.timeout_s: starting and reaping the process
+GROUP_MARGIN_S = 60            # the evaluations' group timeout beyond evals.timeout_s: starting and reaping a process
 
 
 # ---------------------------------------------------------------- which checkpoints, which evaluations
@@ -63,11 +65,6 @@ def tasks_at(evals: EvalsSection, step: int, last_step: int) -> list[EvalTaskSec
     run's last step."""
     return [task for task in evals.tasks
             if step == last_step or ((task.every or evals.every) and step % (task.every or evals.every) == 0)]
-
-
-def single_process_env(env: dict[str, str]) -> dict[str, str]:
-    """``env`` without the variables that would make a process one rank of the run (or of its Slurm step)."""
-    return {name: value for name, value in env.items() if name not in RANK_VARIABLES}
 
 
 # ---------------------------------------------------------------- pins
@@ -159,15 +156,16 @@ class AttachedEvals:
     The trainer calls :meth:`after_checkpoint` after each save, :meth:`poll` after each step, :meth:`finish` when the
     loop completed and :meth:`close` with the exit code."""
 
-    def __init__(self, cfg: RunConfig, layout: DistEnv):
+    def __init__(self, cfg: RunConfig, layout: DistEnv, stop_requested: Callable[[], bool] = lambda: False):
         self.evals, self.run_dir, self.last_step = cfg.evals, cfg.out_dir, cfg.train.max_steps
+        self.stop_requested = stop_requested     # a signal came: inline, rank 0 stops waiting
         self.enabled, self.main = bool(cfg.evals.tasks), layout.is_main
         self.queue: deque[Job] = deque()
         self.running: Job | None = None
         self.inline_s = self.inline_total_s = 0.0
         self.group = None
-        if self.enabled and self.evals.mode == "inline" and layout.world_size > 1:
-            timeout = self.evals.timeout_s * (self.evals.retries + 1) + INLINE_MARGIN_S
+        if self.enabled and layout.world_size > 1:     # the other ranks wait for rank 0's evaluations over it
+            timeout = self.evals.timeout_s * (self.evals.retries + 1) + GROUP_MARGIN_S    # inline: every attempt
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         if self.enabled and self.main:
             self.queue.extend(Job(pin) for pin in pinned(self.run_dir))   # evaluations a stopped run left undone
@@ -200,7 +198,9 @@ class AttachedEvals:
             self.running = self._start(self.queue.popleft())
 
     def finish(self) -> None:
-        """The loop completed: every queued evaluation runs now (the last checkpoint's included) and is waited for."""
+        """Every rank, the loop completed: the queued evaluations (the last checkpoint's included) run now, and rank
+        0 waits for them; the other ranks wait with it in short broadcasts of the evaluations' own group (not in the
+        process group's shutdown barrier, which ``distributed.timeout_s`` bounds)."""
         if not self.enabled:
             return
         if self.evals.mode == "inline":
@@ -209,9 +209,11 @@ class AttachedEvals:
         if self.main and (self.queue or self.running):
             print(f"distaff: evals: waiting for the evaluation of {len(self.queue) + bool(self.running)} "
                   f"checkpoint(s) ({self.evals.mode})", flush=True)
-        while self.main and (self.queue or self.running):
+        while self._more(bool(self.queue or self.running) and not self.stop_requested() if self.main else False):
             self.poll()
-            time.sleep(0.2)
+            time.sleep(0.5)
+        if self.main and self.stop_requested():     # a signal while waiting: the trained run is saved, pins stay
+            self.close(EXIT_STOPPED)
 
     def close(self, exit_code: int) -> None:
         """Rank 0, a run stopped early: an evaluation in progress stops with it; its pin stays for the resumed run."""
@@ -234,7 +236,7 @@ class AttachedEvals:
         group's barrier after each (its timeout covers one evaluation)."""
         started, done = time.monotonic(), 0
         while at_most is None or done < at_most:
-            if not self._more(bool(self.queue) if self.main else False):
+            if not self._more(bool(self.queue) and not self.stop_requested() if self.main else False):
                 break
             if self.main:
                 self._run_inline(self.queue.popleft())
@@ -254,11 +256,20 @@ class AttachedEvals:
         return bool(value.item())
 
     def _run_inline(self, job: Job) -> None:
+        """Rank 0: ``job`` until it ends, fails for good, runs past its time, or the run is signalled (then it is
+        stopped: the run must checkpoint and go; its pin stays for the resumed run)."""
         while True:
             job = self._start(job)
-            try:
-                code = job.proc.wait(timeout=max(1.0, job.deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            code = job.proc.poll()
+            while code is None and time.monotonic() < job.deadline and not self.stop_requested():
+                time.sleep(0.2)
+                code = job.proc.poll()
+            if code is None and self.stop_requested():
+                self._stop(job, "the run was signalled")
+                print(f"distaff: evals: the evaluation of {job.name} stopped: the run was signalled; the resumed run "
+                      "runs it again", flush=True)
+                return
+            if code is None:
                 code = self._stop(job, "ran past evals.timeout_s")
             if not self._outcome(job, code):
                 return
@@ -271,7 +282,7 @@ class AttachedEvals:
         return [sys.executable, "-m", RUNNER, str(self.run_dir), "--checkpoint", str(job.checkpoint), *nice]
 
     def _env(self) -> dict[str, str]:
-        env = single_process_env(dict(os.environ))
+        env = without_rank_variables(os.environ)
         if self.evals.mode == "side":    # beside the ranks: few threads, and no GPU memory taken from them
             env.update(OMP_NUM_THREADS=str(self.evals.threads), CUDA_VISIBLE_DEVICES="")
         return env

@@ -107,7 +107,8 @@ class Trainer(RunBase):
         self.metrics = self._open_metrics(resumed_from, max_steps=cfg.train.max_steps, what="", wandb_config={
             **config_to_dict(cfg), "model_resolved": self.objective.model_cfg.to_dict(), **self.objective.meta()})
         self.throughput = self._build_throughput()
-        self.evals = AttachedEvals(cfg, layout)     # every rank: inline evaluations make a process group
+        # every rank: inline evaluations make a process group; a signal ends rank 0's wait for one
+        self.evals = AttachedEvals(cfg, layout, stop_requested=lambda: self.preemption.signum != 0)
         self.max_steps = cfg.train.max_steps
         self.batches = iter(self.loader)
         self.warned_small_eval = False

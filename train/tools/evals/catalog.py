@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distaff.train.core.errors import ConfigError
-from distaff.train.core.files import read_json
 from distaff.train.data.errors import DataError
 from distaff.train.pretrain.attached_evals import PINNED, pinned, tasks_at
 from distaff.train.run.checkpoint_files import META, is_complete, read_meta, tag_for_step
@@ -63,9 +62,10 @@ def step_of(name: str) -> int | None:
 
 
 def run_checkpoints(run_dir: Path) -> dict[str, Path]:
-    """``step-*`` name -> folder: the complete checkpoint, else its pin."""
-    found = {p.name: p for p in pinned(run_dir) if is_complete(p)}
-    found.update({p.name: p for p in (run_dir / "checkpoints").glob("step-*") if is_complete(p)})
+    """``step-*`` name -> folder: its pin when it has one (``checkpoint.keep`` may prune the checkpoint while it is
+    read), else the complete checkpoint."""
+    found = {p.name: p for p in (run_dir / "checkpoints").glob("step-*") if is_complete(p)}
+    found.update({p.name: p for p in pinned(run_dir) if is_complete(p)})
     return dict(sorted(found.items()))
 
 
@@ -150,8 +150,3 @@ def gone_target(path: Path, run_dir: Path, cfg: RunConfig) -> tuple[Target, list
         return None
     target = Target(path, run_dir, f"checkpoints/{path.name}", step, "run", f"step {step}")
     return target, tasks_at(cfg.evals, step, cfg.train.max_steps)
-
-
-def checkpoint_config(folder: Path) -> dict:
-    """The run config a checkpoint was saved with (plain values)."""
-    return read_json(folder / META, error=DataError).get("config", {})

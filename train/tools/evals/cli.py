@@ -25,7 +25,7 @@ from pathlib import Path
 
 from distaff.train.core.errors import ConfigError, RunFailure, command_main
 from distaff.train.core.threads import configure_threads
-from distaff.train.core.distributed import RANK_VARIABLES
+from distaff.train.core.distributed import without_rank_variables
 from distaff.train.pretrain.attached_evals import EXIT_EVALUATED_ELSEWHERE, SUBMITTER
 from distaff.train.run.config import RunConfig
 from distaff.train.tools.evals import records, report
@@ -78,8 +78,9 @@ def _main(argv: list[str]) -> int:
 def _become_a_process_of_its_own(niceness: int) -> None:
     """Not one rank of the run that may have started it, at the priority asked for, and deaf to Slurm's warning
     signal (an evaluation has nothing to checkpoint: a requeued job redoes only what is missing)."""
-    for name in RANK_VARIABLES:
-        os.environ.pop(name, None)
+    kept = without_rank_variables(os.environ)
+    for name in set(os.environ) - set(kept):
+        del os.environ[name]
     if niceness:
         os.nice(niceness)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)

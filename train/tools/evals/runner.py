@@ -65,6 +65,7 @@ def _run(target: Target, todo: list[tuple[EvalTaskSection, int]], filing: record
         return outcome
     meta = read_meta(target.folder)
     model = CheckpointModel(target.folder, meta, work)
+    print(f"distaff evals: {target.label}: reading {target.folder}", flush=True)
     tasks = [task for i, (task, _) in enumerate(todo) if all(t is not task for t, _ in todo[:i])]
     for task in tasks:
         for seed in [s for t, s in todo if t is task]:
