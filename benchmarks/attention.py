@@ -336,7 +336,7 @@ def backward_extra_mib(batch: int, n: int) -> float:
     lse = torch.zeros(batch, HEADS, n)
     run, JITFunction.run = JITFunction.run, lambda self, *a, grid, warmup, **kw: None
     try:
-        end = problem.end_terms(q, k, kr, qr)  # saved by the forward
+        end = attention.end_terms(problem, q, k, kr, qr)  # saved by the forward
         with _LiveBytes() as tracker:
             grads = attention.attention_backward(grad_out, q, k, v, kr, qr, out, lse, end, problem)
     finally:

@@ -1,5 +1,6 @@
 """Starting runs on many processes and machines: the ``distaff`` command (``cli``), the ``deepspeed``
-launcher with hostfiles (``launcher``, ``hostlist``), Slurm scripts with preemption and requeue (``slurm``), decay
+launcher with hostfiles (``launcher``, ``hostlist``), Slurm scripts with preemption, stall and node-loss requeue (``slurm``) and a site's set-up lines,
+containers and GPU requests (``slurm_site``), decay
 branches of a run launched as it was (``decay``).
 
 Imports: ``distaff.train.core``, the two config loaders (``distaff.train.run.config``,

@@ -145,8 +145,10 @@ def deepspeed_command(target: LaunchTarget, *, gpus_per_node: int | None, master
     if gpus_per_node is not None:
         cmd += ["--num_gpus", str(gpus_per_node)]
     # The trainer reads LOCAL_RANK from the environment; deepspeed would also append --local_rank. The
-    # runner's own INFO lines (the command it runs, the world info) only with --verbose.
-    cmd += ["--master_port", str(master_port), "--log_level", "info" if verbose() else "warning",
+    # runner's own lines only with --verbose: its INFO lines (the command it runs, the world info), its WARNING
+    # on a local launch ("Unable to find hostfile") and its ERROR for a rank's non-zero exit ("exits with return
+    # code = 75" after a clean Ctrl-C): the ranks say why they stopped, and `launch` names a signal that killed one.
+    cmd += ["--master_port", str(master_port), "--log_level", "info" if verbose() else "critical",
             "--no_local_rank", "--module", target.module]
     return cmd + target.trainer_args()
 
@@ -268,7 +270,24 @@ def launch(args: argparse.Namespace) -> int:
     record_launch(target.out_dir, "launch", argparse.Namespace(**{
         **vars(args), "env": [pair for pair in args.env if not is_secret(pair.partition("=")[0])]}))
     print(f"distaff launch: {command}", file=sys.stderr, flush=True)
-    return run_forwarding_signals(plan.command, plan.env, target.module, to_ranks=not plan.files)
+    code = run_forwarding_signals(plan.command, plan.env, target.module, to_ranks=not plan.files)
+    killed = signal_of(code)
+    if killed:
+        print(f"distaff launch: a rank was killed by {killed} (exit status {code}); the ranks' own lines above say "
+              "no more: SIGKILL is often the out-of-memory killer (see `dmesg` or the job's memory limit)",
+              file=sys.stderr, flush=True)
+    return code
+
+
+def signal_of(code: int) -> str | None:
+    """The signal that ended a rank, from the deepspeed launcher's exit status (it exits with the rank's negative
+    return code, which the OS reports as 256 - signal), or None for an exit of the rank's own."""
+    if 256 - 64 <= code <= 255:
+        try:
+            return signal.Signals(256 - code).name
+        except ValueError:
+            return f"signal {256 - code}"
+    return None
 
 
 def run_forwarding_signals(command: list[str], env: dict[str, str], module: str, *, to_ranks: bool) -> int:

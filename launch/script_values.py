@@ -18,6 +18,10 @@ no leading or trailing whitespace (several readers strip it). Then, per reader:
   `````, ``\\`` and ``!`` are refused everywhere, and other shell characters unless the space makes
   deepspeed quote them.
 - Slurm time limits (:func:`slurm_time`): the formats ``sbatch --time`` accepts.
+- words a site adds to the job (:func:`site_word`: a container image, its mounts, a ``--gres`` request): no
+  shell metacharacter at all, so what the dry run shows is what runs, quoted or not.
+- set-up lines (:func:`setup_line`): shell code by design, written verbatim into the per-node script; one line
+  each (no newline or other control character but a tab), and never the line that ends that script.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ _SLURM_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d+(:\d{1,2}){0,2}|infinite|un
 _UNQUOTED_SAFE = re.compile(r"[\w@%+=:,./\-]+")              # what a shell reads as one literal word
 _NEVER_REMOTE = '"$`\\!'                                     # special even inside deepspeed's "..."
 _SBATCH_OPTION = re.compile(r"(--?[A-Za-z][A-Za-z0-9\-]*)(?:=(.*))?", re.S)
+_SITE_WORD = re.compile(r"[A-Za-z0-9_@%+=:,./#\-]+")            # image names (pyxis: nvcr.io#nvidia/x:24.01), paths
+NODE_SCRIPT_END = "DISTAFF_NODE_SCRIPT_END"                  # the heredoc delimiter of the per-node script
 
 
 _NAMES = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", "\0": "a NUL byte"}
@@ -117,3 +123,28 @@ def slurm_time(value: str) -> str:
         raise ConfigError(f"--time {shown(value)}: not a Slurm time limit; give minutes (90), MM:SS, HH:MM:SS, "
                           "D-HH, D-HH:MM, D-HH:MM:SS (1-12:00:00) or infinite")
     return value
+
+
+def site_word(what: str, value: str) -> str:
+    """A value a site adds to the job script (an image, mounts, a ``--gres`` request): letters, digits and
+    ``_@%+=:,./#-`` only, not starting with ``-``; anything else (a space, ``;``, ``$``, quotes...) is refused."""
+    plain_text(what, value)
+    if not _SITE_WORD.fullmatch(value) or value.startswith("-"):
+        bad = sorted({c for c in value if not _SITE_WORD.fullmatch(c)}) or ["a leading '-'"]
+        raise ConfigError(f"{what} {shown(value)}: contains {', '.join(map(repr, bad))}; give a plain name or path "
+                          "(letters, digits and _@%+=:,./#-, not starting with '-')")
+    return value
+
+
+def setup_line(what: str, line: str) -> str:
+    """A set-up line (shell code, run verbatim on every node): refused if it holds a control character other than a
+    tab (a newline or carriage return would make it more than the one line the dry run shows) or is the line that
+    ends the per-node script."""
+    bad = next((c for c in line if c != "\t" and unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")), None)
+    if bad is not None:
+        hint = " (a file with Windows line ends: convert it with dos2unix)" if bad == "\r" else ""
+        raise ConfigError(f"{what}: {shown(line)} contains a control character ({_char_name(bad)}){hint}; give "
+                          "one line per --setup, or one per line of --setup-file")
+    if line.strip() == NODE_SCRIPT_END:
+        raise ConfigError(f"{what}: {shown(line)} would end the per-node script early; remove it")
+    return line

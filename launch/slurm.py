@@ -13,6 +13,12 @@ The job survives preemption and time limits by itself:
   ``--open-mode=append``); the next attempt keeps the job id, hence the rendezvous port, the log
   files and the W&B run id, and resumes from the latest checkpoint (``checkpoint.resume=auto``).
 - A node that dies ends the job as NODE_FAIL, which ``--requeue`` also requeues (docs/launch.md).
+- A stall (a rank's watchdog: no step progress for ``distributed.watchdog_s``, its stacks dumped) is reported by
+  the per-node wrapper as 76 (``EXIT_STALLED``), and the batch script requeues it too. Stalls and lost nodes
+  count against ``--max-requeues`` (in ``<run>/slurm/attempts-<jobid>.txt``); past it the job stops with a
+  message naming the stack dumps. A checkpoint on a signal never counts: time limits may requeue a job any
+  number of times.
+- What a site needs before the launch (``--setup`` lines, a container, ``--gres``): :mod:`distaff.launch.slurm_site`.
 
 It also requests what it starts: ``--cpus-per-task`` (the ranks and their DataLoader workers, one
 CPU each) and memory per CPU, both passed on to the ``srun`` step as well (since Slurm 22.05 a step
@@ -33,14 +39,16 @@ from pathlib import Path
 
 from distaff.launch.run_config import (LaunchTarget, add_ranks_flag, add_task_argument, record_launch,
                                        resolve_launch_target)
-from distaff.launch.script_values import (plain_text, sbatch_extra, sbatch_option, slurm_path_pattern,
-                                          slurm_time)
+from distaff.launch.script_values import (NODE_SCRIPT_END, plain_text, sbatch_extra, sbatch_option,
+                                          slurm_path_pattern, slurm_time)
+from distaff.launch.slurm_site import CONTAINER_PYTHON, SiteOptions, add_site_arguments, site_options
 from distaff.train.core import presets
 from distaff.train.core.errors import ConfigError, RunFailure, command_main
-from distaff.train.core.exit_codes import EXIT_PREEMPTED
+from distaff.train.core.exit_codes import EXIT_FAILURE, EXIT_PREEMPTED, EXIT_STALLED
 from distaff.train.core.threads import check_ranks_per_node, rank_bound
 
 DEFAULT_SIGNAL_LEAD_S = 300
+DEFAULT_MAX_REQUEUES = 3     # stalled or lost attempts a job comes back from; then it stops for a person to look
 DEFAULT_MEM_PER_CPU = "4G"   # the rank and each DataLoader worker get one CPU, hence this much memory each
 _MEMORY = re.compile(r"\d+[KMGTkmgt]?")  # Slurm's sizes: a number of MB, or with a K/M/G/T suffix
 _NO_KILL = ("--no-kill", "-k")
@@ -65,6 +73,8 @@ class SlurmJobSpec:
     workdir: Path = field(default_factory=Path.cwd)  # job cwd: relative config paths resolve as here
     python: str = sys.executable
     max_ranks_per_node: int | None = None  # --max-ranks-per-node (ranks_per_node.py)
+    max_requeues: int = DEFAULT_MAX_REQUEUES  # requeues after a stall or a lost node (signals: unbounded)
+    site: SiteOptions = SiteOptions()      # set-up lines, a container, --gres
 
     @property
     def cpus(self) -> int:
@@ -87,6 +97,10 @@ class SlurmJobSpec:
     def script_path(self) -> Path:
         return self.log_dir / f"{self.target.task}.sbatch"
 
+    @property
+    def node_log(self) -> str:
+        return f"{slurm_path_pattern(str(self.log_dir))}/%x-%j-node%n.out"
+
 
 def _validate(spec: SlurmJobSpec) -> None:
     if spec.nodes < 1:
@@ -101,6 +115,9 @@ def _validate(spec: SlurmJobSpec) -> None:
                           f"{spec.cpus_per_task} ranks, or more CPUs")
     if spec.signal_lead_s < 1:
         raise ConfigError(f"--signal-lead must be >= 1 second, got {spec.signal_lead_s}")
+    if spec.max_requeues < 0:
+        raise ConfigError(f"--max-requeues must be >= 0, got {spec.max_requeues}")
+    spec.site.validate(spec.ranks_per_node, spec.cpu)
     if spec.cpus_per_task is not None and spec.cpus_per_task < 1:
         raise ConfigError(f"--cpus-per-task must be >= 1, got {spec.cpus_per_task}")
     if spec.mem is not None and spec.mem_per_cpu is not None:
@@ -141,8 +158,8 @@ def _sbatch_header(spec: SlurmJobSpec) -> list[str]:
         sbatch_option("signal", f"USR1@{spec.signal_lead_s}"),
         sbatch_option("chdir", str(spec.workdir), what="the submit directory"),
     ]
-    if not spec.cpu:
-        options.append(sbatch_option("gpus-per-node", spec.ranks_per_node))  # a step gets the job's GPUs by default
+    if not spec.cpu or spec.site.gres:
+        options.append(spec.site.gpu_option(spec.ranks_per_node))  # a step gets the job's GPUs by default
     if spec.exclusive:
         options.append(sbatch_option("exclusive"))
     options += [sbatch_option(name, value) for name, value in
@@ -166,12 +183,11 @@ def render_sbatch_script(spec: SlurmJobSpec) -> str:
     _validate(spec)
     header = "\n".join(_sbatch_header(spec))
     cpu_env = "export DS_ACCELERATOR=cpu\n" if spec.cpu else ""
-    # what the ranks inherit (nproc would answer OMP_NUM_THREADS instead)
-    affinity = shlex.join([spec.python, "-c", "import os; print(len(os.sched_getaffinity(0)))"])
-    node_log = f"{slurm_path_pattern(str(spec.log_dir))}/%x-%j-node%n.out"
+    where = (f"inside the container {spec.site.container}" if spec.site.container else
+             "its venv must be on a filesystem all nodes mount at that same path")
     return f"""#!/bin/bash
 # Written by `distaff slurm submit` for run {spec.target.name!r} ({spec.target.out_dir}).
-# Every node runs {spec.python}: its venv must be on a filesystem all nodes mount at that same path.
+# Every node runs {spec.python}: {where}.
 {header}
 
 # A requeued attempt keeps its job id: same logs, rendezvous port and W&B run.
@@ -179,25 +195,10 @@ echo "distaff: job $SLURM_JOB_ID attempt restart_count=${{SLURM_RESTART_COUNT:-0
 export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"
 export MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))
 export WANDB_RUN_ID="${{WANDB_RUN_ID:-${{SLURM_CLUSTER_NAME:-slurm}}-$SLURM_JOB_ID}}"
-{cpu_env}
+{cpu_env}{_attempts_start(spec)}
 # Runs once per node (srun --ntasks-per-node=1).
-read -r -d '' node_script <<'NODE'
-stop_requested=0
-trap 'stop_requested=1' USR1 TERM
-is_host=$([ "$SLURM_NODEID" = 0 ] && echo true || echo false)
-echo "distaff: node $SLURM_NODEID ($SLURMD_NODENAME): $({affinity}) CPUs for its ranks"
-resume=()
-[ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ] && resume=(checkpoint.resume=auto)
-# torchrun would die of SIGUSR1: it ignores it; the ranks install their own handler.
-(trap '' USR1; exec {_torchrun_command(spec)}) &
-pid=$!
-while kill -0 "$pid" 2>/dev/null; do wait "$pid"; done
-wait "$pid"; status=$?
-# torchrun reports any stopped rank as 1: a signal was the reason, so say "preempted".
-if [ "$status" -ne 0 ] && [ "$stop_requested" = 1 ]; then status={EXIT_PREEMPTED}; fi
-echo "distaff: node $SLURM_NODEID ranks exited with $status"
-exit "$status"
-NODE
+read -r -d '' node_script <<'{NODE_SCRIPT_END}'
+{_node_script(spec)}{NODE_SCRIPT_END}
 
 # A signal sent to the batch shell only (scancel --batch, --signal=B:...) goes on to the ranks.
 trap 'scancel --signal=USR1 "$SLURM_JOB_ID"' USR1
@@ -205,17 +206,91 @@ trap 'scancel --signal=USR1 "$SLURM_JOB_ID"' USR1
 # shrunk after a lost node no longer has). Slurm >= 22.05: a step does not inherit the job's
 # --cpus-per-task; it is asked for again.
 srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task={spec.cpus} \\
-    --kill-on-bad-exit=0 --open-mode=append --output={shlex.quote(node_log)} \\
-    bash -c "$node_script" &
+    --kill-on-bad-exit=0 --open-mode=append --output={shlex.quote(spec.node_log)} \\
+    {spec.site.srun_options(spec.workdir)}bash -c "$node_script" &
 srun_pid=$!
 while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid"; done
 wait "$srun_pid"; status=$?
 echo "distaff: job $SLURM_JOB_ID ranks exited with $status at $(date -Is)"
-if [ "$status" -eq {EXIT_PREEMPTED} ]; then
+{_attempts_end(spec)}exit "$status"
+"""
+
+
+def _node_script(spec: SlurmJobSpec) -> str:
+    """The per-node script (run by ``bash -c`` on every node): set-up lines (after the signal traps: a signal
+    during a slow set-up does not kill the node's script), then torchrun for the node's ranks."""
+    prefix = spec.site.command_prefix(spec.cpu)
+    # what the ranks inherit (nproc would answer OMP_NUM_THREADS instead)
+    affinity = prefix + shlex.join([spec.python, "-c", "import os; print(len(os.sched_getaffinity(0)))"])
+    return f"""stop_requested=0
+trap 'stop_requested=1' USR1 TERM
+{spec.site.setup_block()}started=$(mktemp)      # the ranks' stack dumps newer than this are this attempt's
+out_dir={shlex.quote(str(spec.target.out_dir))}
+is_host=$([ "$SLURM_NODEID" = 0 ] && echo true || echo false)
+echo "distaff: node $SLURM_NODEID ($SLURMD_NODENAME): $({affinity}) CPUs for its ranks"
+resume=()
+[ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ] && resume=(checkpoint.resume=auto)
+# torchrun would die of SIGUSR1: it ignores it; the ranks install their own handler.
+(trap '' USR1; exec {prefix}{_torchrun_command(spec)}) &
+pid=$!
+while kill -0 "$pid" 2>/dev/null; do wait "$pid"; done
+wait "$pid"; status=$?
+# torchrun reports any failed rank as 1: a signal was the reason, so say "preempted"; a rank's watchdog
+# (its stack dump), so say "stalled".
+if [ "$status" -ne 0 ] && [ "$stop_requested" = 1 ]; then status={EXIT_PREEMPTED}
+elif [ "$status" -ne 0 ] && [ -n "$(find "$out_dir" -maxdepth 1 -name 'stacks-rank*.txt' -newer "$started")" ]
+then status={EXIT_STALLED}; fi
+rm -f "$started"
+echo "distaff: node $SLURM_NODEID ranks exited with $status"
+exit "$status"
+"""
+
+
+def _attempts_start(spec: SlurmJobSpec) -> str:
+    """Batch-script text: count the attempts that failed on their own (a stall, a lost node) and stop once there
+    were more than ``--max-requeues``; mark this attempt started."""
+    return f"""# Attempts that failed on their own (stalled, or lost with a node) count against --max-requeues;
+# a checkpoint on a signal ({EXIT_PREEMPTED}) does not.
+attempts={shlex.quote(str(spec.log_dir))}/attempts-"$SLURM_JOB_ID".txt
+out_dir={shlex.quote(str(spec.target.out_dir))}
+dumps() {{ ls -1 "$out_dir"/stacks-rank*.txt 2>/dev/null | paste -sd ' '; }}
+attempt=${{SLURM_RESTART_COUNT:-0}}
+max_requeues={spec.max_requeues}
+last=$(tail -n 1 "$attempts" 2>/dev/null)
+if [ "${{last% started}}" != "$last" ]; then   # it started and said nothing more: Slurm requeued it (NODE_FAIL)
+    echo "${{last% started}} lost (its node failed, or the job was requeued from outside)" >> "$attempts"
+fi
+failed=$(grep -cE '^attempt [0-9]+ (stalled|lost)' "$attempts" 2>/dev/null)
+if [ "${{failed:-0}}" -gt "$max_requeues" ]; then
+    echo "distaff: job $SLURM_JOB_ID: $failed attempts stalled or were lost, more than --max-requeues" \
+         "$max_requeues: not running again; stack dumps: $(dumps); attempts: $attempts"
+    exit {EXIT_FAILURE}
+fi
+echo "attempt $attempt started" >> "$attempts"
+"""
+
+
+def _attempts_end(spec: SlurmJobSpec) -> str:
+    """Batch-script text after the step: requeue on a signal's checkpoint, and on a stall up to ``--max-requeues``
+    times (the per-node script reports a rank's watchdog as 76, ``EXIT_STALLED``)."""
+    return f"""if [ "$status" -eq {EXIT_PREEMPTED} ]; then
+    echo "attempt $attempt checkpointed on a signal" >> "$attempts"
     echo "distaff: checkpointed on a signal: requeueing job $SLURM_JOB_ID"
     scontrol requeue "$SLURM_JOB_ID"
+elif [ "$status" -eq {EXIT_STALLED} ]; then
+    echo "attempt $attempt stalled" >> "$attempts"
+    failed=$(( ${{failed:-0}} + 1 ))
+    if [ "$failed" -le "$max_requeues" ]; then
+        echo "distaff: stalled (stack dumps: $(dumps)): requeueing job $SLURM_JOB_ID to resume from its latest" \
+             "checkpoint ($failed of --max-requeues $max_requeues)"
+        scontrol requeue "$SLURM_JOB_ID"
+    else
+        echo "distaff: stalled: not requeueing job $SLURM_JOB_ID: $failed attempts stalled or were lost, more than" \
+             "--max-requeues $max_requeues; stack dumps: $(dumps); attempts: $attempts"
+    fi
+else
+    echo "attempt $attempt ended with $status" >> "$attempts"
 fi
-exit "$status"
 """
 
 
@@ -303,6 +378,10 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     sub.add_argument("--signal-lead", type=int, default=DEFAULT_SIGNAL_LEAD_S,
                      help="seconds before the time limit at which the ranks checkpoint and requeue")
     sub.add_argument("--sbatch", action="append", default=[], metavar="OPTION", help="extra #SBATCH option")
+    sub.add_argument("--max-requeues", type=int, default=DEFAULT_MAX_REQUEUES, metavar="N",
+                     help="requeue after a stall or a lost node up to N times, then stop (default "
+                          f"{DEFAULT_MAX_REQUEUES}; a checkpoint on a signal always requeues)")
+    add_site_arguments(sub)
     sub.add_argument("--gpu-kind", help="GPU kind for the plan's line (distaff plan --list-gpus; default A100-80GB)")
     sub.add_argument("--dry-run", action="store_true", help="print the script and the command, submit nothing")
     sub.add_argument("overrides", nargs="*", help="config overrides dotted.key=value")
@@ -323,17 +402,20 @@ def _main(argv: list[str]) -> int:
 def submit_job(args: argparse.Namespace) -> int:
     """``distaff slurm submit`` with parsed options (``distaff decay`` passes a parent run's, recorded)."""
     target = resolve_launch_target(args.config, args.overrides, args.task)
+    site = site_options(args)
     spec = SlurmJobSpec(
         target=target, nodes=args.nodes, ranks_per_node=args.gpus_per_node, cpu=args.cpu,
         cpus_per_task=args.cpus_per_task, mem=args.mem, mem_per_cpu=args.mem_per_cpu, exclusive=args.exclusive,
         partition=args.partition, account=args.account, time=args.time, job_name=args.job_name,
-        signal_lead_s=args.signal_lead, sbatch_lines=tuple(args.sbatch), python=sys.executable,
-        max_ranks_per_node=args.max_ranks_per_node)
+        signal_lead_s=args.signal_lead, sbatch_lines=tuple(args.sbatch),
+        python=args.python or (CONTAINER_PYTHON if site.container else sys.executable),
+        max_ranks_per_node=args.max_ranks_per_node, max_requeues=args.max_requeues, site=site)
     script = render_sbatch_script(spec)   # a bad request is refused before anything is printed
     from distaff.launch.eval_jobs import preview   # (it imports this module) evals.mode=slurm's job, checked now
 
     eval_job = preview(target)
-    warn_if_node_local(spec.python, dict(os.environ))
+    if not site.container:
+        warn_if_node_local(spec.python, dict(os.environ))
     if not args.cpu:   # the plan's line for this job (memory per GPU, fit, estimated time)
         from distaff.train.plan.planner import print_launch_summary
 

@@ -3,9 +3,16 @@
 # pretraining of the `tiny` model (all GPUs when present), held-out evaluation, Hugging Face export,
 # and a summary. About 5-8 minutes on a 2-core CPU machine.
 #
-#   bash scripts/demo.sh                 # writes runs/demo/ (replaced on each run)
+#   bash scripts/demo.sh                 # writes runs/demo/; run again after a crash or Ctrl-C: it resumes
+#   bash scripts/demo.sh --fresh         # starts afresh (deletes runs/demo/ first)
 #   DISTAFF_DEMO_DIR=/tmp/d bash scripts/demo.sh train.max_steps=50   # extra args: run-config overrides
 set -euo pipefail
+
+FRESH=0
+OVERRIDES=()
+for arg in "$@"; do
+    if [ "$arg" = --fresh ]; then FRESH=1; else OVERRIDES+=("$arg"); fi
+done
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -24,19 +31,34 @@ GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 RANKS=$(( GPUS > 0 ? GPUS : 2 ))
 export WANDB_MODE="${WANDB_MODE:-offline}" WANDB_SILENT=true TOKENIZERS_PARALLELISM=false
 
-rm -rf "$OUT"
+if [ "$FRESH" = 1 ]; then
+    rm -rf "$OUT"
+elif [ -d "$OUT" ]; then    # an earlier demo, finished or interrupted: each step below picks up where it stopped
+    echo "== resuming the demo in $OUT (bash scripts/demo.sh --fresh starts afresh)"
+fi
 mkdir -p "$OUT"
-echo "== distaff demo: tokenizer (SentencePiece, 4000 pieces) on ${SAMPLE[*]}"
-"$BIN/distaff" tokenizer train --input "${SAMPLE[@]}" --vocab-size 4000 --out "$OUT/tokenizer"
-echo "== shards: 128-token sequences, enough documents held out for 20,000 held-out tokens"
-"$BIN/distaff" data prepare --input "${SAMPLE[@]}" --tokenizer "$OUT/tokenizer" --seq-len 128 --pack-documents \
-    --shard-mb 0.2 --out "$OUT/data" --no-progress
+# The tokenizer's metadata file is written last: with it, the tokenizer is whole.
+if [ -f "$OUT/tokenizer/distaff_tokenizer.json" ]; then
+    echo "== tokenizer: kept from the earlier demo ($OUT/tokenizer)"
+else
+    echo "== distaff demo: tokenizer (SentencePiece, 4000 pieces) on ${SAMPLE[*]}"
+    "$BIN/distaff" tokenizer train --input "${SAMPLE[@]}" --vocab-size 4000 --out "$OUT/tokenizer"
+fi
+# An interrupted prepare resumes by itself, keeping its finished blocks; the manifest is written last.
+if [ -f "$OUT/data/manifest.json" ]; then
+    echo "== shards: kept from the earlier demo ($OUT/data)"
+else
+    echo "== shards: 128-token sequences, enough documents held out for 20,000 held-out tokens"
+    "$BIN/distaff" data prepare --input "${SAMPLE[@]}" --tokenizer "$OUT/tokenizer" --seq-len 128 --pack-documents \
+        --shard-mb 0.2 --out "$OUT/data" --no-progress
+fi
+# checkpoint.resume=auto (the preset's): a run interrupted after a checkpoint goes on from it; a finished one says so.
 echo "== pretraining the tiny-cpu preset on $RANKS rank(s) under the deepspeed launcher"
 PORT=$("$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 "$BIN/distaff" launch --config tiny-cpu --gpus-per-node "$RANKS" --master-port "$PORT" \
-    run.out_dir="$OUT/run" data.dir="$OUT/data" logging.progress_bar=false "$@"
+    run.out_dir="$OUT/run" data.dir="$OUT/data" logging.progress_bar=false ${OVERRIDES[@]+"${OVERRIDES[@]}"}
 echo "== export to Hugging Face"
-"$BIN/distaff" export-hf "$OUT/run" "$OUT/hf"
+"$BIN/distaff" export-hf "$OUT/run" "$OUT/hf" --overwrite
 
 "$PY" - "$OUT" "$SECONDS" <<'PYEOF'
 import json, sys
@@ -47,6 +69,9 @@ s = json.loads((out / "run" / "summary.json").read_text())
 hf = out / "hf"
 try:  # the exported folder is a regular transformers model
     from transformers import AutoModelForMaskedLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()      # no "Loading weights" bar in the summary
     model, tok = AutoModelForMaskedLM.from_pretrained(hf), AutoTokenizer.from_pretrained(hf)
     loaded = f"loads with AutoModelForMaskedLM ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)"
 except ImportError:

@@ -11,7 +11,7 @@ cd "$REPO"
 OUT="${DISTAFF_DEMO_DIR:-runs/demo}"
 LOG="$(mktemp)"
 SECONDS=0
-bash scripts/demo.sh | tee "$LOG"
+bash scripts/demo.sh --fresh | tee "$LOG"
 ELAPSED=$SECONDS
 sed -n '/^== distaff demo summary/,$p' "$LOG" > "$OUT/summary.txt"
 .venv/bin/python scripts/refresh_doc_numbers.py README.md "$OUT/summary.txt" "$OUT/run/summary.json" "$ELAPSED"

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
 
 from distaff.launch.cli import main as distaff_main
+from distaff.train.core import threads
 from distaff.train.core.progress import ProgressLines
 from distaff.train.pretrain.trainer import load_run_config
 from distaff.train.run.config import ConfigError
@@ -29,6 +33,48 @@ def test_a_missing_data_dir_or_manifest_is_a_config_error_naming_the_key_and_pat
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=rf"^data.dir: {tmp_path}/empty holds no manifest.json;"):
         load_run_config("tiny-cpu", ["data.dir=empty"])
+
+
+@pytest.mark.unit
+def test_a_preset_reads_before_its_data_exists_and_inspecting_says_nothing_of_the_load(tmp_path, monkeypatch, capsys):
+    """--print-config prints a preset whose inputs are not there yet and notes each (exit 0); --check names them and
+    the checks that could not run (exit 2: the run would stop on the same line). On a busy machine, where a
+    trainer says how many threads it leaves the others, neither says a word about it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "busy_cores", lambda *_: 1.9)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    before = torch.get_num_threads()
+    try:
+        threads.configure_threads({})                      # what a trainer would say here
+        assert "other processes keep 1.9 of the 2 cores busy" in capsys.readouterr().err
+        data = f"data.dir: {tmp_path}/data/deberta-v3-large does not exist; set data.dir to a folder written by " \
+               "`distaff data prepare ... --out DIR`"
+        assert distaff_main(["pretrain", "--config", "deberta-v3-large", "--print-config"]) == 0
+        out, err = capsys.readouterr()
+        assert yaml.safe_load(out)["model"] == {"preset": "deberta-v3-large", "emd": True}
+        assert err == f"distaff pretrain: note: {data}\n"
+        assert distaff_main(["pretrain", "--config", "deberta-v3-large", "--check"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.splitlines() == [
+            f"distaff pretrain: --check: {data}",
+            "distaff pretrain: --check: the config is valid; not checked without it: the data (manifest, tokenizer, "
+            "shards), the model against the data, the schedule's sources and phases, a checkpoint to resume; a run "
+            "would stop on the same line (exit 2)"]
+        assert distaff_main(["finetune", "--config", "sentiment-cpu", "--print-config"]) == 0
+        out, err = capsys.readouterr()
+        assert yaml.safe_load(out)["model"]["init_from"] == "runs/demo/run"
+        assert err.splitlines() == [
+            f"distaff finetune: note: model.init_from: {tmp_path}/runs/demo/run does not exist; set it to a "
+            "pretraining run's folder (scripts/demo.sh writes runs/demo/run), one of its checkpoints or a Hugging "
+            "Face model folder",
+            f"distaff finetune: note: data.train: {tmp_path}/data/movie-snippets.tsv.gz does not exist"]
+        assert distaff_main(["finetune", "--config", "sentiment-cpu", "--check"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.splitlines()) == 3 and "not checked without them: the encoder" in err
+        assert not list(tmp_path.iterdir())                # nothing written
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.integration

@@ -20,6 +20,7 @@ FOLDERS = {"kernels": "distaff.kernels", "train": "distaff.train", "launch": "di
 ALLOWED = {
     "distaff.kernels": set(),
     "distaff.kernels.aot": {"distaff.kernels"},
+    "distaff.kernels.attention": {"distaff.kernels"},  # the fused attention: its contract and tables
     "distaff.train.core": set(),
     "distaff.train.data": {"distaff.kernels", "distaff.train.core"},
     "distaff.train.model": {"distaff.kernels", "distaff.train.core"},

@@ -196,17 +196,17 @@ def record_launches(case: Case, cc: int = 90) -> list[tuple]:
     from distaff.kernels import attention
 
     launches = []
-    original, planned = JITFunction.run, attention.PLANNED_CAPABILITY
+    original, planned = JITFunction.run, attention.planning.PLANNED_CAPABILITY
 
     def record(self, *args, grid, warmup, **kwargs):
         launches.append((self, args, kwargs, grid))
 
     JITFunction.run = record
-    attention.PLANNED_CAPABILITY = cc
+    attention.planning.PLANNED_CAPABILITY = cc
     try:
         (_run_attention if case.op == "attention" else _run_op)(case, torch)
     finally:
-        JITFunction.run, attention.PLANNED_CAPABILITY = original, planned
+        JITFunction.run, attention.planning.PLANNED_CAPABILITY = original, planned
     return launches
 
 

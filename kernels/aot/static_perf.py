@@ -279,46 +279,154 @@ LATENCIES = (Latency("low", 300), Latency("high", 600))
 PIPELINE_WALKS = 4  # a loop path's steady state: up to 3 iterations of prefetch in flight
 SM90_TENSOR_FLOPS_PER_CYCLE = 989e12 / (132 * 1.98e9)  # one SM's dense bf16 rate: how long an HGMMA runs
 _REGISTER = re.compile(r"\b(U?R\d+|U?P\d)\b")
-_NO_DEST = ("ST", "STG", "STS", "STL", "RED", "REDG", "BAR", "BRA", "BRX", "JMP", "EXIT", "RET", "MEMBAR", "FENCE",
-            "DEPBAR", "WARPGROUP", "LDGDEPBAR", "LDGSTS", "BSSY", "BSYNC", "NOP", "WARPSYNC", "SYNCS", "CALL",
-            "HGMMA", "ERRBAR", "CCTL", "BREAK")
+_PAIR = re.compile(r"\b(U?R)(\d+)\.64\b")        # a 64-bit address operand: the register and the next one
+_PREDICATE = re.compile(r"!?U?P(?:T|\d)")         # a predicate operand (PT / UPT: the constant true)
+_REGISTER_OPERAND = re.compile(r"-?\|?U?R(?:Z|\d+)\b")
+# Opcodes that write no register: stores, branches, barriers and fences, cp.async (it writes shared memory),
+# warpgroup MMAs (their accumulators are written asynchronously: ``WARPGROUP.DEPBAR`` is the wait).
+_NO_DEST = ("ST", "STG", "STS", "STL", "STSM", "RED", "REDG", "BAR", "BRA", "BRX", "JMP", "EXIT", "RET", "MEMBAR",
+            "FENCE", "DEPBAR", "WARPGROUP", "LDGDEPBAR", "LDGSTS", "BSSY", "BSYNC", "NOP", "WARPSYNC", "CALL",
+            "HGMMA", "ERRBAR", "CCTL", "BREAK", "UTMALDG", "UTMASTG", "UBLKCP", "ACQBULK", "ARRIVES")
+_STORES = ("ST", "STG", "STS", "STL", "STSM", "RED", "REDG", "ATOM", "ATOMG", "ATOMS")
+# Opcodes whose destinations are predicates only (``ISETP P0, PT, R2, R3, PT``: P0 and PT are written).
+_PREDICATE_DESTS = {"ISETP": 2, "FSETP": 2, "DSETP": 2, "HSETP2": 2, "UISETP": 2, "PSETP": 2, "PLOP3": 2,
+                    "UPLOP3": 2, "FCHK": 1}
+# Opcodes that write carry predicates after their register (``IADD3 R4, P0, PT, ...``, ``LEA R4, P0, ...``).
+_CARRIES = ("IADD3", "UIADD3", "LEA", "ULEA", "IMAD", "UIMAD", "IADD", "VOTE", "VOTEU")
 
 
-def _dest_width(instr: Instruction) -> int:
-    op = instr.opcode
-    if ".128" in op or (instr.base == "LDSM" and op.endswith(".4")) or (instr.base == "HMMA" and ".F32" in op):
+def _numbered(token: str, count: int) -> list[str]:
+    """``count`` consecutive registers from the one ``token`` names (RZ, URZ, PT: none)."""
+    m = re.search(r"\b(U?[RP])(\d+)\b", token)
+    return [f"{m[1]}{int(m[2]) + i}" for i in range(count)] if m else []
+
+
+def _is_register(token: str) -> bool:
+    return bool(_REGISTER_OPERAND.fullmatch(token.split(".")[0]))
+
+
+def _token_registers(token: str) -> list[str]:
+    """Registers one operand token names (``desc[UR4][R2.64+0x10]``: UR4, R2 and R3)."""
+    return _REGISTER.findall(token) + [f"{m[1]}{int(m[2]) + 1}" for m in _PAIR.finditer(token)]
+
+
+def _vector_width(instr: Instruction) -> int:
+    """Registers of a load's destination or a store's data: ``.64`` 2, ``.128`` 4; ``LDSM``/``STSM`` by their
+    matrix count (``.2``, ``.4``); 64-bit ``.WIDE`` products and ``CS2R`` 2."""
+    parts = instr.opcode.split(".")
+    if "128" in parts or (instr.base in ("LDSM", "STSM") and parts[-1] == "4"):
         return 4
-    return 2 if ".64" in op or ".WIDE" in op or (instr.base in ("LDSM", "HMMA") and op.endswith(".2")) else 1
+    if "64" in parts or "WIDE" in parts or (instr.base in ("LDSM", "STSM") and parts[-1] == "2"):
+        return 2
+    return 2 if instr.base == "CS2R" and "32" not in parts else 1
+
+
+def _mma_widths(instr: Instruction) -> tuple[int, int, int]:
+    """Registers per thread of an ``HMMA``'s A, B and C/D fragments (``m16n8k16``: 4, 2 and 4 with a float32
+    accumulator, 2 with a half one; ``m16n8k8``: 2, 1 with half inputs, 4, 2 with tf32)."""
+    parts = instr.opcode.split(".")
+    acc = 4 if len(parts) > 2 and parts[2] == "F32" else 2
+    if len(parts) > 1 and parts[1] == "16816":
+        return 4, 2, acc
+    return (4, 2, acc) if "TF32" in parts else (2, 1, acc)
+
+
+def _split_guard(operands: str) -> tuple[str, list[str]]:
+    """``(guard, operand tokens)``: the guard predicate (``@!P4``; empty when unguarded) is everything up to
+    the FIRST space, the operands are the comma-separated rest."""
+    guard, body = "", operands
+    if operands.startswith("@"):
+        guard, _, body = operands.partition(" ")
+    return guard, [t for t in (t.strip() for t in body.split(",")) if t]
+
+
+def _destination_count(base: str, tokens: list[str]) -> int:
+    """How many leading operand tokens an instruction writes (the rest it reads): predicates first where it
+    sets some (``SHFL.BFLY PT, R55``, ``LOP3.LUT P0, RZ``), its register, then carry-out predicates
+    (``IADD3 R20, P1, ...``, ``LEA R12, P0, ...``)."""
+    if base in _NO_DEST:
+        return 0
+    if base in _PREDICATE_DESTS:
+        return _PREDICATE_DESTS[base]
+    n = 0
+    while n < len(tokens) and _PREDICATE.fullmatch(tokens[n]):
+        n += 1
+    if n == len(tokens) or not _is_register(tokens[n]):
+        return n
+    n += 1
+    carries = {"VOTE": 1, "VOTEU": 1}.get(base, 2 if base in _CARRIES else 0)
+    while carries and n < len(tokens) and _PREDICATE.fullmatch(tokens[n]) and not tokens[n].startswith("!"):
+        n, carries = n + 1, carries - 1
+    return n
+
+
+def _source_registers(instr: Instruction, tokens: list[str]) -> list[str]:
+    """Registers the operand tokens after the destinations read: 64-bit addresses as pairs, and at their full
+    width a store's data, an ``HMMA``'s three fragments and a ``.WIDE`` product's 64-bit addend."""
+    if instr.base == "HGMMA":
+        return _warpgroup_sources(instr, tokens)
+    regs = [r for token in tokens for r in _token_registers(token)]
+    if instr.base == "HMMA":
+        for token, width in zip(tokens, _mma_widths(instr)):
+            regs += _numbered(token, width)[1:]
+    elif instr.base in _STORES and tokens and _is_register(tokens[-1]):
+        regs += _numbered(tokens[-1], _vector_width(instr))[1:]
+    elif instr.base == "IMAD" and "WIDE" in instr.opcode.split(".") and tokens:
+        regs += _numbered(tokens[-1], 2)[1:]
+    return regs
+
+
+def _warpgroup_sources(instr: Instruction, tokens: list[str]) -> list[str]:
+    """What an ``HGMMA`` reads: its descriptors' uniform registers, its A fragment when A comes from registers
+    (``HGMMA R56, R24, gdesc[UR32].tnspB, R56``: R24..R27) and the accumulator it adds to (R56..R87: ``N / 2``
+    float32 or ``N / 4`` half registers of a ``64 x N`` tile; ``RZ``: none). Its first token, the accumulator
+    it writes, is written asynchronously (``WARPGROUP.DEPBAR`` waits for it). ``WARPGROUP.ARRIVE``
+    (``wgmma.fence``) orders the registers the next ``HGMMA`` reads: modelled as those reads."""
+    m = re.match(r"HGMMA\.64x(\d+)x\d+\.(\w+)", instr.opcode)
+    width = int(m[1]) // (2 if m[2] == "F32" else 4) if m else 1
+    a = tokens[1] if len(tokens) > 1 and _is_register(tokens[1]) else ""
+    c = next((t for t in tokens[2:] if _is_register(t)), "")
+    regs = [r for token in tokens[1:] for r in _token_registers(token)]
+    return regs + _numbered(a, 4)[1:] + _numbered(c, width)[1:]
 
 
 @functools.lru_cache(maxsize=None)
 def registers(instr: Instruction) -> tuple[list[str], list[str]]:
-    """``(sources, destinations)`` of an instruction: the registers it reads (guard included) and those
-    whose value it produces (a vector destination covers its consecutive registers)."""
-    guard, _, body = instr.operands.rpartition(" ") if instr.operands.startswith("@") else ("", "", instr.operands)
-    tokens = [t.strip() for t in body.split(",")]
-    if instr.base in _NO_DEST or not tokens or not _REGISTER.fullmatch(tokens[0].split(".")[0]):
-        return _REGISTER.findall(guard + " " + body), []
-    first = tokens[0].split(".")[0]
-    prefix, number = re.match(r"(U?[RP])(\d+)", first).groups()
-    dests = [f"{prefix}{int(number) + i}" for i in range(_dest_width(instr))]
-    return _REGISTER.findall(guard + " " + ",".join(tokens[1:])), dests
+    """``(sources, destinations)`` of an instruction: the registers it reads (its guard predicate included)
+    and those whose value it produces. A vector destination (``LDG.E.128 R4``, ``LDSM.16.M88.4``, a float32
+    ``HMMA`` accumulator) covers its consecutive registers; ``RZ``/``PT`` are no registers."""
+    guard, tokens = _split_guard(instr.operands)
+    count = _destination_count(instr.base, tokens)
+    dests = []
+    for token in tokens[:count]:
+        width = 1 if _PREDICATE.fullmatch(token) else _mma_widths(instr)[2] if instr.base == "HMMA" else \
+            _vector_width(instr)
+        dests += _numbered(token, width)
+    return _REGISTER.findall(guard) + _source_registers(instr, tokens[count:]), dests
 
 
 def _result_latency(instr: Instruction, lat: Latency) -> int:
     base = instr.base
-    if base in ("LDG", "ATOMG", "LDL"):
+    if base in ("LDG", "ATOMG", "LDL", "LD", "ATOM"):
         return lat.global_
     if base in ("LDS", "LDSM", "SHFL", "ATOMS"):
         return lat.shared
+    if base == "CS2R" and "SRZ" in instr.operands:  # zeroing a register pair
+        return lat.alu
     return {"HMMA": lat.tensor, "MUFU": lat.mufu, "S2R": lat.special, "S2UR": lat.special, "LDC": lat.special,
-            "CS2R": lat.special}.get(base, lat.alu)
+            "ULDC": lat.special, "CS2R": lat.special}.get(base, lat.alu)
+
+
+def _wait_count(instr: Instruction) -> int:
+    """``N`` of ``DEPBAR.LE SB0, N`` / ``WARPGROUP.DEPBAR.LE gsb0, N``: the groups that may stay in flight."""
+    _, tokens = _split_guard(instr.operands)
+    return int(tokens[-1], 0) if len(tokens) > 1 else 0
 
 
 @dataclass
 class _Scoreboard:
     """One warp's in-order walk: when each register's value is ready, and the asynchronous work in flight
-    (cp.async groups, warpgroup MMAs, global stores)."""
+    (cp.async groups, warpgroup MMA groups, global stores)."""
 
     lat: Latency
     interval: float            # cycles between two issues of this warp (its block's warps share 4 schedulers)
@@ -326,7 +434,9 @@ class _Scoreboard:
     ready: dict = field(default_factory=dict)
     copies: list = field(default_factory=list)   # completion of each committed cp.async group
     open_copy: float = 0.0
-    mma_done: float = 0.0
+    mmas: list = field(default_factory=list)     # completion of each committed warpgroup MMA group
+    tensor_free: float = 0.0                     # when the tensor cores finish the MMAs issued so far
+    open_mma: float = 0.0
     stores_done: float = 0.0
 
     def issue(self, instr: Instruction) -> float:
@@ -336,34 +446,50 @@ class _Scoreboard:
         start = self._wait(instr, start)
         waited = start - self.time
         self.time = start + self.interval
+        self._track(instr, start)
+        for r in dests:
+            self.ready[r] = start + _result_latency(instr, self.lat)
+        return waited
+
+    def _track(self, instr: Instruction, start: float) -> None:
+        """Record the asynchronous work ``instr`` starts or commits."""
         base = instr.base
         if base == "LDGSTS":
             self.open_copy = max(self.open_copy, start + self.lat.global_)
         elif base == "LDGDEPBAR":
             self.copies.append(self.open_copy)
             self.open_copy = 0.0
-        elif base == "HGMMA":
-            self.mma_done = max(self.mma_done, start) + tensor_flops(instr.opcode) * 4 / SM90_TENSOR_FLOPS_PER_CYCLE
+        elif base == "HGMMA":  # the tensor cores run one MMA after another; ``gsb0`` commits the group
+            flops = tensor_flops(instr.opcode) * 4
+            self.tensor_free = self.open_mma = max(self.tensor_free, start) + flops / SM90_TENSOR_FLOPS_PER_CYCLE
+            if "gsb0" in instr.operands:
+                self.mmas.append(self.open_mma)
+                self.open_mma = 0.0
         elif base in ("STG", "RED", "REDG", "ATOMG"):
             self.stores_done = max(self.stores_done, start + self.lat.global_)
-        for r in dests:
-            self.ready[r] = start + _result_latency(instr, self.lat)
-        return waited
 
     def _wait(self, instr: Instruction, start: float) -> float:
         """The issue time after what the instruction waits for besides its registers."""
         base, op = instr.base, instr.opcode
         if base == "DEPBAR" and "SB0" in instr.operands:      # cp.async.wait_group N
-            keep = int(instr.operands.rsplit(",", 1)[-1].strip(" ;"), 0) if "," in instr.operands else 0
-            done, self.copies = self.copies[:max(0, len(self.copies) - keep)], self.copies[max(0, len(self.copies) - keep):]
+            self.copies, done = _retire(self.copies, _wait_count(instr))
             return max([start] + done)
-        if base == "WARPGROUP" and "DEPBAR" in op:            # wgmma.wait_group
-            return max(start, self.mma_done)
+        if base == "WARPGROUP" and "DEPBAR" in op:            # wgmma.wait_group N
+            open_group = [self.open_mma] if self.open_mma else []  # MMAs issued with no commit: waited for too
+            self.mmas, done = _retire(self.mmas + open_group, _wait_count(instr))
+            self.open_mma = 0.0
+            return max([start] + done)
         if base == "MEMBAR":
             return max(start, self.stores_done) if ("GPU" in op or "SYS" in op) else start + self.lat.fence
         if base == "BAR":
             return start + self.lat.barrier
         return start
+
+
+def _retire(groups: list, keep: int) -> tuple[list, list]:
+    """``(groups still in flight, completion times waited for)`` when at most ``keep`` may stay in flight."""
+    cut = max(0, len(groups) - keep)
+    return groups[cut:], groups[:cut]
 
 
 def chain_waits(code: list[Instruction], warps: int, lat: Latency, iterations: int = 1) -> dict[str, float]:

@@ -77,6 +77,8 @@ def test_resume_after_preemption_is_exact(full_run, model_dir, tmp_path):
     probe = (str(Path(__file__).with_name("finetune_probe.py")),)
     first = spawn_ranks(config, tmp_path, program=probe, env={"PROBE_STOP_AT": "3"})
     assert wait_all(first, timeout=300) == [75, 75], (tmp_path / "rank0.log").read_text()[-3000:]
+    stopped = (tmp_path / "rank0.log").read_text()       # a clean summary: no best yet, and no "n/a at step 0"
+    assert "  best dev accuracy: none yet (stopped before the first dev evaluation, due at step 4)\n" in stopped
     resumed = spawn_ranks(config, tmp_path, program=probe)
     assert wait_all(resumed, timeout=300) == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
     assert "resuming from" in (tmp_path / "rank0.log").read_text()

@@ -82,7 +82,7 @@ def test_end_terms_are_planned_exactly_when_a_tile_of_some_kernel_saturates(n, b
     """The host skips the end-terms kernel when no tile can saturate (512 tokens at v3's settings); its
     O(1) test agrees with the tile-by-tile enumeration for every kernel's real tiles on each target."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the GPU tiles, not the interpreter's
-    monkeypatch.setattr(attention, "PLANNED_CAPABILITY", cc)
+    monkeypatch.setattr(attention.planning, "PLANNED_CAPABILITY", cc)
     q = torch.empty(1, 2, n, d, dtype=dtype)
     call = AttentionCall(q, q, q, q.new_empty(2, 2 * attention_span(buckets, max_rel), d), None, buckets, max_rel,
                          0.0, 0.125)
@@ -91,20 +91,20 @@ def test_end_terms_are_planned_exactly_when_a_tile_of_some_kernel_saturates(n, b
                  for kernel in attention.KERNELS]
     assert problem.saturates(q) == any(saturated), saturated
     if not any(saturated):  # a one-element stand-in, no launch
-        assert problem.end_terms(q, q, call.pos_key, None).numel() == 1
+        assert attention.end_terms(problem, q, q, call.pos_key, None).numel() == 1
 
 
 def test_no_end_terms_at_512_tokens_with_v3_settings_and_the_output_still_matches(monkeypatch) -> None:
     """The case the skip is for, through the kernels (interpreter tiles): nothing saturates, the
     end-terms kernel is not launched, and forward and backward match the reference."""
     launched = []
-    original = attention._Problem._rows
+    original = attention._Problem.launch_rows
 
     def recorded(self, kernel, *args, **kwargs):
         launched.append(kernel.__name__)
         return original(self, kernel, *args, **kwargs)
 
-    monkeypatch.setattr(attention._Problem, "_rows", recorded)
+    monkeypatch.setattr(attention._Problem, "launch_rows", recorded)
     n, kw = 64, dict(position_buckets=256, max_relative_positions=512)
     assert attention.tile_paths(n, attention.INTERPRETER_TILES, 256, 512).saturated == 0
     inputs = make_inputs(torch.device("cpu"), 1, 2, n, 16, 256, seed=5)
@@ -121,7 +121,7 @@ def test_kernels_take_the_saturated_path_on_exactly_the_saturated_tiles(tiles, m
     terms on the saturated tiles, the skewed window products on the others; whether the forward walks the
     paths in separate loops (key ranges from the host's limits) or reads each tile's path from the table."""
     assert tiles.paths_apart == (tiles is attention.INTERPRETER_TILES)
-    monkeypatch.setattr(attention, "INTERPRETER_TILES", tiles)
+    monkeypatch.setattr(attention.planning, "INTERPRETER_TILES", tiles)
     calls = {"saturated": 0, "general": 0}
 
     def counted(name, fn):
@@ -130,8 +130,13 @@ def test_kernels_take_the_saturated_path_on_exactly_the_saturated_tiles(tiles, m
             return fn(*args)
         return wrapper
 
-    monkeypatch.setattr(attention, "_end_bias", counted("saturated", attention._end_bias))
-    monkeypatch.setattr(attention, "_skewed_read", counted("general", attention._skewed_read))
+    # each kernel calls them through the module it is defined in: the one-loop tiles' (_tile_scores) from
+    # scores, the forward's runs from forward
+    monkeypatch.setattr(attention.scores, "_end_bias", counted("saturated", attention.scores._end_bias))
+    monkeypatch.setattr(attention.forward, "_end_row_column", counted("saturated", attention.forward._end_row_column))
+    skewed_read = counted("general", attention.scores._skewed_read)
+    for module in (attention.scores, attention.forward):
+        monkeypatch.setattr(module, "_skewed_read", skewed_read)
     batch, heads, n = 1, 2, 130
     paths = attention.tile_paths(n, attention.INTERPRETER_TILES, BUCKETS, MAX_REL)
     assert paths.saturated > 0 and paths.general > 0, paths
@@ -171,7 +176,7 @@ def test_saturated_tiles_match_the_reference(c2p, p2c, dtype) -> None:
 def test_saturated_gpu_and_rectangular_tiles(tiles, monkeypatch) -> None:
     """Small and rectangular tiles (windows of other widths, partly saturated windows) on both paths, with
     the forward's paths in one loop or apart, window rows hoisted or not."""
-    monkeypatch.setattr(attention, "INTERPRETER_TILES", tiles)
+    monkeypatch.setattr(attention.planning, "INTERPRETER_TILES", tiles)
     n = 80
     _saturated_tiles(n)
     inputs = make_inputs(torch.device("cpu"), 1, 1, n, 32, 8, seed=8)

@@ -44,10 +44,14 @@ GPU_SHAPES = sorted({(t.block_m, t.block_n) for row in attention._TILES.values()
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=[f"{m}x{n}" for m, n in GPU_SHAPES])
 def test_gpu_and_rectangular_tiles_match_the_oracle(shape, monkeypatch) -> None:
     """Every tile shape a GPU launches (rectangular ones too, whose window is padded to a power of two)
-    through the interpreter: identity, log and saturated buckets in one sequence of more than one block."""
-    monkeypatch.setattr(attention, "INTERPRETER_TILES", attention.Tiles(*shape, 4, 1))
+    through the interpreter: identity, log and saturated buckets in one sequence of more than one block, with
+    a padding mask (holes and trailing padding) read as packed words by tiles of 16, 32 and 64 tokens."""
+    monkeypatch.setattr(attention.planning, "INTERPRETER_TILES", attention.Tiles(*shape, 4, 1))
     inputs = _inputs(150, 32, 16)
-    kw = dict(position_buckets=16, max_relative_positions=40)
+    mask = torch.ones(1, 150, dtype=torch.long)
+    mask[0, 5::7] = 0
+    mask[0, 131:] = 0
+    kw = dict(position_buckets=16, max_relative_positions=40, attention_mask=mask)
     got = _out_and_grads(attention.disentangled_attention, inputs, torch.float32, **kw)
     want = _out_and_grads(naive_attention, inputs, torch.float64, **kw)
     for name, a, e in zip(("out", "dq", "dk", "dv", "dkr", "dqr"), got, want):
@@ -58,7 +62,7 @@ def test_gpu_and_rectangular_tiles_match_the_oracle(shape, monkeypatch) -> None:
 def test_backward_programs_however_the_partials_are_shared(budget, monkeypatch) -> None:
     """A backward program walks (sequence, block) items of one head into one partial: all of them
     (no budget), or one each (unlimited budget); both give the oracle's gradients."""
-    monkeypatch.setattr(attention, "PARTIAL_BUDGET", budget)
+    monkeypatch.setattr(attention.backward, "PARTIAL_BUDGET", budget)
     gen = torch.Generator().manual_seed(2)
     inputs = [torch.randn(3, 2, 48, 32, generator=gen) for _ in range(3)] + [
         torch.randn(2, 32, 32, generator=gen) for _ in range(2)]

@@ -14,7 +14,7 @@ import pytest
 from distaff.launch import cli
 from distaff.launch.launcher import format_deepspeed_env, hosts_from_environment, node_environment, plan_launch
 from distaff.launch.run_config import resolve_launch_target
-from distaff.launch.slurm import EXIT_PREEMPTED, SlurmJobSpec, render_sbatch_script
+from distaff.launch.slurm import EXIT_PREEMPTED, EXIT_STALLED, SlurmJobSpec, render_sbatch_script
 
 pytestmark = pytest.mark.unit
 
@@ -59,7 +59,7 @@ def test_hostfile_and_deepspeed_env_from_slurm_nodelist(target) -> None:
     assert plan.command[:3] == [sys.executable, "-m", "deepspeed.launcher.runner"]
     assert plan.command[3:] == [
         "--hostfile", str(hostfile), "--master_addr", "gpu01", "--num_gpus", "4", "--master_port", "29600",
-        "--log_level", "warning", "--no_local_rank", "--module", "distaff.train.pretrain", *target.trainer_args()]
+        "--log_level", "critical", "--no_local_rank", "--module", "distaff.train.pretrain", *target.trainer_args()]
 
 
 def test_deepspeed_reads_our_hostfile(target) -> None:
@@ -115,7 +115,7 @@ def test_explicit_env_variables_reach_every_node_and_a_credential_is_refused_by_
 def test_single_node_needs_no_hostfile(target) -> None:
     plan = plan_launch(target, hosts=[], gpus_per_node=2, master_port=29500, env=NODE_ENV)
     assert plan.files == {} and "DS_ENV_FILE" not in plan.env
-    assert plan.command[3:] == ["--num_gpus", "2", "--master_port", "29500", "--log_level", "warning",
+    assert plan.command[3:] == ["--num_gpus", "2", "--master_port", "29500", "--log_level", "critical",
                                 "--no_local_rank", "--module", "distaff.train.pretrain", *target.trainer_args()]
 
 
@@ -174,15 +174,18 @@ def test_sbatch_script_for_gpu_nodes(target) -> None:
     assert '--rdzv-id="$SLURM_JOB_ID" --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"' in torchrun
     assert f"--module distaff.train.pretrain --config {target.config} optim.lr=3e-4 run.out_dir={target.out_dir}" in torchrun
     assert 'resume=(checkpoint.resume=auto)' in script and '"${resume[@]}"' in torchrun
-    # exit 75 from the ranks -> the job requeues itself
-    assert re.search(r'if \[ "\$status" -eq 75 \]; then\n.*\n\s+scontrol requeue "\$SLURM_JOB_ID"', script)
+    # exit 75 (a signal's checkpoint) or 76 (a stall, bounded by --max-requeues) -> the job requeues itself
+    assert re.search(r'if \[ "\$status" -eq 75 \]; then\n(.*\n){2}\s+scontrol requeue "\$SLURM_JOB_ID"', script)
+    assert re.search(r'elif \[ "\$status" -eq 76 \]; then\n(.*\n){3}.*\n\s+scontrol requeue "\$SLURM_JOB_ID"', script)
+    assert "max_requeues=3\n" in script and 'if [ "$failed" -le "$max_requeues" ]; then' in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)  # valid bash
 
 
-def test_requeue_exit_code_is_the_trainers() -> None:
+def test_requeue_exit_codes_are_the_trainers() -> None:
+    from distaff.train.core.watchdog import EXIT_STALLED as WATCHDOG_EXIT_STALLED
     from distaff.train.pretrain.trainer import EXIT_PREEMPTED as TRAINER_EXIT_PREEMPTED
 
-    assert EXIT_PREEMPTED == TRAINER_EXIT_PREEMPTED == 75
+    assert EXIT_PREEMPTED == TRAINER_EXIT_PREEMPTED == 75 and EXIT_STALLED == WATCHDOG_EXIT_STALLED == 76
 
 
 def test_cli_and_exit_codes_import_without_torch() -> None:

@@ -5,8 +5,10 @@ asks for, and is interrupted with ``scancel --signal=USR1``: it checkpoints, exi
 resumes from that checkpoint and finishes; its per-step losses equal those of an uninterrupted 2-rank
 run started with ``distaff launch`` (the deepspeed launcher). Another loses a node mid-run: the
 surviving rank's watchdog ends it, Slurm requeues the job, and it resumes on the node left, on one
-rank, with the rest of the epoch re-dealt. Skipped, with the reason, where Slurm cannot run (not root,
-packages missing: scripts/install-slurm.sh installs them).
+rank, with the rest of the epoch re-dealt. Two one-node jobs stall (a DataLoader worker stops answering): the
+watchdog's exit 76 requeues the first, which resumes and finishes, with its set-up lines run on each attempt;
+the second, allowed no requeue, stops naming its stack dumps. Skipped, with the reason, where Slurm cannot run
+(not root, packages missing: scripts/install-slurm.sh installs them).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from pretrain_fixtures import assert_redealt
@@ -119,8 +122,8 @@ def _logs(log_dir: Path) -> str:
 
 
 def _submit(cluster: SlurmCluster, run_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys,
-            *options: str) -> str:
-    """``distaff slurm submit`` of a 2-node CPU job, one rank per node; the job id."""
+            *options: str, nodes: int = 2) -> str:
+    """``distaff slurm submit`` of a CPU job (2 nodes unless told), one rank per node; the job id."""
     monkeypatch.chdir(tmp_path)
     for name in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
@@ -128,7 +131,7 @@ def _submit(cluster: SlurmCluster, run_config: Path, tmp_path: Path, monkeypatch
     monkeypatch.delenv("WANDB_RUN_ID", raising=False)
     monkeypatch.setenv("SLURM_CONF", str(cluster.conf))  # sbatch exports our environment to the job
     # 1 rank + 1 data worker per node: the script asks for 2 CPUs per node, the whole of a local "node"
-    assert cli.main(["slurm", "submit", "--config", str(run_config), "--nodes", "2", "--gpus-per-node", "1",
+    assert cli.main(["slurm", "submit", "--config", str(run_config), "--nodes", str(nodes), "--gpus-per-node", "1",
                      "--cpu", "--mem-per-cpu=1G", *options]) == 0
     job_id = capsys.readouterr().out.strip()
     assert job_id.isdigit(), job_id
@@ -258,6 +261,10 @@ def test_a_node_lost_mid_run_requeues_and_the_run_finishes_on_the_node_left(
     assert state == "COMPLETED", f"job {job_id} ended {state}\n{logs}\n{cluster.log_tail()}"
     assert cluster.job_field(job_id, "ExitCode") == "0:0" and cluster.job_field(job_id, "NodeList") == "n1", logs
     assert "restart_count=1 on n1 at" in (log_dir / f"slurm-e2e-{job_id}.out").read_text()
+    attempts = (log_dir / f"attempts-{job_id}.txt").read_text().splitlines()   # a lost attempt counts as failed
+    assert attempts[0] == "attempt 0 started" and attempts[2:] == ["attempt 1 started", "attempt 1 ended with 0"]
+    assert attempts[1] in ("attempt 0 lost (its node failed, or the job was requeued from outside)",
+                           "attempt 0 stalled"), attempts     # Slurm's requeue, or the watchdog's status first
     node0 = (log_dir / f"slurm-e2e-{job_id}-node0.out").read_text()
     assert f"resuming from {checkpoints}/step-{LOSS_EVERY:08d}; 1 rank(s)" in node0, node0
     assert "resuming a 2-rank checkpoint on 1 rank(s): global batch 16 -> 8 samples" in node0
@@ -271,3 +278,98 @@ def test_a_node_lost_mid_run_requeues_and_the_run_finishes_on_the_node_left(
     final = _rank_state(checkpoints / f"step-{LOSS_STEPS:08d}", 0)["data"]
     assert final["batch_in_plan"] == LOSS_STEPS - LOSS_EVERY
     assert_redealt(saved[0], final)
+
+
+# ---------------------------------------------------------------- a stalled run comes back
+
+STALL_STEPS, STALL_EVERY, STALL_WATCHDOG_S = 150, 20, 6
+
+
+def _data_worker(out_dir: Path) -> psutil.Process | None:
+    """The DataLoader worker of the run in ``out_dir``: forked from its rank, it has the rank's command line."""
+    ranks = []
+    for proc in psutil.process_iter(["cmdline"]):
+        argv = proc.info["cmdline"] or []
+        if "distaff.train.pretrain" in argv and argv[argv.index("distaff.train.pretrain") - 1] == "-m" \
+                and f"run.out_dir={out_dir}" in argv:
+            ranks.append(proc)
+    pids = {proc.pid for proc in ranks}
+    return next((proc for proc in ranks if proc.ppid() in pids), None)
+
+
+def _stall(out_dir: Path, after: Path, job_id: str, slurm: SlurmCluster) -> psutil.Process:
+    """Once ``after`` exists, the run's reads stop coming back (a filesystem that hangs): its DataLoader worker is
+    stopped, so its rank waits for a batch that never comes."""
+    _wait_for_file(after, job_id, slurm, timeout=150)
+    deadline = time.monotonic() + 30
+    while (worker := _data_worker(out_dir)) is None:
+        assert time.monotonic() < deadline, f"no DataLoader worker of {out_dir}"
+        time.sleep(0.1)
+    worker.suspend()
+    return worker
+
+
+@pytest.mark.timeout(330)
+def test_a_stalled_run_requeues_resumes_and_finishes_and_stops_past_max_requeues(
+        slurm: SlurmCluster, run_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Two one-node jobs side by side, each stalled by a DataLoader worker that stops answering: the first, with
+    set-up lines, requeues on its watchdog's exit and finishes; the second, with --max-requeues 0, stops."""
+    finishes, stops = tmp_path / "finishes", tmp_path / "stops"
+    setup_file = tmp_path / "site-setup.sh"
+    setup_file.write_text('# a site\'s set-up: its exports reach the ranks\nexport WANDB_RUN_ID="site-$SLURM_JOB_ID"\n')
+    common = [f"checkpoint.every={STALL_EVERY}", f"distributed.watchdog_s={STALL_WATCHDOG_S}"]
+    job = _submit(slurm, run_config, tmp_path, monkeypatch, capsys, f"run.out_dir={finishes}", *common,
+                  f"train.max_steps={STALL_STEPS}", "--max-requeues", "1", "--setup-file", str(setup_file),
+                  "--setup", 'echo "set-up line on $SLURMD_NODENAME"', nodes=1)
+    stopped_job = _submit(slurm, run_config, tmp_path, monkeypatch, capsys, f"run.out_dir={stops}", *common,
+                          "train.max_steps=100000", "--max-requeues", "0", nodes=1)
+    stalls = [(finishes, job, _stall(finishes, finishes / "checkpoints" / "latest", job, slurm))]
+    try:
+        stalls.append((stops, stopped_job, _stall(stops, stops / "metrics.jsonl", stopped_job, slurm)))
+        for out_dir, job_id, worker in stalls:   # each rank's watchdog dumps its stacks and exits 76
+            _wait_for_file(out_dir / "stacks-rank0.txt", job_id, slurm, timeout=60)
+            worker.kill()
+        states = [slurm.wait_for(job_id, {"COMPLETED"}, timeout=240) for job_id in (job, stopped_job)]
+    finally:
+        for _, _, worker in stalls:
+            if worker.is_running():
+                worker.kill()
+    logs = _logs(finishes / "slurm") + _logs(stops / "slurm")
+    assert states == ["COMPLETED", "FAILED"], f"{states}\n{logs}\n{slurm.log_tail()}"
+
+    # The first: requeued once, resumed from its checkpoint, every step once; the set-up ran on each attempt.
+    assert [slurm.job_field(job, name) for name in ("Restarts", "ExitCode")] == ["1", "0:0"], logs
+    batch = (finishes / "slurm" / f"slurm-e2e-{job}.out").read_text()
+    assert (f"distaff: stalled (stack dumps: {finishes}/stacks-rank0.txt): requeueing job {job} to resume from its "
+            "latest checkpoint (1 of --max-requeues 1)") in batch, batch
+    assert (finishes / "slurm" / f"attempts-{job}.txt").read_text().splitlines() == [
+        "attempt 0 started", "attempt 0 stalled", "attempt 1 started", "attempt 1 ended with 0"]
+    node = (finishes / "slurm" / f"slurm-e2e-{job}-node0.out").read_text()
+    assert node.count("set-up line on n") == 2 and "distaff: node 0 ranks exited with 76" in node, node
+    stacks = (finishes / "stacks-rank0.txt").read_text()
+    assert f"Slurm job {job} attempt 0): no step progress for {STALL_WATCHDOG_S} s" in stacks and "Thread" in stacks
+    resumed = re.search(rf"resuming from {finishes}/checkpoints/step-(\d+);", node)
+    assert resumed and int(resumed.group(1)) >= STALL_EVERY, node
+    assert [step for step, _ in _losses(finishes)] == list(range(1, STALL_STEPS + 1))
+    run_dirs = {p.name.rsplit("-", 2)[-2:] == ["site", job] for p in (finishes / "wandb").glob("offline-run-*")}
+    assert run_dirs == {True}, list((finishes / "wandb").glob("*"))       # the set-up file's export reached the ranks
+
+    # The second: no requeue past --max-requeues 0; the job ends with the stall's status, naming the dumps.
+    assert [slurm.job_field(stopped_job, name) for name in ("Restarts", "ExitCode")] == ["0", "76:0"], logs
+    batch = (stops / "slurm" / f"slurm-e2e-{stopped_job}.out").read_text()
+    assert (f"distaff: stalled: not requeueing job {stopped_job}: 1 attempts stalled or were lost, more than "
+            f"--max-requeues 0; stack dumps: {stops}/stacks-rank0.txt; attempts: {stops}/slurm/attempts-"
+            f"{stopped_job}.txt") in batch, batch
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_set_up_line_stops_the_job_before_the_launch(
+        slurm: SlurmCluster, run_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    out_dir = tmp_path / "run"
+    job = _submit(slurm, run_config, tmp_path, monkeypatch, capsys, f"run.out_dir={out_dir}", "--setup",
+                  "echo before", "--setup", "module load no-such-module", "--setup", "echo after", nodes=1)
+    assert slurm.wait_for(job, {"COMPLETED"}, timeout=90) == "FAILED"
+    assert slurm.job_field(job, "Restarts") == "0"
+    node = (out_dir / "slurm" / f"slurm-e2e-{job}-node0.out").read_text()
+    assert node.startswith("before\n") and "distaff: node 0: a set-up line failed with status 127" in node, node
+    assert "after" not in node and "CPUs for its ranks" not in node and not (out_dir / "metrics.jsonl").exists()

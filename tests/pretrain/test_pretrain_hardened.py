@@ -19,7 +19,7 @@ from pretrain_fixtures import (TORCHRUN, metrics, namespaces_permitted, prepare_
                                wait_all, wait_for_step, write_config)
 
 from distaff.train.core.distributed import free_port
-from distaff.train.core.exit_codes import EXIT_BAD_CONFIG, EXIT_FAILURE
+from distaff.train.core.exit_codes import EXIT_BAD_CONFIG, EXIT_FAILURE, EXIT_STALLED
 from distaff.train.core.runlock import LOCK_FILE
 from distaff.train.run.checkpoint import latest_checkpoint
 from distaff.train.run.weights import fp32_state_dict
@@ -99,7 +99,7 @@ def test_a_stalled_rank_is_caught_by_the_watchdog(sample_data, tmp_path_factory,
         procs[1].send_signal(signal.SIGKILL)
         procs[1].wait()
     log = (tmp_path / "rank0.log").read_text()
-    assert code == EXIT_FAILURE, log
+    assert code == EXIT_STALLED, log
     assert elapsed < watchdog_s + 15, f"rank 0 took {elapsed:.0f} s"
     assert "no step progress for 10 s" in log
     stacks = (tmp_path / "run" / "stacks-rank0.txt").read_text()

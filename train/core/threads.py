@@ -117,16 +117,17 @@ def planned_threads(env: Mapping[str, str], affinity: set[int] | None = None,
 
 
 def configure_threads(env: dict[str, str] | os._Environ = os.environ, affinity: set[int] | None = None,
-                      busy: float | None = None) -> int:
+                      busy: float | None = None, *, announce: bool = True) -> int:
     """Apply :func:`planned_threads` to torch and export it in ``env``; returns torch's thread count. When the
-    busy machine cut the share, the first rank of the node says so on stderr."""
+    busy machine cut the share, the first rank of the node says so on stderr, if it ``announce``s: a command that
+    trains does; one that converts or inspects (export, --check, --print-config) is over too soon to care."""
     import torch
 
     plan = planned_threads(env, affinity, busy)
     if plan is not None:
         torch.set_num_threads(plan.threads)
         env["OMP_NUM_THREADS"] = str(plan.threads)
-        if plan.threads < plan.share and env.get("LOCAL_RANK", "0") in ("", "0"):
+        if announce and plan.threads < plan.share and env.get("LOCAL_RANK", "0") in ("", "0"):
             print(plan.notice(), file=sys.stderr, flush=True)
     return torch.get_num_threads()
 

@@ -2,10 +2,11 @@
 
 The process-group timeout bounds our own collectives, but not every wait: a stalled (SIGSTOPped,
 swapping, deadlocked) peer leaves the others blocked inside DeepSpeed's gloo calls for far longer.
-A daemon thread notices that the loop has not been fed for ``timeout_s``, writes every Python
-thread's stack to ``<out_dir>/stacks-rank<N>.txt`` and ends the process with ``EXIT_FAILURE``
-(``os._exit``: the main thread is stuck and would never reach a clean exit). A Slurm requeue then
-resumes from the last checkpoint.
+A daemon thread notices that the loop has not been fed for ``timeout_s``, appends every Python
+thread's stack to ``<out_dir>/stacks-rank<N>.txt`` (under a line with the time and the Slurm job and attempt,
+so a requeued job keeps each attempt's dumps) and ends the process with ``EXIT_STALLED``
+(``os._exit``: the main thread is stuck and would never reach a clean exit). The Slurm script requeues on
+that status (up to ``--max-requeues``) and the next attempt resumes from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from distaff.train.core.exit_codes import EXIT_FAILURE
+from distaff.train.core.exit_codes import EXIT_STALLED
 
 __all__ = ["Watchdog", "stack_file"]
 
@@ -64,11 +65,14 @@ class Watchdog:
                 self._fire()
 
     def _fire(self) -> None:
-        with open(self.path, "w") as handle:
-            handle.write(f"rank {self.rank} (pid {os.getpid()}): no step progress for {self.timeout_s} s\n")
+        job = os.environ.get("SLURM_JOB_ID")
+        attempt = f", Slurm job {job} attempt {os.environ.get('SLURM_RESTART_COUNT', '0')}" if job else ""
+        with open(self.path, "a") as handle:
+            handle.write(f"=== {time.strftime('%Y-%m-%dT%H:%M:%S%z')} rank {self.rank} (pid {os.getpid()}{attempt}): "
+                         f"no step progress for {self.timeout_s} s\n")
             handle.flush()
             faulthandler.dump_traceback(file=handle, all_threads=True)
-        print(f"distaff pretrain: rank {self.rank}: failed: no step progress for {self.timeout_s} s "
-              f"(a peer rank is probably stalled or dead); stacks written to {self.path}; exiting with "
-              f"{EXIT_FAILURE}", file=sys.stderr, flush=True)
-        os._exit(EXIT_FAILURE)
+        print(f"distaff: rank {self.rank}: stalled: no step progress for {self.timeout_s} s (a slow filesystem, "
+              f"or a peer rank stalled or dead); stacks appended to {self.path}; exiting with {EXIT_STALLED} "
+              "(run again to resume from the latest checkpoint)", file=sys.stderr, flush=True)
+        os._exit(EXIT_STALLED)

@@ -98,6 +98,20 @@ def load_data(cfg: FinetuneConfig, tokenizer) -> LabelledData:
                          labels=data.labels or None)
 
 
+def missing_inputs(cfg: FinetuneConfig) -> list[str]:
+    """One line for each file or folder the run reads that is not there: the encoder, the labelled files, a tokenizer
+    named apart from the encoder's."""
+    missing = []
+    if not Path(cfg.model.init_from).exists():
+        missing.append(f"model.init_from: {Path(cfg.model.init_from).resolve()} does not exist; set it to a "
+                       "pretraining run's folder (scripts/demo.sh writes runs/demo/run), one of its checkpoints or a "
+                       "Hugging Face model folder")
+    for key, value in (("data.train", cfg.data.train), ("data.dev", cfg.data.dev), ("data.tokenizer", cfg.data.tokenizer)):
+        if value and not Path(value).exists():
+            missing.append(f"{key}: {Path(value).resolve()} does not exist")
+    return missing
+
+
 class FinetunePlan:
     """A fine-tuning run up to its engine: the encoder, tokenizer and labelled data loaded, the batches dealt, the
     steps planned and a checkpoint to resume checked. Built by every rank of a run, and by ``--check``."""
@@ -105,6 +119,9 @@ class FinetunePlan:
     def __init__(self, cfg: FinetuneConfig, layout: dist_utils.DistEnv,
                  from_rank0: Callable[[str], str] = lambda text: text):
         self.cfg, self.layout = cfg, layout
+        missing = missing_inputs(cfg)
+        if missing:
+            raise ConfigError(missing[0])
         self.source = load_encoder(cfg.model.init_from, cfg.model.overrides)
         self.tokenizer = resolve_tokenizer(self.source, cfg.data.tokenizer, cfg.model.init_from)
         self.model_cfg = self.source.config
@@ -280,6 +297,10 @@ class FinetuneTrainer(RunBase):
         every = self.cfg.eval.every or self.steps_per_epoch
         return self.state.step % every == 0
 
+    def _next_eval_step(self) -> int:
+        every = self.cfg.eval.every or self.steps_per_epoch
+        return min(self.max_steps, (self.state.step // every + 1) * every)
+
     def _after_step(self, signalled: bool) -> None:
         step = self.state.step
         if self._eval_due() and step < self.max_steps:
@@ -365,11 +386,13 @@ class FinetuneTrainer(RunBase):
                    "world_size": self.layout.world_size, "train_time_s": round(state.train_time_s, 2),
                    "checkpoint": str(latest_checkpoint(self.checkpointer.root)), "run_dir": str(out_dir),
                    "metrics": str(out_dir / "metrics.jsonl"), "plot": str(plot) if plot else None}
-        best_text = "n/a" if state.best_metric is None else f"{state.best_metric:.4f}"
+        # a run stopped before its first dev evaluation (Ctrl-C, a signal) has no best yet: said so, not "n/a at step 0"
+        best_line = (f"best dev {cfg.metric} {state.best_metric:.4f} at step {state.best_step} ({best})"
+                     if state.best_metric is not None else f"best dev {cfg.metric}: none yet (stopped before the "
+                     f"first dev evaluation, due at step {self._next_eval_step()})")
         print(f"distaff: summary\n  steps {state.step}/{self.max_steps}"
               f"{' (stopped early)' if state.stopped_early else ''} on {self.layout.world_size} rank(s) in "
-              f"{state.train_time_s:.0f} s\n  best dev {cfg.metric} {best_text} at step {state.best_step} ({best})"
-              f"\n  run directory {out_dir}", flush=True)
+              f"{state.train_time_s:.0f} s\n  {best_line}\n  run directory {out_dir}", flush=True)
         return summary
 
 
@@ -383,7 +406,9 @@ def train(cfg: FinetuneConfig, layout: dist_utils.DistEnv) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     return run_main("distaff finetune", __doc__.splitlines()[0], argv, load_finetune_config, train,
-                    Inspection(resolved=finetune_config_to_dict, check=_check_run))
+                    Inspection(resolved=finetune_config_to_dict, check=_check_run, load=load_finetune_config,
+                               missing=missing_inputs, needs="the encoder and its tokenizer, the labelled data and "
+                                                             "its labels, the steps per epoch, a checkpoint to resume"))
 
 
 def _check_run(cfg: FinetuneConfig) -> str:

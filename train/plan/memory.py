@@ -165,7 +165,7 @@ def transients(s: Setting) -> dict[str, float]:
     if cfg.activation_checkpointing:
         out["recomputed layer (transient)"] = layer_activations(cfg, s, tokens)
     # dq, dk, dv and the feed-forward's input gradient; the fused attention backward adds its partial sums and
-    # scratch, at most PARTIAL_BUDGET (1.0, kernels/attention.py) x the bytes of dq + dk + dv
+    # scratch, at most PARTIAL_BUDGET (1.0, kernels/attention/backward.py) x the bytes of dq + dk + dv
     grads = 3 * tokens * cfg.hidden_size * a
     out["layer backward (transient)"] = grads * (2 if s.fused else 1) + tokens * cfg.intermediate_size * a
     if not s.fused:   # the reference backward's score blocks and per-row position gradients

@@ -377,16 +377,26 @@ def eval_rtd_line(summary: dict[str, Any]) -> str:
             f"precision {fmt('eval_rtd_precision')}, recall {fmt('eval_rtd_recall')}")
 
 
-def load_run_config(path: str | None, overrides: list[str]) -> RunConfig:
-    """The run config, with every local data dir checked: a missing folder or manifest is refused here, before
-    any process group or run folder exists."""
-    cfg = load_config(path, overrides)
+def missing_inputs(cfg: RunConfig) -> list[str]:
+    """One line for each local data dir of the run that is missing or holds no manifest (remote ones are read when
+    the run starts)."""
+    missing = []
     for key, value in source_dirs(cfg).items():
         data_dir = Path(value)
         if not is_remote(value) and not (data_dir / MANIFEST_FILE).is_file():
             problem = "does not exist" if not data_dir.exists() else f"holds no {MANIFEST_FILE}"
-            raise ConfigError(f"{key}: {data_dir.resolve()} {problem}; set {key} to a folder written by "
-                              f"`distaff data prepare ... --out DIR`")
+            missing.append(f"{key}: {data_dir.resolve()} {problem}; set {key} to a folder written by "
+                           f"`distaff data prepare ... --out DIR`")
+    return missing
+
+
+def load_run_config(path: str | None, overrides: list[str]) -> RunConfig:
+    """The run config, with every local data dir checked: a missing folder or manifest is refused here, before
+    any process group or run folder exists."""
+    cfg = load_config(path, overrides)
+    missing = missing_inputs(cfg)
+    if missing:
+        raise ConfigError(missing[0])
     return cfg
 
 
@@ -401,5 +411,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     return run_main("distaff pretrain", __doc__.splitlines()[0], argv, load_run_config, train,
-                    Inspection(resolved=config_to_dict, check=check_run))
+                    Inspection(resolved=config_to_dict, check=check_run, load=load_config, missing=missing_inputs,
+                               needs="the data (manifest, tokenizer, shards), the model against the data, the "
+                                     "schedule's sources and phases, a checkpoint to resume"))
 

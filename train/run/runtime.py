@@ -30,7 +30,7 @@ import torch
 from distaff.train.core import distributed as dist_utils
 from distaff.train.core import presets
 from distaff.train.core.errors import DEBUG_FLAG, RunFailure, report, take_debug_flag
-from distaff.train.core.exit_codes import EXIT_PREEMPTED
+from distaff.train.core.exit_codes import EXIT_BAD_CONFIG, EXIT_PREEMPTED
 from distaff.train.core.runlock import DirLock
 from distaff.train.core.threads import configure_threads
 from distaff.train.core.verbosity import VERBOSE_FLAG, take_verbose_flag
@@ -385,17 +385,33 @@ def parse_args(prog: str, description: str, argv: list[str]) -> argparse.Namespa
 @dataclass(frozen=True)
 class Inspection:
     """What ``--print-config`` and ``--check`` do for one trainer: the resolved config as plain values, and the
-    checks of a run that builds no engine (a one-line summary, or an error in the one style)."""
+    checks of a run that builds no engine (a one-line summary, or an error in the one style). A preset can be read
+    before its inputs exist: ``load`` reads the config without looking for them, ``missing`` names each input the
+    run reads that is not there (one line each), ``needs`` says which checks cannot run without them."""
     resolved: Callable[[Any], dict[str, Any]]
     check: Callable[[Any], str]
+    load: Callable[[str | None, list[str]], Any]
+    missing: Callable[[Any], list[str]]
+    needs: str
 
 
 def _inspect(prog: str, args: argparse.Namespace, cfg: Any, inspection: Inspection) -> int:
+    """``--print-config`` (exit 0, each missing input noted on stderr) or ``--check`` (its summary; with an input
+    missing, which checks could not run and exit 2: the run would stop there)."""
     import yaml
 
+    missing = inspection.missing(cfg)
     if args.print_config:
-        print(yaml.safe_dump(inspection.resolved(cfg), sort_keys=False), end="")
+        print(yaml.safe_dump(inspection.resolved(cfg), sort_keys=False), end="", flush=True)
+        for line in missing:
+            print(f"{prog}: note: {line}", file=sys.stderr)
         return 0
+    if missing:
+        for line in missing:
+            print(f"{prog}: --check: {line}", file=sys.stderr)
+        print(f"{prog}: --check: the config is valid; not checked without {'them' if len(missing) > 1 else 'it'}: "
+              f"{inspection.needs}; a run would stop on the same line (exit {EXIT_BAD_CONFIG})", file=sys.stderr)
+        return EXIT_BAD_CONFIG
     try:
         print(f"{prog}: OK: {inspection.check(cfg)}", flush=True)
     except Exception as err:  # noqa: BLE001 - reported in the one style
@@ -412,13 +428,14 @@ def run_main(prog: str, description: str, argv: list[str] | None, load: Callable
     there are several. A config error is raised by every rank together, so the process group is shut
     down in step; any other failure leaves at once (its peers may be mid-collective)."""
     args = parse_args(prog, description, sys.argv[1:] if argv is None else argv)
+    inspecting = inspection is not None and (args.check or args.print_config)
     try:
-        configure_threads()
+        configure_threads(announce=not inspecting)    # the load line only where it trains
         layout = dist_utils.env_from_environ()      # a bad launcher variable is named before anything else
-        cfg = load(args.config, args.overrides)
+        cfg = (inspection.load if inspecting else load)(args.config, args.overrides)
     except Exception as err:  # noqa: BLE001 - reported in the one style
         return report(prog, err)
-    if inspection is not None and (args.check or args.print_config):
+    if inspecting:
         return _inspect(prog, args, cfg, inspection)
     dist_utils.die_with_launcher()
     dist_utils.quiet_library_warnings(layout.rank)

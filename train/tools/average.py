@@ -227,7 +227,7 @@ def _main(argv: list[str]) -> int:
                         help="print the held-out figures of the average and of the newest checkpoint alone")
     parser.add_argument("--eval-batches", type=int, default=0, help="held-out batches to score (0: the whole split)")
     args = parser.parse_args(argv)
-    configure_threads()
+    configure_threads(announce=False)
     out = average(args.checkpoints, args.out, args.last, args.ema, args.overwrite)
     meta = read_meta(out)
     steps = ", ".join(str(s["step"]) for s in meta["averaged_from"])

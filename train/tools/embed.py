@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     args = parse_args(argv)
-    configure_threads()
+    configure_threads(announce=False)
     out = embed(args)
     meta = json.loads((out / "embeddings.json").read_text())
     print(f"distaff embed: wrote {out / 'embeddings.npy'} ({meta['rows']} x {meta['dim']}, {meta['pooling']} pooling"

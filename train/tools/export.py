@@ -83,7 +83,7 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--latest", action="store_true",
                         help="fine-tuning runs: the latest checkpoint instead of the best one (best/)")
     args = parser.parse_args(argv)
-    configure_threads()
+    configure_threads(announce=False)
     quiet_library_warnings(rank=0)      # DeepSpeed's zero_to_fp32 is imported on CPU machines too
     out = export(args.checkpoint, args.out, args.tokenizer, args.overwrite, args.generator, args.latest)
     architecture = json.loads((out / "config.json").read_text())["architectures"][0]

@@ -194,7 +194,7 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the new weights and the weight shares")
     parser.add_argument("--overwrite", action="store_true", help="write into OUT even if it already holds files")
     args = parser.parse_args(argv)
-    configure_threads()
+    configure_threads(announce=False)
     check_out_dir(Path(args.out), args.overwrite)
     model, tokenizer = load_model(args.model)
     small = model.config

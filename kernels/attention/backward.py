@@ -1,0 +1,391 @@
+"""The fused backward, deterministic and without atomics: ``delta = rowsum(dO * O)``, then ``_attn_bwd_dq``
+(query blocks: dQ and the c2p table gradient) and ``_attn_bwd_dkdv`` (key blocks, tiles held transposed: dK,
+dV and the p2c table gradient), which recompute the scores; the position gradients go through a per-program
+band in distance coordinates and one float32 partial table per program, summed on the host in a fixed order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from .planning import DELTA_ELEMENTS, _on_device, _Problem, band_folds, band_range, programs_per_head, Tiles
+from .scores import (_dropout_keep, _load_rows, _load_stat, _locate, _mask_stride, _mask_words, _path_ends,
+                     _sequence_scale, _side_visible, _store_rows, _table_ahead, _tile_scores)
+
+
+@triton.jit
+def _store_band(band, ds, r0, lo, offs_m, offs_n, BAND: tl.constexpr, BLOCK_N: tl.constexpr,
+                TRANSPOSED: tl.constexpr):
+    """Write a general tile's ``dS`` into the band in distance coordinates: row ``a`` (query) or ``b`` (key,
+    ``TRANSPOSED``), column ``r0 + c - lo`` for window column ``c = a - b + BN - 1``."""
+    shift = r0 - lo + (BLOCK_N - 1)
+    if TRANSPOSED:  # ds is [BN, BM]: key b, query a at b * BAND + shift + a - b
+        tl.store(band + shift + offs_n[:, None] * (BAND - 1) + offs_m[None, :], ds)
+    else:
+        tl.store(band + shift + offs_m[:, None] * (BAND + 1) - offs_n[None, :], ds)
+
+
+@triton.jit
+def _accumulate_row(row_ptr, offs_d, row_grad):
+    """``part[t] += row_grad`` for one bucket of this program's own partial buffer. The barrier (``bar.sync``)
+    makes the stores visible to every warp before the next read-modify-write, which may touch the row."""
+    tl.store(row_ptr + offs_d, tl.load(row_ptr + offs_d) + row_grad)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _band_gradients(acc, own, band, rel_ptr, part_ptr, fold_ptr, merge_ptr, lo, fold_lo, block0, d_lo, d_hi, first,
+                    last, offs_r, offs_d, HEAD_DIM: tl.constexpr, BAND: tl.constexpr,
+                    CHUNK: tl.constexpr, OTHER: tl.constexpr, SIGN: tl.constexpr, PRECISION: tl.constexpr):
+    """One position term's gradients from a block's band (distances ``d_lo..d_hi`` of its general tiles):
+    ``acc[r] += sum_dist band[r, dist] rel[bucket(dist)]`` and
+    ``part[t] += sum_{bucket(dist) = t} band[:, dist]^T own``; the band starts at distance ``lo``.
+
+    Band row ``r`` is token ``block0 + r`` of the program's own side; its partner at distance ``dist`` is
+    token ``block0 + r - SIGN * dist`` (``SIGN`` 1 for queries, -1 for keys), valid when it lies in a
+    general tile (``first .. last + OTHER``). Distances go in chunks of ``CHUNK`` aligned to ``fold_lo``; a
+    chunk's buckets are contiguous (its first bucket and count in ``fold_ptr``, read a chunk ahead), and its
+    one-hot ``[distance, bucket]`` matrix (``merge_ptr``; both precomputed on the host by ``band_folds``)
+    merges its columns into bucket columns: ``merged = band_chunk @ one_hot``, then ``acc += merged rel[b..]``
+    and ``part[b..] += merged^T own``. Every load of a chunk then depends only on the loop index and the
+    bucket read a chunk before, so its round trips overlap instead of following one another (bucket table,
+    then gathered rows; bucket count, then one-hot; first bucket, then partials).
+    """
+    offs_c = tl.arange(0, CHUNK)
+    d_hi = tl.where(last >= first, d_hi, d_lo - 1)  # no general tile: nothing to read
+    c_start = fold_lo + (d_lo - fold_lo) // CHUNK * CHUNK
+    fold = fold_ptr + 2 * ((c_start - fold_lo) // CHUNK)
+    b_lo = tl.load(fold, mask=c_start <= d_hi, other=0)
+    count = tl.load(fold + 1, mask=c_start <= d_hi, other=0)
+    for c0 in range(c_start, d_hi + 1, CHUNK):
+        dist = c0 + offs_c
+        partner = (block0 + offs_r)[:, None] - SIGN * dist[None, :]
+        ok = (partner >= first) & (partner < last + OTHER) & ((dist >= d_lo) & (dist <= d_hi))[None, :]
+        chunk = tl.load(band + offs_r[:, None] * BAND + (dist - lo)[None, :], mask=ok, other=0.0)
+        index = (c0 - fold_lo) // CHUNK
+        one_hot = tl.load(merge_ptr + index * CHUNK * CHUNK + offs_c[:, None] * CHUNK + offs_c[None, :])
+        rows = b_lo + offs_c
+        rel = tl.load(rel_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=(offs_c < count)[:, None], other=0.0)
+        # the partial buffer has CHUNK rows of padding past its 2k: the rows past the chunk's buckets add zeros
+        part = part_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :]
+        old = tl.load(part)
+        more = c0 + CHUNK <= d_hi
+        b_lo = tl.load(fold_ptr + 2 * (index + 1), mask=more, other=0)
+        count = tl.load(fold_ptr + 2 * (index + 1) + 1, mask=more, other=0)
+        merged = tl.dot(chunk, one_hot, input_precision=PRECISION).to(own.dtype)
+        acc = tl.dot(merged, rel, acc, input_precision=PRECISION)
+        tl.store(part, old + tl.dot(tl.trans(merged), own, input_precision=PRECISION))
+        tl.debug_barrier()  # the next chunk's partial rows may overlap these: every warp's stores first
+    return acc
+
+
+@triton.jit
+def _end_gradients(acc, own, sums_lo, sums_hi, rel_ptr, part_ptr, offs_d, TWO_SPAN: tl.constexpr,
+                   HEAD_DIM: tl.constexpr):
+    """The saturated tiles' rank-1 terms of a block: ``acc += sums[:, None] rel[end]`` and
+    ``part[end] += sums @ own`` for both ends (bucket 0 and the top)."""
+    rel_lo = tl.load(rel_ptr + offs_d).to(tl.float32)
+    rel_hi = tl.load(rel_ptr + (TWO_SPAN - 1) * HEAD_DIM + offs_d).to(tl.float32)
+    acc += sums_lo[:, None] * rel_lo[None, :] + sums_hi[:, None] * rel_hi[None, :]
+    _accumulate_row(part_ptr, offs_d, tl.sum(sums_lo[:, None] * own.to(tl.float32), 0))
+    _accumulate_row(part_ptr + (TWO_SPAN - 1) * HEAD_DIM, offs_d, tl.sum(sums_hi[:, None] * own.to(tl.float32), 0))
+    return acc
+
+
+@triton.jit
+def _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, scale, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Recomputed (dropped) probabilities and the score gradient ``dS`` (scale included) of a tile from
+    its scores ``s`` (base 2, as ``_tile_scores`` gives them) and ``dP = dO V^T`` (both transposed when
+    ``TRANSPOSED``)."""
+    if TRANSPOSED:
+        p = tl.exp2(s - lse[None, :])
+        delta = delta[None, :]
+    else:
+        p = tl.exp2(s - lse[:, None])
+        delta = delta[:, None]
+    p_dropped = p
+    if DROPOUT:
+        keep = _dropout_keep(seed, i0, j0, n_ctx, dropout_p, BLOCK_M, BLOCK_N, TRANSPOSED)
+        p_dropped = tl.where(keep, p / (1.0 - dropout_p), 0.0)
+        dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
+    return p_dropped, p * (dp - delta) * scale
+
+
+@triton.jit
+def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_ptr, scratch, FOLD, MERGE, i0,
+              seed, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo,
+              TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
+              HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
+              DROPOUT: tl.constexpr, HOIST: tl.constexpr, PRECISION: tl.constexpr):
+    """dQ of query block ``i0`` (all key blocks), and its c2p gradient added to the partial dKr."""
+    offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
+    band = scratch + 2 * (BLOCK_M + BLOCK_N) * WINDOW
+    band_lo = tl.maximum(lo, i0 - (tl.cdiv(n_ctx, BLOCK_N) * BLOCK_N - 1))  # the block's smallest distance
+    q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)
+    do = _load_rows(DO + base, i0, offs_m, offs_d, stride_n, seq_len)
+    lse = _load_stat(LSE + stat_off, i0, offs_m, seq_len, float("inf"))
+    delta = _load_stat(DELTA + stat_off, i0, offs_m, seq_len, 0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    sums_lo = tl.zeros([BLOCK_M], tl.float32)
+    sums_hi = tl.zeros([BLOCK_M], tl.float32)
+    general = 0
+    first, last = seq_len, -BLOCK_N  # key blocks of the general tiles
+    ahead = ()
+    if HOIST:
+        ahead = _path_ends(TABLE, i0 - (BLOCK_N - 1), BLOCK_M, BLOCK_N)
+    for j0 in range(0, seq_len, BLOCK_N):
+        row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), -BLOCK_N, HOIST, BLOCK_M, BLOCK_N, WINDOW,
+                                  SPLIT)
+        keys = _mask_words(mask_ptr, j0, seq_len, BLOCK_N, HAS_MASK)
+        k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
+        v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
+        s, saturated, top, general = _tile_scores(
+            q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, keys, END, scratch, stat_off, stat_numel, i0, j0,
+            seq_len,
+            scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C,
+            HAS_MASK, MASK_DIAGONAL, False, HOIST, False, PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        _, ds = _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, scale, BLOCK_M, BLOCK_N, DROPOUT,
+                             False)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+        if HAS_C2P:  # dQ_a += sum_b dS[a,b] Kr[idx];  dKr[t] += sum_{idx=t} dS[a,b] Q_a
+            if saturated:
+                row_sums = tl.sum(ds, 1)
+                sums_lo += tl.where(top, 0.0, row_sums)
+                sums_hi += tl.where(top, row_sums, 0.0)
+            else:
+                _store_band(band, ds.to(band.dtype.element_ty), i0 - j0 - (BLOCK_N - 1), band_lo, offs_m, offs_n,
+                            BAND, BLOCK_N, False)
+                first = tl.minimum(first, j0)
+                last = tl.maximum(last, j0)
+    if HAS_C2P:
+        tl.debug_barrier()
+        q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)  # reloaded: not held across the loop
+        dq = _band_gradients(dq, q, band, KR + rel_off, part_ptr, FOLD, MERGE, band_lo, lo, i0,
+                             i0 - last - (BLOCK_N - 1), i0 - first + BLOCK_M - 1, first, last, offs_m, offs_d, HEAD_DIM,
+                             BAND, CHUNK, BLOCK_N, 1, PRECISION)
+        dq = _end_gradients(dq, q, sums_lo, sums_hi, KR + rel_off, part_ptr, offs_d, TWO_SPAN, HEAD_DIM)
+    _store_rows(DQ + base, i0, offs_m, offs_d, stride_n, seq_len, dq)
+
+
+@triton.jit
+def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, DQ, DKR_PART, SCRATCH, FOLD, MERGE,
+                 seed, scale, dropout_p, n_ctx, n_heads, num_seqs, items_per_program, stat_numel, scratch_elements,
+                 lo, stride_b, stride_h, stride_n, stride_lb, stride_lh,
+                 TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
+                 HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr,
+                 DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
+                 HOIST: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (p, head) walks a run of (sequence, query block) items of one head into one partial dKr."""
+    pid, head = tl.program_id(0), tl.program_id(1)
+    program = (head * tl.num_programs(0) + pid).to(tl.int64)
+    part_ptr = DKR_PART + program * (TWO_SPAN + CHUNK) * HEAD_DIM  # padded rows: see _band_gradients
+    scratch = SCRATCH + program * scratch_elements
+    blocks = tl.cdiv(n_ctx, BLOCK_M)
+    first = pid * items_per_program
+    for item in range(first, tl.minimum(first + items_per_program, num_seqs * blocks)):
+        seq = item // blocks
+        seq_len, base, rel_off, stat_off = _locate(CU, seq, head, n_ctx, stride_b, stride_h, stride_n,
+                                                   stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, VARLEN)
+        i0 = (item % blocks) * BLOCK_M
+        if i0 < seq_len:
+            _dq_block(Q, K, V, KR, QR, TABLE, MASK + seq * _mask_stride(n_ctx), END, DO, LSE, DELTA, DQ, part_ptr, scratch, FOLD,
+                      MERGE, i0, seed + seq * n_heads + head, _sequence_scale(SCALES, seq, scale, SCALE_PER_SEQ),
+                      dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo, TWO_SPAN, HEAD_DIM,
+                      BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT,
+                      HOIST, PRECISION)
+        tl.debug_barrier()
+
+
+@triton.jit
+def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, part_ptr, scratch, FOLD, MERGE, j0,
+                seed, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo,
+                TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
+                HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
+                DROPOUT: tl.constexpr, HOIST: tl.constexpr, PRECISION: tl.constexpr):
+    """dK, dV of key block ``j0`` (all query blocks; tiles held as ``[BN, BM]``), and its p2c gradient
+    added to the partial dQr."""
+    offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
+    band = scratch + 2 * (BLOCK_M + BLOCK_N) * WINDOW
+    band_lo = tl.maximum(lo, -(j0 + BLOCK_N - 1))  # the block's smallest distance
+    k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
+    v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    sums_lo = tl.zeros([BLOCK_N], tl.float32)
+    sums_hi = tl.zeros([BLOCK_N], tl.float32)
+    general = 0
+    first, last = seq_len, -BLOCK_M  # query blocks of the general tiles
+    ahead = ()
+    if HOIST:
+        ahead = _path_ends(TABLE, -j0 - (BLOCK_N - 1), BLOCK_M, BLOCK_N)
+    keys = _side_visible(mask_ptr, j0, offs_n, seq_len, BLOCK_N, HAS_MASK)  # the block's keys: once
+    for i0 in range(0, seq_len, BLOCK_M):
+        row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), BLOCK_M, HOIST, BLOCK_M, BLOCK_N, WINDOW,
+                                  SPLIT)
+        q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)
+        do = _load_rows(DO + base, i0, offs_m, offs_d, stride_n, seq_len)
+        lse = _load_stat(LSE + stat_off, i0, offs_m, seq_len, float("inf"))
+        delta = _load_stat(DELTA + stat_off, i0, offs_m, seq_len, 0.0)
+        s, saturated, top, general = _tile_scores(
+            q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, keys, END, scratch, stat_off, stat_numel, i0,
+            j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT,
+            HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, True, HOIST, False, PRECISION)
+        dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        p_dropped, ds = _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, scale, BLOCK_M, BLOCK_N,
+                                     DROPOUT, True)
+        dv = tl.dot(p_dropped.to(do.dtype), do, dv, input_precision=PRECISION)
+        dk = tl.dot(ds.to(q.dtype), q, dk, input_precision=PRECISION)
+        if HAS_P2C:  # dK_b += sum_a dS[a,b] Qr[idx];  dQr[t] += sum_{idx=t} dS[a,b] K_b
+            if saturated:
+                col_sums = tl.sum(ds, 1)
+                sums_lo += tl.where(top, 0.0, col_sums)
+                sums_hi += tl.where(top, col_sums, 0.0)
+            else:
+                _store_band(band, ds.to(band.dtype.element_ty), i0 - j0 - (BLOCK_N - 1), band_lo, offs_m, offs_n,
+                            BAND, BLOCK_N, True)
+                first = tl.minimum(first, i0)
+                last = tl.maximum(last, i0)
+    if HAS_P2C:
+        tl.debug_barrier()
+        k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)  # reloaded: not held across the loop
+        # key b at distance dist pairs with query j0 + b + dist: band rows are keys, SIGN -1
+        dk = _band_gradients(dk, k, band, QR + rel_off, part_ptr, FOLD, MERGE, band_lo, lo, j0,
+                             first - j0 - (BLOCK_N - 1), last + BLOCK_M - 1 - j0, first, last, offs_n, offs_d, HEAD_DIM,
+                             BAND, CHUNK, BLOCK_M, -1, PRECISION)
+        dk = _end_gradients(dk, k, sums_lo, sums_hi, QR + rel_off, part_ptr, offs_d, TWO_SPAN, HEAD_DIM)
+    _store_rows(DK + base, j0, offs_n, offs_d, stride_n, seq_len, dk)
+    _store_rows(DV + base, j0, offs_n, offs_d, stride_n, seq_len, dv)
+
+
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, DK, DV, DQR_PART, SCRATCH,
+                   FOLD, MERGE, seed, scale, dropout_p, n_ctx, n_heads, num_seqs, items_per_program, stat_numel,
+                   scratch_elements, lo, stride_b, stride_h, stride_n, stride_lb, stride_lh,
+                   TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
+                   HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr,
+                   DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
+                   HOIST: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (p, head) walks a run of (sequence, key block) items of one head into one partial dQr."""
+    pid, head = tl.program_id(0), tl.program_id(1)
+    program = (head * tl.num_programs(0) + pid).to(tl.int64)
+    part_ptr = DQR_PART + program * (TWO_SPAN + CHUNK) * HEAD_DIM  # padded rows: see _band_gradients
+    scratch = SCRATCH + program * scratch_elements
+    blocks = tl.cdiv(n_ctx, BLOCK_N)
+    first = pid * items_per_program
+    for item in range(first, tl.minimum(first + items_per_program, num_seqs * blocks)):
+        seq = item // blocks
+        seq_len, base, rel_off, stat_off = _locate(CU, seq, head, n_ctx, stride_b, stride_h, stride_n,
+                                                   stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, VARLEN)
+        j0 = (item % blocks) * BLOCK_N
+        if j0 < seq_len:
+            _dkdv_block(Q, K, V, KR, QR, TABLE, MASK + seq * _mask_stride(n_ctx), END, DO, LSE, DELTA, DK, DV, part_ptr, scratch,
+                        FOLD, MERGE, j0, seed + seq * n_heads + head,
+                        _sequence_scale(SCALES, seq, scale, SCALE_PER_SEQ), dropout_p, n_ctx, seq_len, base, rel_off,
+                        stat_off, stat_numel, stride_n, lo, TWO_SPAN,
+                        HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK,
+                        MASK_DIAGONAL, DROPOUT, HOIST, PRECISION)
+        tl.debug_barrier()
+
+
+@triton.jit
+def _attn_bwd_delta(O, DO, CU, DELTA, n_ctx, n_heads, stride_b, stride_h, stride_n, stride_lb, stride_lh,
+                    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, VARLEN: tl.constexpr):
+    """``delta = rowsum(dO * O)`` in float32, straight into the lse layout (no float32 copies)."""
+    bh = tl.program_id(1)
+    seq_len, base, _, stat_off = _locate(CU, bh // n_heads, bh % n_heads, n_ctx, stride_b, stride_h, stride_n,
+                                         stride_lb, stride_lh, 1, HEAD_DIM, VARLEN)
+    i0 = tl.program_id(0) * BLOCK
+    offs_r, offs_d = tl.arange(0, BLOCK), tl.arange(0, HEAD_DIM)
+    o = _load_rows(O + base, i0, offs_r, offs_d, stride_n, seq_len).to(tl.float32)
+    do = _load_rows(DO + base, i0, offs_r, offs_d, stride_n, seq_len).to(tl.float32)
+    tl.store(DELTA + stat_off + i0 + offs_r, tl.sum(o * do, 1), mask=(i0 + offs_r) < seq_len)
+
+
+# The backward's partial position gradients, scratch buffers and delta may take at most this
+# fraction of the bytes of dq + dk + dv; it caps the programs per head.
+PARTIAL_BUDGET = 1.0
+
+
+@dataclass(frozen=True)
+class BackwardBuffers:
+    """What one program of a backward kernel keeps in memory: its float32 partial of the kernel's position
+    table gradient (``2k`` rows plus a chunk of padding, see ``_band_gradients``) and its scratch (two
+    window-product buffers, the band), both absent without the terms they serve."""
+
+    partial_rows: int
+    scratch_elements: int
+    element_size: int
+    head_dim: int
+
+    @property
+    def program_bytes(self) -> int:
+        return self.partial_rows * self.head_dim * 4 + self.scratch_elements * self.element_size
+
+
+def backward_buffers(tiles: Tiles, two_span: int, band: int, q: torch.Tensor, kernel: str, has_term: bool,
+                     has_terms: bool) -> BackwardBuffers:
+    """The buffers of a program of ``kernel`` ("dq" or "dkdv"); ``has_term``: it computes its own position
+    gradient (c2p for dq, p2c for dk/dv); ``has_terms``: the scores have a position term at all."""
+    block = tiles.block_m if kernel == "dq" else tiles.block_n
+    products = 2 * (tiles.block_m + tiles.block_n) * tiles.window if has_terms else 0
+    return BackwardBuffers(two_span + tiles.chunk if has_term else 0, products + (block * band if has_term else 0),
+                           q.element_size(), q.shape[-1])
+
+
+def _backward_kernel(problem: _Problem, kernel, name: str, q, has_term: bool, budget: int, part_name: str,
+                     **args) -> torch.Tensor | None:
+    """Launch a backward kernel over (sequence, block) items of each head; its summed partials."""
+    tiles = problem.tiles(name, q)
+    items = problem.num_seqs * triton.cdiv(problem.n_ctx, tiles.block_m if name == "dq" else tiles.block_n)
+    lo, hi, band = band_range(problem.table, problem.n_ctx, tiles, name)
+    folds = band_folds(problem.table, lo, hi, tiles.chunk, q.dtype)
+    fold, merge = (_on_device((problem.table.key, lo, hi, tiles.chunk, q.dtype, i), t, q.device)
+                   for i, t in enumerate(folds))
+    has_terms = args["KR"] is not q or args["QR"] is not q
+    buffers = backward_buffers(tiles, problem.two_span, band, q, name, has_term, has_terms)
+    programs = programs_per_head(items, buffers.program_bytes, budget, problem.n_heads, problem.slots(tiles))
+    shape = (problem.n_heads, programs, buffers.partial_rows, q.shape[-1]) if has_term else (1,)
+    partial = torch.zeros(shape, dtype=torch.float32, device=q.device)
+    scratch = q.new_empty(max(1, problem.n_heads * programs * buffers.scratch_elements))
+    problem.launch(kernel, tiles, (programs, problem.n_heads), q, args["KR"] is not q, args["QR"] is not q,
+                   items_per_program=triton.cdiv(items, programs),
+                   scratch_elements=buffers.scratch_elements, lo=lo, FOLD=fold, MERGE=merge, BAND=band,
+                   CHUNK=tiles.chunk, SCRATCH=scratch, **{part_name: partial}, **args)
+    return partial.sum(1)[:, :problem.two_span] if has_term else None  # fixed order: deterministic
+
+
+def row_delta(problem: _Problem, out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """``rowsum(dO * O)`` (= ``rowsum(P * dP)``) in float32, laid out like the lse."""
+    delta = torch.empty(problem.stat_shape, dtype=torch.float32, device=out.device)
+    problem.launch_rows(_attn_bwd_delta, out, DELTA_ELEMENTS // out.shape[-1], O=out, DO=grad_out, DELTA=delta)
+    return delta
+
+
+def attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, end, problem: _Problem):
+    """``dq, dk, dv, d_pos_key, d_pos_query`` (None for absent position terms).
+
+    Extra memory beyond the gradients: ``delta`` and one kernel's partials and scratch at a time,
+    together at most ``PARTIAL_BUDGET`` x the bytes of ``dq + dk + dv`` (and at least one program per head).
+    """
+    grad_out = grad_out.contiguous()
+    delta = row_delta(problem, out, grad_out)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # What else is alive beside the partials: delta, the end terms and a head's summed partials before their cast.
+    others = (delta.numel() + end.numel()) * 4 + 2 * problem.n_heads * problem.two_span * q.shape[-1] * 4
+    budget = int(PARTIAL_BUDGET * 3 * q.numel() * q.element_size()) - others
+    common = dict(Q=q, K=k, V=v, KR=q if pos_key is None else pos_key, QR=q if pos_query is None else pos_query,
+                  END=end, DO=grad_out, LSE=lse, DELTA=delta)
+    d_pos_query = _backward_kernel(problem, _attn_bwd_dkdv, "dkdv", q, pos_query is not None, budget, "DQR_PART",
+                                   DK=dk, DV=dv, **common)
+    d_pos_key = _backward_kernel(problem, _attn_bwd_dq, "dq", q, pos_key is not None, budget, "DKR_PART", DQ=dq,
+                                 **common)
+    return (dq, dk, dv, None if d_pos_key is None else d_pos_key.to(pos_key.dtype),
+            None if d_pos_query is None else d_pos_query.to(pos_query.dtype))

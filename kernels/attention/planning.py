@@ -1,0 +1,469 @@
+"""Host planning of the fused attention: the tiles per kernel, input class and target, the bucket table and the
+limits planned from it (saturation, the backward's band), the launch plan (``_Problem``) and the checks that
+run before any launch. No device value is ever read: everything here is host arithmetic or tables built once
+per shape."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+
+from ..contract import TRITON_HEAD_DIMS, AttentionCall, dropout_seed
+from ..relative_position import attention_span, bucket_table
+
+
+# Largest value a 32-bit in-kernel offset may take (see check_offsets_fit_int32).
+INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One kernel's launch shape: query rows x key columns per tile, warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    columns: int = 64  # window columns per slice of the window products (fewer: fewer live registers)
+    # A general tile loads every slice's window rows before its products, so their round trips overlap, and
+    # the forward's general loop (``paths_apart``) loads the next tile's buckets a tile ahead. False, for
+    # tiles that spill otherwise: the backward and the one-loop forward load one slice's rows at a time, and
+    # the general loop loads its buckets in the tile that uses them.
+    hoist: bool = True
+    # ... also with the diagonal mask (False where that alone spilled: sm_90's d = 64 dk/dv, 4 B).
+    hoist_diagonal: bool = True
+
+    @property
+    def window(self) -> int:
+        """Columns of a tile's scratch products: its ``BLOCK_M + BLOCK_N - 1`` distances, rounded to a
+        power of two."""
+        return triton.next_power_of_2(self.block_m + self.block_n - 1)
+
+    @property
+    def split(self) -> int:
+        """Column slices the window products are computed in."""
+        return max(1, self.window // self.columns)
+
+    @property
+    def chunk(self) -> int:
+        """Distances a backward block reads from its band at a time."""
+        return min(64, self.window)
+
+    @property
+    def paths_apart(self) -> bool:
+        """Whether the forward walks its saturated and general tiles in separate loops. A loop of content
+        products alone lays its two chained products out as ``[warps, 1]`` (16 query rows a warp), so with
+        more than ``BLOCK_M / 16`` warps it would repeat products: those tiles keep one loop that branches
+        per tile (compile check: 8 warps on 64 rows issued each saturated tile's products twice)."""
+        return self.num_warps * 16 <= self.block_m
+
+    def content_only(self) -> Tiles:
+        """The forward's tiles without position terms: its two chained products give a warp 16 query rows
+        (Triton lays them out as ``[warps, 1]``), so warps beyond ``BLOCK_M / 16`` would repeat others' work."""
+        return replace(self, num_warps=min(self.num_warps, max(1, self.block_m // 16)))
+
+
+KERNELS = ("fwd", "dkdv", "dq")
+
+
+# (inputs, head dim, target) -> tiles of the three kernels: for each, the tile with the fewest estimated
+# instructions per score (benchmarks/attention_judge.py) among those that compile with no spill and no warp
+# repeating another's products in every configuration the compile check covers (d = 16 takes d = 32's;
+# float32 inputs at d <= 64 take d = 64's).
+# 64-row forward tiles on 4 warps give Hopper its warpgroup MMA. Candidates and figures: docs/kernels.md.
+_T = Tiles
+
+
+_TILES = {
+    # d <= 32: the products with d columns need 64 rows on 4 warps (32 on 2) or warps repeat each other.
+    ("half", 32, 90): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 32, 2, 1), dkdv=_T(32, 32, 2, 1)),
+    ("half", 32, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(32, 16, 2, 1), dkdv=_T(16, 32, 2, 1)),
+    ("half", 32, 100): dict(fwd=_T(32, 64, 4, 1), dq=_T(32, 32, 2, 1), dkdv=_T(32, 32, 2, 1, hoist=False)),
+    # d = 64 dk/dv, sm_90: rows not hoisted under the diagonal mask (hoisted, 4-8 B spilled with the per-sequence
+    # scale and dropout once the mask was read as words).
+    ("half", 64, 90): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 64, 4, 1), dkdv=_T(64, 32, 4, 1, hoist_diagonal=False)),
+    # d = 128, dk/dv, sm_90 and sm_80: every tile without repeated warps spills in some configuration the
+    # compile check covers (sm_90: 32 x 16 on 4 warps 8-16 B with p2c alone, 64 x 16 4-16 B, 16 x 16 on 2 8 B;
+    # sm_80: 32 x 16 20-48 B, 16 x 16 on 2 88-116 B); 16 x 16 on 4 warps repeats half its products (issued /
+    # unique 2.0) and spills nothing: the one exception to the no-repetition rule.
+    # d = 128 forward, sm_90: window products in 16-column slices (64 spilled 4 B with the diagonal mask, and 32
+    # did once the mask was read as words), rows not hoisted (hoisted, 4 B spilled; dq 12 B).
+    ("half", 128, 90): dict(fwd=_T(64, 64, 8, 1, columns=16, hoist=False), dq=_T(32, 64, 8, 1, hoist=False),
+                            dkdv=_T(16, 16, 4, 1)),
+    ("half", 64, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
+    ("half", 128, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 32, 4, 1), dkdv=_T(16, 16, 4, 1)),
+    # sm_100: dk/dv rows not hoisted (hoisted, 8-96 B spilled); forward buckets not loaded ahead (20 B).
+    ("half", 64, 100): dict(fwd=_T(64, 64, 4, 1, hoist=False), dq=_T(32, 64, 4, 1),
+                            dkdv=_T(64, 64, 8, 1, hoist=False)),
+    ("half", 128, 100): dict(fwd=_T(32, 64, 4, 1), dq=_T(16, 64, 4, 1), dkdv=_T(64, 16, 4, 1, hoist=False)),
+    ("fp32", 64, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(32, 32, 4, 1), dkdv=_T(32, 32, 4, 1)),
+    ("fp32", 128, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
+    ("fp32", 64, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
+    ("fp32", 128, 80): dict(fwd=_T(32, 16, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
+    ("fp32", 64, 100): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 32, 4, 1), dkdv=_T(32, 32, 4, 1)),
+    ("fp32", 128, 100): dict(fwd=_T(32, 16, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
+}
+
+
+# The interpreter runs programs one after another: few, larger tiles are fastest. Two warps make the forward
+# walk its paths apart, as on the GPU's 64-row tiles (tests take four warps for the one-loop forward).
+INTERPRETER_TILES = Tiles(32, 32, 2, 1)
+
+
+# Compute capability the host code plans for when its tensors are not on a GPU (the compile check
+# records launches for each target by setting it).
+PLANNED_CAPABILITY = 90
+
+
+# Warps per SM the programs of one launch are sized for (the kernels use up to 255 registers a thread,
+# so about 8 warps fit), and the SMs assumed off a GPU, per planned capability (A100, H100, B200).
+WARPS_PER_SM = 8
+
+
+PLANNED_SMS = {80: 108, 90: 132, 100: 148}
+
+
+DELTA_ELEMENTS = 2048  # elements of dO and O per program of the delta kernel (rows = this / d)
+
+
+END_ELEMENTS = 2048    # elements of Q and K per program of the end-terms kernel (rows = this / d; 4096 spills)
+
+
+def capability(device: torch.device) -> int:
+    """The compute capability kernels are planned for: the GPU's, else :data:`PLANNED_CAPABILITY`."""
+    if device.type != "cuda":
+        return PLANNED_CAPABILITY
+    major, _ = torch.cuda.get_device_capability(device)
+    return {9: 90, 10: 100}.get(major, 80)  # Hopper, datacenter Blackwell; the rest run mma.sync like Ampere
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The device's SMs, or those of the GPU planned for (:data:`PLANNED_CAPABILITY`) off a GPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return PLANNED_SMS[PLANNED_CAPABILITY]
+
+
+def tiles_for(kernel: str, head_dim: int, dtype: torch.dtype, cc: int = 90) -> Tiles:
+    """The launch shape of ``kernel`` ("fwd", "dkdv" or "dq") for inputs of ``head_dim`` and ``dtype``
+    on compute capability ``cc``."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return INTERPRETER_TILES
+    inputs = "fp32" if dtype == torch.float32 else "half"
+    size = 32 if head_dim <= 32 and inputs == "half" else max(64, head_dim)
+    return _TILES[(inputs, size, cc)][kernel]
+
+
+def tile_saturation(n: int, tiles: Tiles, position_buckets: int, max_relative_positions: int) -> torch.Tensor:
+    """Which tiles of one length-``n`` sequence take the saturated path, as the kernels decide it
+    (rows: query blocks, columns: key blocks): the window lies wholly in bucket 0 or the top bucket."""
+    bm, bn = tiles.block_m, tiles.block_n
+    reach = n + bm + bn  # every distance a tile's window covers, its overhang past n included
+    span = attention_span(position_buckets, max_relative_positions)
+    table = bucket_table(reach, position_buckets, max_relative_positions).long()
+    first = torch.arange(0, n, bm)[:, None] - torch.arange(0, n, bn)[None, :] - (bn - 1) + reach
+    lo, hi = table[first], table[first + bm + bn - 2]
+    return (lo == hi) & ((lo == 0) | (lo == 2 * span - 1))
+
+
+@dataclass(frozen=True)
+class TilePaths:
+    """How many tiles of one sequence take each path of a kernel."""
+
+    saturated: int  # one end bucket: c2p / p2c are per-row / per-column vectors, rank-1 gradients
+    general: int    # the rest: window products through the scratch, band gradients
+
+    @property
+    def total(self) -> int:
+        return self.saturated + self.general
+
+
+def tile_paths(n: int, tiles: Tiles, position_buckets: int, max_relative_positions: int) -> TilePaths:
+    """The path counts of a kernel with ``tiles`` over one sequence of ``n`` tokens."""
+    saturated = int(tile_saturation(n, tiles, position_buckets, max_relative_positions).sum())
+    blocks = -(-n // tiles.block_m) * -(-n // tiles.block_n)
+    return TilePaths(saturated, blocks - saturated)
+
+
+@dataclass(frozen=True, eq=False)
+class DistanceTable:
+    """The bucket index of every distance in ``[-max_distance, max_distance]``, built once per shape on the
+    host (a pure function of the distances and the bucket settings), with the limits the backward's band
+    is planned from: no device value is ever read to plan a launch (issue 30: no host syncs)."""
+
+    host: torch.Tensor   # int32 [2 * max_distance + 1], on the CPU
+    key: tuple           # (max_distance, position_buckets, max_relative_positions)
+    top: int             # the largest bucket index
+    bottom_end: int      # the last distance in bucket 0 (or -max_distance - 1 when none is)
+    top_start: int       # the first distance in the top bucket (or max_distance + 1 when none is)
+
+    @property
+    def max_distance(self) -> int:
+        return self.key[0]
+
+
+@contextlib.contextmanager
+def _on_host():
+    """Host planning runs on real CPU tensors, also while a fake-tensor mode traces the op."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.inference_mode(False), torch.no_grad():
+        yield
+
+
+@functools.lru_cache(maxsize=64)
+def _distance_table(max_distance: int, position_buckets: int, max_relative_positions: int) -> DistanceTable:
+    """The reference bucket table on the host, checked to rise by at most one per unit of distance.
+
+    That property makes a chunk of distances map onto contiguous buckets (the band merge).
+    """
+    with _on_host():
+        table = bucket_table(max_distance, position_buckets, max_relative_positions, "cpu")
+        step = int((table[1:] - table[:-1]).max()) if table.numel() > 1 else 0
+        if step > 1:
+            raise NotImplementedError(
+                f"position_buckets={position_buckets}, max_relative_positions={max_relative_positions}: the bucket "
+                f"index jumps by {step} between neighbouring distances; the Triton kernel needs steps <= 1 "
+                "(max_relative_positions >= about 2.7 * position_buckets / 2); use impl='reference'")
+        top = int(table[-1])
+        bottom_end = int((table == 0).sum()) - 1 - max_distance
+        top_start = max_distance - int((table == top).sum()) + 1 if top > 0 else max_distance + 1
+    return DistanceTable(table, (max_distance, position_buckets, max_relative_positions), top, bottom_end, top_start)
+
+
+_DEVICE_COPIES: dict = {}  # (what the host tensor is, device) -> its device copy, reused by every later call
+
+
+_MAX_DEVICE_COPIES = 512
+
+
+def _on_device(key: tuple, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``: copied once per device and kept, so a call that CUDA graphs capture (after a
+    warm-up call) makes no host-to-device copy; under a fake-tensor mode a fresh fake copy, never kept."""
+    fake_mode = torch._guards.detect_fake_mode()
+    if fake_mode is not None:
+        return fake_mode.from_tensor(host).to(device)
+    copy = _DEVICE_COPIES.get((key, device))
+    if copy is None:
+        if len(_DEVICE_COPIES) >= _MAX_DEVICE_COPIES:
+            _DEVICE_COPIES.clear()
+        copy = _DEVICE_COPIES[(key, device)] = host.to(device)
+    return copy
+
+
+def band_range(table: DistanceTable, n_ctx: int, tiles: Tiles, kernel: str) -> tuple[int, int, int]:
+    """``(lo, hi, width)`` of a backward kernel's band: ``lo``/``hi`` bound every distance of a general tile's
+    window (a general window meets the unsaturated middle of the table), ``width`` the distances one block
+    of the kernel ("dq": a query block, "dkdv": a key block) meets; the kernels start a block's band at
+    the larger of ``lo`` and its own smallest distance. Host arithmetic only."""
+    length = tiles.block_m + tiles.block_n - 1
+    keys, queries = -(-n_ctx // tiles.block_n) * tiles.block_n, -(-n_ctx // tiles.block_m) * tiles.block_m
+    lo = max(table.bottom_end + 2 - length, -(keys - 1))
+    hi = min(table.top_start - 2 + length, queries - 1)
+    block = keys + tiles.block_m - 1 if kernel == "dq" else queries + tiles.block_n - 1
+    return lo, hi, max(1, min(hi - lo + 1, block))
+
+
+@functools.lru_cache(maxsize=256)
+def band_folds(table: DistanceTable, lo: int, hi: int, chunk: int,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per ``chunk``-distance chunk from ``lo`` up to ``hi``: int32 ``[first bucket, bucket count]`` and the
+    one-hot ``[distance, bucket]`` matrix in ``dtype`` that ``_band_gradients`` merges its columns with
+    (host tensors, built once per shape)."""
+    with _on_host():
+        offsets = torch.arange(chunk)
+        starts = torch.arange(lo, hi + 1, chunk)
+        buckets = table.host[starts[:, None] + offsets[None, :] + table.max_distance].long()
+        first = buckets[:, :1]
+        info = torch.cat([first, buckets[:, -1:] - first + 1], 1).to(torch.int32).contiguous()
+        return info, ((buckets - first)[:, :, None] == offsets[None, None, :]).to(dtype).contiguous()
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """Everything but the five differentiable tensors: geometry, index table, masks and RNG."""
+
+    num_seqs: int
+    n_heads: int
+    n_ctx: int              # padded length, or max_seqlen of the packed form
+    strides: tuple          # (batch, head, token) strides of q/k/v/o (head dim contiguous)
+    stat_shape: tuple       # per-row statistics (lse, delta): [B, H, N] (padded) or [H, total_tokens] (packed)
+    stat_strides: tuple     # (sequence, head) strides into them; the token stride is 1
+    table: DistanceTable    # bucket index of every distance from -max_distance to +max_distance (host)
+    device_table: torch.Tensor  # its device copy, from distance 0 on (what the kernels index)
+    mask: torch.Tensor | None   # the padding mask's words (int32 [num_seqs, mask_words], ``mask_bits``), or None
+    cu_seqlens: torch.Tensor | None
+    two_span: int
+    scale: float                 # the one scale, or 1.0 (unused) when ``scales`` is given
+    scales: torch.Tensor | None  # float32 [num_seqs]: one softmax scale per sequence
+    mask_diagonal: bool
+    dropout_p: float
+    seed: int
+    cc: int                      # compute capability the tiles are chosen for
+    sms: int                     # the device's multiprocessors
+
+    def slots(self, tiles: Tiles) -> int:
+        """Programs of a launch with ``tiles`` the device runs at once (``WARPS_PER_SM`` warps per SM)."""
+        return self.sms * max(1, WARPS_PER_SM // tiles.num_warps)
+
+    @property
+    def stat_numel(self) -> int:
+        return int(torch.Size(self.stat_shape).numel())
+
+    def saturation_limits(self) -> dict[str, int]:
+        """The distances from which a tile's window lies wholly in the top bucket (``top_start``; never, when
+        the table's top is not the last bucket ``_end_bias`` reads) or up to which wholly in bucket 0
+        (``bottom_end``): the forward splits its key blocks by them (``_general_blocks``)."""
+        top = self.table.top_start if self.table.top == self.two_span - 1 else 2 ** 30
+        return {"top_start": top, "bottom_end": self.table.bottom_end}
+
+    def saturates(self, q: torch.Tensor) -> bool:
+        """Whether a tile of any kernel can lie wholly in bucket 0 or the top bucket: only such a tile reads the
+        end terms. The highest window of a kernel's tiles starts at ``i0 - (BN - 1)`` for its last query block
+        and key block 0, the lowest ends at ``BM - 1 - j0`` for query block 0 and its last key block (the
+        table is monotone). At 512 tokens and DeBERTa-v3's 512 relative positions no tile saturates."""
+        limits, last = self.saturation_limits(), self.n_ctx - 1
+        for kernel in KERNELS:
+            tiles = self.tiles(kernel, q)
+            highest_start = last // tiles.block_m * tiles.block_m - (tiles.block_n - 1)
+            lowest_end = tiles.block_m - 1 - last // tiles.block_n * tiles.block_n
+            if highest_start >= limits["top_start"] or lowest_end <= limits["bottom_end"]:
+                return True
+        return False
+
+    def tiles(self, kernel: str, q: torch.Tensor) -> Tiles:
+        return tiles_for(kernel, q.shape[-1], q.dtype, self.cc)
+
+    def launch(self, kernel, tiles: Tiles, grid: tuple, q: torch.Tensor, has_c2p: bool, has_p2c: bool,
+               **args) -> None:
+        """Launch one of the attention kernels on ``grid``."""
+        kernel[grid](
+            TABLE=self.device_table,
+            MASK=q if self.mask is None else self.mask,  # q stands in for absent optional tensors
+            CU=q if self.cu_seqlens is None else self.cu_seqlens,
+            SCALES=q if self.scales is None else self.scales,
+            seed=self.seed, scale=self.scale, dropout_p=self.dropout_p, n_ctx=self.n_ctx, n_heads=self.n_heads,
+            num_seqs=self.num_seqs, stat_numel=self.stat_numel,
+            stride_b=self.strides[0], stride_h=self.strides[1], stride_n=self.strides[2],
+            stride_lb=self.stat_strides[0], stride_lh=self.stat_strides[1],
+            TWO_SPAN=self.two_span, HEAD_DIM=q.shape[-1], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+            WINDOW=tiles.window, SPLIT=tiles.split, HAS_C2P=has_c2p, HAS_P2C=has_p2c,
+            HAS_MASK=self.mask is not None, VARLEN=self.cu_seqlens is not None, DROPOUT=self.dropout_p > 0,
+            SCALE_PER_SEQ=self.scales is not None, MASK_DIAGONAL=self.mask_diagonal,
+            HOIST=tiles.hoist and (tiles.hoist_diagonal or not self.mask_diagonal),
+            PRECISION="tf32",  # fp32 inputs use TF32 tensor cores (docs/kernels.md); half inputs ignore it
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages, **args)
+
+    def launch_rows(self, kernel, q: torch.Tensor, block: int, **args) -> None:
+        """Launch a per-row-block kernel (delta, end terms) over (row blocks, sequences x heads)."""
+        kernel[(triton.cdiv(self.n_ctx, block), self.num_seqs * self.n_heads)](
+            CU=q if self.cu_seqlens is None else self.cu_seqlens, n_ctx=self.n_ctx, n_heads=self.n_heads,
+            stride_b=self.strides[0], stride_h=self.strides[1], stride_n=self.strides[2],
+            stride_lb=self.stat_strides[0], stride_lh=self.stat_strides[1], HEAD_DIM=q.shape[-1], BLOCK=block,
+            VARLEN=self.cu_seqlens is not None, num_warps=4, **args)
+
+
+def programs_per_head(items: int, per_program_bytes: int, budget_bytes: int, n_heads: int, slots: int) -> int:
+    """How many programs share a head's ``items`` (sequence, block) pairs: enough to fill the device's
+    ``slots`` (at most one per item), and few enough that their buffers (``per_program_bytes`` each)
+    fit ``budget_bytes``; at least one."""
+    wanted = min(items, max(1, slots // n_heads))
+    if per_program_bytes:
+        wanted = min(wanted, budget_bytes // (n_heads * per_program_bytes))
+    return max(1, wanted)
+
+
+def mask_bits(mask: torch.Tensor, n_ctx: int) -> torch.Tensor:
+    """The 2-D padding mask ``[B, n_ctx]`` packed 32 tokens to an int32 word (bit ``j % 32`` of word ``j // 32``
+    set where token ``j`` is real), one word past the last token: the kernels read a tile side's visibility with
+    one scalar load per 32 tokens (``_mask_words``), not one byte load per token pair a thread holds."""
+    words = -(-n_ctx // 32) + 1  # as _mask_stride
+    padded = torch.nn.functional.pad(mask.ne(0), (0, words * 32 - n_ctx)).view(mask.shape[0], words, 32)
+    shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
+    return (padded.to(torch.int32) << shifts).sum(-1, dtype=torch.int32)
+
+
+def _check_kernel_inputs(q: torch.Tensor, tensors: dict) -> None:
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"q must be float16, bfloat16 or float32 for the Triton kernel, got {q.dtype}")
+    head_dim = q.shape[-1]
+    if head_dim not in TRITON_HEAD_DIMS:
+        raise ValueError(f"head dim d must be one of {TRITON_HEAD_DIMS} for the Triton kernel, got {head_dim}")
+    for name, t in tensors.items():
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+        if name in ("k", "v") and t.dtype != q.dtype:
+            raise TypeError(f"q, k, v must share a dtype, got q {q.dtype} and {name} {t.dtype}")
+    if q.numel() == 0:
+        raise ValueError(f"q must hold at least one token, got shape {tuple(q.shape)}")
+
+
+def check_offsets_fit_int32(num_seqs: int, n_heads: int, n_ctx: int, token_stride: int, table_elements: int,
+                            dropout: bool) -> None:
+    """Reject shapes whose 32-bit in-kernel offsets could overflow.
+
+    Offsets across sequences and heads are int64 in the kernels (``_locate``); what stays
+    32-bit is a token's offset inside one sequence (at most ``(n_ctx + 256) * token_stride`` with
+    the last tile's overhang), the mask offset (``num_seqs * n_ctx``), a head's offset into the
+    position tables (``n_heads * 2*span * d``) and, with dropout, the hashed counter ``i * n_ctx + j``.
+    """
+    checks = [("(max_seqlen + 256) x token stride", (n_ctx + 256) * token_stride),
+              ("sequences x max_seqlen (mask offsets)", num_seqs * n_ctx),
+              ("heads x 2*span x d (position-table offsets)", n_heads * table_elements)]
+    if dropout:
+        checks.append(("max_seqlen**2 (dropout counters)", n_ctx * n_ctx))
+    for what, value in checks:
+        if value > INT32_MAX:
+            raise ValueError(f"{what} = {value} exceeds the kernels' 32-bit offset range (2**31 - 1); "
+                             "split the batch")
+
+
+def _make_problem(call: AttentionCall, *, num_seqs: int, n_ctx: int, strides: tuple, stat_shape: tuple,
+                  stat_strides: tuple, mask, cu_seqlens) -> _Problem:
+    q = call.q
+    heads = q.shape[1]  # [B, H, N, d] and [total, H, d] alike
+    two_span = 2 * attention_span(call.position_buckets, call.max_relative_positions)
+    check_offsets_fit_int32(num_seqs, heads, n_ctx, strides[2], two_span * q.shape[-1], call.dropout_p > 0)
+    # Tiles read the table from distance -(n_ctx + BLOCK_N) up to n_ctx + WINDOW.
+    cc = capability(q.device)
+    tiles = [tiles_for(kernel, q.shape[-1], q.dtype, cc) for kernel in KERNELS]
+    max_distance = n_ctx + max(t.window + t.block_m + t.block_n for t in tiles)
+    table = _distance_table(max_distance, call.position_buckets, call.max_relative_positions)
+    device_table = _on_device(table.key, table.host, q.device)[max_distance:]  # element 0 is distance 0
+    return _Problem(num_seqs=num_seqs, n_heads=heads, n_ctx=n_ctx,
+                    strides=strides, stat_shape=stat_shape, stat_strides=stat_strides, table=table,
+                    device_table=device_table, mask=mask, cu_seqlens=cu_seqlens, two_span=two_span,
+                    scale=1.0 if call.per_sequence_scale else call.softmax_scale,
+                    scales=call.softmax_scale if call.per_sequence_scale else None, mask_diagonal=call.mask_diagonal,
+                    dropout_p=call.dropout_p, seed=dropout_seed(call.dropout_p) if call.seed is None else call.seed, cc=cc, sms=multiprocessors(q.device))
+
+
+def _tables_in(call: AttentionCall) -> list:
+    """Position tables in q's dtype, contiguous; the cast is part of the autograd graph."""
+    return [None if t is None else t.to(call.q.dtype).contiguous() for t in (call.pos_key, call.pos_query)]
+
+
+def plan(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Problem]:
+    """Contiguous ``q, k, v`` and the launch plan of a validated call, padded or packed (host work only:
+    no device value is read). The dropout seed is ``call.seed`` when given (the custom op's backward
+    replans with its forward's seed), else a fresh one."""
+    _check_kernel_inputs(call.q, {"k": call.k, "v": call.v, "pos_key": call.pos_key, "pos_query": call.pos_query,
+                                  "attention_mask": call.attention_mask, "cu_seqlens": call.cu_seqlens})
+    q, k, v = call.q.contiguous(), call.k.contiguous(), call.v.contiguous()
+    if call.cu_seqlens is None:
+        batch, heads, n, _ = q.shape
+        mask = None if call.attention_mask is None else mask_bits(call.attention_mask, n)
+        problem = _make_problem(call, num_seqs=batch, n_ctx=n, strides=(q.stride(0), q.stride(1), q.stride(2)),
+                                stat_shape=(batch, heads, n), stat_strides=(heads * n, n), mask=mask, cu_seqlens=None)
+    else:
+        total, heads, _ = q.shape
+        problem = _make_problem(call, num_seqs=call.cu_seqlens.numel() - 1, n_ctx=call.max_seqlen,
+                                strides=(0, q.stride(1), q.stride(0)), stat_shape=(heads, total),
+                                stat_strides=(0, total), mask=None,
+                                cu_seqlens=call.cu_seqlens.to(torch.int32).contiguous())
+    return q, k, v, problem

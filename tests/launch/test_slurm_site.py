@@ -1,0 +1,128 @@
+"""What a site adds to a Slurm job (launch/slurm_site.py), as ``distaff slurm submit --dry-run`` writes it: set-up
+lines verbatim on every node before the launch, a pyxis or Apptainer container, ``--gres`` for the GPUs; every
+other value with a shell metacharacter or a newline refused in one line. The set-up lines run for real on the
+local Slurm (tests/launch/test_slurm_e2e.py); the containers only as scripts bash parses, since neither pyxis nor
+Apptainer is installed here."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from distaff.launch import cli
+from distaff.launch.script_values import NODE_SCRIPT_END
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture()
+def config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "run.yaml"
+    path.write_text("run: {out_dir: out/run1, name: run1}\ndata: {dir: data/austen}\ntrain: {max_steps: 10}\n")
+    return path
+
+
+def _submit(config: Path, capsys, *options: str, gpus: int = 4) -> tuple[int, str, str]:
+    """``distaff slurm submit --dry-run`` of a 2-node job: exit code, the script (bash has parsed it), stderr."""
+    code = cli.main(["slurm", "submit", "--config", str(config), "--nodes", "2", "--gpus-per-node", str(gpus),
+                     "--gpu-kind", "H100-SXM", "--dry-run", *options])
+    out, err = capsys.readouterr()
+    script = out[out.index("#!/bin/bash"):out.index("# submit with:")] if code == 0 else ""
+    if script:
+        subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    return code, script, err
+
+
+def _node_script(script: str) -> str:
+    return script.split(f"<<'{NODE_SCRIPT_END}'\n")[1].split(f"\n{NODE_SCRIPT_END}\n")[0]
+
+
+def test_set_up_lines_run_verbatim_on_every_node_before_the_launch(config: Path, capsys) -> None:
+    setup = config.parent / "site.sh"
+    setup.write_text("module purge\n  module load cuda/12.4 nccl   # indented, with a comment\n\n"
+                     "source /shared/env.sh\n")
+    lines = ['export NCCL_SOCKET_IFNAME="ib0"; ulimit -n 65536', "[ -d /scratch ] && export TMPDIR=/scratch/$USER"]
+    code, script, _ = _submit(config, capsys, "--setup-file", str(setup), "--setup", lines[0], "--setup", lines[1])
+    assert code == 0
+    node = _node_script(script).splitlines()
+    expected = ["module purge", "  module load cuda/12.4 nccl   # indented, with a comment", "",
+                "source /shared/env.sh", *lines]
+    start = node.index("set -e") + 2          # after the ERR trap that names a failing line's node
+    assert node[start:start + len(expected)] == expected and node[start + len(expected)] == "trap - ERR"
+    assert node.index("trap - ERR") < next(i for i, line in enumerate(node) if "torch.distributed.run" in line)
+    assert script.count("#SBATCH --gpus-per-node=4") == 1     # the GPU request as before
+
+
+@pytest.mark.parametrize("line, problem", [
+    ("module load a\nrm -rf /", "contains a control character (U+000A, a newline)"),
+    ("module load a\r", "(a file with Windows line ends: convert it with dos2unix)"),
+    (NODE_SCRIPT_END, "would end the per-node script early"),
+])
+def test_a_set_up_line_is_one_line(config: Path, capsys, line: str, problem: str) -> None:
+    code, _, err = _submit(config, capsys, "--setup", line)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("distaff slurm: --setup: ") and problem in err, err
+    setup = config.parent / "site.sh"
+    setup.write_bytes(b"module purge\r\nmodule load cuda\r\n")
+    code, _, err = _submit(config, capsys, "--setup-file", str(setup))
+    assert code == 2 and f"--setup-file {setup}, line 1: 'module purge\\r'" in err and "dos2unix" in err, err
+
+
+@pytest.mark.parametrize("option", ["--container-image", "--container-mounts", "--apptainer", "--gres"])
+@pytest.mark.parametrize("value", ["a;touch INJECTED", "$(id)", "`id`", "a b", "x|y", "a&b", "x>y", "'q'", '"q"',
+                                   "a\\b", "-x", "a\nb", "*"])
+def test_site_values_with_shell_metacharacters_are_refused_in_one_line(config: Path, capsys, option: str,
+                                                                      value: str) -> None:
+    extra = ["--apptainer", "img.sif"] if option == "--container-mounts" else []
+    code, _, err = _submit(config, capsys, f"{option}={value}", *extra)
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"distaff slurm: {option} "), err
+    assert not (config.parent / "out").exists()
+
+
+def test_a_pyxis_container_runs_each_node_script_in_the_image(config: Path, capsys) -> None:
+    code, script, err = _submit(config, capsys, "--container-image", "nvcr.io#nvidia/pytorch:24.01-py3",
+                                "--container-mounts", "/shared:/shared,/scratch:/scratch:ro", "--setup", "nvidia-smi")
+    assert code == 0 and "warning" not in err
+    srun = re.search(r"^srun .*?bash -c \"\$node_script\" &$", script, re.S | re.M).group(0)
+    assert ("'--container-image=nvcr.io#nvidia/pytorch:24.01-py3' "
+            f"--container-workdir={config.parent} --container-mounts=/shared:/shared,/scratch:/scratch:ro ") in srun
+    assert "# Every node runs python: inside the container nvcr.io#nvidia/pytorch:24.01-py3." in script
+    assert "exec python -m torch.distributed.run --nproc-per-node=4" in script    # the image's python
+    code, script, _ = _submit(config, capsys, "--container-image", "img.sqsh", "--python", "/opt/conda/bin/python")
+    assert "exec /opt/conda/bin/python -m torch.distributed.run" in script
+
+
+def test_apptainer_wraps_each_python_the_nodes_run(config: Path, capsys) -> None:
+    code, script, _ = _submit(config, capsys, "--apptainer", "docker://nvcr.io/nvidia/pytorch:24.01-py3",
+                              "--container-mounts", "/shared", "--setup", "module load apptainer")
+    assert code == 0
+    prefix = "apptainer exec --nv --bind /shared docker://nvcr.io/nvidia/pytorch:24.01-py3 python "
+    node = _node_script(script)
+    assert f"exec {prefix}-m torch.distributed.run" in node and f"$({prefix}-c " in node    # the ranks, the affinity
+    assert node.index("module load apptainer") < node.index("apptainer exec")               # set-up on the host
+    assert "--container-image" not in script
+    config.parent.joinpath("out").mkdir()
+    cpu = cli.main(["slurm", "submit", "--config", str(config), "--nodes", "1", "--gpus-per-node", "1", "--cpu",
+                    "--apptainer", "img.sif", "--dry-run"])
+    assert cpu == 0 and "apptainer exec img.sif python -m torch.distributed.run" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("options, problem", [
+    (["--container-image", "a.sqsh", "--apptainer", "b.sif"], "--container-image (pyxis) and --apptainer exclude"),
+    (["--container-mounts", "/a:/a"], "--container-mounts: there is no container to mount into"),
+    (["--gres", "gpu:a100:2"], "--gres 'gpu:a100:2': 2 GPU(s) per node for --gpus-per-node 4 ranks"),
+    (["--gres", "nvme:1"], "--gres 'nvme:1': requests no GPU"),
+    (["--max-requeues", "-1"], "--max-requeues must be >= 0, got -1"),
+])
+def test_site_requests_that_cannot_work_are_refused(config: Path, capsys, options: list[str], problem: str) -> None:
+    code, _, err = _submit(config, capsys, *options)
+    assert code == 2 and err.startswith("distaff slurm: ") and err.count("\n") == 1 and problem in err, err
+
+
+def test_gres_requests_the_gpus_instead_of_gpus_per_node(config: Path, capsys) -> None:
+    code, script, _ = _submit(config, capsys, "--gres", "gpu:h100:4,nvme:1")
+    assert code == 0 and "#SBATCH --gres=gpu:h100:4,nvme:1\n" in script and "--gpus-per-node" not in script
+    assert "max_requeues=3\n" in script           # the default bound on stalled or lost attempts
