@@ -85,6 +85,61 @@ def test_slurm_submit_dry_run_shows_the_evaluation_job_too(tmp_path, capsys, mon
     assert capsys.readouterr().err.startswith("distaff slurm: evals.slurm.mem 'lots': expected a Slurm size")
 
 
+def _eval_job_of(out: str) -> str:
+    return out[out.index("# each selected checkpoint's evaluation job"):].split("\n", 1)[1]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("container", ["--apptainer=/images/distaff.sif",
+                                       "--container-image=nvcr.io#nvidia/pytorch:24.01-py3"])
+def test_the_evaluation_job_runs_with_the_training_jobs_set_up_lines_and_container(tmp_path, capsys, monkeypatch,
+                                                                                   container):
+    """What ``distaff slurm submit --dry-run`` shows is what the trainer's submitter writes later from the run's
+    launch record: the training job's set-up lines verbatim, its container and python, not its --gres."""
+    from distaff.launch import eval_jobs, slurm
+    from distaff.launch.run_config import LAUNCH_RECORD, record_launch
+
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "run.yaml"
+    config.write_text(f"run: {{out_dir: out/run1, name: run1}}\ndata: {{dir: data}}\ncheckpoint: {{every: 50}}\n"
+                      f"evals: {{every: 100, mode: slurm, tasks: [{json.dumps(PROBE)}]}}\n")
+    (tmp_path / "site.sh").write_text("module load cuda/12.4\n")
+    submit = ["submit", "--config", str(config), "--nodes", "1", "--gpus-per-node", "2", "--cpu", "--gres=gpu:2",
+              "--setup-file=site.sh", "--setup", 'export HF_HOME="/scratch/$USER/hf"', container,
+              "--container-mounts=/data:/data"]
+    assert cli.main(["slurm", *submit, "--dry-run"]) == 0
+    shown = _eval_job_of(capsys.readouterr().out)
+    subprocess.run(["bash", "-n"], input=shown, text=True, check=True)
+    setup = 'set -e\ntrap \'echo "distaff: node $SLURM_NODEID: a set-up line failed with status $?" >&2\' ERR\n' \
+            'module load cuda/12.4\nexport HF_HOME="/scratch/$USER/hf"\ntrap - ERR\nset +e\n'
+    runner = f"python -m distaff.train.tools.evals {tmp_path}/out/run1 --checkpoint {tmp_path}/out/run1/evals/pinned/step-N"
+    if container.startswith("--apptainer"):     # set-up lines on the host, then the runner in the image
+        assert setup + f"exec apptainer exec --bind /data:/data /images/distaff.sif {runner}\n" in shown, shown
+    else:                                       # a one-task pyxis step runs both in the image
+        assert setup + f"exec {runner}\n" in shown and re.search(
+            r"^exec srun --ntasks=1 --cpus-per-task=2 '--container-image=nvcr.io#nvidia/pytorch:24.01-py3' "
+            rf"--container-workdir={tmp_path} --container-mounts=/data:/data bash -c \"\$eval_script\"$", shown, re.M), shown
+    assert "--gres" not in shown and "--gpus" not in shown
+
+    # the trainer's submitter (later, from the run's launch record) writes the same script
+    run = tmp_path / "out" / "run1"
+    record_launch(run, "slurm", slurm._parser()[1].parse_intermixed_args(submit))
+    (run / "config.yaml").write_text(config.read_text())
+    monkeypatch.chdir(run)      # the job runs in (and reads the set-up file from) the folder the run was submitted from
+    assert eval_jobs.main([str(run), "--checkpoint", str(run / "evals" / "pinned" / "step-N"), "--dry-run"]) == 0
+    written = capsys.readouterr().out
+    assert written.split("\n", 1)[1].split("# submit with:")[0] == shown.rstrip("\n") + "\n"
+
+    # a recorded value the training script would refuse is refused here too, in one line
+    record = json.loads((run / LAUNCH_RECORD).read_text())
+    record["args"]["container_mounts"] = "/data:/data;reboot"
+    (run / LAUNCH_RECORD).write_text(json.dumps(record))
+    assert eval_jobs.main([str(run), "--checkpoint", str(run / "evals" / "pinned" / "step-N"), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("distaff evals (slurm job): --container-mounts '/data:/data;reboot': contains ';'") and \
+        "\n" not in err, err
+
+
 # ---------------------------------------------------------------- for real
 
 def _submitted(run: Path) -> list[str]:
@@ -104,13 +159,21 @@ def _wait(predicate, timeout: float, what: str) -> None:
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_each_checkpoint_submits_a_dependent_job_whose_results_land_in_the_run(slurm: SlurmCluster, sample_data,
-                                                                            tmp_path_factory):
+                                                                            tmp_path_factory, monkeypatch):
+    from distaff.launch import slurm as slurm_launcher
+    from distaff.launch.run_config import record_launch
+
     data = prepare_data(tmp_path_factory.getbasetemp(), sample_data)
     tmp = tmp_path_factory.mktemp("eval-jobs")
     run = tmp / "run"
     config = write_config(tmp / "run.yaml", data, run, train={"max_steps": 12}, checkpoint={"every": 6, "keep": 1},
                           evals={"every": 6, "mode": "slurm", "tasks": [{**PROBE, "seeds": [1, 2]}],
                                  "slurm": {"cpus": 1, "mem": "1G"}})
+    # as `distaff slurm submit --setup ...` records the run's launch: its evaluation jobs run the same set-up lines
+    monkeypatch.chdir(tmp)
+    record_launch(run, "slurm", slurm_launcher._parser()[1].parse_intermixed_args(
+        ["--config", str(config), "--nodes", "1", "--gpus-per-node", "1", "--cpu",
+         "--setup", 'echo "site set-up ran in $PWD with $(basename "$(command -v sbatch)")"']))
     env = {**rank_env(tmp), "SLURM_CONF": str(slurm.conf)}
     trained = subprocess.run([PYTHON, "-m", "distaff.train.pretrain", "--config", str(config)], env=env, cwd=tmp,
                              capture_output=True, text=True, timeout=300)
@@ -130,6 +193,7 @@ def test_each_checkpoint_submits_a_dependent_job_whose_results_land_in_the_run(s
     # one after the other: the second waited for the first (singleton)
     assert slurm.job_field(jobs[1], "StartTime") >= slurm.job_field(jobs[0], "EndTime")
     assert "restart_count=1" in logs()
+    assert logs().count(f"site set-up ran in {tmp} with sbatch") == 3, logs()    # 2 jobs, one requeued
 
     records = [json.loads(line) for line in (run / "evals.jsonl").read_text().splitlines()]
     assert sorted((r["step"], r["seed"]) for r in records) == [(6, 1), (6, 2), (12, 1), (12, 2)], logs()

@@ -17,6 +17,7 @@ import gzip
 import json
 import os
 import signal
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -165,6 +166,10 @@ def _branch_and_average_backfilled(tmp: Path, run: Path, data: Path) -> None:
     table = out[out.index("== evaluations of"):]
     for label in ("step 40", "step 160", "decay-160-4 step 164", "average last2 (steps 140, 160)"):
         assert label in table, table
+    # each cell: the mean over seeds +- their standard deviation (how many seeds), as the records give them
+    seeds80 = [r["value"] for r in records(run) if r["step"] == 80 and r["name"] == "wordorder"]
+    row80 = next(line for line in table.splitlines() if line.startswith("step 80 "))
+    assert f"{statistics.mean(seeds80):.4f} +- {statistics.stdev(seeds80):.4f} (2)" in row80, table
     assert (run / "evals.png").is_file()
 
     again = finished(distaff(tmp, "evals", str(run), log="again.log"), tmp, "again.log")
