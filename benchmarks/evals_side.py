@@ -12,10 +12,14 @@ The table gives each run's training time per step (``train_time_s / steps`` from
 alone, checkpoint saves excluded), the median and the slowest logged window of ``step_time_s`` (every
 ``logging.every`` steps, saves included), real tokens/s, and for ``side`` how long its evaluation processes
 worked (the records' seconds) against the run's wall time. The machine's cores and load averages before and after
-are printed with it: beside training, an evaluation takes cores the ranks would otherwise have.
+are printed with it: beside training, an evaluation takes cores the ranks would otherwise have. Then
+``distaff evals SIDE_RUN --table``: the probe's accuracy at each checkpoint, the spread over its seeds.
+
+``--json FILE`` also writes the figures (tables, ratio, machine, load, date); ``scripts/refresh_doc_numbers.py
+--evals-side docs/pretraining.md FILE`` puts them into docs/pretraining.md's measured spans.
 
     python benchmarks/evals_side.py [--steps 400] [--every 50] [--seeds 1 2 3] [--ranks 2] [--repeats 2]
-                                    [--work-dir DIR]
+                                    [--work-dir DIR] [--json benchmarks/results/evals_side.json]
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -85,9 +90,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def per_step_ratio(results: list[tuple[str, dict]]) -> float:
+    """Mean training time per step of the side runs over that of the runs without evaluations."""
+    per_step = {m: statistics.mean(r["summary"]["train_time_s"] / r["summary"]["steps"] for mode, r in results
+                                   if mode == m) for m in ("none", "side")}
+    return per_step["side"] / per_step["none"]
+
+
 def table(results: list[tuple[str, dict]], args: argparse.Namespace) -> str:
     lines = [f"{args.steps} steps of tiny-cpu on {args.ranks} CPU rank(s), a checkpoint every {args.every} steps; "
-             f"side: bshift probe, seeds {args.seeds}, {args.sentences} sentences, of every checkpoint",
+             f"side: bshift probe, seeds {args.seeds}, {args.sentences} sentences, of every checkpoint", "",
              "| run | s/step (steps alone) | median window s/step | slowest window s/step | tokens/s | "
              "evaluation s (records) | wall s |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for mode, r in results:
@@ -95,11 +107,17 @@ def table(results: list[tuple[str, dict]], args: argparse.Namespace) -> str:
         lines.append(f"| {mode} | {s['train_time_s'] / s['steps']:.4f} | {statistics.median(r['windows']):.4f} | "
                      f"{max(r['windows']):.4f} | {s['tokens_per_s']:,.0f} | "
                      f"{r['eval_s']:.0f} ({r['records']}) | {r['wall_s']:.0f} |")
-    per_step = {m: statistics.mean(r["summary"]["train_time_s"] / r["summary"]["steps"] for mode, r in results
-                                   if mode == m) for m in ("none", "side")}
-    lines.append(f"side / none, mean time per step over {args.repeats} run(s) each: "
-                 f"{per_step['side'] / per_step['none']:.3f}")
     return "\n".join(lines)
+
+
+def evals_table(run: Path, env: dict[str, str]) -> str:
+    """``distaff evals RUN --table``'s table of the side run (its probe at each checkpoint)."""
+    proc = subprocess.run([PYTHON, "-m", "distaff.launch.cli", "evals", str(run), "--table"], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"distaff evals {run} --table failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    text = proc.stdout
+    return text[text.index("== evaluations of"):].split("\nplot:")[0].strip()
 
 
 def main() -> None:
@@ -111,6 +129,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="pairs of runs, alternating which goes first")
     parser.add_argument("--work-dir", type=Path, help="default: a temporary folder")
+    parser.add_argument("--json", type=Path, help="also write the figures here (for scripts/refresh_doc_numbers.py)")
     args = parser.parse_args()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="distaff-evals-side-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -121,9 +140,22 @@ def main() -> None:
     order = [modes for i in range(args.repeats) for modes in ((("none", "side"), ("side", "none"))[i % 2],)]
     results = [(mode, train(mode, data, work, args, env, i)) for i, modes in enumerate(order) for mode in modes]
     load_after = os.getloadavg()
+    ratio = per_step_ratio(results)
+    machine = (f"{os.cpu_count()}-core {platform.machine()} machine; load average {load_before[0]:.2f} before, "
+               f"{load_after[0]:.2f} after (1 min)")
+    side_runs = [work / f"side-{i}" for i, modes in enumerate(order) if "side" in modes]
+    evals = evals_table(side_runs[-1], env)
     print(table(results, args))
-    print(f"machine: {os.cpu_count()} cores; load average before {load_before[0]:.2f}, after {load_after[0]:.2f} "
-          f"(1 min); work dir {work}")
+    print(f"side / none, mean time per step over {args.repeats} run(s) each: {ratio:.3f}")
+    print(f"machine: {machine}; work dir {work}")
+    print(evals)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "command": " ".join(["python", "benchmarks/evals_side.py", *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d"),
+            "machine": machine, "table": table(results, args), "ratio": round(ratio, 3),
+            "evals_table": evals.split("\n", 1)[1]}, indent=1) + "\n")
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m distaff.launch.eval_jobs", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m distaff.launch.eval_jobs", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--average", type=Path, action="append", default=[])

@@ -4,6 +4,7 @@ span (``<!-- measured: NAME -->...<!-- /measured -->``) is one ``scripts/refresh
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -56,3 +57,15 @@ def test_every_measured_span_is_closed_and_rewritten_by_the_refresh_script():
     assert refresh.rewrite(rewritten, values) == rewritten                 # a second refresh changes nothing
     with pytest.raises(ValueError, match=r"no value for the measured span\(s\) \['demo.new'\]"):
         refresh.rewrite(text + "<!-- measured: demo.new -->1<!-- /measured -->", values)
+
+
+def test_the_evaluation_figures_of_docs_pretraining_are_the_benchmarks_last_results():
+    """docs/pretraining.md's side-mode figures are what ``benchmarks/evals_side.py --json`` wrote (refreshing them
+    from that file changes nothing) and every span there has a value."""
+    refresh = _refresher()
+    text = (REPO / "docs" / "pretraining.md").read_text()
+    results = json.loads((REPO / "benchmarks" / "results" / "evals_side.json").read_text())
+    values = refresh.evals_side_values(results)
+    assert text.count("<!-- measured: ") == text.count("<!-- /measured -->") == len(refresh.SPAN.findall(text)) == 5
+    assert refresh.rewrite(text, values) == text
+    assert f"**<!-- measured: evals_side.ratio -->{results['ratio']:.3f}<!-- /measured -->x**" in text

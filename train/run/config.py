@@ -200,7 +200,7 @@ class CheckpointSection:
 
 
 # ``evals``: evaluations attached to the run's checkpoints (train/pretrain/attached_evals.py runs them,
-# train/tools/evals/ holds the runner and ``distaff evals``; docs/pretraining.md, "Evaluations attached to a run")
+# train/tools/evals/ holds the runner and ``distaff evals``; docs/pretraining.md, "Evaluations attached to checkpoints")
 EVAL_KINDS = ("probe", "finetune", "heldout")
 # train/tools/probe_tasks.py's TASKS and train/finetune/config.py's metrics (this layer may not import them;
 # tests/pretrain/test_evals_config.py keeps them equal)

@@ -34,7 +34,7 @@ from distaff.train.tools.evals.runner import Outcome, evaluate
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="distaff evals", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="distaff evals", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="the run directory (run.out_dir) of a pretraining run")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="evals.* overrides, e.g. evals.every=500")
     parser.add_argument("--checkpoint", type=Path, help="evaluate this checkpoint (or pin) of the run alone")
