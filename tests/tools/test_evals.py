@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_fixtures import PYTHON, REPO, prepare_data, rank_env, train_losses, wandb_runs, write_config
+from pretrain_fixtures import (PYTHON, REPO, metrics, prepare_data, rank_env, run_log, torchrun, train_losses,
+                               wandb_runs, write_config)
 
 from distaff.train.core.distributed import free_port
 from distaff.train.run.checkpoint_files import checkpoint_problem
@@ -175,3 +176,25 @@ def _branch_and_average_backfilled(tmp: Path, run: Path, data: Path) -> None:
     again = finished(distaff(tmp, "evals", str(run), log="again.log"), tmp, "again.log")
     assert "nothing to run: every selected checkpoint has its results" in again, again
     assert len(records(run)) == before + 3 and len(records(branch)) == 3
+
+
+@pytest.mark.timeout(300)
+def test_inline_evaluations_pause_every_rank_and_are_counted_in_the_step_time(sample_data, tmp_path_factory):
+    """``evals.mode: inline`` on 2 ranks: rank 0 evaluates each selected checkpoint between two steps while the other
+    rank waits in the evaluations' own group; the pause is logged as ``evals_inline_s`` beside the step time."""
+    data = prepare_data(tmp_path_factory.getbasetemp(), sample_data)
+    tmp = tmp_path_factory.mktemp("evals-inline")
+    run = tmp / "run"
+    probe = {"name": "wordorder", "kind": "probe", "text": str(MOVIES), "text_column": "1", "max_sentences": 200}
+    config = write_config(tmp / "run.yaml", data, run, train={"max_steps": 8}, checkpoint={"every": 4},
+                          wandb={"mode": "disabled"}, evals={"every": 4, "mode": "inline", "tasks": [probe]})
+    proc = torchrun(config, tmp)
+    assert proc.returncode == 0, run_log(proc)
+    assert sorted(train_losses(run)) == list(range(1, 9))
+    assert sorted((r["step"], r["seed"]) for r in records(run)) == [(4, 1), (8, 1)]
+    paused = {r["step"]: r["evals_inline_s"] for r in metrics(run) if "evals_inline_s" in r}
+    # step 4's evaluation ran between steps 4 and 5: the first log line after it carries its seconds
+    assert paused[5] >= records(run)[0]["seconds"] > 0 and paused[4] == 0, paused
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["evals_inline_s"] >= sum(r["seconds"] for r in records(run)), summary
+    assert not list((run / "evals" / "pinned").iterdir())
