@@ -56,8 +56,13 @@ def evals_side_values(results: dict) -> dict[str, str]:
         "evals_side.when": f"{results['date']}, {results['machine']}",
         "evals_side.table": f"\n{results['table'].strip()}\n",
         "evals_side.ratio": f"{results['ratio']:.3f}",
-        "evals_side.evals": f"\n```\n{results['evals_table'].strip()}\n```\n",
+        "evals_side.evals": f"\n```\n{_lines(results['evals_table'])}\n```\n",
     }
+
+
+def _lines(table: str) -> str:
+    """A printed table without its trailing blanks (its first line's indent is its alignment)."""
+    return "\n".join(line.rstrip() for line in table.strip("\n").splitlines())
 
 
 def rewrite(text: str, values: dict[str, str]) -> str:
