@@ -20,6 +20,7 @@ COMMANDS = {
     "grow": ("distaff.train.tools.grow", "widen/deepen a trained model, outputs unchanged (distaff grow CKPT OUT ...)"),
     "embed": ("distaff.train.tools.embed", "sentence embeddings of a text file, optional whitening (distaff embed ...)"),
     "probe": ("distaff.train.tools.probe", "probing tasks (word order, length, words) for frozen and fine-tuned encoders"),
+    "evals": ("distaff.train.tools.evals.cli", "run a run's missing checkpoint evaluations (evals), table and plot"),
     "plan": ("distaff.train.plan.cli", "memory per GPU, micro-batch, ZeRO stage, tokens/s, MFU, GPU-hours before booking"),
     "presets": ("distaff.train.core.presets", "list the installed run, model, fine-tune and ablation presets"),
     "launch": ("distaff.launch.launcher", "run pretraining (or --task finetune) under the deepspeed launcher"),

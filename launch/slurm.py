@@ -41,7 +41,7 @@ from distaff.launch.run_config import (LaunchTarget, add_ranks_flag, add_task_ar
                                        resolve_launch_target)
 from distaff.launch.script_values import (NODE_SCRIPT_END, plain_text, sbatch_extra, sbatch_option,
                                           slurm_path_pattern, slurm_time)
-from distaff.launch.slurm_site import CONTAINER_PYTHON, SiteOptions, add_site_arguments, site_options
+from distaff.launch.slurm_site import SiteOptions, add_site_arguments, node_python, site_options
 from distaff.train.core import presets
 from distaff.train.core.errors import ConfigError, RunFailure, command_main
 from distaff.train.core.exit_codes import EXIT_FAILURE, EXIT_PREEMPTED, EXIT_STALLED
@@ -408,9 +408,12 @@ def submit_job(args: argparse.Namespace) -> int:
         cpus_per_task=args.cpus_per_task, mem=args.mem, mem_per_cpu=args.mem_per_cpu, exclusive=args.exclusive,
         partition=args.partition, account=args.account, time=args.time, job_name=args.job_name,
         signal_lead_s=args.signal_lead, sbatch_lines=tuple(args.sbatch),
-        python=args.python or (CONTAINER_PYTHON if site.container else sys.executable),
+        python=node_python(args.python, site),
         max_ranks_per_node=args.max_ranks_per_node, max_requeues=args.max_requeues, site=site)
     script = render_sbatch_script(spec)   # a bad request is refused before anything is printed
+    from distaff.launch.eval_jobs import preview   # (it imports this module) evals.mode=slurm's job, checked now
+
+    eval_job = preview(target, site, spec.python)
     if not site.container:
         warn_if_node_local(spec.python, dict(os.environ))
     if not args.cpu:   # the plan's line for this job (memory per GPU, fit, estimated time)
@@ -420,6 +423,8 @@ def submit_job(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(f"# {spec.script_path}\n{script}")
         print(f"# submit with:\n{shlex.join(sbatch_command(spec.script_path))}")
+        if eval_job is not None:
+            print(f"# each selected checkpoint's evaluation job (evals.mode=slurm; the trainer submits it):\n{eval_job}")
         return 0
     job_id = submit(spec)
     record_launch(target.out_dir, "slurm", args)

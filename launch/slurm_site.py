@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from distaff.launch.script_values import sbatch_option, setup_line, site_word
 from distaff.train.core.errors import ConfigError, shown
@@ -113,6 +115,26 @@ def add_site_arguments(parser: argparse.ArgumentParser) -> None:
                                                     "--gpus-per-node's request")
     site.add_argument("--python", help=f"the python the nodes run (default: this one; in a container: "
                                        f"{CONTAINER_PYTHON})")
+
+
+def node_python(python: str | None, site: SiteOptions) -> str:
+    """The python a job's nodes run: ``--python``, else the container's, else this one."""
+    return python or (CONTAINER_PYTHON if site.container else sys.executable)
+
+
+def recorded_site(record: dict[str, Any]) -> tuple[SiteOptions, str]:
+    """The site options and node python of a recorded ``distaff slurm submit`` (launch/run_config.py's launch
+    record), so that a later job of the run (an evaluation of its checkpoints) runs where its ranks ran. An option
+    the record lacks (an older distaff) takes its default; a relative ``--setup-file`` is read from the folder the
+    run was submitted from."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_site_arguments(parser)
+    values = {action.dest: action.default for action in parser._actions}
+    values.update((name, value) for name, value in record["args"].items() if name in values)
+    if values["setup_file"]:
+        values["setup_file"] = str(Path(record["cwd"]) / values["setup_file"])
+    site = site_options(argparse.Namespace(**values))
+    return site, node_python(values["python"], site)
 
 
 def site_options(args: argparse.Namespace) -> SiteOptions:

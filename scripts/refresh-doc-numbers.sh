@@ -7,7 +7,8 @@
 #   bash scripts/refresh-doc-numbers.sh plan       # remeasures the plan's memory and CPU time (15-40 minutes),
 #                                                  # then rewrites docs/plan.md
 #   bash scripts/refresh-doc-numbers.sh plan-tables  # docs/plan.md from the committed measurements (seconds)
-#   bash scripts/refresh-doc-numbers.sh results    # docs/results/*.md from benchmarks/results/*.json (seconds)
+#   bash scripts/refresh-doc-numbers.sh results    # docs/results/*.md and the evaluations section of
+#                                                  # docs/pretraining.md from benchmarks/results/*.json (seconds)
 #
 # Run it on the machine the docs name (a 2-core CPU machine, idle for the timed figures), then `git diff`.
 set -euo pipefail
@@ -36,4 +37,6 @@ if [[ "$PART" == all || "$PART" == plan || "$PART" == plan-tables ]]; then
 fi
 if [[ "$PART" == all || "$PART" == results ]]; then
     $PY scripts/render_results.py    # docs/results/*.md from benchmarks/results/*.json
+    # docs/pretraining.md's evaluation figures from benchmarks/evals_side.py's last results (rerun it to change them)
+    $PY scripts/refresh_doc_numbers.py --evals-side docs/pretraining.md benchmarks/results/evals_side.json
 fi

@@ -1,4 +1,4 @@
-"""Rewrite the measured spans of README.md from the runs that produce them.
+"""Rewrite the measured spans of README.md (and of docs/pretraining.md) from the runs that produce them.
 
 A span is ``<!-- measured: NAME -->value<!-- /measured -->`` (inline) or the same two comments around lines
 (a block). ``scripts/refresh-doc-numbers.sh`` runs the commands, then this with the values:
@@ -9,6 +9,14 @@ Values it fills: ``demo.summary`` (the demo's printed summary, as a code block),
 ``demo.tokens_per_s``, ``demo.loss``, ``demo.perplexity``, ``demo.accuracy``, ``demo.baseline``,
 ``demo.tokens``, ``demo.when`` (date, machine and load average of the run). A span it has no value for is
 an error, so a new span cannot be left behind stale.
+
+docs/pretraining.md's evaluation figures come from ``benchmarks/evals_side.py --json FILE`` (about 15 minutes on 2
+cores, so the refresh script reads its last results rather than rerunning it):
+
+    python scripts/refresh_doc_numbers.py --evals-side docs/pretraining.md benchmarks/results/evals_side.json
+
+fills ``evals_side.command``, ``evals_side.when``, ``evals_side.table``, ``evals_side.ratio`` and
+``evals_side.evals``.
 """
 
 from __future__ import annotations
@@ -41,6 +49,22 @@ def demo_values(summary_text: str, summary: dict, elapsed_s: int) -> dict[str, s
     }
 
 
+def evals_side_values(results: dict) -> dict[str, str]:
+    """docs/pretraining.md's figures from ``benchmarks/evals_side.py --json``'s file."""
+    return {
+        "evals_side.command": f"\n```bash\n{results['command']}\n```\n",
+        "evals_side.when": f"{results['date']}, {results['machine']}",
+        "evals_side.table": f"\n{results['table'].strip()}\n",
+        "evals_side.ratio": f"{results['ratio']:.3f}",
+        "evals_side.evals": f"\n```\n{_lines(results['evals_table'])}\n```\n",
+    }
+
+
+def _lines(table: str) -> str:
+    """A printed table without its trailing blanks (its first line's indent is its alignment)."""
+    return "\n".join(line.rstrip() for line in table.strip("\n").splitlines())
+
+
 def rewrite(text: str, values: dict[str, str]) -> str:
     """``text`` with every measured span's value replaced; a span without a value is a ValueError."""
     missing = sorted({m["name"] for m in SPAN.finditer(text)} - set(values))
@@ -50,11 +74,15 @@ def rewrite(text: str, values: dict[str, str]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    readme, summary_text, summary_json, elapsed = argv
-    values = demo_values(Path(summary_text).read_text(), json.loads(Path(summary_json).read_text()), int(elapsed))
-    path = Path(readme)
+    if argv[0] == "--evals-side":
+        _, doc, results = argv
+        values = evals_side_values(json.loads(Path(results).read_text()))
+    else:
+        doc, summary_text, summary_json, elapsed = argv
+        values = demo_values(Path(summary_text).read_text(), json.loads(Path(summary_json).read_text()), int(elapsed))
+    path = Path(doc)
     path.write_text(rewrite(path.read_text(), values))
-    print(f"{readme}: rewrote {len(SPAN.findall(path.read_text()))} measured span(s)")
+    print(f"{doc}: rewrote {len(SPAN.findall(path.read_text()))} measured span(s)")
     return 0
 
 

@@ -4,6 +4,7 @@ span (``<!-- measured: NAME -->...<!-- /measured -->``) is one ``scripts/refresh
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -140,3 +141,15 @@ def test_the_link_checker_finds_a_missing_file_and_a_missing_heading(tmp_path):
 @pytest.mark.parametrize("doc", [*DOCS, *sorted((REPO / "docs" / "results").glob("*.md"))], ids=lambda p: p.name)
 def test_every_relative_link_of_the_docs_resolves(doc):
     assert broken_links(doc) == []
+
+
+def test_the_evaluation_figures_of_docs_pretraining_are_the_benchmarks_last_results():
+    """docs/pretraining.md's side-mode figures are what ``benchmarks/evals_side.py --json`` wrote (refreshing them
+    from that file changes nothing) and every span there has a value."""
+    refresh = _refresher()
+    text = (REPO / "docs" / "pretraining.md").read_text()
+    results = json.loads((REPO / "benchmarks" / "results" / "evals_side.json").read_text())
+    values = refresh.evals_side_values(results)
+    assert text.count("<!-- measured: ") == text.count("<!-- /measured -->") == len(refresh.SPAN.findall(text)) == 5
+    assert refresh.rewrite(text, values) == text
+    assert f"**<!-- measured: evals_side.ratio -->{results['ratio']:.3f}<!-- /measured -->x**" in text

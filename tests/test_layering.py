@@ -32,6 +32,10 @@ ALLOWED = {
                                "distaff.train.run"},
     "distaff.train.tools": {"distaff.kernels", "distaff.train.core", "distaff.train.data", "distaff.train.model",
                             "distaff.train.run", "distaff.train.pretrain", "distaff.train.finetune", "distaff.train.plan"},
+    # The evaluations attached to checkpoints call the tools that evaluate (probe, checkpoint_eval, export).
+    "distaff.train.tools.evals": {"distaff.kernels", "distaff.train.core", "distaff.train.data", "distaff.train.model",
+                                  "distaff.train.run", "distaff.train.pretrain", "distaff.train.finetune",
+                                  "distaff.train.tools"},
     # The plan reads run configs and models (parameter sizes from their shapes), and a prepared data dir's manifest
     # (its seq_len, read and range-checked as a run reads it), never a trainer's loop.
     "distaff.train.plan": {"distaff.train.core", "distaff.train.model", "distaff.train.run",

@@ -50,6 +50,20 @@ def free_port() -> int:
 # (rank, world size, local rank) variables of each launcher: torchrun and deepspeed's, else srun's
 LAUNCHER_VARIABLES = (("RANK", "WORLD_SIZE", "LOCAL_RANK"), ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
 MAX_PORT = 65535
+# what makes a process one of a run's ranks: the launchers' variables (torchrun's TORCHELASTIC_* among them: with
+# TORCHELASTIC_USE_AGENT_STORE a process joins the agent's store instead of making its own), the rendezvous, the
+# job's W&B run and the W&B service rank 0 started. A process a rank starts that is not a rank (an evaluation of a
+# checkpoint, the fine-tuning it starts) goes without them: see without_rank_variables.
+RANK_VARIABLES = tuple(name for names in LAUNCHER_VARIABLES for name in names) + (
+    "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "CROSS_RANK",
+    "CROSS_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "WANDB_RUN_ID", "WANDB_SERVICE")
+RANK_VARIABLE_PREFIXES = ("TORCHELASTIC_",)
+
+
+def without_rank_variables(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` less :data:`RANK_VARIABLES`: the environment of a process of its own, started by a rank."""
+    return {name: value for name, value in env.items()
+            if name not in RANK_VARIABLES and not name.startswith(RANK_VARIABLE_PREFIXES)}
 
 
 def env_from_environ(env: Mapping[str, str] = os.environ) -> DistEnv:

@@ -26,6 +26,7 @@ from distaff.train.data.verify import check_first_samples
 from distaff.train.model.config import ModelConfig
 from distaff.train.model.flops import peak_flops
 from distaff.train.plan.compare import first_check
+from distaff.train.pretrain.attached_evals import AttachedEvals, check_eval_inputs, eval_summary
 from distaff.train.pretrain.objectives import objective_for
 from distaff.train.run.checkpoint import Checkpointer, RNGState, latest_checkpoint
 from distaff.train.run.config import ConfigError, RunConfig, config_to_dict, load_config, save_config
@@ -73,6 +74,7 @@ class PretrainPlan:
         for data_dir, (manifest, _) in self.sources.items():     # on every rank: they refuse together
             check_first_samples(data_dir, manifest)
         check_lengths(self.objective, self.schedule)
+        check_eval_inputs(cfg, self.tokenizer)
         self.resume_from = check_resumable(cfg.checkpoint.resume, cfg.out_dir / "checkpoints",
                                            run_identity(cfg, self.objective, self.loader), is_main=layout.is_main,
                                            from_rank0=from_rank0, report=print if layout.is_main else _silent,
@@ -106,6 +108,8 @@ class Trainer(RunBase):
         self.metrics = self._open_metrics(resumed_from, max_steps=cfg.train.max_steps, what="", wandb_config={
             **config_to_dict(cfg), "model_resolved": self.objective.model_cfg.to_dict(), **self.objective.meta()})
         self.throughput = self._build_throughput()
+        # every rank: inline evaluations make a process group; a signal ends rank 0's wait for one
+        self.evals = AttachedEvals(cfg, layout, stop_requested=lambda: self.preemption.signum != 0)
         self.max_steps = cfg.train.max_steps
         self.batches = iter(self.loader)
         self.warned_small_eval = False
@@ -148,12 +152,20 @@ class Trainer(RunBase):
         step, cfg = self.state.step, self.cfg
         if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.max_steps:
             self._evaluate()
-        self.checkpointer.maybe_save(step, signalled=signalled)
+        self._save(step, signalled=signalled)
+        self.evals.poll()
 
     def _finish(self) -> None:
         # the final checkpoint before anything else that can fail (evaluation, summary, W&B)
-        self.checkpointer.maybe_save(self.state.step, last=True)
+        self._save(self.state.step, last=True)
         self._evaluate()
+        self.evals.finish()
+
+    def _save(self, step: int, signalled: bool = False, last: bool = False) -> None:
+        """A checkpoint when one is due, then its attached evaluations (train/pretrain/attached_evals.py)."""
+        before = self.checkpointer.saved_step
+        self.checkpointer.maybe_save(step, signalled=signalled, last=last)
+        self.evals.after_checkpoint(step, saved=self.checkpointer.saved_step != before, signalled=signalled)
 
     def _lr(self, step: int) -> float:
         optim = self.cfg.optim
@@ -206,7 +218,7 @@ class Trainer(RunBase):
                           "nonfinite_steps": self.state.nonfinite_steps,
                           "peak_mem_gb": peak_memory_gb(),
                           **self.throughput.report(self.cfg.train.max_steps - self.state.step),
-                          **self.clock.report()})
+                          **self.clock.report(), **self.evals.timing()})
 
     def _evaluate(self) -> None:
         self.state.last_eval = self.evaluator(self.engine)
@@ -230,8 +242,15 @@ class Trainer(RunBase):
         return config_to_dict(self.cfg)
 
     def _summary(self) -> dict[str, Any]:
-        return summarize(self.cfg, self.state, self.manifest, latest_checkpoint(self.checkpointer.root),
-                             self.layout.world_size)
+        summary = summarize(self.cfg, self.state, self.manifest, latest_checkpoint(self.checkpointer.root),
+                            self.layout.world_size)
+        if self.evals.enabled and self.cfg.evals.mode == "inline":
+            summary["evals_inline_s"] = round(self.evals.inline_total_s, 2)
+        return summary
+
+    def _close(self, exit_code: int) -> None:
+        self.evals.close(exit_code)
+        super()._close(exit_code)
 
 
 def source_dirs(cfg: RunConfig) -> dict[str, str]:
@@ -296,7 +315,7 @@ def check_run(cfg: RunConfig) -> str:
             f"{plan.tokenizer.vocab_size} pieces) and model ({model_cfg.num_hidden_layers} layers, hidden "
             f"{model_cfg.hidden_size}, {cfg.train.objective}) fit; "
             + (f"resumes from {resume}" if resume else f"a new run in {cfg.out_dir}")
-            + f"; {cfg.train.max_steps} steps on {layout.world_size} rank(s)")
+            + f"; {cfg.train.max_steps} steps on {layout.world_size} rank(s)" + eval_summary(cfg.evals))
 
 
 def run_identity(cfg: RunConfig, objective, loader: PretrainLoader | MixedLoader) -> RunIdentity:

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import re
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -198,6 +199,71 @@ class CheckpointSection:
     branch_from: str = ""
 
 
+# ``evals``: evaluations attached to the run's checkpoints (train/pretrain/attached_evals.py runs them,
+# train/tools/evals/ holds the runner and ``distaff evals``; docs/pretraining.md, "Evaluations attached to checkpoints")
+EVAL_KINDS = ("probe", "finetune", "heldout")
+# train/tools/probe_tasks.py's TASKS and train/finetune/config.py's metrics (this layer may not import them;
+# tests/pretrain/test_evals_config.py keeps them equal)
+PROBE_TASKS = ("bshift", "coordinv", "sentlen", "wc")
+FINETUNE_METRICS = ("accuracy", "f1", "mcc", "loss", "pearson", "spearman")
+# the settings of each kind; name, kind, seeds and every are every kind's
+EVAL_KIND_FIELDS = {"probe": ("text", "text_column", "probe_tasks", "max_sentences"),
+                    "finetune": ("train", "dev", "dev_fraction", "config", "max_steps", "metric", "overrides"),
+                    "heldout": ("data", "batches")}
+# what a fine-tuning evaluation sets itself (its checkpoint, its files, its seed, its folder, its budget)
+EVAL_FINETUNE_KEYS = ("model.init_from", "data.train", "data.dev", "data.dev_fraction", "run.seed", "run.out_dir",
+                      "train.max_steps")
+
+
+@dataclass
+class EvalTaskSection:
+    """One evaluation of the run's checkpoints: ``name`` (its records, its W&B charts eval/<name>/), ``kind``, the
+    ``seeds`` it runs with, and its kind's settings."""
+    name: str = ""
+    kind: str = ""                      # probe | finetune | heldout
+    seeds: list[int] = field(default_factory=lambda: [1])
+    every: int = 0                      # checkpoints whose step is a multiple of this (0: evals.every), and the last
+    # probe: `distaff probe`'s tasks built from the sentences of a text file, a linear probe of the frozen encoder
+    text: str = ""
+    text_column: str = ""               # a TSV/CSV text's column (header name or 0-based index); JSONL: its field
+    probe_tasks: list[Literal["bshift", "coordinv", "sentlen", "wc"]] = field(default_factory=lambda: ["bshift"])
+    max_sentences: int = 0              # 0: every held-out sentence
+    # finetune: `distaff finetune` of the checkpoint on a labelled TSV/CSV/JSONL file, scored on dev
+    train: str = ""
+    dev: str = ""
+    dev_fraction: float = 0.0           # instead of dev: this share of train held out (split by the seed)
+    config: str = "probe-cpu"           # the fine-tuning config: a finetune preset or a YAML file
+    max_steps: int = 0                  # 0: the fine-tuning config's
+    metric: str = ""                    # "": the fine-tuning config's eval metric
+    overrides: list[str] = field(default_factory=list)   # key=value for the fine-tuning config
+    # heldout: the pretraining objective's held-out figures on another prepared dataset (same tokenizer)
+    data: str = ""
+    batches: int = 20                   # 0: the whole held-out split
+
+
+@dataclass
+class EvalsSlurmSection:
+    """``evals.mode: slurm``: what each checkpoint's evaluation job asks for (launch/eval_jobs.py)."""
+    cpus: int = 2
+    mem: str = "8G"                     # per node, Slurm syntax
+    gpus: int = 0
+    time: str = ""                      # "": the partition's limit
+    partition: str = ""
+    account: str = ""
+    sbatch: list[str] = field(default_factory=list)     # extra #SBATCH options, e.g. --qos=low
+
+
+@dataclass
+class EvalsSection:
+    every: int = 0                      # checkpoints whose step is a multiple of this, and the last (0: the last)
+    mode: Literal["inline", "side", "slurm"] = "side"
+    tasks: list[EvalTaskSection] = field(default_factory=list)
+    timeout_s: int = 3600               # an evaluation process running longer is stopped (and retried)
+    retries: int = 1                    # a failed, killed or stopped evaluation process is run again this often
+    threads: int = 1                    # side: the evaluation process's CPU threads (it runs at nice 19, on CPU)
+    slurm: EvalsSlurmSection = field(default_factory=EvalsSlurmSection)
+
+
 @dataclass
 class PhaseSection:
     """From step ``at_step`` on (steps done before it), the run trains with these; 0 or empty keeps the previous
@@ -226,6 +292,7 @@ class RunConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     rtd: RTDSection = field(default_factory=RTDSection)
     phases: list[PhaseSection] = field(default_factory=list)
+    evals: EvalsSection = field(default_factory=EvalsSection)
 
     @property
     def out_dir(self) -> Path:
@@ -395,6 +462,7 @@ def _validate(cfg: RunConfig) -> None:
     _check_phases(cfg)
     _check_combinations(cfg)
     check_schedule(cfg.optim, cfg.train.max_steps)
+    _check_evals(cfg.evals, cfg.checkpoint.every)
 
 
 def check_schedule(optim: PretrainOptimSection, max_steps: int) -> None:
@@ -486,6 +554,103 @@ def _check_combinations(cfg: RunConfig) -> None:
                           "all-token objective; set train.objective=tta (which sets model.tta itself)")
 
 
+EVAL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def _check_evals(evals: EvalsSection, checkpoint_every: int) -> None:
+    """The ``evals`` section: each evaluation's kind and settings, distinct names, positive seeds, and a checkpoint
+    at every step it selects."""
+    check_ranges(positive={"evals.timeout_s": evals.timeout_s, "evals.threads": evals.threads,
+                           "evals.slurm.cpus": evals.slurm.cpus},
+                 non_negative={"evals.every": evals.every, "evals.retries": evals.retries,
+                               "evals.slurm.gpus": evals.slurm.gpus})
+    _check_eval_every("evals.every", evals.every, checkpoint_every)
+    named: dict[str, int] = {}
+    for i, task in enumerate(evals.tasks):
+        key = f"evals.tasks[{i}]"
+        _check_eval_task(key, task, checkpoint_every)
+        if task.name in named:
+            raise ConfigError(f"{key}.name: {task.name!r} is the name of evals.tasks[{named[task.name]}] too; give "
+                              "each evaluation its own name")
+        named[task.name] = i
+
+
+def _check_eval_every(key: str, every: int, checkpoint_every: int) -> None:
+    """The steps ``every`` selects must be checkpointed."""
+    if every and not checkpoint_every:
+        raise ConfigError(f"{key}: {every}, but checkpoint.every=0 saves a checkpoint only at the end; set "
+                          f"checkpoint.every to a divisor of {every}, or {key}=0 (the last checkpoint alone)")
+    if every and every % checkpoint_every:
+        raise ConfigError(f"{key}: {every} is not a multiple of checkpoint.every={checkpoint_every}, so steps it "
+                          "selects would have no checkpoint to evaluate; make it a multiple")
+
+
+def _check_eval_task(key: str, task: EvalTaskSection, checkpoint_every: int) -> None:
+    if not task.name:
+        raise ConfigError(f"{key}.name: required (it names the evaluation's records and W&B charts, eval/<name>/)")
+    if not EVAL_NAME.fullmatch(task.name):
+        raise ConfigError(f"{key}.name: {shown(task.name)} may hold letters, digits, '_', '.' and '-' only, and "
+                          "start with a letter or digit")
+    if task.kind not in EVAL_KINDS:
+        guess = closest(str(task.kind), EVAL_KINDS)
+        what = f"{shown(task.kind)} is not a kind of evaluation" if task.kind else "required"
+        raise ConfigError(f"{key}.kind: {what}; one of {list(EVAL_KINDS)}" + (f"; did you mean {guess}?" if guess else ""))
+    _check_eval_seeds(f"{key}.seeds", task.seeds)
+    check_ranges(positive={}, non_negative={f"{key}.every": task.every})
+    _check_eval_every(f"{key}.every", task.every, checkpoint_every)
+    defaults = EvalTaskSection()
+    for kind, names in EVAL_KIND_FIELDS.items():
+        stray = [n for n in names if n not in EVAL_KIND_FIELDS[task.kind] and getattr(task, n) != getattr(defaults, n)]
+        if stray:
+            raise ConfigError(f"{key}.{stray[0]}: a setting of a {kind} evaluation, not of this {task.kind} one; "
+                              "remove it")
+    {"probe": _check_probe_task, "finetune": _check_finetune_task, "heldout": _check_heldout_task}[task.kind](key, task)
+
+
+def _check_eval_seeds(key: str, seeds: list[int]) -> None:
+    if not seeds:
+        raise ConfigError(f"{key}: give at least one seed")
+    for j, seed in enumerate(seeds):
+        if not 1 <= seed <= MAX_SEED:
+            raise ConfigError(f"{key}[{j}]: a seed must be a positive whole number up to {MAX_SEED}, got {shown(seed)}")
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"{key}: {seeds} names a seed twice; give each once")
+
+
+def _check_probe_task(key: str, task: EvalTaskSection) -> None:
+    if not task.text:
+        raise ConfigError(f"{key}.text: required for a probe (a text file whose sentences the probing tasks are "
+                          "built from: .txt, .jsonl, .parquet, or a TSV/CSV with text_column)")
+    if not task.probe_tasks or len(set(task.probe_tasks)) != len(task.probe_tasks):
+        raise ConfigError(f"{key}.probe_tasks: {task.probe_tasks}: give one or more of {list(PROBE_TASKS)}, each once")
+    check_ranges(positive={}, non_negative={f"{key}.max_sentences": task.max_sentences})
+
+
+def _check_finetune_task(key: str, task: EvalTaskSection) -> None:
+    if not task.train:
+        raise ConfigError(f"{key}.train: required for a finetune evaluation (a labelled .tsv, .csv or .jsonl file)")
+    if bool(task.dev) == bool(task.dev_fraction):
+        raise ConfigError(f"{key}.dev: a finetune evaluation scores on a dev file (dev: PATH) or on a share of "
+                          "train held out (dev_fraction: 0.2); give exactly one")
+    if task.dev_fraction and not 0 < task.dev_fraction < 1:
+        raise ConfigError(f"{key}.dev_fraction: must lie in (0, 1), got {task.dev_fraction}")
+    check_ranges(positive={}, non_negative={f"{key}.max_steps": task.max_steps})
+    if task.metric and task.metric not in FINETUNE_METRICS:
+        raise ConfigError(f"{key}.metric: {shown(task.metric)} is not a fine-tuning metric; one of "
+                          f"{list(FINETUNE_METRICS)}")
+    for keys, _ in parse_overrides(task.overrides):
+        if ".".join(keys) in EVAL_FINETUNE_KEYS:
+            raise ConfigError(f"{key}.overrides: {'.'.join(keys)} is set by the evaluation itself (the checkpoint, "
+                              "train/dev, the seeds, max_steps); use the evaluation's own settings")
+
+
+def _check_heldout_task(key: str, task: EvalTaskSection) -> None:
+    if not task.data:
+        raise ConfigError(f"{key}.data: required for a heldout evaluation (a folder written by `distaff data "
+                          "prepare` with the run's tokenizer)")
+    check_ranges(positive={}, non_negative={f"{key}.batches": task.batches})
+
+
 def config_from_dict(values: dict[str, Any]) -> RunConfig:
     """A validated :class:`RunConfig` from nested plain values (YAML after overrides)."""
     if not isinstance(values, dict):
@@ -573,8 +738,9 @@ def save_config(cfg: RunConfig, path: str | Path, model_config: ModelConfig | No
 
 
 # Keys that change what a run logs, where it writes and how it waits, never the numbers it produces: a run's
-# fingerprint leaves them out, so renaming a W&B run or checkpointing more often does not make it stale.
-NOT_FINGERPRINTED = ("wandb", "logging", "checkpoint", "distributed", "run.name", "run.out_dir")
+# fingerprint leaves them out, so renaming a W&B run, checkpointing more often or evaluating its checkpoints
+# otherwise does not make it stale.
+NOT_FINGERPRINTED = ("wandb", "logging", "checkpoint", "distributed", "evals", "run.name", "run.out_dir")
 
 
 def fingerprinted(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:

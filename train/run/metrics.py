@@ -52,7 +52,7 @@ WANDB_SECTIONS = {
     "progress": ("step", "tokens_seen", "epoch", "tokens_by_source", "global_batch", "phase", "phase_change"),
     "optim": ("lr", "grad_norm", "loss_scale", "nonfinite_steps"),
     "perf": ("tokens_per_s", "tokens_per_s_per_device", "samples_per_s", "samples_per_s_per_device",
-             "padding_fraction", "step_time_s", "mfu", "eta_s", "peak_mem_gb", "step_cpu_s",
+             "padding_fraction", "step_time_s", "mfu", "eta_s", "peak_mem_gb", "step_cpu_s", "evals_inline_s",
              *(f"{stage}{clock}_s" for stage in ("data_wait", "forward", "backward", "grad_comm", "optimizer", "other",
                                                  "checkpoint") for clock in ("", "_cpu"))),
 }
@@ -87,19 +87,26 @@ def wandb_summary(summary: dict[str, Any]) -> dict[str, Any]:
 
 class WandbSink:
     """A W&B run on rank 0 that resumes by id and never raises; metrics go in sections (:func:`wandb_key`),
-    charted against the optimizer step (``progress/step``; ``progress/tokens_seen`` is the other x-axis)."""
+    charted against the optimizer step (``progress/step``; ``progress/tokens_seen`` is the other x-axis).
 
-    def __init__(self, cfg: WandbSection, *, run_name: str, out_dir: Path, run_id: str, config: dict[str, Any]):
+    ``writer`` names a second writer of the run (an evaluation of its checkpoints, train/tools/evals/): online, it
+    joins the run in W&B's shared mode (several processes write one run; it leaves the run's state alone)."""
+
+    def __init__(self, cfg: WandbSection, *, run_name: str, out_dir: Path, run_id: str, config: dict[str, Any],
+                 writer: str = ""):
         self.run = None
         if cfg.mode == "disabled":
             return
         try:
             import wandb
 
+            mode, shared = cfg.mode, {}
+            if writer and cfg.mode == "online":
+                mode, shared = "shared", {"x_primary": False, "x_label": writer, "x_update_finish_state": False}
             self.run = wandb.init(project=cfg.project, name=cfg.name or run_name, group=cfg.group or None,
-                                  tags=cfg.tags or None, mode=cfg.mode, dir=str(out_dir), id=run_id,
-                                  resume="allow", config=config,
-                                  settings=wandb.Settings(init_timeout=90, console="off", silent=True))
+                                  tags=cfg.tags or None, mode=mode, dir=str(out_dir), id=run_id,
+                                  resume=None if shared else "allow", config=config,
+                                  settings=wandb.Settings(init_timeout=90, console="off", silent=True, **shared))
             self.run.define_metric(WANDB_STEP)
             self.run.define_metric(WANDB_TOKENS, step_metric=WANDB_STEP)
             for section in WANDB_CHARTED:
@@ -108,7 +115,9 @@ class WandbSink:
             warn(f"W&B disabled: wandb.init failed: {type(err).__name__}: {err}")
             self.run = None
 
-    def log(self, record: dict[str, Any], step: int) -> None:
+    def log(self, record: dict[str, Any], step: int | None) -> None:
+        """``record`` at W&B step ``step`` (None: the run's next step, for a row charted by its own
+        ``progress/step``, as an evaluation of an earlier checkpoint is)."""
         if self.run is None:
             return
         try:
@@ -221,6 +230,8 @@ def format_line(record: dict[str, Any], max_steps: int) -> str:
     if record.get("mfu") is not None:
         parts.append(f"mfu {100 * record['mfu']:.1f}%")
     parts.append(f"mem {record['peak_mem_gb']:.2f} GB")
+    if record.get("evals_inline_s"):
+        parts.append(f"evals {record['evals_inline_s']:.1f}s")
     parts.append(f"eta {_format_duration(record['eta_s'])}")
     return " | ".join(parts)
 

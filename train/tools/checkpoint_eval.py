@@ -41,9 +41,10 @@ def one_process_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def heldout_metrics(checkpoint: Path, batches: int = 0, data_dir: str = "") -> dict[str, float]:
+def heldout_metrics(checkpoint: Path, batches: int = 0, data_dir: str = "", seed: int | None = None) -> dict[str, float]:
     """The ``eval_*`` figures of pretraining checkpoint ``checkpoint`` on ``batches`` held-out batches (0: the whole
-    split) of its run's data (or ``data_dir``, the same data elsewhere)."""
+    split) of its run's data (or ``data_dir``: the same data elsewhere, or other data prepared with its tokenizer),
+    masked as the run's seed masks them (or ``seed``'s)."""
     meta = json.loads((checkpoint / META).read_text())
     if "task" in meta or "train" not in meta.get("config", {}):
         raise ConfigError(f"{checkpoint}: not a pretraining checkpoint; held-out figures are the pretraining objective's")
@@ -55,7 +56,7 @@ def heldout_metrics(checkpoint: Path, batches: int = 0, data_dir: str = "") -> d
     model.load_state_dict(fp32_state_dict(checkpoint), strict=True)
     loader = EvalLoader(cfg.data.dir, manifest, tokenizer, batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
                         token_budget=cfg.data.token_budget(manifest.seq_len, eval=True), rank=0, world_size=1,
-                        seed=cfg.run.seed, masking=objective.masking)
+                        seed=cfg.run.seed if seed is None else seed, masking=objective.masking)
     with one_process_group():
         return Evaluator(loader, batches, 1, torch.device("cpu"), objective)(model)
 

@@ -156,12 +156,14 @@ def _tsv(path: Path, examples: Sequence[Example]) -> Path:
     return path
 
 
-def finetune(encoder: Encoder, train_file: Path, dev_file: Path, labels: list[str], run_dir: Path, seed: int,
-             args: argparse.Namespace) -> dict:
-    """``distaff finetune`` of ``encoder`` (one process, a fresh ``run_dir``) on the two files; its ``summary.json``."""
+def finetune(encoder: Encoder, train_file: Path, dev_file: Path | None, labels: list[str] | None, run_dir: Path,
+             seed: int, args: argparse.Namespace) -> dict:
+    """``distaff finetune`` of ``encoder`` (one process, a fresh ``run_dir``) on the two files (no ``dev_file``: the
+    dev rows as ``args.finetune_overrides`` say; no ``labels``: the training file's); its ``summary.json``."""
+    dev = [f"data.dev={dev_file}", "data.dev_fraction=0"] if dev_file is not None else []
     command = [sys.executable, "-m", "distaff.train.finetune", "--config", str(args.finetune_config),
-               f"model.init_from={encoder.path}", f"data.train={train_file}", f"data.dev={dev_file}",
-               "data.dev_fraction=0", f"data.labels={json.dumps(labels)}", f"run.seed={seed}",
+               f"model.init_from={encoder.path}", f"data.train={train_file}", *dev,
+               *([f"data.labels={json.dumps(labels)}"] if labels is not None else []), f"run.seed={seed}",
                f"run.out_dir={run_dir}", "logging.progress_bar=false",
                *([f"data.tokenizer={encoder.tokenizer}"] if encoder.tokenizer else []), *args.finetune_overrides]
     shutil.rmtree(run_dir, ignore_errors=True)   # a run left from an earlier command would resume, not restart
