@@ -45,8 +45,9 @@ register spills (``compile_check``); the static speed figures are read by ``stat
 The modules: ``planning`` (host: tiles, tables, the launch plan and its checks; its settings
 ``PLANNED_CAPABILITY`` and ``INTERPRETER_TILES`` are set there), ``scores`` (what one tile computes, shared by
 all kernels), ``forward``, ``backward`` (its budget ``PARTIAL_BUDGET`` is set there) and ``op`` (the autograd
-function and the public ops). This package re-exports the names callers used before the split; the settings
-are read here through ``__getattr__`` and must be assigned on their own module.
+function and the public ops). This package re-exports the public names callers used before the split
+(private ones, such as ``planning._Problem``, are named on their module); the settings are read here through
+``__getattr__`` and must be assigned on their own module.
 
 Imports: ``distaff.kernels.contract`` and ``distaff.kernels.relative_position``, torch, triton. Imported by:
 ``distaff.kernels`` (the public dispatch and the custom ops), ``distaff.kernels.aot`` (its launches compiled),
