@@ -330,7 +330,7 @@ def backward_extra_mib(batch: int, n: int) -> float:
     q, k, v, out, grad_out = (torch.randn(batch, HEADS, n, HEAD_DIM, dtype=torch.bfloat16) for _ in range(5))
     kr, qr = (torch.randn(HEADS, 2 * BUCKETS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2))
     call = attention.AttentionCall(q, k, v, kr, qr, BUCKETS, MAX_REL, 0.0, 0.125)
-    problem = attention._make_problem(call, num_seqs=batch, n_ctx=n, strides=q.stride()[:3],
+    problem = attention.planning._make_problem(call, num_seqs=batch, n_ctx=n, strides=q.stride()[:3],
                                       stat_shape=(batch, HEADS, n), stat_strides=(HEADS * n, n), mask=None,
                                       cu_seqlens=None)
     lse = torch.zeros(batch, HEADS, n)

@@ -41,7 +41,7 @@ SHARED_PER_SM = {80: 164 * 1024, 90: 228 * 1024, 100: 228 * 1024}
 SHARED_PER_BLOCK = {80: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024}
 FP32_SPILL_LIMIT = 1024  # bytes: float32 inputs may spill a little, never tens of KB
 MAX_REPETITION = 1.1     # issued / unique tensor-core work: no warp may redo another's products
-# ... except where no tile that avoids it compiles without spills (attention._TILES says which and why).
+# ... except where no tile that avoids it compiles without spills (attention.planning._TILES says which and why).
 REPETITION_EXCEPTIONS = {"d128": {("_attn_bwd_dkdv", 80), ("_attn_bwd_dkdv", 90)}}
 HALF = ("float16", "bfloat16")
 # DeBERTa-v3 settings: 256 buckets, 512 max relative positions, N = 512, hidden 768 (d 64) or 1024 (d 128).

@@ -9,7 +9,7 @@ The distances ``i - j`` of a tile form one *window* of ``BLOCK_M + BLOCK_N - 1``
   diagonal, most tiles at long N): c2p is one value per query row and p2c one per key column. Those
   values, ``Q_i . Kr[end]`` and ``K_j . Qr[end]`` for both ends, are computed once per token by
   ``_attn_end_terms`` (the ``END`` tensor), so the tile adds two vectors to ``Q K^T``. The host launches it
-  only when some tile can saturate (``_Problem.saturates``; none does at 512 tokens with v3's settings).
+  only when some tile can saturate (``planning._Problem.saturates``; none does at 512 tokens with v3's settings).
 * **general**: ``X = Q @ Kr[bucket(r0 + c)]^T`` (``[BLOCK_M, WINDOW]``, one table row per window
   distance, gathered by the bucket table) and ``Y = K @ Qr[bucket(r0 + c)]^T`` on tensor cores, written
   to the program's scratch buffer and read back *skewed*: score ``(a, b)`` reads ``X[a, a - b + BN - 1]``
@@ -45,8 +45,9 @@ register spills (``compile_check``); the static speed figures are read by ``stat
 The modules: ``planning`` (host: tiles, tables, the launch plan and its checks; its settings
 ``PLANNED_CAPABILITY`` and ``INTERPRETER_TILES`` are set there), ``scores`` (what one tile computes, shared by
 all kernels), ``forward``, ``backward`` (its budget ``PARTIAL_BUDGET`` is set there) and ``op`` (the autograd
-function and the public ops). This package re-exports the names callers used before the split; the settings
-are read here through ``__getattr__`` and must be assigned on their own module.
+function and the public ops). This package re-exports the public names callers used before the split
+(private ones, such as ``planning._Problem``, are named on their module); the settings are read here through
+``__getattr__`` and must be assigned on their own module.
 
 Imports: ``distaff.kernels.contract`` and ``distaff.kernels.relative_position``, torch, triton. Imported by:
 ``distaff.kernels`` (the public dispatch and the custom ops), ``distaff.kernels.aot`` (its launches compiled),
@@ -60,9 +61,9 @@ from . import backward, forward, planning, scores
 from .backward import BackwardBuffers, attention_backward, backward_buffers, row_delta
 from .forward import attention_forward, end_terms
 from .op import disentangled_attention, disentangled_attention_varlen
-from .planning import (_TILES, INT32_MAX, KERNELS, DistanceTable, TilePaths, Tiles, _distance_table, _make_problem,
-                       _Problem, band_folds, band_range, capability, check_offsets_fit_int32, mask_bits,
-                       multiprocessors, plan, programs_per_head, tile_paths, tile_saturation, tiles_for)
+from .planning import (INT32_MAX, KERNELS, DistanceTable, TilePaths, Tiles, band_folds, band_range, capability,
+                       check_offsets_fit_int32, mask_bits, multiprocessors, plan, programs_per_head, tile_paths,
+                       tile_saturation, tiles_for)
 
 _SETTINGS = {"PLANNED_CAPABILITY": planning, "INTERPRETER_TILES": planning, "PARTIAL_BUDGET": backward}
 

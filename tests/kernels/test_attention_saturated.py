@@ -15,6 +15,7 @@ import torch
 from test_attention_triton import DROP, TOL, assert_close, make_inputs, recover_keep_mask, run_with_grads
 
 from distaff.kernels import attention, reference
+from distaff.kernels.attention.planning import _Problem
 from distaff.kernels.contract import AttentionCall
 from distaff.kernels.relative_position import attention_span, relative_position_index
 
@@ -98,13 +99,13 @@ def test_no_end_terms_at_512_tokens_with_v3_settings_and_the_output_still_matche
     """The case the skip is for, through the kernels (interpreter tiles): nothing saturates, the
     end-terms kernel is not launched, and forward and backward match the reference."""
     launched = []
-    original = attention._Problem.launch_rows
+    original = _Problem.launch_rows
 
     def recorded(self, kernel, *args, **kwargs):
         launched.append(kernel.__name__)
         return original(self, kernel, *args, **kwargs)
 
-    monkeypatch.setattr(attention._Problem, "launch_rows", recorded)
+    monkeypatch.setattr(_Problem, "launch_rows", recorded)
     n, kw = 64, dict(position_buckets=256, max_relative_positions=512)
     assert attention.tile_paths(n, attention.INTERPRETER_TILES, 256, 512).saturated == 0
     inputs = make_inputs(torch.device("cpu"), 1, 2, n, 16, 256, seed=5)

@@ -14,6 +14,7 @@ import yaml
 from attention_oracle import naive_attention
 from distaff.kernels import attention
 from distaff.kernels.aot import compile_check
+from distaff.kernels.attention.planning import _TILES, _distance_table
 from distaff.kernels.relative_position import attention_span
 
 pytestmark = pytest.mark.unit
@@ -38,7 +39,7 @@ def _rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
 
 
-GPU_SHAPES = sorted({(t.block_m, t.block_n) for row in attention._TILES.values() for t in row.values()})
+GPU_SHAPES = sorted({(t.block_m, t.block_n) for row in _TILES.values() for t in row.values()})
 
 
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=[f"{m}x{n}" for m, n in GPU_SHAPES])
@@ -114,7 +115,7 @@ def test_backward_buffers_fit_the_budget_at_deberta_v3_base_shapes() -> None:
     grads = 3 * 32 * 12 * 512 * 64 * 2
     tiles = attention.tiles_for("dq", 64, torch.bfloat16, 90)
     reach = 512 + tiles.window + tiles.block_m + tiles.block_n
-    table = attention._distance_table(reach, 256, 512)
+    table = _distance_table(reach, 256, 512)
     lo, _, band = attention.band_range(table, 512, tiles, "dq")
     assert lo <= -511 and band == 512 + tiles.block_m - 1  # every distance a query block meets
     q = torch.empty(1, 1, 1, 64, dtype=torch.bfloat16)

@@ -105,7 +105,7 @@ def test_bar(figures: dict, expected: str) -> None:
 @pytest.mark.unit
 def test_the_repeated_warp_exception_is_exactly_where_documented() -> None:
     """Warps repeating products fail the bar everywhere but the d = 128 dk/dv kernel on sm_80 and sm_90, where
-    no tile without repetition compiles without spills (attention._TILES documents it)."""
+    no tile without repetition compiles without spills (attention.planning._TILES documents it)."""
     from distaff.kernels.aot.compile_check import Row
 
     figures = dict(registers=200, mma=4, has_dot=True, half=True, repetition=2.0)
