@@ -256,5 +256,6 @@ def test_finetune_check_and_print_config_start_nothing(model_dir, tmp_path, caps
     assert out.startswith("distaff finetune: OK: ") and f"a new run in {tmp_path / 'run'}" in out, out
     assert "8 steps" in out and not (tmp_path / "run").exists()
     assert main(["--config", str(config), "--check", "data.train=/nowhere.tsv"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "/nowhere.tsv" in err
+    first, summary = capsys.readouterr().err.strip().splitlines()     # the missing file, then what went unchecked
+    assert first == "distaff finetune: --check: data.train: /nowhere.tsv does not exist", first
+    assert "not checked without it: " in summary and summary.endswith("(exit 2)"), summary
