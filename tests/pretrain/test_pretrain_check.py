@@ -58,7 +58,9 @@ def test_check_says_what_a_run_would_do_without_training(finished, capsys, tmp_p
     code, out, _ = _check(config, capsys, f"data.dir={moved}")                  # the same data elsewhere: fine
     assert code == 0, out
     code, _, err = _check(config, capsys, "data.dir=/nowhere")
-    assert code == 2 and "data.dir" in err and len(err.splitlines()) == 1
+    first, summary = err.splitlines()     # the missing folder on one line, then what went unchecked (exit 2)
+    assert code == 2 and first.startswith("distaff pretrain: --check: data.dir: /nowhere does not exist"), err
+    assert "not checked without it: " in summary and summary.endswith("(exit 2)"), summary
 
 
 @pytest.mark.parametrize("change,key", [
