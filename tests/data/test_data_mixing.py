@@ -39,6 +39,7 @@ def test_weights_interleave_a_phase_rebatches_and_a_resume_on_more_ranks_reads_t
 
     one = loader(0, 1)
     one.set_phase(0, weights, batch_size=4, token_budget=0, masking=None)
+    assert one.seq_len == 128       # the phase's sources' (what the plan check compares a step against)
     stream = iter(one)
     assert "".join(_read(one, stream, 8, tokens)) == "AABAAABA" and one.slots == [6 * 4 * 128, 2 * 4 * 128]
     before = one.loaders[0].state_dict()

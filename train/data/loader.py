@@ -297,6 +297,11 @@ class MixedLoader:
     def _active(self) -> list[int]:
         return [i for i, weight in enumerate(self.weights) if weight > 0]
 
+    @property
+    def seq_len(self) -> int:
+        """The current phase's sequence length (its sources are prepared at one); the first source's before any."""
+        return self.opened[self.dirs[(self._active() or [0])[0]]][0].seq_len
+
     def set_phase(self, phase: int, weights: dict[str, float], *, batch_size: int, token_budget: int,
                   masking: MaskingConfig | None) -> None:
         """Read the sources of ``weights`` (dir -> weight) with these settings from the next batch on; a new
