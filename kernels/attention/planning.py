@@ -68,13 +68,14 @@ class Tiles:
         return replace(self, num_warps=min(self.num_warps, max(1, self.block_m // 16)))
 
 
-KERNELS = ("fwd", "dkdv", "dq")
+KERNELS = ("fwd", "dkdv", "dq")  # what ``tiles_for`` also plans: "content", the forward without position terms
 
 
 # (inputs, head dim, target) -> tiles of the three kernels: for each, the tile with the fewest estimated
 # instructions per score (benchmarks/attention_judge.py) among those that compile with no spill and no warp
 # repeating another's products in every configuration the compile check covers (d = 16 takes d = 32's;
-# float32 inputs at d <= 64 take d = 64's).
+# float32 inputs at d <= 64 take d = 64's). "content", where given, is the forward's tile without position
+# terms; elsewhere that forward takes its "fwd" tile with at most ``BLOCK_M / 16`` warps (``Tiles.content_only``).
 # 64-row forward tiles on 4 warps give Hopper its warpgroup MMA. Candidates and figures: docs/kernels.md.
 _T = Tiles
 
@@ -101,7 +102,11 @@ _TILES = {
     # dk/dv 64 x 32 on 4 warps: 64 x 64 on 8 spilled 4-32 B with varlen and dropout once the mask was read as words.
     ("half", 64, 100): dict(fwd=_T(64, 64, 4, 1, hoist=False), dq=_T(32, 64, 4, 1),
                             dkdv=_T(64, 32, 4, 1, hoist=False)),
-    ("half", 128, 100): dict(fwd=_T(32, 64, 4, 1), dq=_T(16, 64, 4, 1), dkdv=_T(64, 16, 4, 1, hoist=False)),
+    # d = 128 forward, sm_100: rows and path ends not hoisted (hoisted, 8 B spilled with c2p alone, padded); without
+    # position terms 64 x 64 on 4 warps (tcgen05, 131-166 registers): its 32-row tile on 2 warps (mma.sync) spilled
+    # 16-32 B.
+    ("half", 128, 100): dict(fwd=_T(32, 64, 4, 1, hoist=False), content=_T(64, 64, 4, 1), dq=_T(16, 64, 4, 1),
+                             dkdv=_T(64, 16, 4, 1, hoist=False)),
     ("fp32", 64, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(32, 32, 4, 1), dkdv=_T(32, 32, 4, 1)),
     ("fp32", 128, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
     ("fp32", 64, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
@@ -151,13 +156,16 @@ def multiprocessors(device: torch.device) -> int:
 
 
 def tiles_for(kernel: str, head_dim: int, dtype: torch.dtype, cc: int = 90) -> Tiles:
-    """The launch shape of ``kernel`` ("fwd", "dkdv" or "dq") for inputs of ``head_dim`` and ``dtype``
-    on compute capability ``cc``."""
+    """The launch shape of ``kernel`` ("fwd", "dkdv", "dq", or "content": the forward without position terms)
+    for inputs of ``head_dim`` and ``dtype`` on compute capability ``cc``."""
     if os.environ.get("TRITON_INTERPRET") == "1":
-        return INTERPRETER_TILES
+        return INTERPRETER_TILES.content_only() if kernel == "content" else INTERPRETER_TILES
     inputs = "fp32" if dtype == torch.float32 else "half"
     size = 32 if head_dim <= 32 and inputs == "half" else max(64, head_dim)
-    return _TILES[(inputs, size, cc)][kernel]
+    row = _TILES[(inputs, size, cc)]
+    if kernel == "content":
+        return row.get("content") or row["fwd"].content_only()
+    return row[kernel]
 
 
 def tile_saturation(n: int, tiles: Tiles, position_buckets: int, max_relative_positions: int) -> torch.Tensor:
