@@ -35,8 +35,13 @@ class Tiles:
     # tiles that spill otherwise: the backward and the one-loop forward load one slice's rows at a time, and
     # the general loop loads its buckets in the tile that uses them.
     hoist: bool = True
-    # ... also with the diagonal mask (False where that alone spilled: sm_90's d = 64 dk/dv, 4 B).
-    hoist_diagonal: bool = True
+    # ... with the diagonal mask, where that differs (None: as ``hoist``). False where hoisting spilled only
+    # there (sm_90's d = 64 dk/dv, 4 B), True where only not hoisting did (sm_100's d = 128 forward, 12-16 B).
+    hoist_diagonal: bool | None = None
+
+    def hoists(self, mask_diagonal: bool) -> bool:
+        """Whether a launch with (or without) the diagonal mask hoists its rows (``hoist``, ``hoist_diagonal``)."""
+        return self.hoist if not mask_diagonal or self.hoist_diagonal is None else self.hoist_diagonal
 
     @property
     def window(self) -> int:
@@ -102,11 +107,11 @@ _TILES = {
     # dk/dv 64 x 32 on 4 warps: 64 x 64 on 8 spilled 4-32 B with varlen and dropout once the mask was read as words.
     ("half", 64, 100): dict(fwd=_T(64, 64, 4, 1, hoist=False), dq=_T(32, 64, 4, 1),
                             dkdv=_T(64, 32, 4, 1, hoist=False)),
-    # d = 128 forward, sm_100: rows and path ends not hoisted (hoisted, 8 B spilled with c2p alone, padded); without
-    # position terms 64 x 64 on 4 warps (tcgen05, 131-166 registers): its 32-row tile on 2 warps (mma.sync) spilled
-    # 16-32 B.
-    ("half", 128, 100): dict(fwd=_T(32, 64, 4, 1, hoist=False), content=_T(64, 64, 4, 1), dq=_T(16, 64, 4, 1),
-                             dkdv=_T(64, 16, 4, 1, hoist=False)),
+    # d = 128 forward, sm_100: rows and path ends hoisted only under the diagonal mask (hoisted without it, 8 B
+    # spilled with c2p alone, padded; not hoisted with it, 12-16 B with both terms, padded, dropout); without
+    # position terms 64 x 64 on 4 warps (tcgen05, 131-166 registers): the 32-row tile on 2 warps spilled 16-32 B.
+    ("half", 128, 100): dict(fwd=_T(32, 64, 4, 1, hoist=False, hoist_diagonal=True), content=_T(64, 64, 4, 1),
+                             dq=_T(16, 64, 4, 1), dkdv=_T(64, 16, 4, 1, hoist=False)),
     ("fp32", 64, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(32, 32, 4, 1), dkdv=_T(32, 32, 4, 1)),
     ("fp32", 128, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
     ("fp32", 64, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
@@ -364,7 +369,7 @@ class _Problem:
             WINDOW=tiles.window, SPLIT=tiles.split, HAS_C2P=has_c2p, HAS_P2C=has_p2c,
             HAS_MASK=self.mask is not None, VARLEN=self.cu_seqlens is not None, DROPOUT=self.dropout_p > 0,
             SCALE_PER_SEQ=self.scales is not None, MASK_DIAGONAL=self.mask_diagonal,
-            HOIST=tiles.hoist and (tiles.hoist_diagonal or not self.mask_diagonal),
+            HOIST=tiles.hoists(self.mask_diagonal),
             PRECISION="tf32",  # fp32 inputs use TF32 tensor cores (docs/kernels.md); half inputs ignore it
             num_warps=tiles.num_warps, num_stages=tiles.num_stages, **args)
 

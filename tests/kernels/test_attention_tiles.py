@@ -140,6 +140,14 @@ def test_forward_without_position_terms_takes_its_own_tile_or_the_capped_forward
                                                                                           100).content_only()
 
 
+def test_rows_hoisted_with_and_without_the_diagonal_mask_as_the_table_says() -> None:
+    """``hoist_diagonal`` overrides ``hoist`` under the diagonal mask only, either way; unset, it follows ``hoist``."""
+    assert [attention.Tiles(32, 64, 4, 1, hoist=False, hoist_diagonal=True).hoists(d) for d in (False, True)] == [
+        False, True]
+    assert [attention.Tiles(64, 32, 4, 1, hoist_diagonal=False).hoists(d) for d in (False, True)] == [True, False]
+    assert [attention.Tiles(64, 32, 4, 1, hoist=False).hoists(d) for d in (False, True)] == [False, False]
+
+
 def test_backward_buffers_fit_the_budget_at_deberta_v3_base_shapes() -> None:
     """At B=32, N=512, H=12, d=64 (bf16) one backward kernel's partials and scratch (window products and
     the band) stay within the bytes of dq + dk + dv, with enough programs to give every SM of an H100 two."""
