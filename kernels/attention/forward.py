@@ -278,7 +278,7 @@ def attention_forward(q, k, v, pos_key, pos_query, problem: _Problem):
     lse = torch.empty(problem.stat_shape, dtype=torch.float32, device=q.device)
     end = end_terms(problem, q, k, pos_key, pos_query)
     has_terms = pos_key is not None or pos_query is not None
-    tiles = problem.tiles("fwd", q) if has_terms else problem.tiles("fwd", q).content_only()
+    tiles = problem.tiles("fwd" if has_terms else "content", q)
     items = problem.num_seqs * triton.cdiv(problem.n_ctx, tiles.block_m)
     scratch_elements = 2 * (tiles.block_m + tiles.block_n) * tiles.window if has_terms else 0
     programs = programs_per_head(items, 0, 0, problem.n_heads, problem.slots(tiles))

@@ -35,8 +35,13 @@ class Tiles:
     # tiles that spill otherwise: the backward and the one-loop forward load one slice's rows at a time, and
     # the general loop loads its buckets in the tile that uses them.
     hoist: bool = True
-    # ... also with the diagonal mask (False where that alone spilled: sm_90's d = 64 dk/dv, 4 B).
-    hoist_diagonal: bool = True
+    # ... with the diagonal mask, where that differs (None: as ``hoist``). False where hoisting spilled only
+    # there (sm_90's d = 64 dk/dv, 4 B), True where only not hoisting did (sm_100's d = 128 forward, 12-16 B).
+    hoist_diagonal: bool | None = None
+
+    def hoists(self, mask_diagonal: bool) -> bool:
+        """Whether a launch with (or without) the diagonal mask hoists its rows (``hoist``, ``hoist_diagonal``)."""
+        return self.hoist if not mask_diagonal or self.hoist_diagonal is None else self.hoist_diagonal
 
     @property
     def window(self) -> int:
@@ -68,13 +73,14 @@ class Tiles:
         return replace(self, num_warps=min(self.num_warps, max(1, self.block_m // 16)))
 
 
-KERNELS = ("fwd", "dkdv", "dq")
+KERNELS = ("fwd", "dkdv", "dq")  # what ``tiles_for`` also plans: "content", the forward without position terms
 
 
 # (inputs, head dim, target) -> tiles of the three kernels: for each, the tile with the fewest estimated
 # instructions per score (benchmarks/attention_judge.py) among those that compile with no spill and no warp
 # repeating another's products in every configuration the compile check covers (d = 16 takes d = 32's;
-# float32 inputs at d <= 64 take d = 64's).
+# float32 inputs at d <= 64 take d = 64's). "content", where given, is the forward's tile without position
+# terms; elsewhere that forward takes its "fwd" tile with at most ``BLOCK_M / 16`` warps (``Tiles.content_only``).
 # 64-row forward tiles on 4 warps give Hopper its warpgroup MMA. Candidates and figures: docs/kernels.md.
 _T = Tiles
 
@@ -101,7 +107,11 @@ _TILES = {
     # dk/dv 64 x 32 on 4 warps: 64 x 64 on 8 spilled 4-32 B with varlen and dropout once the mask was read as words.
     ("half", 64, 100): dict(fwd=_T(64, 64, 4, 1, hoist=False), dq=_T(32, 64, 4, 1),
                             dkdv=_T(64, 32, 4, 1, hoist=False)),
-    ("half", 128, 100): dict(fwd=_T(32, 64, 4, 1), dq=_T(16, 64, 4, 1), dkdv=_T(64, 16, 4, 1, hoist=False)),
+    # d = 128 forward, sm_100: rows and path ends hoisted only under the diagonal mask (hoisted without it, 8 B
+    # spilled with c2p alone, padded; not hoisted with it, 12-16 B with both terms, padded, dropout); without
+    # position terms 64 x 64 on 4 warps (tcgen05, 131-166 registers): the 32-row tile on 2 warps spilled 16-32 B.
+    ("half", 128, 100): dict(fwd=_T(32, 64, 4, 1, hoist=False, hoist_diagonal=True), content=_T(64, 64, 4, 1),
+                             dq=_T(16, 64, 4, 1), dkdv=_T(64, 16, 4, 1, hoist=False)),
     ("fp32", 64, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(32, 32, 4, 1), dkdv=_T(32, 32, 4, 1)),
     ("fp32", 128, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
     ("fp32", 64, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
@@ -151,13 +161,16 @@ def multiprocessors(device: torch.device) -> int:
 
 
 def tiles_for(kernel: str, head_dim: int, dtype: torch.dtype, cc: int = 90) -> Tiles:
-    """The launch shape of ``kernel`` ("fwd", "dkdv" or "dq") for inputs of ``head_dim`` and ``dtype``
-    on compute capability ``cc``."""
+    """The launch shape of ``kernel`` ("fwd", "dkdv", "dq", or "content": the forward without position terms)
+    for inputs of ``head_dim`` and ``dtype`` on compute capability ``cc``."""
     if os.environ.get("TRITON_INTERPRET") == "1":
-        return INTERPRETER_TILES
+        return INTERPRETER_TILES.content_only() if kernel == "content" else INTERPRETER_TILES
     inputs = "fp32" if dtype == torch.float32 else "half"
     size = 32 if head_dim <= 32 and inputs == "half" else max(64, head_dim)
-    return _TILES[(inputs, size, cc)][kernel]
+    row = _TILES[(inputs, size, cc)]
+    if kernel == "content":
+        return row.get("content") or row["fwd"].content_only()
+    return row[kernel]
 
 
 def tile_saturation(n: int, tiles: Tiles, position_buckets: int, max_relative_positions: int) -> torch.Tensor:
@@ -356,7 +369,7 @@ class _Problem:
             WINDOW=tiles.window, SPLIT=tiles.split, HAS_C2P=has_c2p, HAS_P2C=has_p2c,
             HAS_MASK=self.mask is not None, VARLEN=self.cu_seqlens is not None, DROPOUT=self.dropout_p > 0,
             SCALE_PER_SEQ=self.scales is not None, MASK_DIAGONAL=self.mask_diagonal,
-            HOIST=tiles.hoist and (tiles.hoist_diagonal or not self.mask_diagonal),
+            HOIST=tiles.hoists(self.mask_diagonal),
             PRECISION="tf32",  # fp32 inputs use TF32 tensor cores (docs/kernels.md); half inputs ignore it
             num_warps=tiles.num_warps, num_stages=tiles.num_stages, **args)
 

@@ -59,6 +59,23 @@ def test_gpu_and_rectangular_tiles_match_the_oracle(shape, monkeypatch) -> None:
         assert _rel_l2(a, e) < 1e-5, name
 
 
+def test_forward_without_position_terms_on_its_own_tile_matches_the_oracle(monkeypatch) -> None:
+    """The content-only forward on the tile sm_100 gives it at d = 128 (64 x 64 on 4 warps), through the
+    interpreter with a padding mask: output and gradients against the oracle."""
+    monkeypatch.setattr(attention.planning, "INTERPRETER_TILES", attention.Tiles(64, 64, 4, 1))
+    gen = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(1, 2, 150, 32, generator=gen) for _ in range(3)]
+    mask = torch.ones(1, 150, dtype=torch.long)
+    mask[0, 3::5] = 0
+    mask[0, 140:] = 0
+    kw = dict(position_buckets=16, max_relative_positions=40, attention_mask=mask)
+    got = _out_and_grads(lambda q, k, v: attention.disentangled_attention(q, k, v, None, None, **kw), inputs,
+                         torch.float32)
+    want = _out_and_grads(lambda q, k, v: naive_attention(q, k, v, None, None, **kw), inputs, torch.float64)
+    for name, a, e in zip(("out", "dq", "dk", "dv"), got, want):
+        assert _rel_l2(a, e) < 1e-5, name
+
+
 @pytest.mark.parametrize("budget", [0.0, 1e9], ids=["one-program-per-head", "one-program-per-block"])
 def test_backward_programs_however_the_partials_are_shared(budget, monkeypatch) -> None:
     """A backward program walks (sequence, block) items of one head into one partial: all of them
@@ -107,6 +124,28 @@ def test_float32_inputs_within_the_documented_tf32_tolerance(monkeypatch) -> Non
     errors = {name: _rel_l2(a, e) for name, a, e in zip(("out", "dq", "dk", "dv", "dkr", "dqr"), got, want)}
     assert max(errors.values()) < 2e-3, errors
     assert max(errors.values()) > 1e-6, "TF32 rounding left no trace: the emulation did not run"
+
+
+def test_forward_without_position_terms_takes_its_own_tile_or_the_capped_forward_tile(monkeypatch) -> None:
+    """The content-only forward's tile ("content"): the row's own where it names one (sm_100, d = 128: the
+    32-row forward tile on 2 warps spilled), else the forward's with at most ``BLOCK_M / 16`` warps; never more
+    warps than its chained products have 16-row blocks (more would repeat them)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the GPU's tiles, not the interpreter's
+    for (inputs, size, cc), row in _TILES.items():
+        dtype = torch.float32 if inputs == "fp32" else torch.bfloat16
+        content = attention.tiles_for("content", size, dtype, cc)
+        assert content.num_warps * 16 <= content.block_m, (inputs, size, cc, content)
+        assert content == row.get("content", row["fwd"].content_only()), (inputs, size, cc)
+    assert attention.tiles_for("content", 128, torch.float16, 100) != attention.tiles_for("fwd", 128, torch.float16,
+                                                                                          100).content_only()
+
+
+def test_rows_hoisted_with_and_without_the_diagonal_mask_as_the_table_says() -> None:
+    """``hoist_diagonal`` overrides ``hoist`` under the diagonal mask only, either way; unset, it follows ``hoist``."""
+    assert [attention.Tiles(32, 64, 4, 1, hoist=False, hoist_diagonal=True).hoists(d) for d in (False, True)] == [
+        False, True]
+    assert [attention.Tiles(64, 32, 4, 1, hoist_diagonal=False).hoists(d) for d in (False, True)] == [True, False]
+    assert [attention.Tiles(64, 32, 4, 1, hoist=False).hoists(d) for d in (False, True)] == [False, False]
 
 
 def test_backward_buffers_fit_the_budget_at_deberta_v3_base_shapes() -> None:
