@@ -26,6 +26,9 @@ pytest_plugins = ["data_fixtures", "slurm_cluster"]
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_DATA = REPO_ROOT / "data"
 KINDS = ("unit", "integration")
+# Fixtures from these support modules make a test timing-sensitive wherever it uses them: such tests are marked
+# `serial` here, so a new Slurm test cannot land in scripts/test.sh's parallel phase by forgetting the marker.
+SERIAL_FIXTURE_MODULES = ("slurm_cluster",)
 
 
 @pytest.fixture(scope="session")
@@ -55,9 +58,24 @@ def gpu_compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return cache
 
 
+def _uses_fixture_from(item: pytest.Item, modules: tuple[str, ...]) -> bool:
+    fixture_info = getattr(item, "_fixtureinfo", None)
+    definitions = fixture_info.name2fixturedefs.values() if fixture_info else ()
+    return any(d.func.__module__.rsplit(".", 1)[-1] in modules for defs in definitions for d in defs)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the serial marks added here must count
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # `pytest -m unit` is the fast loop only if no test escapes the split.
     unmarked = [item.nodeid for item in items if sum(item.get_closest_marker(k) is not None for k in KINDS) != 1]
     if unmarked:
         raise pytest.UsageError("each test needs exactly one of the markers unit/integration:\n  "
                                 + "\n  ".join(unmarked))
+    for item in items:
+        if _uses_fixture_from(item, SERIAL_FIXTURE_MODULES):
+            item.add_marker(pytest.mark.serial)
+    # A serial unit test would leave the fast loop's process for nothing: serial means a timing-sensitive integration.
+    serial_units = [item.nodeid for item in items
+                    if item.get_closest_marker("serial") and item.get_closest_marker("unit")]
+    if serial_units:
+        raise pytest.UsageError("the serial marker is for integration tests only:\n  " + "\n  ".join(serial_units))

@@ -19,7 +19,7 @@ from distaff.train.core.distributed import free_port
 from distaff.train.run.checkpoint import is_complete
 from pretrain_fixtures import PYTHON, prepare_data, rank_env, train_losses, wait_for_step, write_config
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]   # deaths noticed within bounded times
 
 
 def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:

@@ -47,6 +47,7 @@ def test_crash_during_save_keeps_the_previous_checkpoint(sample_data, tmp_path_f
     assert json.loads((ckpts / "step-00000009" / "distaff" / "meta.json").read_text())["step"] == 9
 
 
+@pytest.mark.serial
 @pytest.mark.timeout(200)
 def test_killed_rank_makes_the_job_fail_within_the_timeout(sample_data, tmp_path_factory, tmp_path):
     data = prepare_data(tmp_path_factory.getbasetemp(), sample_data)

@@ -81,6 +81,7 @@ def test_a_failing_final_evaluation_keeps_the_final_checkpoint(sample_data, tmp_
     assert latest_checkpoint(run_dir / "checkpoints").name == "step-00000025", _log(tmp_path)
 
 
+@pytest.mark.serial
 @pytest.mark.timeout(120)
 def test_a_stalled_rank_is_caught_by_the_watchdog(sample_data, tmp_path_factory, tmp_path):
     data = prepare_data(tmp_path_factory.getbasetemp(), sample_data)
@@ -114,6 +115,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"         # a zombie has exited; only its parent's wait is missing
 
 
+@pytest.mark.serial
 @pytest.mark.timeout(150)
 def test_ranks_exit_when_their_launcher_is_killed(sample_data, tmp_path_factory, tmp_path):
     data = prepare_data(tmp_path_factory.getbasetemp(), sample_data)

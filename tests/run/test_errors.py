@@ -61,9 +61,9 @@ def test_a_huge_value_is_never_formatted_whole():
     bomb: list = ["x"]
     for _ in range(40):                                            # 2^40 leaves if expanded
         bomb = [bomb, bomb]
-    started = time.monotonic()
+    started = time.process_time()                                  # CPU time: the machine's load does not count
     text = shown(bomb)
-    assert time.monotonic() - started < 0.1 and len(text) < 200
+    assert time.process_time() - started < 0.5 and len(text) < 200
     assert len(shown("y" * 10_000_000)) < 100
 
 

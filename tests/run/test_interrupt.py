@@ -23,7 +23,7 @@ from distaff.train.run.checkpoint import is_complete
 from pretrain_fixtures import (PYTHON, prepare_data, rank_env, read_wandb_records, train_losses, wait_for_step,
                                write_config)
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]   # signals and watchdogs within bounded times
 
 STEPS = 40
 SECTIONS = dict(train={"max_steps": STEPS}, model={"emd": True},   # dropout and EMD on: RNG state matters
