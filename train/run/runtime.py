@@ -15,6 +15,7 @@ import json
 import math
 import os
 import random
+import re
 import secrets
 import signal
 import string
@@ -404,6 +405,13 @@ class Inspection:
     needs: str
 
 
+def explain_zeros(text: str, cfg: Any) -> str:
+    """``--print-config``'s YAML with a comment on each 0 that stands for another value: ``watchdog_s: 0`` is
+    ``distributed.timeout_s``, which a reader would otherwise take for "no watchdog"."""
+    return re.sub(r"^(  watchdog_s: 0)$", rf"\1  # 0: distributed.timeout_s, {cfg.distributed.timeout_s} s", text,
+                  count=1, flags=re.M)
+
+
 def _inspect(prog: str, args: argparse.Namespace, cfg: Any, inspection: Inspection) -> int:
     """``--print-config`` (exit 0, each missing input noted on stderr) or ``--check`` (its summary; with an input
     missing, which checks could not run and exit 2: the run would stop there)."""
@@ -411,7 +419,7 @@ def _inspect(prog: str, args: argparse.Namespace, cfg: Any, inspection: Inspecti
 
     missing = inspection.missing(cfg)
     if args.print_config:
-        print(yaml.safe_dump(inspection.resolved(cfg), sort_keys=False), end="", flush=True)
+        print(explain_zeros(yaml.safe_dump(inspection.resolved(cfg), sort_keys=False), cfg), end="", flush=True)
         for line in missing:
             print(f"{prog}: note: {line}", file=sys.stderr)
         return 0
