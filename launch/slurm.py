@@ -44,6 +44,7 @@ from distaff.launch.slurm_site import (SiteOptions, add_site_arguments, check_co
                                       site_options)
 from distaff.train.core import presets
 from distaff.train.core.errors import ConfigError, command_main
+from distaff.train.core.distributed import NODE_LOG_VARIABLE, RANK0_LOG_VARIABLE
 from distaff.train.core.exit_codes import EXIT_FAILURE, EXIT_PREEMPTED, EXIT_STALLED
 from distaff.train.core.threads import check_ranks_per_node, rank_bound
 
@@ -195,7 +196,7 @@ echo "distaff: job $SLURM_JOB_ID attempt restart_count=${{SLURM_RESTART_COUNT:-0
 export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"
 export MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))
 export WANDB_RUN_ID="${{WANDB_RUN_ID:-${{SLURM_CLUSTER_NAME:-slurm}}-$SLURM_JOB_ID}}"
-{cpu_env}{_attempts_start(spec)}
+{_rank0_log(spec)}{cpu_env}{_attempts_start(spec)}
 # Runs once per node (srun --ntasks-per-node=1).
 read -r -d '' node_script <<'{NODE_SCRIPT_END}'
 {_node_script(spec)}{NODE_SCRIPT_END}
@@ -213,6 +214,17 @@ while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid"; done
 wait "$srun_pid"; status=$?
 echo "distaff: job $SLURM_JOB_ID ranks exited with $status at $(date -Is)"
 {_attempts_end(spec)}exit "$status"
+"""
+
+
+def _rank0_log(spec: SlurmJobSpec) -> str:
+    """Batch-script text: the name rank 0 links to the log of the node it runs on (train/run/runtime.py's
+    ``link_rank0_log``: the rendezvous chooses that node), said at each attempt."""
+    logs = shlex.quote(str(spec.log_dir))
+    return f"""# Rank 0's lines (its steps, its one-line errors) are in the log of the node the rendezvous gives it.
+export {RANK0_LOG_VARIABLE}={logs}/"$SLURM_JOB_NAME-$SLURM_JOB_ID-rank0.out"
+export {NODE_LOG_VARIABLE}={logs}/"$SLURM_JOB_NAME-$SLURM_JOB_ID-node%n.out"
+echo "distaff: rank 0's lines: ${RANK0_LOG_VARIABLE} (a link to the node log that holds them, once rank 0 starts)"
 """
 
 
