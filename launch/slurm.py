@@ -402,6 +402,14 @@ def _main(argv: list[str]) -> int:
     return submit_job(submit_parser.parse_intermixed_args(argv[1:]))
 
 
+def _job_paths(spec: SlurmJobSpec) -> list[tuple[str, Path]]:
+    """(what, absolute path) of what the job's ranks read or write on a filesystem: the config, the run directory
+    and its local inputs (relative ones resolve in the submit folder, as the job's do)."""
+    target = spec.target
+    return [("--config", target.config), ("run.out_dir", target.out_dir),
+            *((key, Path(os.path.normpath(spec.workdir / path))) for key, path in target.inputs)]
+
+
 def submit_job(args: argparse.Namespace) -> int:
     """``distaff slurm submit`` with parsed options (``distaff decay`` passes a parent run's, recorded)."""
     target = resolve_launch_target(args.config, args.overrides, args.task)
@@ -414,15 +422,13 @@ def submit_job(args: argparse.Namespace) -> int:
         python=node_python(args.python, site),
         max_ranks_per_node=args.max_ranks_per_node, max_requeues=args.max_requeues, site=site)
     script = render_sbatch_script(spec)   # a bad request is refused before anything is printed
-    if not args.dry_run:
-        require_sbatch(NO_SBATCH)       # before the check: it takes seconds
-    if not (args.dry_run or getattr(args, "no_check", False)):   # a recorded launch (distaff decay) may lack it
-        print(check_target(target, args.nodes * args.gpus_per_node, args.cpu), file=sys.stderr)   # its OK line
-    container_paths = [("--config", target.config), ("run.out_dir", target.out_dir),
-                       *((key, Path(os.path.normpath(spec.workdir / path))) for key, path in target.inputs)]
-    for line in check_container_paths(site, container_paths, spec.workdir, spec.python):
+    for line in check_container_paths(site, _job_paths(spec), spec.workdir, spec.python):
         print(f"distaff slurm: {line}", file=sys.stderr)
     eval_job = preview(target, site, spec.python)   # evals.mode=slurm's job, checked now
+    if not args.dry_run:
+        require_sbatch(NO_SBATCH)       # before the run's check: it takes seconds
+        if not getattr(args, "no_check", False):   # (a recorded launch, distaff decay's, may lack the option)
+            print(check_target(target, args.nodes * args.gpus_per_node, args.cpu), file=sys.stderr)  # its OK line
     if not site.container:
         warn_if_node_local(spec.python, dict(os.environ))
     if not args.cpu:   # the plan's line for this job (memory per GPU, fit, estimated time)

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.unit
 @pytest.fixture()
 def config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", "/nonexistent-home")     # the run's folder outside it (pyxis may mount the home)
     path = tmp_path / "run.yaml"
     path.write_text("run: {out_dir: out/run1, name: run1}\ndata: {dir: data/austen}\ntrain: {max_steps: 10}\n")
     return path
