@@ -18,7 +18,12 @@ The job survives preemption and time limits by itself:
   count against ``--max-requeues`` (in ``<run>/slurm/attempts-<jobid>.txt``); past it the job stops with a
   message naming the stack dumps. A checkpoint on a signal never counts: time limits may requeue a job any
   number of times.
-- What a site needs before the launch (``--setup`` lines, a container, ``--gres``): :mod:`distaff.launch.slurm_site`.
+- What a site needs before the launch (``--setup`` lines, a container, ``--gres``): :mod:`distaff.launch.slurm_site`,
+  which also refuses a container that would not see the job's paths.
+- Before anything is queued the run's own ``--check`` runs on it (launch/run_config.py; ``--no-check`` skips it),
+  so a config the trainer refuses costs no queue trip.
+- Rank 0's lines land in the log of the node the rendezvous gives it: rank 0 links ``<job>-<id>-rank0.out`` to
+  that log (``DISTAFF_RANK0_LOG``), and the batch log names the link.
 
 It also requests what it starts: ``--cpus-per-task`` (the ranks and their DataLoader workers, one
 CPU each) and memory per CPU, both passed on to the ``srun`` step as well (since Slurm 22.05 a step
