@@ -105,15 +105,6 @@ def _inside(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
-def _where_in_container(path: Path, mounts: list[tuple[Path, Path]]) -> Path | None:
-    """Where the host's ``path`` appears in the container (the most specific mount holding it), or None."""
-    holding = [(source, destination) for source, destination in mounts if _inside(path, source)]
-    if not holding:
-        return None
-    source, destination = max(holding, key=lambda pair: len(pair[0].parts))
-    return destination / path.relative_to(source)
-
-
 def check_container_paths(site: SiteOptions, paths: list[tuple[str, Path]], workdir: Path, python: str) -> list[str]:
     """Refuse (a ConfigError naming each) host paths the job uses that the container does not see at the same path:
     ``paths`` as (what, absolute path), and for pyxis the submit folder it starts in. Apptainer mounts the home
@@ -121,32 +112,48 @@ def check_container_paths(site: SiteOptions, paths: list[tuple[str, Path]], work
     (returned). A ``--python`` outside the mounts is a warning too: it may be the image's own."""
     if not site.container:
         return []
-    mounts = _mounts(site.container_mounts)
-    home = Path(os.environ.get("HOME", "/nonexistent-home"))
-    default = [home, workdir] if site.apptainer else []
+    view = _ContainerView(site, workdir)
     if site.container_image:
         paths = [*paths, ("the submit folder (the container's working folder)", workdir)]
     refused, warnings = [], []
     for what, path in paths:
-        seen_at = _where_in_container(path, mounts)
-        if seen_at == path or any(_inside(path, folder) for folder in default):
+        seen_at = view.where(path)
+        if seen_at == path:
             continue
         if seen_at is not None:
             refused.append(f"{what} {path} (mounted at {seen_at})")
-        elif site.container_image and _inside(path, home):
+        elif site.container_image and _inside(path, view.home):
             warnings.append(f"{what} {path} is under the home, which pyxis mounts only where the site's enroot "
                             "config does (--container-mount-home); to be sure, add it to --container-mounts")
         else:
             refused.append(f"{what} {path}")
     if refused:
-        option = "--container-mounts" if site.container_mounts else "no --container-mounts"
-        raise ConfigError(f"{_flag(site)}: the container does not see {'; '.join(refused)} at that path ({option}"
-                          f"{' ' + site.container_mounts if site.container_mounts else ''}); mount each at its own "
-                          "path, e.g. --container-mounts /shared (a folder that holds them), or move them there")
-    if python != CONTAINER_PYTHON and Path(python).is_absolute() and _where_in_container(Path(python), mounts) is None \
-            and not any(_inside(Path(python), folder) for folder in default):
+        mounts = f"--container-mounts {site.container_mounts}" if site.container_mounts else "no --container-mounts"
+        raise ConfigError(f"{_flag(site)}: the container does not see {'; '.join(refused)} at that path ({mounts}); "
+                          "mount each at its own path, e.g. --container-mounts /shared (a folder that holds them), "
+                          "or move them there")
+    if python != CONTAINER_PYTHON and Path(python).is_absolute() and view.where(Path(python)) is None:
         warnings.append(f"--python {python} is not inside the container's mounts: it must be the image's own")
     return [f"{_flag(site)}: warning: {line}" for line in warnings]
+
+
+class _ContainerView:
+    """Where host paths appear in a job's container: its mounts, and for Apptainer the home and the working
+    folder, which it mounts at their own paths by default."""
+
+    def __init__(self, site: SiteOptions, workdir: Path):
+        self.home = Path(os.environ.get("HOME", "/nonexistent-home"))
+        self.mounts = _mounts(site.container_mounts)
+        if site.apptainer:
+            self.mounts += [(self.home, self.home), (workdir, workdir)]
+
+    def where(self, path: Path) -> Path | None:
+        """Where the host's ``path`` appears in the container: at its own path if any mount puts it there, else
+        where the most specific mount holding it does; None when none does."""
+        holding = sorted(((source, destination) for source, destination in self.mounts if _inside(path, source)),
+                         key=lambda pair: len(pair[0].parts), reverse=True)
+        seen = [destination / path.relative_to(source) for source, destination in holding]
+        return path if path in seen else next(iter(seen), None)
 
 
 def _flag(site: SiteOptions) -> str:
