@@ -148,6 +148,9 @@ def test_a_path_mounted_elsewhere_in_the_container_is_named_with_where_it_lands(
                            f"{config.parent}/data:/data", "data.dir=/elsewhere/shards")
     # Apptainer mounts the working folder (the config, the run) itself; the data is neither there nor mounted
     assert code == 2 and "the container does not see data.dir /elsewhere/shards at that path" in err, err
+    code, _, err = _submit(config, capsys, "--apptainer", "img.sif", "--container-mounts",
+                           f"{config.parent}/data:/data")     # the data also at /data: still at its own path too
+    assert code == 0 and "warning" not in err, err
     code, _, err = _submit(config, capsys, "--container-image", "img.sqsh", "--container-mounts",
                            f"{config.parent}:/work")
     assert code == 2 and f"--config {config} (mounted at /work/run.yaml)" in err, err
