@@ -25,19 +25,17 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import shutil
-import subprocess
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
 from distaff.launch.run_config import LaunchTarget, read_launch_record
-from distaff.launch.script_values import (NODE_SCRIPT_END, plain_text, sbatch_extra, sbatch_option, slurm_path_pattern,
-                                          slurm_time)
-from distaff.launch.slurm import _MEMORY, sbatch_command
+from distaff.launch.sbatch import sbatch_command, submit_script
+from distaff.launch.script_values import (NODE_SCRIPT_END, plain_text, sbatch_extra, sbatch_option, slurm_memory,
+                                          slurm_path_pattern, slurm_time)
 from distaff.launch.slurm_site import SiteOptions, recorded_site
-from distaff.train.core.errors import ConfigError, RunFailure, command_main
+from distaff.train.core.errors import ConfigError, command_main
 from distaff.train.run.config import EvalsSlurmSection, RunConfig, config_from_dict, read_config_values
 
 RUNNER = "distaff.train.tools.evals"
@@ -67,8 +65,8 @@ class EvalJob:
 def _validate(job: EvalJob) -> None:
     """What ``distaff slurm submit`` checks of its own job, for ``evals.slurm`` and every text the script holds."""
     slurm = job.slurm
-    if slurm.mem and not _MEMORY.fullmatch(slurm.mem):
-        raise ConfigError(f"evals.slurm.mem {slurm.mem!r}: expected a Slurm size such as 16G, 4000M or 4000 (MB)")
+    if slurm.mem:
+        slurm_memory("evals.slurm.mem", slurm.mem)
     if slurm.time:
         slurm_time(slurm.time)
     for line in slurm.sbatch:
@@ -132,15 +130,8 @@ exec srun --ntasks=1 --cpus-per-task={job.slurm.cpus} {job.site.srun_options(job
 
 def submit_eval_job(job: EvalJob) -> str:
     """Write the script into the run directory, submit it, return the job id."""
-    script = render_eval_job(job)
-    if shutil.which("sbatch") is None:
-        raise RunFailure("sbatch not found: evals.mode=slurm submits from a machine with Slurm's commands")
-    job.script_path.parent.mkdir(parents=True, exist_ok=True)
-    job.script_path.write_text(script)
-    proc = subprocess.run(sbatch_command(job.script_path), capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RunFailure(f"sbatch {job.script_path} failed ({proc.returncode}): {proc.stderr.strip()}")
-    return proc.stdout.strip().split(";")[0]
+    return submit_script(job.script_path, render_eval_job(job),
+                         "evals.mode=slurm submits from a machine with Slurm's commands")
 
 
 class JobPlace(NamedTuple):

@@ -2,7 +2,9 @@
 
 The config is loaded and validated by the trainer's own loader, so a bad key or value fails at
 submit time on the login node instead of minutes later on the compute nodes; every text a launcher
-writes (the run's name and folder, the config path, the overrides) holds no control character.
+writes (the run's name and folder, the config path, the overrides) holds no control character. Before a
+job is queued the trainer's own ``--check`` runs on it (:func:`check_target`), so a run it would refuse costs
+no queue trip.
 """
 
 from __future__ import annotations
@@ -10,14 +12,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from distaff.launch.script_values import plain_text
+from distaff.train.core.errors import ConfigError, RunFailure
+from distaff.train.core.exit_codes import EXIT_BAD_CONFIG
 from distaff.train.core.threads import MOST_GPUS_PER_NODE, RANKS_FLAG
+from distaff.train.data.manifest import is_remote
 from distaff.train.finetune.config import load_finetune_config
-from distaff.train.run.config import config_file, load_config
+from distaff.train.run.config import config_file, load_config, source_dirs
 
 # what started a run, written by `distaff launch` and `distaff slurm submit`; `distaff decay` reads it
 LAUNCH_RECORD = Path("launch") / "command.json"
@@ -35,6 +42,7 @@ class LaunchTarget:
     overrides: tuple[str, ...]   # the user's overrides plus run.out_dir pinned to ``out_dir``
     task: str = "pretrain"       # a key of TASKS
     data_workers: int = 0        # DataLoader worker processes per rank (data.num_workers; none in fine-tuning)
+    inputs: tuple[tuple[str, str], ...] = ()   # (config key, path) of each local file or folder the ranks read
 
     @property
     def module(self) -> str:
@@ -80,7 +88,43 @@ def resolve_launch_target(config: str | Path, overrides: list[str], task: str = 
     pinned = [item for item in overrides if not item.startswith("run.out_dir=")]
     pinned.append(f"run.out_dir={out_dir}")
     return LaunchTarget(config=config, out_dir=out_dir, name=cfg.run.name, overrides=tuple(pinned), task=task,
-                        data_workers=getattr(cfg.data, "num_workers", 0))
+                        data_workers=getattr(cfg.data, "num_workers", 0), inputs=_local_inputs(cfg, task))
+
+
+def _local_inputs(cfg: Any, task: str) -> tuple[tuple[str, str], ...]:
+    """(key, path) of what the ranks read from a filesystem: the data, a tokenizer, the model they start from;
+    a remote data dir (``pipe:``, a URL) is read by a command, not through a mount, and is left out."""
+    if task == "pretrain":
+        named = {**source_dirs(cfg), "model.init_from": cfg.model.init_from}
+    else:
+        named = {"data.train": cfg.data.train, "data.dev": cfg.data.dev, "data.tokenizer": cfg.data.tokenizer,
+                 "model.init_from": cfg.model.init_from}
+    return tuple((key, path) for key, path in named.items() if path and not is_remote(path))
+
+
+CHECK_TIMEOUT_S = 600   # --check reads a manifest and a tokenizer, never a remote data dir: minutes mean a hang
+
+
+def check_target(target: LaunchTarget, world_size: int, cpu: bool) -> str:
+    """Run the trainer's own ``--check`` on ``target`` as rank 0 of ``world_size`` (so that what depends on the
+    number of ranks is checked too), with this python; its summary line. A run it refuses is a ConfigError
+    carrying its lines (nothing is queued); a check that crashes or hangs is a RunFailure."""
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size),
+           **({"DS_ACCELERATOR": "cpu"} if cpu else {})}
+    command = [sys.executable, "-m", target.module, *target.trainer_args(), "--check"]
+    try:
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RunFailure(f"the run's --check did not finish in {CHECK_TIMEOUT_S} s; nothing submitted; run "
+                         f"`{target.module.replace('.', ' ', 1)} --check` by hand, or give --no-check") from None
+    said = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+    if proc.returncode == EXIT_BAD_CONFIG:
+        raise ConfigError(f"the run's --check refused it, nothing submitted: {'; '.join(said)}; fix it, or give "
+                          "--no-check to submit without the check")
+    if proc.returncode != 0:
+        raise RunFailure(f"the run's --check failed with status {proc.returncode}, nothing submitted: "
+                         f"{'; '.join(said[-3:])}")
+    return said[-1] if said else ""
 
 
 def record_launch(out_dir: Path, launcher: str, args: argparse.Namespace) -> None:

@@ -17,7 +17,7 @@ no leading or trailing whitespace (several readers strip it). Then, per reader:
   one remote shell command, wrapping an argument in ``"..."`` only when it holds a space, so ``"``, ``$``,
   `````, ``\\`` and ``!`` are refused everywhere, and other shell characters unless the space makes
   deepspeed quote them.
-- Slurm time limits (:func:`slurm_time`): the formats ``sbatch --time`` accepts.
+- Slurm time limits (:func:`slurm_time`) and memory sizes (:func:`slurm_memory`): the formats sbatch accepts.
 - words a site adds to the job (:func:`site_word`: a container image, its mounts, a ``--gres`` request): no
   shell metacharacter at all, so what the dry run shows is what runs, quoted or not.
 - set-up lines (:func:`setup_line`): shell code by design, written verbatim into the per-node script; one line
@@ -34,6 +34,7 @@ from distaff.train.core.errors import ConfigError, shown
 _SBATCH_PLAIN = re.compile(r"[A-Za-z0-9_@%+=:,./\-\[\]]+")  # read by sbatch as they are: no quoting needed
 _HOST = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 MAX_HOST_CHARS = 253                                         # a DNS name's limit
+_SLURM_MEMORY = re.compile(r"\d+[KMGTkmgt]?")                # a number of MB, or with a K/M/G/T suffix
 _SLURM_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d+(:\d{1,2}){0,2}|infinite|unlimited", re.I)
 _UNQUOTED_SAFE = re.compile(r"[\w@%+=:,./\-]+")              # what a shell reads as one literal word
 _NEVER_REMOTE = '"$`\\!'                                     # special even inside deepspeed's "..."
@@ -122,6 +123,13 @@ def slurm_time(value: str) -> str:
     if not _SLURM_TIME.fullmatch(value):
         raise ConfigError(f"--time {shown(value)}: not a Slurm time limit; give minutes (90), MM:SS, HH:MM:SS, "
                           "D-HH, D-HH:MM, D-HH:MM:SS (1-12:00:00) or infinite")
+    return value
+
+
+def slurm_memory(what: str, value: str) -> str:
+    """A memory size as ``--mem``/``--mem-per-cpu`` take it: a number of MB, or with a K/M/G/T suffix."""
+    if not _SLURM_MEMORY.fullmatch(value):
+        raise ConfigError(f"{what} {value!r}: expected a Slurm size such as 64G, 4000M or 4000 (MB)")
     return value
 
 

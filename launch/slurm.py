@@ -18,7 +18,12 @@ The job survives preemption and time limits by itself:
   count against ``--max-requeues`` (in ``<run>/slurm/attempts-<jobid>.txt``); past it the job stops with a
   message naming the stack dumps. A checkpoint on a signal never counts: time limits may requeue a job any
   number of times.
-- What a site needs before the launch (``--setup`` lines, a container, ``--gres``): :mod:`distaff.launch.slurm_site`.
+- What a site needs before the launch (``--setup`` lines, a container, ``--gres``): :mod:`distaff.launch.slurm_site`,
+  which also refuses a container that would not see the job's paths.
+- Before anything is queued the run's own ``--check`` runs on it (launch/run_config.py; ``--no-check`` skips it),
+  so a config the trainer refuses costs no queue trip.
+- Rank 0's lines land in the log of the node the rendezvous gives it: rank 0 links ``<job>-<id>-rank0.out`` to
+  that log (``DISTAFF_RANK0_LOG``), and the batch log names the link.
 
 It also requests what it starts: ``--cpus-per-task`` (the ranks and their DataLoader workers, one
 CPU each) and memory per CPU, both passed on to the ``srun`` step as well (since Slurm 22.05 a step
@@ -29,29 +34,30 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
-import shutil
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from distaff.launch.run_config import (LaunchTarget, add_ranks_flag, add_task_argument, record_launch,
+from distaff.launch.eval_jobs import preview
+from distaff.launch.run_config import (LaunchTarget, add_ranks_flag, add_task_argument, check_target, record_launch,
                                        resolve_launch_target)
 from distaff.launch.script_values import (NODE_SCRIPT_END, plain_text, sbatch_extra, sbatch_option,
-                                          slurm_path_pattern, slurm_time)
-from distaff.launch.slurm_site import SiteOptions, add_site_arguments, node_python, site_options
+                                          slurm_memory, slurm_path_pattern, slurm_time)
+from distaff.launch.sbatch import require_sbatch, sbatch_command, submit_script
+from distaff.launch.slurm_site import (SiteOptions, add_site_arguments, check_container_paths, node_python,
+                                      site_options)
 from distaff.train.core import presets
-from distaff.train.core.errors import ConfigError, RunFailure, command_main
+from distaff.train.core.errors import ConfigError, command_main
+from distaff.train.core.distributed import NODE_LOG_VARIABLE, RANK0_LOG_VARIABLE
 from distaff.train.core.exit_codes import EXIT_FAILURE, EXIT_PREEMPTED, EXIT_STALLED
 from distaff.train.core.threads import check_ranks_per_node, rank_bound
 
 DEFAULT_SIGNAL_LEAD_S = 300
 DEFAULT_MAX_REQUEUES = 3     # stalled or lost attempts a job comes back from; then it stops for a person to look
 DEFAULT_MEM_PER_CPU = "4G"   # the rank and each DataLoader worker get one CPU, hence this much memory each
-_MEMORY = re.compile(r"\d+[KMGTkmgt]?")  # Slurm's sizes: a number of MB, or with a K/M/G/T suffix
 _NO_KILL = ("--no-kill", "-k")
+NO_SBATCH = "run this on a Slurm login node (or use --dry-run)"
 
 
 @dataclass(frozen=True)
@@ -123,8 +129,8 @@ def _validate(spec: SlurmJobSpec) -> None:
     if spec.mem is not None and spec.mem_per_cpu is not None:
         raise ConfigError("--mem and --mem-per-cpu exclude each other: give one")
     for name, size in (("--mem", spec.mem), ("--mem-per-cpu", spec.mem_per_cpu)):
-        if size is not None and not _MEMORY.fullmatch(size):
-            raise ConfigError(f"{name} {size!r}: expected a Slurm size such as 64G, 4000M or 4000 (MB)")
+        if size is not None:
+            slurm_memory(name, size)
     for line in spec.sbatch_lines:
         if sbatch_extra(line).split("=")[0] in _NO_KILL:
             raise ConfigError(f"--sbatch {line!r}: with it a node failure leaves the job running without that "
@@ -195,7 +201,7 @@ echo "distaff: job $SLURM_JOB_ID attempt restart_count=${{SLURM_RESTART_COUNT:-0
 export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"
 export MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))
 export WANDB_RUN_ID="${{WANDB_RUN_ID:-${{SLURM_CLUSTER_NAME:-slurm}}-$SLURM_JOB_ID}}"
-{cpu_env}{_attempts_start(spec)}
+{_rank0_log(spec)}{cpu_env}{_attempts_start(spec)}
 # Runs once per node (srun --ntasks-per-node=1).
 read -r -d '' node_script <<'{NODE_SCRIPT_END}'
 {_node_script(spec)}{NODE_SCRIPT_END}
@@ -213,6 +219,17 @@ while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid"; done
 wait "$srun_pid"; status=$?
 echo "distaff: job $SLURM_JOB_ID ranks exited with $status at $(date -Is)"
 {_attempts_end(spec)}exit "$status"
+"""
+
+
+def _rank0_log(spec: SlurmJobSpec) -> str:
+    """Batch-script text: the name rank 0 links to the log of the node it runs on (train/run/runtime.py's
+    ``link_rank0_log``: the rendezvous chooses that node), said at each attempt."""
+    logs = shlex.quote(str(spec.log_dir))
+    return f"""# Rank 0's lines (its steps, its one-line errors) are in the log of the node the rendezvous gives it.
+export {RANK0_LOG_VARIABLE}={logs}/"$SLURM_JOB_NAME-$SLURM_JOB_ID-rank0.out"
+export {NODE_LOG_VARIABLE}={logs}/"$SLURM_JOB_NAME-$SLURM_JOB_ID-node%n.out"
+echo "distaff: rank 0's lines: ${RANK0_LOG_VARIABLE} (a link to the node log that holds them, once rank 0 starts)"
 """
 
 
@@ -333,21 +350,10 @@ def warn_if_node_local(python: str, env: dict[str, str]) -> None:
               "project folder)", file=sys.stderr)
 
 
-def sbatch_command(script: Path) -> list[str]:
-    return ["sbatch", "--parsable", str(script)]
-
-
 def submit(spec: SlurmJobSpec) -> str:
-    """Write the script into the run directory, submit it, return the job id."""
-    script = render_sbatch_script(spec)
-    if shutil.which("sbatch") is None:
-        raise RunFailure("sbatch not found: run this on a Slurm login node (or use --dry-run)")
-    spec.log_dir.mkdir(parents=True, exist_ok=True)  # sbatch opens the log here before the script runs
-    spec.script_path.write_text(script)
-    proc = subprocess.run(sbatch_command(spec.script_path), capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RunFailure(f"sbatch {spec.script_path} failed ({proc.returncode}): {proc.stderr.strip()}")
-    return proc.stdout.strip().split(";")[0]  # --parsable prints "JOBID[;CLUSTER]"
+    """Write the script into the run directory (sbatch opens the log there before the script runs), submit it,
+    return the job id."""
+    return submit_script(spec.script_path, render_sbatch_script(spec), NO_SBATCH)
 
 
 def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
@@ -384,6 +390,8 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     add_site_arguments(sub)
     sub.add_argument("--gpu-kind", help="GPU kind for the plan's line (distaff plan --list-gpus; default A100-80GB)")
     sub.add_argument("--dry-run", action="store_true", help="print the script and the command, submit nothing")
+    sub.add_argument("--no-check", action="store_true",
+                     help="submit without first running the run's own --check on it (the dry run never runs it)")
     sub.add_argument("overrides", nargs="*", help="config overrides dotted.key=value")
     return parser, sub
 
@@ -399,6 +407,14 @@ def _main(argv: list[str]) -> int:
     return submit_job(submit_parser.parse_intermixed_args(argv[1:]))
 
 
+def _job_paths(spec: SlurmJobSpec) -> list[tuple[str, Path]]:
+    """(what, absolute path) of what the job's ranks read or write on a filesystem: the config, the run directory
+    and its local inputs (relative ones resolve in the submit folder, as the job's do)."""
+    target = spec.target
+    return [("--config", target.config), ("run.out_dir", target.out_dir),
+            *((key, Path(os.path.normpath(spec.workdir / path))) for key, path in target.inputs)]
+
+
 def submit_job(args: argparse.Namespace) -> int:
     """``distaff slurm submit`` with parsed options (``distaff decay`` passes a parent run's, recorded)."""
     target = resolve_launch_target(args.config, args.overrides, args.task)
@@ -411,9 +427,13 @@ def submit_job(args: argparse.Namespace) -> int:
         python=node_python(args.python, site),
         max_ranks_per_node=args.max_ranks_per_node, max_requeues=args.max_requeues, site=site)
     script = render_sbatch_script(spec)   # a bad request is refused before anything is printed
-    from distaff.launch.eval_jobs import preview   # (it imports this module) evals.mode=slurm's job, checked now
-
-    eval_job = preview(target, site, spec.python)
+    for line in check_container_paths(site, _job_paths(spec), spec.workdir, spec.python):
+        print(f"distaff slurm: {line}", file=sys.stderr)
+    eval_job = preview(target, site, spec.python)   # evals.mode=slurm's job, checked now
+    if not args.dry_run:
+        require_sbatch(NO_SBATCH)       # before the run's check: it takes seconds
+        if not getattr(args, "no_check", False):   # (a recorded launch, distaff decay's, may lack the option)
+            print(check_target(target, args.nodes * args.gpus_per_node, args.cpu), file=sys.stderr)  # its OK line
     if not site.container:
         warn_if_node_local(spec.python, dict(os.environ))
     if not args.cpu:   # the plan's line for this job (memory per GPU, fit, estimated time)

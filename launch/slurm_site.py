@@ -3,6 +3,10 @@
 ``--container-image`` with ``--container-mounts``; Apptainer: ``--apptainer IMAGE``), and the GPU request as
 ``--gres`` instead of ``--gpus-per-node``.
 
+A container sees only what is mounted into it, and the job names host paths (the config, the run directory, the
+data, the submit folder): :func:`check_container_paths` refuses a job whose paths are not mounted at the same
+path, before anything is written or queued.
+
 Set-up lines are shell code by design: they are written verbatim into the per-node script (the dry run shows them
 as they will run), one line each. Every other value passes :func:`distaff.launch.script_values.site_word`: no
 shell metacharacter, so nothing a value holds can run as a command.
@@ -11,6 +15,7 @@ shell metacharacter, so nothing a value holds can run as a command.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from dataclasses import dataclass
@@ -83,6 +88,76 @@ class SiteOptions:
                 """trap 'echo "distaff: node $SLURM_NODEID: a set-up line failed with status $?" >&2' ERR\n"""
                 + "".join(line + "\n" for line in self.setup_lines)
                 + "trap - ERR\nset +e\n")
+
+
+def _mounts(spec: str | None) -> list[tuple[Path, Path]]:
+    """(source, destination) of each entry of a pyxis ``--container-mounts`` or Apptainer ``--bind`` list
+    (``SRC[:DST][:FLAGS]``; a lone source, or one followed only by flags, is mounted at its own path)."""
+    pairs = []
+    for entry in filter(None, (spec or "").split(",")):
+        fields = entry.split(":")
+        destination = fields[1] if len(fields) > 1 and fields[1].startswith("/") else fields[0]
+        pairs.append((Path(fields[0]), Path(destination)))
+    return pairs
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def check_container_paths(site: SiteOptions, paths: list[tuple[str, Path]], workdir: Path, python: str) -> list[str]:
+    """Refuse (a ConfigError naming each) host paths the job uses that the container does not see at the same path:
+    ``paths`` as (what, absolute path), and for pyxis the submit folder it starts in. Apptainer mounts the home
+    and the working folder by default; pyxis the home only where the site says so, so a path under it is a warning
+    (returned). A ``--python`` outside the mounts is a warning too: it may be the image's own."""
+    if not site.container:
+        return []
+    view = _ContainerView(site, workdir)
+    if site.container_image:
+        paths = [*paths, ("the submit folder (the container's working folder)", workdir)]
+    refused, warnings = [], []
+    for what, path in paths:
+        seen_at = view.where(path)
+        if seen_at == path:
+            continue
+        if seen_at is not None:
+            refused.append(f"{what} {path} (mounted at {seen_at})")
+        elif site.container_image and _inside(path, view.home):
+            warnings.append(f"{what} {path} is under the home, which pyxis mounts only where the site's enroot "
+                            "config does (--container-mount-home); to be sure, add it to --container-mounts")
+        else:
+            refused.append(f"{what} {path}")
+    if refused:
+        mounts = f"--container-mounts {site.container_mounts}" if site.container_mounts else "no --container-mounts"
+        raise ConfigError(f"{_flag(site)}: the container does not see {'; '.join(refused)} at that path ({mounts}); "
+                          "mount each at its own path, e.g. --container-mounts /shared (a folder that holds them), "
+                          "or move them there")
+    if python != CONTAINER_PYTHON and Path(python).is_absolute() and view.where(Path(python)) is None:
+        warnings.append(f"--python {python} is not inside the container's mounts: it must be the image's own")
+    return [f"{_flag(site)}: warning: {line}" for line in warnings]
+
+
+class _ContainerView:
+    """Where host paths appear in a job's container: its mounts, and for Apptainer the home and the working
+    folder, which it mounts at their own paths by default."""
+
+    def __init__(self, site: SiteOptions, workdir: Path):
+        self.home = Path(os.environ.get("HOME", "/nonexistent-home"))
+        self.mounts = _mounts(site.container_mounts)
+        if site.apptainer:
+            self.mounts += [(self.home, self.home), (workdir, workdir)]
+
+    def where(self, path: Path) -> Path | None:
+        """Where the host's ``path`` appears in the container: at its own path if any mount puts it there, else
+        where the most specific mount holding it does; None when none does."""
+        holding = sorted(((source, destination) for source, destination in self.mounts if _inside(path, source)),
+                         key=lambda pair: len(pair[0].parts), reverse=True)
+        seen = [destination / path.relative_to(source) for source, destination in holding]
+        return path if path in seen else next(iter(seen), None)
+
+
+def _flag(site: SiteOptions) -> str:
+    return "--container-image" if site.container_image else "--apptainer"
 
 
 def _check_gres_gpus(gres: str, ranks_per_node: int) -> None:

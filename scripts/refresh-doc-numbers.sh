@@ -3,7 +3,8 @@
 # (<!-- measured: NAME -->...<!-- /measured -->).
 #
 #   bash scripts/refresh-doc-numbers.sh            # all of the below
-#   bash scripts/refresh-doc-numbers.sh readme     # reruns the demo, rewrites README.md's spans (about 5 minutes)
+#   bash scripts/refresh-doc-numbers.sh readme     # reruns the demo (its duration: README.md), rewrites the spans
+#                                                  # of README.md and of scripts/demo.sh's header
 #   bash scripts/refresh-doc-numbers.sh plan       # remeasures the plan's memory and CPU time (15-40 minutes),
 #                                                  # then rewrites docs/plan.md
 #   bash scripts/refresh-doc-numbers.sh plan-tables  # docs/plan.md from the committed measurements (seconds)
@@ -25,7 +26,9 @@ if [[ "$PART" == all || "$PART" == readme ]]; then
     bash scripts/demo.sh --fresh | tee "$LOG"
     ELAPSED=$SECONDS
     sed -n '/^== distaff demo summary/,$p' "$LOG" > "$OUT/summary.txt"
-    $PY scripts/refresh_doc_numbers.py README.md "$OUT/summary.txt" "$OUT/run/summary.json" "$ELAPSED"
+    for doc in README.md scripts/demo.sh; do     # one duration in both: the demo's own summary's
+        $PY scripts/refresh_doc_numbers.py "$doc" "$OUT/summary.txt" "$OUT/run/summary.json" "$ELAPSED"
+    done
     rm -f "$LOG"
 fi
 if [[ "$PART" == all || "$PART" == plan ]]; then

@@ -1,14 +1,18 @@
-"""Rewrite the measured spans of README.md (and of docs/pretraining.md) from the runs that produce them.
+"""Rewrite the measured spans of README.md and scripts/demo.sh's header (and of docs/pretraining.md) from the runs
+that produce them.
 
 A span is ``<!-- measured: NAME -->value<!-- /measured -->`` (inline) or the same two comments around lines
 (a block). ``scripts/refresh-doc-numbers.sh`` runs the commands, then this with the values:
 
     python scripts/refresh_doc_numbers.py README.md runs/demo/summary.txt runs/demo/run/summary.json ELAPSED_S
+    python scripts/refresh_doc_numbers.py scripts/demo.sh runs/demo/summary.txt runs/demo/run/summary.json ELAPSED_S
 
 Values it fills: ``demo.summary`` (the demo's printed summary, as a code block), ``demo.elapsed``,
 ``demo.tokens_per_s``, ``demo.loss``, ``demo.perplexity``, ``demo.accuracy``, ``demo.baseline``,
-``demo.tokens``, ``demo.when`` (date, machine and load average of the run). A span it has no value for is
-an error, so a new span cannot be left behind stale.
+``demo.tokens``, ``demo.when`` (date, machine and load average of the run). ``demo.elapsed`` is the time the
+demo's own summary prints (``(10m18s in all)``), so the README, the script's header and the quoted summary give
+one duration; ELAPSED_S (the shell's count) stands in only for a summary without it. A span it has no value for
+is an error, so a new span cannot be left behind stale.
 
 docs/pretraining.md's evaluation figures come from ``benchmarks/evals_side.py --json FILE`` (about 15 minutes on 2
 cores, so the refresh script reads its last results rather than rerunning it):
@@ -35,9 +39,10 @@ SPAN = re.compile(r"<!-- measured: (?P<name>[\w.-]+) -->(?P<value>.*?)<!-- /meas
 def demo_values(summary_text: str, summary: dict, elapsed_s: int) -> dict[str, str]:
     """The README's demo figures from the demo's printed summary, its run's summary.json and its wall time."""
     load = os.getloadavg()[0]
+    printed = re.search(r"\((\d+m\d{2}s) in all\)", summary_text)
     return {
         "demo.summary": f"\n```\n{summary_text.strip()}\n```\n",
-        "demo.elapsed": f"{elapsed_s // 60}m{elapsed_s % 60:02d}s",
+        "demo.elapsed": printed.group(1) if printed else f"{elapsed_s // 60}m{elapsed_s % 60:02d}s",
         "demo.tokens_per_s": f"{summary['tokens_per_s']:,.0f}",
         "demo.tokens": f"{summary['tokens']:,}",
         "demo.loss": f"{summary['eval_loss']:.3f}",

@@ -153,3 +153,16 @@ def test_the_evaluation_figures_of_docs_pretraining_are_the_benchmarks_last_resu
     assert text.count("<!-- measured: ") == text.count("<!-- /measured -->") == len(refresh.SPAN.findall(text)) == 5
     assert refresh.rewrite(text, values) == text
     assert f"**<!-- measured: evals_side.ratio -->{results['ratio']:.3f}<!-- /measured -->x**" in text
+
+
+def test_the_demo_has_one_duration_the_one_its_summary_prints_in_the_readme_and_its_header():
+    refresh = _refresher()
+    readme, header = (REPO / "README.md").read_text(), (REPO / "scripts" / "demo.sh").read_text()
+    spans = [dict((m["name"], m["value"]) for m in refresh.SPAN.finditer(text)) for text in (readme, header)]
+    assert spans[1] == {"demo.elapsed": spans[0]["demo.elapsed"]}
+    assert f"== distaff demo summary ({spans[0]['demo.elapsed']} in all)" in spans[0]["demo.summary"]
+    summary = {"tokens_per_s": 1.0, "tokens": 1, "eval_loss": 1.0, "eval_perplexity": 1.0, "eval_accuracy": 0.1,
+               "unigram_baseline_accuracy": 0.1}
+    values = refresh.demo_values("== distaff demo summary (9m05s in all)\n", summary, 560)   # the shell counted 9m20s
+    assert "<!-- measured: demo.elapsed -->9m05s<!-- /measured -->" in refresh.rewrite(header, values)
+    assert "for doc in README.md scripts/demo.sh; do" in (REPO / "scripts" / "refresh-doc-numbers.sh").read_text()

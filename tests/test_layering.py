@@ -42,10 +42,15 @@ ALLOWED = {
                            "distaff.train.data.manifest"},
     # The launchers read configs and start trainers as processes: never a trainer's loop.
     # A decay branch's config comes from its parent's checkpoint: its file layout and the schedule (distaff decay).
+    # A container's mounts are checked against the data dirs a run reads, told from remote ones as the loader does.
     "distaff.launch": {"distaff.train.core", "distaff.train.run.config", "distaff.train.finetune.config",
-                       "distaff.train.plan", "distaff.train.run.checkpoint_files", "distaff.train.run.schedule"},
+                       "distaff.train.plan", "distaff.train.run.checkpoint_files", "distaff.train.run.schedule",
+                       "distaff.train.data.manifest"},
 }
 MAX_MODULES = {"kernels": 12, "train": 12, "tests": 20}
+# Folders whose modules may not import each other in a circle (lazy imports included: a circle hidden in a
+# function still ties the two modules into one).
+NO_CIRCLES = ("launch",)
 
 
 def module_name(path: Path) -> str:
@@ -132,3 +137,52 @@ def test_a_wrong_import_is_caught():
     source = "def f():\n    from distaff.train.run.config import RunConfig\n    from ..run import steps\n"
     wrong = [(line, name) for line, name in imported_modules(model, source) if not allows(module_name(model), name)]
     assert wrong == [(2, "distaff.train.run.config.RunConfig"), (3, "distaff.train.run.steps")]
+
+
+def module_graph(paths: list[Path], source_of=lambda path: None) -> dict[str, set[str]]:
+    """Module -> the modules among ``paths`` it imports (``from pkg import name`` counted as importing ``pkg``
+    when ``pkg.name`` is not a module of its own); ``source_of(path)`` may stand in for a file's text."""
+    names = {module_name(path): path for path in paths}
+    graph: dict[str, set[str]] = {name: set() for name in names}
+    for name, path in names.items():
+        for _, imported in imported_modules(path, source_of(path)):
+            target = imported if imported in names else imported.rsplit(".", 1)[0]
+            if target in names and target != name:
+                graph[name].add(target)
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every module that can reach itself through the graph, with one circle it is on (depth-first search)."""
+    circles = []
+    for start in sorted(graph):
+        path, seen, stack = {start: [start]}, {start}, [start]
+        while stack:
+            here = stack.pop()
+            for nxt in sorted(graph[here]):
+                if nxt == start:
+                    circles.append(path[here] + [start])
+                    stack = []
+                    break
+                if nxt not in seen:
+                    seen.add(nxt)
+                    path[nxt] = path[here] + [nxt]
+                    stack.append(nxt)
+    return circles
+
+
+@pytest.mark.parametrize("folder", NO_CIRCLES)
+def test_no_import_circles(folder):
+    paths = sorted((REPO / folder).rglob("*.py"))
+    graph = module_graph(paths)
+    assert sum(len(edges) for edges in graph.values()) >= 10, "too few imports found to be looking at the folder"
+    assert import_circles(graph) == []
+
+
+def test_an_import_circle_is_caught():
+    """The checker itself: eval_jobs importing slurm (which imports eval_jobs) lazily, inside a function."""
+    eval_jobs = REPO / "launch" / "eval_jobs.py"
+    extra = "\ndef f():\n    from distaff.launch.slurm import submit\n"
+    graph = module_graph(sorted((REPO / "launch").rglob("*.py")),
+                         lambda path: path.read_text() + extra if path == eval_jobs else None)
+    assert ["distaff.launch.eval_jobs", "distaff.launch.slurm", "distaff.launch.eval_jobs"] in import_circles(graph)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import gzip
 import json
 from pathlib import Path
@@ -169,3 +170,42 @@ def test_cli_prepare_then_verify(tmp_path: Path, corpus_files: list[Path], token
     assert "train:" in capsys.readouterr().out
     assert distaff_main(["data", "verify", str(out)]) == 0
     assert capsys.readouterr().out.strip().endswith(": ok")
+
+
+def test_tsv_and_csv_give_the_same_tokens_as_txt_and_a_missing_column_is_one_line(
+        tmp_path: Path, corpus_files: list[Path], tokenizer_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    texts = [d.text for d in iter_documents([corpus_files[2]], ReadOptions())][:200]
+    txt = tmp_path / "docs.txt"
+    tables = {"tsv": tmp_path / "docs.tsv", "csv": tmp_path / "docs.csv.gz"}
+    with gzip.open(tables["csv"], "wt", newline="") as f:      # quoted fields: the paragraphs' newlines and commas
+        csv.writer(f).writerows([["body", "id"], *([t, i] for i, t in enumerate(texts))])
+    assert any("\n" in t for t in texts) and any("," in t for t in texts)
+    tables["tsv"].write_text("id\tbody\n" + "".join(f"{i}\t{t.replace(chr(10), ' ')}\n" for i, t in enumerate(texts)))
+    txt.write_text("\n\n".join(t.replace("\n", " ") for t in texts) + "\n")  # TSV has no quoting: one line a row
+    flat = _read_split(_prepare(tmp_path / "txt", tokenizer_dir, [txt]), "train")
+    tsv = _read_split(_prepare(tmp_path / "tsv", tokenizer_dir, [tables["tsv"]], read=ReadOptions(text_field="body")),
+                      "train")
+    assert [s.tolist() for s in tsv] == [s.tolist() for s in flat] and len(flat) >= 200
+    csv_docs = [d.text for d in iter_documents([tables["csv"]], ReadOptions(text_field="body"))]
+    assert csv_docs == texts                                   # newlines and commas inside quotes kept
+    code = distaff_main(["data", "prepare", "--input", str(tables["tsv"]), "--tokenizer", str(tokenizer_dir),
+                         "--seq-len", "64", "--out", str(tmp_path / "cli"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and err == (f"distaff data prepare: {tables['tsv']}: no column 'text' in its header row "
+                                 "(columns: ['id', 'body']); name the text column with --text-field\n")
+
+
+def test_prepare_warns_in_one_line_when_batches_would_be_mostly_padding(
+        tmp_path: Path, corpus_files: list[Path], tokenizer_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    short = tmp_path / "short.txt"       # one short paragraph each: a few tokens of 256
+    short.write_text("\n\n".join(f"A short line, number {i}." for i in range(400)) + "\n")
+    argv = ["data", "prepare", "--input", str(short), "--tokenizer", str(tokenizer_dir), "--seq-len", "256",
+            "--heldout-fraction", "0", "--no-progress"]
+    assert distaff_main([*argv, "--out", str(tmp_path / "padded")]) == 0
+    warning = [line for line in capsys.readouterr().err.splitlines() if "padding" in line]
+    assert len(warning) == 1 and warning[0].startswith("distaff data prepare: warning: the sequences hold ")
+    filled = read_manifest(tmp_path / "padded").splits["train"]
+    assert f"about {1 - filled.tokens / (filled.samples * 256):.0%} of every batch would be padding; " \
+           "--pack-documents fills each sequence" in warning[0] and "data.packing=varlen" in warning[0]
+    assert distaff_main([*argv, "--out", str(tmp_path / "packed"), "--pack-documents"]) == 0
+    assert "padding" not in capsys.readouterr().err

@@ -106,7 +106,7 @@ def test_the_evaluation_job_runs_with_the_training_jobs_set_up_lines_and_contain
     (tmp_path / "site.sh").write_text("module load cuda/12.4\n")
     submit = ["submit", "--config", str(config), "--nodes", "1", "--gpus-per-node", "2", "--cpu", "--gres=gpu:2",
               "--setup-file=site.sh", "--setup", 'export HF_HOME="/scratch/$USER/hf"', container,
-              "--container-mounts=/data:/data"]
+              f"--container-mounts=/data:/data,{tmp_path}"]      # the run's paths at their own path
     assert cli.main(["slurm", *submit, "--dry-run"]) == 0
     shown = _eval_job_of(capsys.readouterr().out)
     subprocess.run(["bash", "-n"], input=shown, text=True, check=True)
@@ -114,11 +114,11 @@ def test_the_evaluation_job_runs_with_the_training_jobs_set_up_lines_and_contain
             'module load cuda/12.4\nexport HF_HOME="/scratch/$USER/hf"\ntrap - ERR\nset +e\n'
     runner = f"python -m distaff.train.tools.evals {tmp_path}/out/run1 --checkpoint {tmp_path}/out/run1/evals/pinned/step-N"
     if container.startswith("--apptainer"):     # set-up lines on the host, then the runner in the image
-        assert setup + f"exec apptainer exec --bind /data:/data /images/distaff.sif {runner}\n" in shown, shown
+        assert setup + f"exec apptainer exec --bind /data:/data,{tmp_path} /images/distaff.sif {runner}\n" in shown, shown
     else:                                       # a one-task pyxis step runs both in the image
         assert setup + f"exec {runner}\n" in shown and re.search(
             r"^exec srun --ntasks=1 --cpus-per-task=2 '--container-image=nvcr.io#nvidia/pytorch:24.01-py3' "
-            rf"--container-workdir={tmp_path} --container-mounts=/data:/data bash -c \"\$eval_script\"$", shown, re.M), shown
+            rf"--container-workdir={tmp_path} --container-mounts=/data:/data,{tmp_path} bash -c \"\$eval_script\"$", shown, re.M), shown
     assert "--gres" not in shown and "--gpus" not in shown
 
     # the trainer's submitter (later, from the run's launch record) writes the same script

@@ -294,3 +294,27 @@ def test_submit_without_sbatch_says_so(target, capsys, monkeypatch) -> None:
     monkeypatch.setenv("PATH", "/nonexistent")
     assert cli.main(["slurm", "submit", "--config", str(target.config), "--nodes", "1", "--gpus-per-node", "1"]) == 1
     assert "sbatch not found" in capsys.readouterr().err
+
+
+def test_one_name_follows_rank_0s_log_to_whichever_node_holds_it(target, tmp_path: Path) -> None:
+    """The batch script names the link and the nodes' logs; rank 0 (train/run/runtime.py) links the one to the
+    log of its node, and again at an attempt that puts it on another node."""
+    from distaff.train.run.runtime import link_rank0_log
+
+    script = render_sbatch_script(SlurmJobSpec(target=target, nodes=2, ranks_per_node=1, cpu=True))
+    lines = re.search(r"^export DISTAFF_RANK0_LOG=.*\nexport DISTAFF_NODE_LOG=.*\necho .*$", script, re.M).group(0)
+    shown = subprocess.run(["bash", "-c", f"{lines}\nprintenv DISTAFF_RANK0_LOG DISTAFF_NODE_LOG"], text=True,
+                           capture_output=True, check=True, env={"SLURM_JOB_NAME": "run1", "SLURM_JOB_ID": "42"})
+    said, link, pattern = shown.stdout.splitlines()
+    logs = target.out_dir / "slurm"
+    assert (link, pattern) == (f"{logs}/run1-42-rank0.out", f"{logs}/run1-42-node%n.out")
+    assert said == f"distaff: rank 0's lines: {link} (a link to the node log that holds them, once rank 0 starts)"
+    logs.mkdir(parents=True)
+    for node in ("1", "0"):
+        (logs / f"run1-42-node{node}.out").write_text(f"step lines of node {node}\n")
+        link_rank0_log({"DISTAFF_RANK0_LOG": link, "DISTAFF_NODE_LOG": pattern, "SLURM_NODEID": node})
+        assert Path(link).read_text() == f"step lines of node {node}\n"
+        assert Path(link).readlink() == Path(f"run1-42-node{node}.out")      # relative: the folder may move
+    assert sorted(p.name for p in logs.iterdir()) == ["run1-42-node0.out", "run1-42-node1.out", "run1-42-rank0.out"]
+    link_rank0_log({"SLURM_NODEID": "1"})                               # not under such a job: nothing
+    assert Path(link).readlink() == Path("run1-42-node0.out")

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.unit
 @pytest.fixture()
 def config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", "/nonexistent-home")     # the run's folder outside it (pyxis may mount the home)
     path = tmp_path / "run.yaml"
     path.write_text("run: {out_dir: out/run1, name: run1}\ndata: {dir: data/austen}\ntrain: {max_steps: 10}\n")
     return path
@@ -83,15 +84,17 @@ def test_site_values_with_shell_metacharacters_are_refused_in_one_line(config: P
 
 
 def test_a_pyxis_container_runs_each_node_script_in_the_image(config: Path, capsys) -> None:
+    mounts = f"/shared:/shared,/scratch:/scratch:ro,{config.parent}"    # the run's folder at its own path
     code, script, err = _submit(config, capsys, "--container-image", "nvcr.io#nvidia/pytorch:24.01-py3",
-                                "--container-mounts", "/shared:/shared,/scratch:/scratch:ro", "--setup", "nvidia-smi")
+                                "--container-mounts", mounts, "--setup", "nvidia-smi")
     assert code == 0 and "warning" not in err
     srun = re.search(r"^srun .*?bash -c \"\$node_script\" &$", script, re.S | re.M).group(0)
     assert ("'--container-image=nvcr.io#nvidia/pytorch:24.01-py3' "
-            f"--container-workdir={config.parent} --container-mounts=/shared:/shared,/scratch:/scratch:ro ") in srun
+            f"--container-workdir={config.parent} --container-mounts={mounts} ") in srun
     assert "# Every node runs python: inside the container nvcr.io#nvidia/pytorch:24.01-py3." in script
     assert "exec python -m torch.distributed.run --nproc-per-node=4" in script    # the image's python
-    code, script, _ = _submit(config, capsys, "--container-image", "img.sqsh", "--python", "/opt/conda/bin/python")
+    code, script, _ = _submit(config, capsys, "--container-image", "img.sqsh", "--python", "/opt/conda/bin/python",
+                              "--container-mounts", str(config.parent))
     assert "exec /opt/conda/bin/python -m torch.distributed.run" in script
 
 
@@ -126,3 +129,42 @@ def test_gres_requests_the_gpus_instead_of_gpus_per_node(config: Path, capsys) -
     code, script, _ = _submit(config, capsys, "--gres", "gpu:h100:4,nvme:1")
     assert code == 0 and "#SBATCH --gres=gpu:h100:4,nvme:1\n" in script and "--gpus-per-node" not in script
     assert "max_requeues=3\n" in script           # the default bound on stalled or lost attempts
+
+
+# ---------------------------------------------------------------- what a container sees
+
+def test_a_container_that_does_not_mount_the_config_is_refused_in_the_dry_run(config: Path, capsys) -> None:
+    code, script, err = _submit(config, capsys, "--container-image", "img.sqsh", "--container-mounts", "/shared")
+    assert code == 2 and script == "" and err.count("\n") == 1, err
+    assert err.startswith(f"distaff slurm: --container-image: the container does not see --config {config}; ")
+    for unseen in (f"run.out_dir {config.parent}/out/run1", f"data.dir {config.parent}/data/austen",
+                   f"the submit folder (the container's working folder) {config.parent}"):
+        assert unseen in err
+    assert "(--container-mounts /shared); mount each at its own path" in err
+
+
+def test_a_path_mounted_elsewhere_in_the_container_is_named_with_where_it_lands(config: Path, capsys) -> None:
+    code, _, err = _submit(config, capsys, "--apptainer", "img.sif", "--container-mounts",
+                           f"{config.parent}/data:/data", "data.dir=/elsewhere/shards")
+    # Apptainer mounts the working folder (the config, the run) itself; the data is neither there nor mounted
+    assert code == 2 and "the container does not see data.dir /elsewhere/shards at that path" in err, err
+    code, _, err = _submit(config, capsys, "--apptainer", "img.sif", "--container-mounts",
+                           f"{config.parent}/data:/data")     # the data also at /data: still at its own path too
+    assert code == 0 and "warning" not in err, err
+    code, _, err = _submit(config, capsys, "--container-image", "img.sqsh", "--container-mounts",
+                           f"{config.parent}:/work")
+    assert code == 2 and f"--config {config} (mounted at /work/run.yaml)" in err, err
+
+
+def test_mounted_paths_pass_and_the_home_and_an_outside_python_are_warnings(config: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(config.parent))          # the run's folder is under the home
+    code, script, err = _submit(config, capsys, "--container-image", "img.sqsh")
+    assert code == 0 and script, err
+    assert err.count("--container-image: warning: ") == 4 and "under the home, which pyxis mounts only" in err
+    monkeypatch.setenv("HOME", "/nonexistent-home")
+    code, _, err = _submit(config, capsys, "--apptainer", "img.sif", "--python", "/opt/venv/bin/python")
+    assert code == 0 and "--apptainer: warning: --python /opt/venv/bin/python is not inside the container's " \
+                         "mounts: it must be the image's own\n" in err, err
+    code, _, err = _submit(config, capsys, "--container-image", "img.sqsh", "--container-mounts", f"{config.parent}:"
+                           f"{config.parent}:ro", "--python", f"{config.parent}/venv/bin/python")
+    assert code == 0 and "warning" not in err, err

@@ -257,3 +257,16 @@ def test_a_config_that_is_not_utf8_text_is_one_line_naming_it_in_every_command(t
     assert pretrain_main(["--config", "tiny-cpu", f"model.preset={model}", "--check"]) == 2
     err = capsys.readouterr().err
     assert "model.yaml, line 2, byte " in err and where.split(": ", 1)[1] in err, err
+
+
+@pytest.mark.parametrize("command", ["pretrain", "finetune"])
+def test_print_config_says_what_watchdog_s_0_stands_for(command, capsys):
+    from distaff.launch import cli
+
+    preset = {"pretrain": "tiny-cpu", "finetune": "sentiment-cpu"}[command]
+    assert cli.main([command, "--config", preset, "--print-config", "distributed.timeout_s=120"]) == 0
+    out = capsys.readouterr().out
+    assert "\n  watchdog_s: 0  # 0: distributed.timeout_s, 120 s\n" in out
+    assert yaml.safe_load(out)["distributed"] == {"timeout_s": 120, "watchdog_s": 0}   # still the same YAML
+    assert cli.main([command, "--config", preset, "--print-config", "distributed.watchdog_s=60"]) == 0
+    assert "\n  watchdog_s: 60\n" in capsys.readouterr().out                          # a value of its own: as is

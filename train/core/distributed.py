@@ -50,6 +50,10 @@ def free_port() -> int:
 # (rank, world size, local rank) variables of each launcher: torchrun and deepspeed's, else srun's
 LAUNCHER_VARIABLES = (("RANK", "WORLD_SIZE", "LOCAL_RANK"), ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
 MAX_PORT = 65535
+# Set by `distaff slurm submit`'s script: the name rank 0 links to the log of its node (train/run/runtime.py), and
+# the nodes' log, Slurm's %n standing for the node.
+RANK0_LOG_VARIABLE = "DISTAFF_RANK0_LOG"
+NODE_LOG_VARIABLE = "DISTAFF_NODE_LOG"
 # what makes a process one of a run's ranks: the launchers' variables (torchrun's TORCHELASTIC_* among them: with
 # TORCHELASTIC_USE_AGENT_STORE a process joins the agent's store instead of making its own), the rendezvous, the
 # job's W&B run and the W&B service rank 0 started. A process a rank starts that is not a rank (an evaluation of a

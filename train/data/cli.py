@@ -11,22 +11,26 @@ from distaff.train.core.errors import command_main, float_arg
 from distaff.train.core.runlock import DirLock
 from distaff.train.data.errors import DataError
 from distaff.train.data.heldout import MIN_HELDOUT_TOKENS, choose_heldout
+from distaff.train.data.manifest import SplitInfo
 from distaff.train.data.prepare import PrepareConfig, prepare
-from distaff.train.data.sources import ReadOptions
+from distaff.train.data.sources import FORMATS, ReadOptions
 from distaff.train.data.verify import verify
+
+MOSTLY_PADDING_BELOW = 0.5   # sequences fuller than this on average waste less than half of a padded batch
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="distaff data", description="prepare and verify webdataset shards")
     sub = parser.add_subparsers(dest="action", required=True)
     p = sub.add_parser("prepare", help="tokenize text into shards + manifest (resumes an interrupted run)")
-    p.add_argument("--input", nargs="+", required=True, help=".txt, .txt.gz, .jsonl, .jsonl.gz or .parquet files")
+    p.add_argument("--input", nargs="+", required=True, help=f"{FORMATS} files")
     p.add_argument("--tokenizer", required=True, help="folder written by `distaff tokenizer train`")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence, [CLS] and [SEP] included")
     p.add_argument("--out", required=True, help="output data dir")
     p.add_argument("--doc-per-file", action="store_true", help=".txt: each file is one document "
                    "(default: documents are separated by blank lines)")
-    p.add_argument("--text-field", default="text", help=".jsonl/.parquet field holding the text")
+    p.add_argument("--text-field", default="text",
+                   help=".jsonl field, or .parquet/.tsv/.csv column, holding the text (default: text)")
     p.add_argument("--pack-documents", action="store_true", help="fill sequences with several documents")
     p.add_argument("--heldout-fraction", type=float_arg("--heldout-fraction"), default=None,
                    help=f"share of documents held out (0: none; default: 1%%, more for a small corpus, so that the "
@@ -64,6 +68,8 @@ def _prepare(args: argparse.Namespace) -> int:
         manifest = prepare(config)
     for name, split in manifest.splits.items():
         print(f"{name}: {len(split.shards)} shards, {split.samples} samples, {split.tokens} tokens")
+    if not config.pack_documents:
+        _warn_if_mostly_padding(manifest.splits["train"], config.seq_len)
     heldout = manifest.splits["heldout"]
     if config.heldout_every and heldout.tokens < MIN_HELDOUT_TOKENS:
         print(f"distaff data prepare: warning: the held-out split has only {heldout.tokens:,} tokens "
@@ -72,6 +78,16 @@ def _prepare(args: argparse.Namespace) -> int:
     for reason, count in sorted(manifest.skipped.items()):
         print(f"skipped {count}: {reason}")
     return 0
+
+
+def _warn_if_mostly_padding(train: SplitInfo, seq_len: int) -> None:
+    """One line when the sequences (one document each) would leave most of every padded batch as padding."""
+    filled = train.tokens / max(1, train.samples * seq_len)
+    if filled < MOSTLY_PADDING_BELOW:
+        print(f"distaff data prepare: warning: the sequences hold {train.tokens / max(1, train.samples):,.0f} tokens "
+              f"on average of --seq-len {seq_len}: about {1 - filled:.0%} of every batch would be padding; "
+              "--pack-documents fills each sequence with several documents, or keep one document per sequence "
+              "and train with data.packing=varlen (docs/pretraining.md, Packed training)", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

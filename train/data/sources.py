@@ -1,4 +1,5 @@
-"""Reading raw corpora into documents: ``.txt``/``.txt.gz``, ``.jsonl``/``.jsonl.gz`` and ``.parquet``.
+"""Reading raw corpora into documents: ``.txt``/``.txt.gz``, ``.jsonl``/``.jsonl.gz``, ``.parquet`` and
+``.tsv``/``.csv`` (``.gz`` too) with a header row, one document per row from the text column.
 
 Bad input raises :class:`DataError` naming the file and line; with ``skip_bad`` the bad document (or,
 for a corrupt compressed stream, the rest of that file) is skipped, counted in :class:`ReadStats` and
@@ -7,6 +8,7 @@ logged. Empty documents are always skipped and counted: they carry no tokens.
 
 from __future__ import annotations
 
+import csv
 import gzip
 import json
 import logging
@@ -24,12 +26,14 @@ log = logging.getLogger(__name__)
 TEXT_SUFFIXES = (".txt", ".txt.gz")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz")
 PARQUET_SUFFIXES = (".parquet",)
+TABLE_SUFFIXES = {".tsv": "\t", ".tsv.gz": "\t", ".csv": ",", ".csv.gz": ","}   # suffix -> column delimiter
+FORMATS = ".txt, .jsonl, .tsv, .csv (each also .gz) or .parquet"
 
 
 @dataclass(frozen=True)
 class ReadOptions:
     doc_per_file: bool = False  # .txt: the whole file is one document instead of blank-line separated ones
-    text_field: str = "text"  # .jsonl / .parquet column holding the text
+    text_field: str = "text"  # .jsonl field / .parquet, .tsv, .csv column holding the text
     skip_bad: bool = False  # skip (count, log) bad documents instead of raising
 
 
@@ -59,8 +63,8 @@ def check_inputs(paths: Sequence[str | Path]) -> list[Path]:
             raise DataError(f"{path}: is a directory; pass the input files in it")
         if not path.is_file():
             raise DataError(f"{path}: input file not found")
-        if not path.name.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES):
-            raise DataError(f"{path}: unknown input format (expected .txt, .txt.gz, .jsonl, .jsonl.gz or .parquet)")
+        if not path.name.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES + tuple(TABLE_SUFFIXES)):
+            raise DataError(f"{path}: unknown input format (expected {FORMATS})")
     return resolved
 
 
@@ -74,6 +78,8 @@ def iter_documents(paths: Sequence[str | Path], options: ReadOptions,
 def iter_file_documents(path: Path, options: ReadOptions, stats: ReadStats) -> Iterator[Document]:
     if path.name.endswith(PARQUET_SUFFIXES):
         docs = _parquet_documents(path, options, stats)
+    elif path.name.endswith(tuple(TABLE_SUFFIXES)):
+        docs = _table_documents(path, options, stats)
     else:
         docs = _line_documents(path, options, stats)
     for doc in docs:
@@ -190,3 +196,41 @@ def _parquet_documents(path: Path, options: ReadOptions, stats: ReadStats) -> It
                 yield Document(str(path), row, text or "")
     except pa.ArrowException as err:
         stats.skip("corrupt_file", f"{path}: after row {row}", f"corrupt parquet data ({err})", options.skip_bad)
+
+
+
+MAX_FIELD_CHARS = 1 << 30   # the csv module's default limit (131,072 characters) would refuse a long document
+
+
+def _table_documents(path: Path, options: ReadOptions, stats: ReadStats) -> Iterator[Document]:
+    """One document per row of a TSV/CSV file with a header row, from its ``text_field`` column (quoted fields
+    may hold newlines and delimiters, as the csv module reads them), each named by the line it starts on."""
+    delimiter = next(d for suffix, d in TABLE_SUFFIXES.items() if path.name.endswith(suffix))
+    last_line = [0]     # the file line the reader has read up to
+
+    def text_lines() -> Iterator[str]:
+        for lineno, raw in numbered_lines(path, options, stats):
+            last_line[0] = lineno
+            text = decode_utf8(raw, path, lineno, options, stats)
+            if text is not None:
+                yield text
+
+    csv.field_size_limit(max(csv.field_size_limit(), MAX_FIELD_CHARS))
+    reader = csv.reader(text_lines(), delimiter=delimiter)
+    try:
+        header = next(reader, [])
+        if options.text_field not in header:
+            raise DataError(f"{path}: no column {options.text_field!r} in its header row (columns: {header}); "
+                            "name the text column with --text-field")
+        column = header.index(options.text_field)
+        first_line = last_line[0] + 1
+        for row in reader:
+            if len(row) > column:
+                yield Document(str(path), first_line, row[column])
+            elif row:
+                stats.skip("missing_field", f"{path}:{first_line}",
+                           f"{len(row)} column(s), no {options.text_field!r}", options.skip_bad)
+            first_line = last_line[0] + 1
+    except csv.Error as err:
+        kind = "TSV" if delimiter == "\t" else "CSV"
+        stats.skip("invalid_table", f"{path}:{last_line[0]}", f"not readable as {kind} ({err})", options.skip_bad)

@@ -28,7 +28,7 @@ from distaff.train.core.errors import command_main, float_arg, shown, whole_numb
 from distaff.train.core.files import file_sha256, read_json
 from distaff.train.core.progress import ProgressLines
 from distaff.train.data.errors import DataError
-from distaff.train.data.sources import ReadOptions, ReadStats, check_inputs, iter_documents
+from distaff.train.data.sources import FORMATS, ReadOptions, ReadStats, check_inputs, iter_documents
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +272,7 @@ def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="distaff tokenizer", description="train a SentencePiece unigram tokenizer")
     sub = parser.add_subparsers(dest="action", required=True)
     train = sub.add_parser("train", help="train spm.model + a Hugging Face tokenizer folder")
-    train.add_argument("--input", nargs="+", required=True, help=".txt/.txt.gz/.jsonl(.gz)/.parquet files")
+    train.add_argument("--input", nargs="+", required=True, help=f"{FORMATS} files")
     train.add_argument("--vocab-size", type=int, required=True)
     train.add_argument("--out", required=True, help="output folder")
     train.add_argument("--character-coverage", type=float_arg("--character-coverage", low=0, low_open=True, high=1),
@@ -281,11 +281,14 @@ def _main(argv: list[str]) -> int:
                        help="train on the first MB of text only")
     train.add_argument("--threads", type=int, default=2)
     train.add_argument("--skip-bad", action="store_true", help="skip, count and log bad documents instead of failing")
+    train.add_argument("--text-field", default="text",
+                       help=".jsonl field, or .parquet/.tsv/.csv column, holding the text (default: text)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     max_bytes = None if args.max_input_mb is None else int(args.max_input_mb * 1e6)
     info = train_tokenizer(args.input, args.vocab_size, args.out, character_coverage=args.character_coverage,
-                           max_input_bytes=max_bytes, num_threads=args.threads, read=ReadOptions(skip_bad=args.skip_bad),
+                           max_input_bytes=max_bytes, num_threads=args.threads,
+                           read=ReadOptions(text_field=args.text_field, skip_bad=args.skip_bad),
                            progress=True)
     print(f"wrote {info.path}: vocab {info.vocab_size}, sha256 {info.fingerprint[:12]}")
     return 0

@@ -29,7 +29,7 @@ from distaff.train.plan.compare import first_check
 from distaff.train.pretrain.attached_evals import AttachedEvals, check_eval_inputs, eval_summary
 from distaff.train.pretrain.objectives import objective_for
 from distaff.train.run.checkpoint import Checkpointer, RNGState, latest_checkpoint
-from distaff.train.run.config import ConfigError, RunConfig, config_to_dict, load_config, save_config
+from distaff.train.run.config import ConfigError, RunConfig, config_to_dict, load_config, save_config, source_dirs
 from distaff.train.run.engine import loss_scale, set_accumulation
 from distaff.train.run.metrics import PLOT_FILE, Throughput, padding_fraction, peak_memory_gb, plot_metrics, warn
 from distaff.train.run.model_folder import load_initial_weights
@@ -251,15 +251,6 @@ class Trainer(RunBase):
     def _close(self, exit_code: int) -> None:
         self.evals.close(exit_code)
         super()._close(exit_code)
-
-
-def source_dirs(cfg: RunConfig) -> dict[str, str]:
-    """Every data dir the run reads, by the key that names it, in the order they first appear (data, then phases)."""
-    named = {"data.dir": cfg.data.dir} if cfg.data.dir else {
-        f"data.sources[{i}].dir": source.dir for i, source in enumerate(cfg.data.sources)}
-    for j, phase in enumerate(cfg.phases):
-        named.update({f"phases[{j}].sources[{i}].dir": source.dir for i, source in enumerate(phase.sources)})
-    return named
 
 
 def run_sources(cfg: RunConfig) -> dict[str, tuple[Manifest, TokenizerInfo]]:

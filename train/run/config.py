@@ -721,6 +721,15 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     return config_from_dict(read_config_values(path, overrides))
 
 
+def source_dirs(cfg: RunConfig) -> dict[str, str]:
+    """Every data dir the run reads, by the key that names it, in the order they first appear (data, then phases)."""
+    named = {"data.dir": cfg.data.dir} if cfg.data.dir else {
+        f"data.sources[{i}].dir": source.dir for i, source in enumerate(cfg.data.sources)}
+    for j, phase in enumerate(cfg.phases):
+        named.update({f"phases[{j}].sources[{i}].dir": source.dir for i, source in enumerate(phase.sources)})
+    return named
+
+
 def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
     """Plain nested values that :func:`config_from_dict` turns back into ``cfg``."""
     values = dataclasses.asdict(cfg)

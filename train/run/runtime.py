@@ -15,6 +15,7 @@ import json
 import math
 import os
 import random
+import re
 import secrets
 import signal
 import string
@@ -22,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 import torch
@@ -205,6 +206,7 @@ class RunBase:
         resolved config); all ranks get a logger."""
         cfg, sinks = self.cfg, []
         if self.layout.is_main and not self.finished_before:
+            link_rank0_log(os.environ)
             parameters = sum(getattr(p, "ds_numel", p.numel()) for p in self.engine.module.parameters())
             print(f"distaff: {'resuming from ' + str(resumed_from) if resumed_from else 'starting a new run'}; "
                   f"{self.layout.world_size} rank(s) x {torch.get_num_threads()} CPU thread(s), ZeRO-{cfg.zero.stage}, "
@@ -404,6 +406,33 @@ class Inspection:
     needs: str
 
 
+def link_rank0_log(env: Mapping[str, str]) -> None:
+    """Under a ``distaff slurm submit`` job, point ``$DISTAFF_RANK0_LOG`` at the log of the node this rank 0 runs on
+    (``$DISTAFF_NODE_LOG`` with ``%n`` its ``SLURM_NODEID``): the rendezvous may give rank 0 to any node, and at
+    each attempt another, so one name follows its lines (``tail -F``). Replaced atomically; a filesystem that
+    refuses links costs a warning, never the run."""
+    link, pattern = env.get(dist_utils.RANK0_LOG_VARIABLE), env.get(dist_utils.NODE_LOG_VARIABLE)
+    node = env.get("SLURM_NODEID")
+    if not (link and pattern and node):
+        return
+    target = Path(pattern.replace("%n", node))
+    staged = Path(f"{link}.{os.getpid()}")
+    try:
+        staged.unlink(missing_ok=True)
+        staged.symlink_to(target.name if target.parent == Path(link).parent else target)
+        os.replace(staged, link)
+    except OSError as err:
+        print(f"distaff: warning: could not link {link} to {target} ({err}); rank 0's lines are in {target}",
+              flush=True)
+
+
+def explain_zeros(text: str, cfg: Any) -> str:
+    """``--print-config``'s YAML with a comment on each 0 that stands for another value: ``watchdog_s: 0`` is
+    ``distributed.timeout_s``, which a reader would otherwise take for "no watchdog"."""
+    return re.sub(r"^(  watchdog_s: 0)$", rf"\1  # 0: distributed.timeout_s, {cfg.distributed.timeout_s} s", text,
+                  count=1, flags=re.M)
+
+
 def _inspect(prog: str, args: argparse.Namespace, cfg: Any, inspection: Inspection) -> int:
     """``--print-config`` (exit 0, each missing input noted on stderr) or ``--check`` (its summary; with an input
     missing, which checks could not run and exit 2: the run would stop there)."""
@@ -411,7 +440,7 @@ def _inspect(prog: str, args: argparse.Namespace, cfg: Any, inspection: Inspecti
 
     missing = inspection.missing(cfg)
     if args.print_config:
-        print(yaml.safe_dump(inspection.resolved(cfg), sort_keys=False), end="", flush=True)
+        print(explain_zeros(yaml.safe_dump(inspection.resolved(cfg), sort_keys=False), cfg), end="", flush=True)
         for line in missing:
             print(f"{prog}: note: {line}", file=sys.stderr)
         return 0

@@ -24,8 +24,7 @@ from typing import Any, Callable
 from distaff.train.core.errors import RunFailure
 from distaff.train.core.files import replaced_folder
 from distaff.train.data.manifest import is_remote
-from distaff.train.pretrain.trainer import source_dirs
-from distaff.train.run.config import EvalTaskSection, config_file, config_from_dict
+from distaff.train.run.config import EvalTaskSection, config_file, config_from_dict, source_dirs
 from distaff.train.tools import probe
 from distaff.train.tools.baselines import frozen_encoder
 from distaff.train.tools.checkpoint_eval import heldout_metrics
