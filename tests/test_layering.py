@@ -6,6 +6,7 @@ that points upwards or sideways."""
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,54 @@ def test_a_wrong_import_is_caught():
     source = "def f():\n    from distaff.train.run.config import RunConfig\n    from ..run import steps\n"
     wrong = [(line, name) for line, name in imported_modules(model, source) if not allows(module_name(model), name)]
     assert wrong == [(2, "distaff.train.run.config.RunConfig"), (3, "distaff.train.run.steps")]
+
+
+def module_of(name: str, modules: set[str]) -> str | None:
+    """The module ``name`` (``pkg.mod`` or ``pkg.mod.attr``) refers to, among ``modules``."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_circles(folder: Path) -> list[list[str]]:
+    """Every circle of imports (lazy ones included) among the modules under ``folder``: each as the modules in
+    the order they import one another, the first repeated at the end."""
+    paths = {module_name(p): p for p in folder.rglob("*.py")}
+    graph = {name: sorted({m for _, imported in imported_modules(path)
+                           if (m := module_of(imported, set(paths))) not in (None, name)})
+             for name, path in paths.items()}
+    circles, done = [], set()
+
+    def visit(name: str, trail: list[str]) -> None:
+        if name in trail:
+            circles.append(trail[trail.index(name):] + [name])
+            return
+        if name in done:
+            return
+        for target in graph[name]:
+            visit(target, trail + [name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+    return circles
+
+
+CIRCLE_FREE = ("train/plan",)
+
+
+@pytest.mark.parametrize("folder", CIRCLE_FREE)
+def test_no_two_modules_import_each_other(folder):
+    assert import_circles(REPO / folder) == []
+
+
+def test_an_import_circle_is_caught(tmp_path, monkeypatch):
+    """The circle finder itself: two plan modules that import each other, one of them lazily, are reported."""
+    plan = tmp_path / "train" / "plan"
+    plan.mkdir(parents=True)
+    (plan / "__init__.py").write_text("")
+    (plan / "a.py").write_text("from distaff.train.plan.b import thing\n")
+    (plan / "b.py").write_text("def f():\n    from distaff.train.plan import a\n")
+    (plan / "c.py").write_text("from distaff.train.plan.a import thing\n")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    assert import_circles(plan) == [["distaff.train.plan.a", "distaff.train.plan.b", "distaff.train.plan.a"]]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from distaff.train.plan import cli
 from distaff.train.plan.gpus import KINDS, kind, parse_gpus, parse_spec
 from distaff.train.plan.memory import step_peak
 from distaff.train.plan.planner import largest_micro_batch, make_plan, parse_tokens, summary
-from distaff.train.plan.step_time import attention_table
+from distaff.train.plan.gpu_time import attention_table
 from distaff.train.run.config import load_config
 
 KINDS_CHECKED = ("A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "L40S", "RTX-4090", "B200")
@@ -37,6 +38,28 @@ def test_every_run_preset_plans_on_every_kind_fast(preset):
         assert all(value >= 0 for value in plan.time.parts.values())
         assert plan.memory.total > plan.memory.peak > 0
         assert plan.gpu_hours == pytest.approx(plan.hours * 8)
+
+
+PLAN_COMMAND = ["plan", "--config", "deberta-v3-base", "--gpus", "8xH100-80GB"]
+
+
+@pytest.mark.integration
+def test_a_presets_plan_costs_under_a_second_of_cpu_and_imports_no_torch():
+    """The whole ``distaff plan`` process (interpreter, imports, plan) in the CPU time it costs (its user + system
+    time, read by the kernel: the machine's load does not count), and what it imported."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    run = subprocess.run([sys.executable, "-m", "distaff.launch.cli", *PLAN_COMMAND], capture_output=True, text=True,
+                         timeout=120)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert run.returncode == 0 and run.stdout.startswith("plan: 1x8xH100-SXM"), run.stderr
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert 0 < cpu_s < 1.0, cpu_s
+    probe = ("import sys; from distaff.launch.cli import main; code = main(sys.argv[1:]); "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed', 'triton', 'webdataset')))")
+    imported = subprocess.run([sys.executable, "-c", probe, *PLAN_COMMAND], capture_output=True, text=True,
+                              timeout=120)
+    assert imported.returncode == 0, imported.stderr
+    assert imported.stdout.splitlines()[-1] == "[]"
 
 
 @pytest.mark.unit
@@ -149,7 +172,7 @@ def test_slurm_dry_run_prints_the_plan_line_and_warns_when_it_does_not_fit(tmp_p
 
 @pytest.mark.unit
 def test_attention_scales_with_tokens_heads_and_length():
-    from distaff.train.plan.step_time import attention_seconds
+    from distaff.train.plan.gpu_time import attention_seconds
 
     cfg = load_config("deberta-v3-base").model_config()
     h100 = kind("H100-SXM")
@@ -197,14 +220,14 @@ def test_output_into_a_closed_pipe_ends_quietly():
 
 @pytest.mark.unit
 def test_attention_share_and_the_judges_content_only_reference_beside_it(monkeypatch, capsys):
-    from distaff.train.plan import step_time
+    from distaff.train.plan import gpu_time
 
     cfg = load_config("deberta-v3-base")
     table = attention_table()
     assert all("content_fwd_ms" in r and "content_bwd_ms" in r for r in table["rows"])  # the committed table has them
     # a table without the judge's content-only reference: the share alone, no reference column
     bare = [{k: v for k, v in r.items() if not k.startswith("content_")} for r in table["rows"]]
-    monkeypatch.setattr(step_time, "attention_table", lambda: {**table, "rows": bare})
+    monkeypatch.setattr(gpu_time, "attention_table", lambda: {**table, "rows": bare})
     plain = make_plan(cfg, "8xH100-SXM")
     assert plain.time.attention_reference is None and plain.time.reference_share is None
     assert 0 < plain.time.attention_share < 1
@@ -213,7 +236,7 @@ def test_attention_share_and_the_judges_content_only_reference_beside_it(monkeyp
     assert f"attention: {plain.time.attention_share:.0%} of the step\n" in out and "content-only" not in out
     # with a content-only FlashAttention-2 time per row (here a tenth of distaff's)
     rows = [{**r, "content_fwd_ms": r["fwd_ms"] / 10, "content_bwd_ms": r["bwd_ms"] / 10} for r in bare]
-    monkeypatch.setattr(step_time, "attention_table", lambda: {**table, "rows": rows})
+    monkeypatch.setattr(gpu_time, "attention_table", lambda: {**table, "rows": rows})
     judged = make_plan(cfg, "8xH100-SXM")
     assert judged.time.parts["attention"] == pytest.approx(plain.time.parts["attention"])
     assert judged.time.attention_reference == pytest.approx(plain.time.parts["attention"] / 10)

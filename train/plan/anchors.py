@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from distaff.train.plan.gpus import kind
 from distaff.train.plan.planner import make_plan
-from distaff.train.plan.step_time import attention_seconds
+from distaff.train.plan.gpu_time import attention_seconds
 from distaff.train.run.config import config_from_dict
 
 BERT_LARGE = {"preset": "deberta-v3-large", "vocab_size": 30528, "relative_attention": False, "pos_att_type": [],

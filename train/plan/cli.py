@@ -20,7 +20,7 @@ from distaff.train.core.errors import ConfigError, command_main, float_arg
 from distaff.train.plan import gpus as gpu_kinds
 from distaff.train.plan.memory import GIB
 from distaff.train.plan.planner import Plan, make_plan, parse_tokens, summary
-from distaff.train.plan.step_time import Assumptions
+from distaff.train.plan.gpu_time import Assumptions
 
 PROG = "distaff plan"
 

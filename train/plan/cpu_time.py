@@ -22,13 +22,16 @@ from __future__ import annotations
 import json
 import math
 from functools import lru_cache
+from pathlib import Path
 
 from distaff.train.model.config import ModelConfig
 from distaff.train.model.flops import layer_applications, train_flops_per_token
 from distaff.train.plan.gpus import GpuKind
 from distaff.train.plan.memory import Setting, act_bytes
-from distaff.train.plan.step_time import (CPU_TABLE, Assumptions, AttentionTime, Compute, attention_flops_per_token,
-                                          per_token_head_ms)
+from distaff.train.plan.gpu_time import (Assumptions, AttentionTime, Compute, attention_flops_per_token,
+                                         per_token_head_ms)
+
+CPU_TABLE = Path(__file__).with_name("cpu_table.json")      # CPU ranks' costs (benchmarks/cpu_table.py)
 
 
 @lru_cache(maxsize=1)

@@ -13,13 +13,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from distaff.train.core.errors import ConfigError
-from distaff.train.data.manifest import MANIFEST_FILE, read_manifest
 from distaff.train.model.config import ModelConfig
 from distaff.train.model.flops import train_flops_per_token
 from distaff.train.plan import gpus as gpu_kinds
 from distaff.train.plan.gpus import GpuKind
 from distaff.train.plan.memory import GIB, Breakdown, Setting, parameter_summary, step_peak
-from distaff.train.plan.step_time import Assumptions, StepTime, step_time
+from distaff.train.plan.gpu_time import Assumptions
+from distaff.train.plan.step_time import StepTime, step_time
 from distaff.train.run.config import RunConfig
 
 MAX_MICRO_BATCH = 1 << 16
@@ -89,18 +89,28 @@ def sequence_length(cfg: RunConfig, model: ModelConfig, given: int | None) -> tu
         if given < 1:
             raise ConfigError(f"--seq-len: must be positive, got {given}")
         return given, "--seq-len"
-    manifest = Path(cfg.data.first_dir) / MANIFEST_FILE
-    if manifest.is_file():      # read as a run reads it: every field range-checked
-        return read_manifest(cfg.data.first_dir).seq_len, f"{manifest}"
+    manifest = prepared(cfg)
+    if manifest is not None:
+        return manifest.seq_len, f"{Path(cfg.data.first_dir) / 'manifest.json'}"
     return model.max_position_embeddings, "model.max_position_embeddings (no prepared data; --seq-len sets it)"
+
+
+def prepared(cfg: RunConfig):
+    """The prepared data's manifest (``data.dir``, or the first source's), read as a run reads it (every field
+    range-checked); None when the data is not prepared yet. Its reader (numpy, webdataset and so torch) is
+    imported only when there is a folder to read."""
+    if not Path(cfg.data.first_dir).is_dir():
+        return None
+    from distaff.train.data.manifest import MANIFEST_FILE, read_manifest
+
+    return read_manifest(cfg.data.first_dir) if (Path(cfg.data.first_dir) / MANIFEST_FILE).is_file() else None
 
 
 def prepared_vocabulary(cfg: RunConfig) -> dict:
     """What the trainer takes from the prepared data's tokenizer (train/pretrain/trainer.py build_model_config):
     its vocabulary size, unless ``model.vocab_size`` is set; nothing when the data is not prepared yet."""
-    if "vocab_size" in cfg.model.overrides or not (Path(cfg.data.first_dir) / MANIFEST_FILE).is_file():
-        return {}
-    return {"vocab_size": read_manifest(cfg.data.first_dir).vocab_size}     # read as a run reads it
+    manifest = None if "vocab_size" in cfg.model.overrides else prepared(cfg)
+    return {} if manifest is None else {"vocab_size": manifest.vocab_size}
 
 
 def models_of(cfg: RunConfig) -> tuple[ModelConfig, ...]:
@@ -150,6 +160,17 @@ def largest_micro_batch(s: Setting, gpu: GpuKind) -> int:
     return low
 
 
+def devices(text: str, extra: GpuKind | None = None) -> tuple[int, GpuKind]:
+    """``--gpus``: ``8xA100-80GB`` -> (8, the GPU kind); ``2xcpu`` -> (2, this machine's CPU ranks: the probe's
+    figures, or ``extra`` when ``--gpu-spec`` names a cpu)."""
+    count, name = gpu_kinds.split_gpus(text)
+    if gpu_kinds.names_cpu(name):
+        from distaff.train.plan.cpu import cpu_kind    # the probe needs torch: only when CPU ranks are planned
+
+        return count, cpu_kind(count, extra if extra is not None and extra.is_cpu else None)
+    return gpu_kinds.parse_gpus(text, extra)
+
+
 def make_plan(cfg: RunConfig, gpus: str, nodes: int = 1, *, micro_batch: int | None = None,
               zero: int | None = None, offload: bool | None = None, seq_len: int | None = None,
               gpu_spec: GpuKind | None = None, assumptions: Assumptions = Assumptions(),
@@ -158,7 +179,7 @@ def make_plan(cfg: RunConfig, gpus: str, nodes: int = 1, *, micro_batch: int | N
     on that many tokens at the run's global batch instead of ``train.max_steps``."""
     if nodes < 1:
         raise ConfigError(f"--nodes: must be positive, got {nodes}")
-    per_node, gpu = gpu_kinds.parse_gpus(gpus, gpu_spec)
+    per_node, gpu = devices(gpus, gpu_spec)
     models = models_of(cfg)
     length, source = sequence_length(cfg, models[-1], seq_len)
     s = base_setting(cfg, per_node * nodes, length, micro_batch, zero, offload)
