@@ -127,6 +127,11 @@ def test_the_report_labels_estimates_and_prints_assumptions(capsys):
     (["--config", "deberta-v3-base", "--gpus", "8xRTX-4090", "--micro-batch", "4096"], "--micro-batch 4096: needs"),
     (["--config", "deberta-v3-base", "--gpus", "8xA100", "--gpu-spec", "memory_gib=3"], "--gpu-spec: expected"),
     (["--gpus", "8xA100"], "--config and --gpus are required"),
+    # tiny has 128 positions and EMD (absolute positions): its run fails at 256 tokens, so does its plan
+    (["--config", "tiny-cpu", "--gpus", "1xA100", "--seq-len", "256"],
+     "model.max_position_embeddings: 128 is shorter than the data's sequences (--seq-len: 256)"),
+    (["--config", "tiny-rtd-cpu", "--gpus", "1xA100", "--seq-len", "129"],
+     "rtd.generator.max_position_embeddings: 128 is shorter"),
 ])
 def test_bad_input_is_one_line(argv, message, capsys):
     assert cli.main(argv) == 2

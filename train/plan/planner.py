@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from distaff.train.core.errors import ConfigError
-from distaff.train.model.config import ModelConfig
+from distaff.train.model.config import ModelConfig, check_data_fits_model
 from distaff.train.model.flops import train_flops_per_token
 from distaff.train.plan import gpus as gpu_kinds
 from distaff.train.plan.gpus import GpuKind
@@ -93,6 +93,16 @@ def sequence_length(cfg: RunConfig, model: ModelConfig, given: int | None) -> tu
     if manifest is not None:
         return manifest.seq_len, f"{Path(cfg.data.first_dir) / 'manifest.json'}"
     return model.max_position_embeddings, "model.max_position_embeddings (no prepared data; --seq-len sets it)"
+
+
+def check_positions(cfg: RunConfig, models: tuple[ModelConfig, ...], length: int, source: str) -> None:
+    """Refuse, in one line, a sequence longer than a model's absolute positions (the run would fail at its first
+    step; train/pretrain/trainer.py refuses it with the same check)."""
+    sections = ("rtd.generator", "model") if cfg.train.objective == "rtd" else ("model",)
+    where = "--seq-len" if source == "--seq-len" else f"data.dir's seq_len ({source})"
+    for section, model in zip(sections, models):
+        check_data_fits_model(model, length, f"{where}: {length}", "plan a shorter --seq-len, or raise "
+                              f"{section}.max_position_embeddings", section)
 
 
 def prepared(cfg: RunConfig):
@@ -182,6 +192,7 @@ def make_plan(cfg: RunConfig, gpus: str, nodes: int = 1, *, micro_batch: int | N
     per_node, gpu = devices(gpus, gpu_spec)
     models = models_of(cfg)
     length, source = sequence_length(cfg, models[-1], seq_len)
+    check_positions(cfg, models, length, source)
     s = base_setting(cfg, per_node * nodes, length, micro_batch, zero, offload)
     if gpu.is_cpu:       # the PyTorch reference kernels, torch's foreach AdamW, no overlap (train/run/engine.py)
         s = replace(s, fused=False, overlap_comm=False)
