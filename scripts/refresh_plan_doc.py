@@ -72,6 +72,18 @@ def anchors_table() -> str:
     return "\n" + "\n".join(anchor_lines()[2:]) + "\n"
 
 
+def explain_table() -> str:
+    """``distaff plan --config deberta-v3-base --gpus 8xH100-SXM --explain``'s table: the run preset on every kind."""
+    from distaff.train.plan.cli import explain_lines
+    from distaff.train.plan.gpus import KINDS
+    from distaff.train.plan.planner import make_plan
+    from distaff.train.run.config import load_config
+
+    cfg = load_config("deberta-v3-base")
+    lines = explain_lines({name: make_plan(cfg, f"8x{name}") for name in KINDS})
+    return "\n" + "\n".join(lines[2:-2]) + "\n"
+
+
 def clusters_table() -> str:
     bench = _script(REPO / "benchmarks" / "plan_clusters.py")
     return "\n" + "\n".join(bench.table_lines()) + "\n"
@@ -115,7 +127,7 @@ def cpu_time_values() -> dict[str, str]:
 
 def values() -> dict[str, str]:
     return {"plan.memory": memory_table(), "plan.estimators": estimators_table(), "plan.anchors": anchors_table(),
-            "plan.clusters": clusters_table(), **cpu_time_values()}
+            "plan.clusters": clusters_table(), "plan.explain": explain_table(), **cpu_time_values()}
 
 
 def main(argv: list[str]) -> int:

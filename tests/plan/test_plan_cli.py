@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +23,7 @@ from distaff.train.plan.planner import largest_micro_batch, make_plan, parse_tok
 from distaff.train.plan.gpu_time import attention_table
 from distaff.train.run.config import load_config
 
+REPO = Path(__file__).resolve().parents[2]
 KINDS_CHECKED = ("A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "L40S", "RTX-4090", "B200")
 
 
@@ -258,9 +260,68 @@ def test_attention_share_and_the_judges_content_only_reference_beside_it(monkeyp
 
 @pytest.mark.unit
 def test_the_time_model_is_within_1_5x_of_the_published_runs():
-    from distaff.train.plan.anchors import bert_rows, deberta_rows
+    from distaff.train.plan.anchors import bert_rows, deberta_rows, hopper_rows
 
-    checked = {anchor.name: estimate / anchor.published for anchor, estimate in [*bert_rows(), *deberta_rows()]}
+    checked = {anchor.name: estimate / anchor.published
+               for anchor, estimate in [*bert_rows(), *deberta_rows(), *hopper_rows()]}
     for name in ("BERT-large seq 128, 8xA100-80GB, fp16", "deberta-base (v1) seq 512, 4x16xV100-32GB, fp16",
-                 "deberta-large (v1) seq 512, 6x16xV100-32GB, fp16"):
+                 "deberta-large (v1) seq 512, 6x16xV100-32GB, fp16", "ModernBERT-base seq 1024 packed, 8xH100-SXM, bf16",
+                 "NeoBERT sizes (AzNEOBERT) seq 1024, 8xH200, bf16"):
         assert 1 / 1.5 <= checked[name] <= 1.5, (name, checked[name])
+
+
+@pytest.mark.unit
+def test_explain_shows_each_parts_share_and_speed_up_per_kind(capsys):
+    assert cli.main(["--config", "deberta-v3-base", "--gpus", "8xH100-SXM", "--explain", "--json"]) == 0
+    table = json.loads(capsys.readouterr().out)["explain"]
+    assert set(table) == set(KINDS)
+    h100, a100 = table["H100-SXM"], table["A100-80GB"]
+    for row in (h100, a100):
+        assert sum(row["shares"].values()) == pytest.approx(1.0)
+        assert sum(row["parts_s"].values()) == pytest.approx(row["step_s"])
+    speedup = h100["speedup_vs_A100-80GB"]
+    assert speedup["step"] == pytest.approx(a100["step_s"] / h100["step_s"])
+    assert speedup["GEMMs"] == pytest.approx(989 / 312)            # GEMMs: the dense peaks' ratio, no more
+    assert speedup["attention"] == pytest.approx(a100["parts_s"]["attention"] / h100["parts_s"]["attention"])
+    assert cli.main(["--config", "deberta-v3-base", "--gpus", "8xH100-SXM", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert f"| H100-SXM | {h100['step_s'] * 1e3:,.1f} |" in out and "speed-up over A100-80GB" in out
+
+
+def prepared_manifest(folder, seq_len: int, samples: int, tokens: int):
+    """A manifest of ``samples`` training samples holding ``tokens`` tokens (the fixture's, recounted)."""
+    fixture = json.loads((REPO / "tests/run/fixtures/checkpoint-bda9efe/data/manifest.json").read_text())
+    shard = {**fixture["splits"]["train"]["shards"][0], "samples": samples, "tokens": tokens}
+    train = {**fixture["splits"]["train"], "shards": [shard], "samples": samples, "tokens": tokens}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "manifest.json").write_text(json.dumps({**fixture, "seq_len": seq_len, "vocab_size": 1000,
+                                                      "splits": {**fixture["splits"], "train": train}}))
+    return folder
+
+
+@pytest.mark.unit
+def test_the_plan_reads_packing_and_the_datas_sample_lengths(tmp_path, capsys):
+    data = prepared_manifest(tmp_path / "data", 512, 1000, 128_000)        # samples of 128 tokens on average
+    padded = make_plan(load_config("deberta-v3-base", [f"data.dir={data}"]), "8xH100-SXM")
+    packed = make_plan(load_config("deberta-v3-base", [f"data.dir={data}", "data.packing=varlen"]), "8xH100-SXM")
+    assert padded.setting.tokens == packed.setting.tokens == 32 * 512              # positions computed per micro-batch
+    assert padded.setting.real_tokens == 32 * 128 and packed.setting.real_tokens == 32 * 512
+    assert padded.tokens_per_step == 32 * 128 * 4 * 8                              # padding is not data
+    assert packed.setting.attention_len == 128 and padded.setting.attention_len == 512
+    # a packed sample attends within itself: less attention than the padded rows, on 4x the data
+    assert packed.time.parts["attention"] < padded.time.parts["attention"] / 2
+    # the same positions through the encoder's GEMMs, but padding has no MLM-head rows: 4x the head's on packed data
+    assert padded.time.parts["GEMMs"] < packed.time.parts["GEMMs"]
+    assert packed.tokens_per_s > 3 * padded.tokens_per_s
+    assert cli.main(["--config", "deberta-v3-base", "--gpus", "8xH100-SXM", f"data.dir={data}", "data.packing=varlen",
+                     "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["packing"] == "varlen" and found["mean_sample_tokens"] == 128
+    assert "128,000 tokens in 1,000 samples" in found["sample_length_source"]
+    # no prepared data: full samples, and the plan says it assumed them
+    assumed = make_plan(load_config("deberta-v3-base", ["data.packing=varlen"]), "8xH100-SXM")
+    assert assumed.setting.attention_len == 512 and "assumed full sequences" in assumed.tokens_line()
+    # a token budget of its own (data.tokens_per_batch) sets what a packed micro-batch holds
+    budget = make_plan(load_config("deberta-v3-base", [f"data.dir={data}", "data.packing=varlen",
+                                                       "data.tokens_per_batch=4096"]), "8xH100-SXM")
+    assert budget.setting.tokens == 4096 and budget.memory.total < packed.memory.total

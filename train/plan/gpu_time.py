@@ -198,15 +198,15 @@ class Compute:
 
 def compute_seconds(s: Setting, gpu: GpuKind, a: Assumptions) -> Compute:
     """GEMM, attention and fused-op seconds of one micro-batch (recomputation included)."""
-    tokens, act = s.micro_batch * s.seq_len, (4 if s.precision == "fp32" else 2)
+    tokens, act, n = s.tokens, (4 if s.precision == "fp32" else 2), s.attention_len
     peak = (gpu.fp32_tflops if s.precision == "fp32" else gpu.tflops) * 1e12
     parts, forward, source, reference = {"GEMMs": 0.0, "attention": 0.0, "fused ops": 0.0}, 0.0, "", None
-    for n, cfg in enumerate(s.models):
-        labelled = s.labelled if n == 0 else 0.0     # an RTD discriminator has no MLM head
-        gemm = (train_flops_per_token(cfg, s.seq_len, labelled) - attention_flops_per_token(cfg, s.seq_len))
+    for index, cfg in enumerate(s.models):
+        labelled = s.labelled_share if index == 0 else 0.0     # an RTD discriminator has no MLM head
+        gemm = train_flops_per_token(cfg, n, labelled) - attention_flops_per_token(cfg, n)
         gemm_s = gemm * tokens / (peak * a.gemm_efficiency)
         recompute = 4 / 3 if cfg.activation_checkpointing else 1.0
-        attn = attention_seconds(cfg, gpu, s.seq_len, tokens, a)
+        attn = attention_seconds(cfg, gpu, n, tokens, a)
         precision = gpu.tflops / gpu.fp32_tflops if s.precision == "fp32" else 1.0
         source = attn.source + ("; fp32 scaled by the bf16/fp32 peak ratio" if precision != 1.0 else "")
         if attn.reference is not None:

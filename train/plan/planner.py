@@ -40,24 +40,40 @@ class Plan:
     seq_source: str
     assumptions: Assumptions
     token_budget: float | None = None    # --tokens: max_steps was derived from it
+    sample_source: str = ""              # where the mean sample length came from (the manifest, or assumed)
 
     @property
     def fits(self) -> bool:
         return self.memory.total <= self.gpu.memory_bytes
 
     @property
-    def tokens_per_step(self) -> int:
-        return self.setting.micro_batch * self.setting.seq_len * self.grad_accum * self.setting.ranks
+    def tokens_per_step(self) -> float:
+        """Tokens of the data per optimizer step (padding not counted)."""
+        return self.setting.real_tokens * self.grad_accum * self.setting.ranks
 
     @property
-    def global_batch(self) -> int:
-        """Sequences per optimizer step: micro-batch x accumulation steps x GPUs."""
-        return self.setting.micro_batch * self.grad_accum * self.setting.ranks
+    def global_batch(self) -> float:
+        """Samples per optimizer step: micro-batch x accumulation steps x GPUs (packed: the budget's samples)."""
+        s = self.setting
+        per_micro = s.real_tokens / s.mean_sample if s.packed else s.micro_batch
+        return per_micro * self.grad_accum * s.ranks
 
     def batch_line(self) -> str:
         s = self.setting
-        return (f"global batch {self.global_batch:,} sequences = micro-batch {s.micro_batch} x {self.grad_accum} "
-                f"accumulation step(s) x {s.ranks} GPUs, {self.tokens_per_step:,} tokens per step")
+        micro = (f"a packed micro-batch of {s.tokens:,} tokens (~{s.real_tokens / s.mean_sample:,.1f} samples)"
+                 if s.packed else f"micro-batch {s.micro_batch}")
+        return (f"global batch {self.global_batch:,.0f} {'samples' if s.packed else 'sequences'} = {micro} x "
+                f"{self.grad_accum} accumulation step(s) x {s.ranks} GPUs, {self.tokens_per_step:,.0f} tokens of "
+                f"data per step")
+
+    def tokens_line(self) -> str:
+        """What one micro-batch holds, and where its sample length came from."""
+        s = self.setting
+        if s.packed:
+            return (f"packed (data.packing=varlen): {s.tokens:,} tokens per micro-batch, samples of "
+                    f"{s.mean_sample:,.0f} tokens on average ({self.sample_source}), attention per sample")
+        return (f"padded: {s.micro_batch} x {s.seq_len} positions per micro-batch, samples of {s.mean_sample:,.0f} "
+                f"tokens on average ({self.sample_source}), {1 - s.real_tokens / s.tokens:.0%} padding")
 
     @property
     def tokens_per_s(self) -> float:
@@ -66,7 +82,7 @@ class Plan:
     @property
     def flops_per_token(self) -> float:
         s = self.setting
-        return sum(train_flops_per_token(cfg, s.seq_len, s.labelled if n == 0 else 0.0)
+        return sum(train_flops_per_token(cfg, s.attention_len, s.labelled if n == 0 else 0.0)
                    for n, cfg in enumerate(s.models))
 
     @property
@@ -116,6 +132,16 @@ def prepared(cfg: RunConfig):
     return read_manifest(cfg.data.first_dir) if (Path(cfg.data.first_dir) / MANIFEST_FILE).is_file() else None
 
 
+def sample_length(cfg: RunConfig) -> tuple[float, str]:
+    """Real tokens per sample on average: the prepared training split's tokens over its samples (as the manifest
+    counts them), or 0 (full sequences) with the assumption said."""
+    manifest = prepared(cfg)
+    split = None if manifest is None else manifest.splits.get("train")
+    if split is None or not split.samples:
+        return 0.0, "assumed full sequences: no prepared data to read sample lengths from"
+    return split.tokens / split.samples, f"the manifest's training split: {split.tokens:,} tokens in {split.samples:,} samples"
+
+
 def prepared_vocabulary(cfg: RunConfig) -> dict:
     """What the trainer takes from the prepared data's tokenizer (train/pretrain/trainer.py build_model_config):
     its vocabulary size, unless ``model.vocab_size`` is set; nothing when the data is not prepared yet."""
@@ -134,8 +160,9 @@ def models_of(cfg: RunConfig) -> tuple[ModelConfig, ...]:
 
 
 def base_setting(cfg: RunConfig, ranks: int, seq_len: int, micro_batch: int | None, zero: int | None,
-                 offload: bool | None) -> Setting:
-    """The memory model's inputs for ``cfg`` on ``ranks`` GPUs, with the command line's overrides."""
+                 offload: bool | None, sample_len: float = 0.0) -> Setting:
+    """The memory model's inputs for ``cfg`` on ``ranks`` GPUs, with the command line's overrides; ``sample_len``
+    the data's real tokens per sample (0: full sequences)."""
     models = models_of(cfg)
     stage = cfg.zero.stage if zero is None else zero
     offload_optimizer = cfg.zero.offload_optimizer if offload is None else offload
@@ -151,7 +178,8 @@ def base_setting(cfg: RunConfig, ranks: int, seq_len: int, micro_batch: int | No
                    precision=cfg.train.precision, zero=stage, ranks=ranks, offload_optimizer=offload_optimizer,
                    offload_param=cfg.zero.offload_param and stage == 3, fused=True, overlap_comm=True,
                    dropout=any(m.hidden_dropout_prob > 0 for m in models),
-                   labelled=1.0 if cfg.train.objective == "tta" else cfg.data.masking.mlm_probability)
+                   labelled=1.0 if cfg.train.objective == "tta" else cfg.data.masking.mlm_probability,
+                   packed=cfg.data.packing == "varlen", token_budget=cfg.data.tokens_per_batch, sample_len=sample_len)
 
 
 def largest_micro_batch(s: Setting, gpu: GpuKind) -> int:
@@ -193,7 +221,8 @@ def make_plan(cfg: RunConfig, gpus: str, nodes: int = 1, *, micro_batch: int | N
     models = models_of(cfg)
     length, source = sequence_length(cfg, models[-1], seq_len)
     check_positions(cfg, models, length, source)
-    s = base_setting(cfg, per_node * nodes, length, micro_batch, zero, offload)
+    sample_len, sample_source = sample_length(cfg)
+    s = base_setting(cfg, per_node * nodes, length, micro_batch, zero, offload, sample_len)
     if gpu.is_cpu:       # the PyTorch reference kernels, torch's foreach AdamW, no overlap (train/run/engine.py)
         s = replace(s, fused=False, overlap_comm=False)
     memory = step_peak(s)
@@ -201,11 +230,12 @@ def make_plan(cfg: RunConfig, gpus: str, nodes: int = 1, *, micro_batch: int | N
               for stage in (0, 1, 2, 3)}
     steps = cfg.train.max_steps
     if tokens is not None:
-        steps = max(1, math.ceil(tokens / (s.micro_batch * s.seq_len * cfg.train.grad_accum * s.ranks)))
+        steps = max(1, math.ceil(tokens / (s.real_tokens * cfg.train.grad_accum * s.ranks)))
     return Plan(gpu=gpu, per_node=per_node, nodes=nodes, setting=s, memory=memory,
                 largest_micro_batch=largest_micro_batch(s, gpu), zero_fits=stages,
                 time=step_time(s, gpu, nodes, cfg.train.grad_accum, assumptions), grad_accum=cfg.train.grad_accum,
-                max_steps=steps, seq_source=source, assumptions=assumptions, token_budget=tokens)
+                max_steps=steps, seq_source=source, assumptions=assumptions, token_budget=tokens,
+                sample_source=sample_source)
 
 
 def summary(plan: Plan) -> str:
@@ -215,8 +245,9 @@ def summary(plan: Plan) -> str:
     goal = f"{plan.max_steps:,} steps"
     if plan.token_budget is not None:
         goal = f"{format_tokens(plan.token_budget)} tokens = {goal} ({plan.batch_line()})"
-    return (f"plan: {plan.nodes}x{plan.per_node}x{plan.gpu.name}, ZeRO {s.zero}, micro-batch {s.micro_batch} x "
-            f"{s.seq_len} tokens: {plan.memory.total / GIB:.1f} of {plan.gpu.memory_gib:.1f} GiB per GPU, {verdict} "
+    batch = (f"packed micro-batch of {s.tokens:,} tokens" if s.packed
+             else f"micro-batch {s.micro_batch} x {s.seq_len} tokens")
+    return (f"plan: {plan.nodes}x{plan.per_node}x{plan.gpu.name}, ZeRO {s.zero}, {batch}: {plan.memory.total / GIB:.1f} of {plan.gpu.memory_gib:.1f} GiB per GPU, {verdict} "
             f"(largest micro-batch {plan.largest_micro_batch}); estimate {plan.tokens_per_s:,.0f} tokens/s, MFU "
             f"{plan.mfu:.0%}, {plan.hours:,.1f} h = {plan.gpu_hours:,.0f} GPU-hours for {goal}")
 
