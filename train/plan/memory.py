@@ -274,6 +274,8 @@ def transients(s: Setting) -> dict[str, float]:
     # dq, dk, dv and the feed-forward's input gradient; the fused attention backward adds its partial sums and
     # scratch, at most PARTIAL_BUDGET (1.0, kernels/attention/backward.py) x the bytes of dq + dk + dv
     grads = 3 * tokens * cfg.hidden_size * a
+    if not s.fused and a != 4:   # the reference computes half precision in float32: dq, dk, dv and the output's
+        grads += (3 + 1) * tokens * cfg.hidden_size * 4     # gradient in float32 beside their casts
     out["layer backward (transient)"] = grads * (2 if s.fused else 1) + tokens * cfg.intermediate_size * a
     if not s.fused:   # the reference backward's score blocks and per-row position gradients: the padded batch's
         span, n = 2 * cfg.att_span, s.attention_len     # at once, a packed batch's one sample at a time
