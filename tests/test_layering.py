@@ -6,6 +6,7 @@ that points upwards or sideways."""
 from __future__ import annotations
 
 import ast
+import importlib
 import sys
 from pathlib import Path
 
@@ -184,3 +185,13 @@ def test_an_import_circle_is_caught(tmp_path, monkeypatch):
     (plan / "c.py").write_text("from distaff.train.plan.a import thing\n")
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     assert import_circles(plan) == [["distaff.train.plan.a", "distaff.train.plan.b", "distaff.train.plan.a"]]
+
+
+@pytest.mark.parametrize("package", ["distaff.kernels", "distaff.train.model"])
+def test_a_lazy_package_resolves_every_name_it_exports(package):
+    """The packages that import their torch modules on first use (so a config is read without torch) still give
+    every name of ``__all__``, and refuse a name they do not have."""
+    module = importlib.import_module(package)
+    assert module.__all__ and all(getattr(module, name) is not None for name in module.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        module.not_a_name
