@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .shapes import IGNORE_INDEX, IMPLS, TRITON_HEAD_DIMS, attention_span
+from .shapes import IGNORE_INDEX, IMPLS, TRITON_HEAD_DIMS, attention_span  # noqa: F401 (re-exported: the contract)
 
 
 def default_softmax_scale(head_dim: int, pos_key: torch.Tensor | None, pos_query: torch.Tensor | None) -> float:
