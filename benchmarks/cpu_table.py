@@ -35,7 +35,7 @@ from distaff.kernels import reference
 from distaff.train.model.config import load_model_config
 from distaff.train.model.deberta import Encoder
 from distaff.train.plan.cpu import probe
-from distaff.train.plan.step_time import CPU_TABLE
+from distaff.train.plan.cpu_time import CPU_TABLE
 
 TOKENS, HEADS = 2048, 4
 HEAD_DIMS, SPANS, LENGTHS, DROPOUTS = (32, 64), (16, 32, 256), (64, 128, 256), (0.0, 0.1)

@@ -3,10 +3,14 @@
     python benchmarks/plan_time.py                       # every run, twice; 15-30 minutes on 2 cores
     python benchmarks/plan_time.py --runs tiny-z2 --repeat 1
     python benchmarks/plan_time.py --json benchmarks/results/plan_time_cpu.json
+    python benchmarks/plan_time.py --out-of-sample --repeat 1 --json benchmarks/results/plan_time_oos.json
 
-Each run is a real ``distaff pretrain`` on 2 CPU ranks (torchrun, gloo) over the bundled text, with its stages
-timed by the trainer (train/run/metrics.py StageClock, metrics.jsonl). The plan is ``distaff plan --gpus 2xcpu``
-for the same config (the probe of this machine is refreshed first). The load average of the machine is
+Each run is a real ``distaff pretrain`` on 1 or 2 CPU ranks (torchrun, gloo; one thread each, OMP_NUM_THREADS=1)
+over the bundled text, with its stages timed by the trainer (train/run/metrics.py StageClock, metrics.jsonl). The
+plan is ``distaff plan --gpus Nxcpu`` for the same config and the threads the run used (the probe of this machine
+is refreshed first). ``--out-of-sample`` runs :data:`OUT_OF_SAMPLE` instead: shapes none of the CPU model's
+tables were measured at and none of :data:`RUNS` (1 and 2 ranks, micro-batches 4-32, sequences 64-512, MLM and
+RTD, padded and packed, fp32 and bf16), each a few steps. The load average of the machine is
 recorded before and after each run: the machine may be shared, and a busy machine runs slower than planned.
 """
 
@@ -20,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from distaff.train.core.distributed import free_port
@@ -30,7 +35,7 @@ from distaff.train.run.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = [REPO / "data" / "austen-emma-pride.txt.gz", REPO / "data" / "movie-unlabelled.txt.gz"]
-# name: (run preset, overrides); every run: 2 CPU ranks, fp32 (the CPU's precision), logging every 2 steps
+# name: (run preset, overrides, seq_len, steps); every run: 2 CPU ranks, fp32, logging every 2 steps
 RUNS = {
     "tiny-z2-8x128": ("tiny-cpu", ["zero.stage=2", "data.batch_size=8"], 128, 24),
     "tiny-z0-16x64": ("tiny-cpu", ["zero.stage=0", "data.batch_size=16"], 64, 24),
@@ -44,6 +49,20 @@ RUNS = {
                             128, 12),
     "base-z2-2x64": ("tiny-cpu", ["model.preset=deberta-v3-base", "zero.stage=2", "data.batch_size=2"], 64, 8),
 }
+LONG = "model.max_position_embeddings=512"       # tiny has 128 positions (EMD): longer sequences need more
+# name: (run preset, overrides, seq_len, steps, ranks): shapes the CPU model was not built on (issue 50)
+OUT_OF_SAMPLE = {
+    "oos-1rank-z0-16x128": ("tiny-cpu", ["zero.stage=0", "data.batch_size=16"], 128, 10, 1),
+    "oos-z2-32x64": ("tiny-cpu", ["zero.stage=2", "data.batch_size=32"], 64, 10, 2),
+    "oos-bf16-z1-4x512": ("tiny-cpu", ["zero.stage=1", "data.batch_size=4", "train.precision=bf16", LONG], 512, 10, 2),
+    "oos-rtd-packed-z2-8x256": ("tiny-rtd-cpu", ["zero.stage=2", "data.batch_size=8", "data.packing=varlen", LONG,
+                                                 "rtd.generator.max_position_embeddings=512"], 256, 10, 2),
+    "oos-1rank-bf16-packed-z0-8x256": ("tiny-cpu", ["zero.stage=0", "data.batch_size=8", "data.packing=varlen",
+                                                    "train.precision=bf16", LONG], 256, 10, 1),
+    "oos-rtd-bf16-z0-4x64": ("tiny-rtd-cpu", ["zero.stage=0", "data.batch_size=4", "train.precision=bf16"], 64, 10,
+                             2),
+}
+THREADS = 1        # OMP_NUM_THREADS of every run: one thread per rank, as CPU time is compared
 
 
 def prepare(work: Path, seq_len: int, env: dict) -> Path:
@@ -61,10 +80,11 @@ def prepare(work: Path, seq_len: int, env: dict) -> Path:
     return data
 
 
-def train(preset: str, overrides: list[str], data: Path, steps: int, out: Path, env: dict) -> tuple[float, str]:
-    """One 2-rank run; the wall seconds it took and the plan check it printed."""
+def train(preset: str, overrides: list[str], data: Path, steps: int, out: Path, env: dict,
+          ranks: int = 2) -> tuple[float, str]:
+    """One run of ``ranks`` ranks; the wall seconds it took and the plan check it printed."""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "distaff.train.pretrain",
+    cmd = [torchrun, "--nproc_per_node", str(ranks), "--master_port", str(free_port()), "-m", "distaff.train.pretrain",
            "--config", preset, f"run.out_dir={out}", f"data.dir={data}", f"train.max_steps={steps}",
            "logging.every=2", "logging.progress_bar=false", "logging.plot=false", "eval.every=0", "eval.batches=1",
            "checkpoint.every=0", "checkpoint.resume=none", "wandb.mode=disabled", "data.num_workers=0", *overrides]
@@ -77,24 +97,28 @@ def train(preset: str, overrides: list[str], data: Path, steps: int, out: Path, 
 
 
 def cpu_plan(result: dict, probe: dict):
-    """The plan of a measured run (its config, sequence length and vocabulary) on 2 CPU ranks of the probed
-    machine: what this script printed, and what docs/plan.md's table is checked against."""
+    """The plan of a measured run (its config, sequence length and vocabulary) on its CPU ranks of the probed
+    machine, with the threads each rank ran (``ranks x threads`` cores for the plan to share): what this script
+    printed, and what docs/plan.md's tables are checked against."""
     cfg = load_config(result["preset"], [*result["overrides"], f"model.vocab_size={result['vocab_size']}"])
-    return make_plan(cfg, "2xcpu", seq_len=result["seq_len"], gpu_spec=core_kind(probe))
+    ranks, threads = result.get("ranks", 2), result.get("threads", THREADS)
+    cores = replace(core_kind(probe), cores=ranks * threads)
+    return make_plan(cfg, f"{ranks}xcpu", seq_len=result["seq_len"], gpu_spec=cores)
 
 
 def measure(name: str, work: Path, env: dict, probe: dict) -> dict:
-    preset, overrides, seq_len, steps = RUNS[name]
+    preset, overrides, seq_len, steps, ranks = (*RUNS[name], 2) if name in RUNS else OUT_OF_SAMPLE[name]
     data = prepare(work, seq_len, env)
     out = work / f"run-{name}"
     shutil.rmtree(out, ignore_errors=True)
     load_before = os.getloadavg()[0]
-    wall, check = train(preset, overrides, data, steps, out, env)
+    wall, check = train(preset, overrides, data, steps, out, env, ranks)
     measured, records = measured_means(out / "metrics.jsonl")
     measured_cpu, _ = measured_means(out / "metrics.jsonl", "_cpu")
     step_times = [json.loads(line)["step_time_s"] for line in (out / "metrics.jsonl").read_text().splitlines()
                   if '"step_time_s"' in line][1:]
     result = {"run": name, "preset": preset, "overrides": overrides, "seq_len": seq_len, "steps": steps,
+              "ranks": ranks, "threads": THREADS,
               "vocab_size": json.loads((data / "manifest.json").read_text())["vocab_size"],
               "measured_step_s": sum(step_times) / len(step_times), "measured_stages_s": measured,
               "measured_cpu_step_s": sum(measured_cpu.values()), "measured_cpu_stages_s": measured_cpu,
@@ -110,7 +134,8 @@ def row_line(result: dict) -> str:
     cells = []
     for stage in ("forward", "backward", "gradient communication", "optimizer"):
         row = found[stage]
-        cells.append(f"{row.plan_s * 1e3:,.0f} / {row.measured_s * 1e3:,.0f} ({row.plan_s / row.measured_s:.2f})")
+        ratio = f"{row.plan_s / row.measured_s:.2f}" if row.measured_s > 0 else "-"     # 1 rank: no reduction
+        cells.append(f"{row.plan_s * 1e3:,.0f} / {row.measured_s * 1e3:,.0f} ({ratio})")
     plan, wall, cpu = result["plan_step_s"], result["measured_step_s"], result["measured_cpu_step_s"]
     return (f"| {result['run']} | {plan * 1e3:,.0f} | {wall * 1e3:,.0f} | {plan / wall:.2f} | {cpu * 1e3:,.0f} | "
             f"{plan / cpu:.2f} | {' | '.join(cells)} | {result['load_before']:.1f}-{result['load_after']:.1f} |")
@@ -123,12 +148,14 @@ HEADER = ("| run | plan step ms | measured step ms (wall) | plan / wall | measur
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", nargs="+", choices=sorted(RUNS), default=list(RUNS))
+    parser.add_argument("--runs", nargs="+", choices=sorted({**RUNS, **OUT_OF_SAMPLE}), help="default: every run")
+    parser.add_argument("--out-of-sample", action="store_true", help="the shapes the CPU model was not built on")
     parser.add_argument("--repeat", type=int, default=2, help="measure each run this many times (the median kept)")
     parser.add_argument("--json", type=Path, help="write every measurement here")
     parser.add_argument("--work", type=Path, help="keep the data and runs here (default: a temporary folder)")
     args = parser.parse_args(argv)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled",
+    runs = args.runs or list(OUT_OF_SAMPLE if args.out_of_sample else RUNS)
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     env.pop("TRITON_INTERPRET", None)
     probe = probed(refresh=True)
@@ -139,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        for name in args.runs:
+        for name in runs:
             tries = sorted((measure(name, work, env, probe) for _ in range(args.repeat)),
                            key=lambda r: r["measured_step_s"])
             kept = tries[len(tries) // 2]

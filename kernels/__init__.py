@@ -8,72 +8,38 @@ registers them as ``distaff::`` custom ops with fake implementations (torch.comp
 imports only torch and triton (the latter lazily, so the reference path works without a usable
 triton); it is imported by ``distaff.train``. What checks the kernels ahead of time (compiling for GPU
 targets, reading the compiled code) is apart, in ``distaff.kernels.aot``, and nothing here imports it.
+
+Importing the package imports no torch of its own: ``shapes`` (the implementation names, the constants, the
+position span) is read at once, every other name on first use (:func:`__getattr__`), so a model's config, and
+``distaff plan``, are read without torch. Where torch is already imported, the ``distaff::`` ops are registered at
+once (``library``), as before: ``torch.ops.distaff.*`` is callable right after ``import distaff.kernels``; a
+process that imports torch only later registers them with its first op (or ``import distaff.kernels.library``).
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
-import os
+import sys
 
-import torch
+from .shapes import IGNORE_INDEX, IMPLS, TRITON_HEAD_DIMS, attention_span
 
-from . import library, reference
-from .contract import IGNORE_INDEX, IMPLS, TRITON_HEAD_DIMS, MaskedLMLoss
-from .relative_position import attention_span, bucket_table, relative_position_index
+if "torch" in sys.modules:      # torch's cost is paid already: register torch.ops.distaff.* now
+    from . import library  # noqa: F401
 
-# op name -> module holding its Triton implementation (a function of the same name).
-TRITON_MODULES = {
-    "disentangled_attention": "attention",
-    "disentangled_attention_varlen": "attention",
-    "layer_norm": "fused_layer_norm",
-    "bias_gelu": "gelu",
-    "masked_lm_loss": "mlm_loss",
-}
+# a public name -> the submodule that holds it, imported when the name is first read
+LAZY = {"MaskedLMLoss": "contract", "bucket_table": "relative_position",
+        "relative_position_index": "relative_position", "resolve_impl": "dispatch", "triton_available": "dispatch",
+        "disentangled_attention": "dispatch", "disentangled_attention_varlen": "dispatch", "layer_norm": "dispatch",
+        "bias_gelu": "dispatch", "masked_lm_loss": "dispatch"}
 
 
-def triton_available(device: torch.device | None = None) -> bool:
-    """Whether the Triton path can run on ``device`` (CUDA, or any device under the interpreter)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    return device is not None and device.type == "cuda"
+def __getattr__(name: str):
+    if name in LAZY:
+        return getattr(importlib.import_module(f".{LAZY[name]}", __name__), name)
+    if name in ("reference", "library"):     # submodules the ops are written in
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-
-def resolve_impl(impl: str, device: torch.device) -> str:
-    """Turn ``impl`` into ``"triton"`` or ``"reference"`` for tensors on ``device``."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "auto":
-        return "triton" if device.type == "cuda" else "reference"
-    if impl == "triton" and not triton_available(device):
-        raise RuntimeError(f"impl='triton' needs CUDA tensors or TRITON_INTERPRET=1; got tensors on {device}")
-    return impl
-
-
-def _dispatched(name: str):
-    """The public op ``name``: the reference's signature and docs plus ``impl``; the first
-    positional tensor decides the device. While ``torch.compile`` traces, either implementation runs as
-    a ``distaff::`` custom op (:mod:`.library`: no graph break); eager calls run it directly."""
-    reference_fn = getattr(reference, name)
-
-    @functools.wraps(reference_fn)
-    def op(first: torch.Tensor, *args, impl: str = "auto", **kwargs):
-        resolved = resolve_impl(impl, first.device)
-        if torch.compiler.is_compiling():
-            return getattr(library, name)(first, *args, impl=resolved, **kwargs)
-        if resolved == "reference":
-            return reference_fn(first, *args, **kwargs)
-        module = importlib.import_module(f".{TRITON_MODULES[name]}", __name__)
-        return getattr(module, name)(first, *args, **kwargs)
-
-    return op
-
-
-disentangled_attention = _dispatched("disentangled_attention")
-disentangled_attention_varlen = _dispatched("disentangled_attention_varlen")
-layer_norm = _dispatched("layer_norm")
-bias_gelu = _dispatched("bias_gelu")
-masked_lm_loss = _dispatched("masked_lm_loss")
 
 __all__ = [
     "IGNORE_INDEX", "IMPLS", "MaskedLMLoss", "TRITON_HEAD_DIMS", "attention_span", "bias_gelu", "bucket_table",

@@ -13,11 +13,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .relative_position import attention_span
-
-IMPLS = ("auto", "triton", "reference")
-IGNORE_INDEX = -100  # label of positions without an MLM target (PyTorch's cross-entropy default)
-TRITON_HEAD_DIMS = (16, 32, 64, 128)  # head sizes the fused attention kernels are built for
+from .shapes import IGNORE_INDEX, IMPLS, TRITON_HEAD_DIMS, attention_span  # noqa: F401 (re-exported: the contract)
 
 
 def default_softmax_scale(head_dim: int, pos_key: torch.Tensor | None, pos_query: torch.Tensor | None) -> float:

@@ -17,12 +17,7 @@ import math
 
 import torch
 
-
-def attention_span(position_buckets: int, max_relative_positions: int) -> int:
-    """Half the number of rows of the position tables (``att_span`` in DeBERTa)."""
-    if max_relative_positions < 1:
-        raise ValueError(f"max_relative_positions must be >= 1, got {max_relative_positions}")
-    return position_buckets if position_buckets > 0 else max_relative_positions
+from .shapes import attention_span
 
 
 def log_bucket_position(relative_pos: torch.Tensor, bucket_size: int, max_position: int) -> torch.Tensor:

@@ -50,11 +50,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def console_main() -> None:
-    """The installed ``distaff`` script: ``main``, then :func:`distaff.train.core.distributed.exit_process`."""
+    """The installed ``distaff`` script: ``main``, then :func:`distaff.train.core.distributed.exit_process` when
+    the command imported it (only a process that did can have had a process group; the others, ``distaff plan``
+    and ``--help`` among them, exit plainly without importing torch for it)."""
     code = main()
-    from distaff.train.core.distributed import exit_process   # after main: ``distaff --help`` needs no torch
-
-    exit_process(code)
+    distributed = sys.modules.get("distaff.train.core.distributed")
+    if distributed is None:
+        sys.exit(code)
+    distributed.exit_process(code)
 
 
 if __name__ == "__main__":

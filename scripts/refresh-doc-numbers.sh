@@ -34,6 +34,8 @@ fi
 if [[ "$PART" == all || "$PART" == plan ]]; then
     $PY benchmarks/plan_memory.py --json benchmarks/results/plan_memory.json
     $PY benchmarks/plan_time.py --json benchmarks/results/plan_time_cpu.json
+    $PY benchmarks/plan_memory.py --long-and-packed --json benchmarks/results/plan_memory_long_packed.json
+    $PY benchmarks/plan_time.py --out-of-sample --repeat 1 --json benchmarks/results/plan_time_oos.json
 fi
 if [[ "$PART" == all || "$PART" == plan || "$PART" == plan-tables ]]; then
     $PY scripts/refresh_plan_doc.py docs/plan.md

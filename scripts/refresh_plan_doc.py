@@ -29,15 +29,16 @@ def _script(path: Path):
     return module
 
 
-def memory_table() -> str:
+def memory_table(name: str = "plan_memory.json") -> str:
     from distaff.train.plan.memory import step_peak
     from distaff.train.plan.planner import cpu_run_setting
     from distaff.train.run.config import config_from_dict
 
     bench = _script(REPO / "benchmarks" / "plan_memory.py")
-    results = json.loads((RESULTS / "plan_memory.json").read_text())
+    results = json.loads((RESULTS / name).read_text())
     for r in results:
-        values = bench.run_values(r["preset"], r["zero"], r["batch"], r["precision"])
+        values = bench.run_values(r["preset"], r["zero"], r["batch"], r["precision"], r.get("packing", "padded"),
+                                  r.get("positions"))
         r["plan_peak"] = step_peak(cpu_run_setting(config_from_dict(values), 2, r["seq_len"])).peak
     return "\n" + "\n".join(bench.table_lines(results)) + "\n"
 
@@ -72,6 +73,18 @@ def anchors_table() -> str:
     return "\n" + "\n".join(anchor_lines()[2:]) + "\n"
 
 
+def explain_table() -> str:
+    """``distaff plan --config deberta-v3-base --gpus 8xH100-SXM --explain``'s table: the run preset on every kind."""
+    from distaff.train.plan.cli import explain_lines
+    from distaff.train.plan.gpus import KINDS
+    from distaff.train.plan.planner import make_plan
+    from distaff.train.run.config import load_config
+
+    cfg = load_config("deberta-v3-base")
+    lines = explain_lines({name: make_plan(cfg, f"8x{name}") for name in KINDS})
+    return "\n" + "\n".join(lines[2:-2]) + "\n"
+
+
 def clusters_table() -> str:
     bench = _script(REPO / "benchmarks" / "plan_clusters.py")
     return "\n" + "\n".join(bench.table_lines()) + "\n"
@@ -93,29 +106,46 @@ def cpu_time_summary(runs: list[dict]) -> str:
 
     steps = [(r["run"], r["plan_step_s"] / r["measured_cpu_step_s"]) for r in runs]
     stages = [(f"{r['run']} {row.stage}", row.plan_s / row.measured_s) for r in runs
-              for row in rows(r["plan_stages_s"], r["measured_cpu_stages_s"]) if row.stage in CHECKED_STAGES]
+              for row in rows(r["plan_stages_s"], r["measured_cpu_stages_s"])
+              if row.stage in CHECKED_STAGES and row.measured_s > 0]
     return f"steps: {_misses(steps, STEP_BOUND)}; stages: {_misses(stages, STAGE_BOUND)}"
 
 
-def cpu_time_values() -> dict[str, str]:
-    bench = _script(REPO / "benchmarks" / "plan_time.py")
-    recorded = json.loads((RESULTS / "plan_time_cpu.json").read_text())
-    probe, runs = recorded["probe"], recorded["runs"]
-    for run in runs:
-        plan = bench.cpu_plan(run, probe)
-        run["plan_step_s"], run["plan_stages_s"] = plan.time.total, plan.time.stages
+def _probe_line(probe: dict) -> str:
     gemm = ", ".join(f"{k}: {fp32:.0f}/{bf16:.0f}" for k, fp32, bf16 in probe["gemm_gflops"])
+    return (f"{probe['date']}, {probe['machine']}, load average {probe['load_average']:.1f}: GEMM GFLOP/s per core "
+            f"fp32/bf16 by inner size {gemm}; copy {probe['copy_gb_s']:.1f} GB/s")
+
+
+def _timed_runs(name: str):
+    """The runs of a committed plan_time result with their plan computed now (from the probe recorded with them)."""
+    bench = _script(REPO / "benchmarks" / "plan_time.py")
+    recorded = json.loads((RESULTS / name).read_text())
+    for run in recorded["runs"]:
+        plan = bench.cpu_plan(run, recorded["probe"])
+        run["plan_step_s"], run["plan_stages_s"] = plan.time.total, plan.time.stages
+    return bench, recorded["probe"], recorded["runs"]
+
+
+def out_of_sample_values() -> dict[str, str]:
+    bench, probe, runs = _timed_runs("plan_time_oos.json")
+    return {"plan.cpu_time_oos": "\n" + "\n".join([bench.HEADER, *map(bench.row_line, runs)]) + "\n",
+            "plan.cpu_time_oos_summary": cpu_time_summary(runs), "plan.cpu_probe_oos": _probe_line(probe),
+            "plan.memory_long_packed": memory_table("plan_memory_long_packed.json")}
+
+
+def cpu_time_values() -> dict[str, str]:
+    bench, probe, runs = _timed_runs("plan_time_cpu.json")
     return {"plan.cpu_time": "\n" + "\n".join([bench.HEADER, *map(bench.row_line, runs)]) + "\n",
             "plan.check_example": f"\n```\n{runs[0]['check_line']}\n```\n",
             "plan.cpu_time_summary": cpu_time_summary(runs),
-            "plan.cpu_probe": (f"{probe['date']}, {probe['machine']}, load average {probe['load_average']:.1f}: "
-                               f"GEMM GFLOP/s per core fp32/bf16 by inner size {gemm}; copy "
-                               f"{probe['copy_gb_s']:.1f} GB/s")}
+            "plan.cpu_probe": _probe_line(probe)}
 
 
 def values() -> dict[str, str]:
     return {"plan.memory": memory_table(), "plan.estimators": estimators_table(), "plan.anchors": anchors_table(),
-            "plan.clusters": clusters_table(), **cpu_time_values()}
+            "plan.clusters": clusters_table(), "plan.explain": explain_table(), **cpu_time_values(),
+            **out_of_sample_values()}
 
 
 def main(argv: list[str]) -> int:

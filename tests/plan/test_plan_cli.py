@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -18,9 +20,10 @@ from distaff.train.plan import cli
 from distaff.train.plan.gpus import KINDS, kind, parse_gpus, parse_spec
 from distaff.train.plan.memory import step_peak
 from distaff.train.plan.planner import largest_micro_batch, make_plan, parse_tokens, summary
-from distaff.train.plan.step_time import attention_table
+from distaff.train.plan.gpu_time import attention_table
 from distaff.train.run.config import load_config
 
+REPO = Path(__file__).resolve().parents[2]
 KINDS_CHECKED = ("A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "L40S", "RTX-4090", "B200")
 
 
@@ -37,6 +40,28 @@ def test_every_run_preset_plans_on_every_kind_fast(preset):
         assert all(value >= 0 for value in plan.time.parts.values())
         assert plan.memory.total > plan.memory.peak > 0
         assert plan.gpu_hours == pytest.approx(plan.hours * 8)
+
+
+PLAN_COMMAND = ["plan", "--config", "deberta-v3-base", "--gpus", "8xH100-80GB"]
+
+
+@pytest.mark.integration
+def test_a_presets_plan_costs_under_a_second_of_cpu_and_imports_no_torch():
+    """The whole ``distaff plan`` process (interpreter, imports, plan) in the CPU time it costs (its user + system
+    time, read by the kernel: the machine's load does not count), and what it imported."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    run = subprocess.run([sys.executable, "-m", "distaff.launch.cli", *PLAN_COMMAND], capture_output=True, text=True,
+                         timeout=120)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert run.returncode == 0 and run.stdout.startswith("plan: 1x8xH100-SXM"), run.stderr
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert 0 < cpu_s < 1.0, cpu_s
+    probe = ("import sys; from distaff.launch.cli import main; code = main(sys.argv[1:]); "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed', 'triton', 'webdataset')))")
+    imported = subprocess.run([sys.executable, "-c", probe, *PLAN_COMMAND], capture_output=True, text=True,
+                              timeout=120)
+    assert imported.returncode == 0, imported.stderr
+    assert imported.stdout.splitlines()[-1] == "[]"
 
 
 @pytest.mark.unit
@@ -104,6 +129,11 @@ def test_the_report_labels_estimates_and_prints_assumptions(capsys):
     (["--config", "deberta-v3-base", "--gpus", "8xRTX-4090", "--micro-batch", "4096"], "--micro-batch 4096: needs"),
     (["--config", "deberta-v3-base", "--gpus", "8xA100", "--gpu-spec", "memory_gib=3"], "--gpu-spec: expected"),
     (["--gpus", "8xA100"], "--config and --gpus are required"),
+    # tiny has 128 positions and EMD (absolute positions): its run fails at 256 tokens, so does its plan
+    (["--config", "tiny-cpu", "--gpus", "1xA100", "--seq-len", "256"],
+     "model.max_position_embeddings: 128 is shorter than the data's sequences (--seq-len: 256)"),
+    (["--config", "tiny-rtd-cpu", "--gpus", "1xA100", "--seq-len", "129"],
+     "rtd.generator.max_position_embeddings: 128 is shorter"),
 ])
 def test_bad_input_is_one_line(argv, message, capsys):
     assert cli.main(argv) == 2
@@ -149,7 +179,7 @@ def test_slurm_dry_run_prints_the_plan_line_and_warns_when_it_does_not_fit(tmp_p
 
 @pytest.mark.unit
 def test_attention_scales_with_tokens_heads_and_length():
-    from distaff.train.plan.step_time import attention_seconds
+    from distaff.train.plan.gpu_time import attention_seconds
 
     cfg = load_config("deberta-v3-base").model_config()
     h100 = kind("H100-SXM")
@@ -197,14 +227,14 @@ def test_output_into_a_closed_pipe_ends_quietly():
 
 @pytest.mark.unit
 def test_attention_share_and_the_judges_content_only_reference_beside_it(monkeypatch, capsys):
-    from distaff.train.plan import step_time
+    from distaff.train.plan import gpu_time
 
     cfg = load_config("deberta-v3-base")
     table = attention_table()
     assert all("content_fwd_ms" in r and "content_bwd_ms" in r for r in table["rows"])  # the committed table has them
     # a table without the judge's content-only reference: the share alone, no reference column
     bare = [{k: v for k, v in r.items() if not k.startswith("content_")} for r in table["rows"]]
-    monkeypatch.setattr(step_time, "attention_table", lambda: {**table, "rows": bare})
+    monkeypatch.setattr(gpu_time, "attention_table", lambda: {**table, "rows": bare})
     plain = make_plan(cfg, "8xH100-SXM")
     assert plain.time.attention_reference is None and plain.time.reference_share is None
     assert 0 < plain.time.attention_share < 1
@@ -213,7 +243,7 @@ def test_attention_share_and_the_judges_content_only_reference_beside_it(monkeyp
     assert f"attention: {plain.time.attention_share:.0%} of the step\n" in out and "content-only" not in out
     # with a content-only FlashAttention-2 time per row (here a tenth of distaff's)
     rows = [{**r, "content_fwd_ms": r["fwd_ms"] / 10, "content_bwd_ms": r["bwd_ms"] / 10} for r in bare]
-    monkeypatch.setattr(step_time, "attention_table", lambda: {**table, "rows": rows})
+    monkeypatch.setattr(gpu_time, "attention_table", lambda: {**table, "rows": rows})
     judged = make_plan(cfg, "8xH100-SXM")
     assert judged.time.parts["attention"] == pytest.approx(plain.time.parts["attention"])
     assert judged.time.attention_reference == pytest.approx(plain.time.parts["attention"] / 10)
@@ -230,9 +260,68 @@ def test_attention_share_and_the_judges_content_only_reference_beside_it(monkeyp
 
 @pytest.mark.unit
 def test_the_time_model_is_within_1_5x_of_the_published_runs():
-    from distaff.train.plan.anchors import bert_rows, deberta_rows
+    from distaff.train.plan.anchors import bert_rows, deberta_rows, hopper_rows
 
-    checked = {anchor.name: estimate / anchor.published for anchor, estimate in [*bert_rows(), *deberta_rows()]}
+    checked = {anchor.name: estimate / anchor.published
+               for anchor, estimate in [*bert_rows(), *deberta_rows(), *hopper_rows()]}
     for name in ("BERT-large seq 128, 8xA100-80GB, fp16", "deberta-base (v1) seq 512, 4x16xV100-32GB, fp16",
-                 "deberta-large (v1) seq 512, 6x16xV100-32GB, fp16"):
+                 "deberta-large (v1) seq 512, 6x16xV100-32GB, fp16", "ModernBERT-base seq 1024 packed, 8xH100-SXM, bf16",
+                 "NeoBERT sizes (AzNEOBERT) seq 1024, 8xH200, bf16"):
         assert 1 / 1.5 <= checked[name] <= 1.5, (name, checked[name])
+
+
+@pytest.mark.unit
+def test_explain_shows_each_parts_share_and_speed_up_per_kind(capsys):
+    assert cli.main(["--config", "deberta-v3-base", "--gpus", "8xH100-SXM", "--explain", "--json"]) == 0
+    table = json.loads(capsys.readouterr().out)["explain"]
+    assert set(table) == set(KINDS)
+    h100, a100 = table["H100-SXM"], table["A100-80GB"]
+    for row in (h100, a100):
+        assert sum(row["shares"].values()) == pytest.approx(1.0)
+        assert sum(row["parts_s"].values()) == pytest.approx(row["step_s"])
+    speedup = h100["speedup_vs_A100-80GB"]
+    assert speedup["step"] == pytest.approx(a100["step_s"] / h100["step_s"])
+    assert speedup["GEMMs"] == pytest.approx(989 / 312)            # GEMMs: the dense peaks' ratio, no more
+    assert speedup["attention"] == pytest.approx(a100["parts_s"]["attention"] / h100["parts_s"]["attention"])
+    assert cli.main(["--config", "deberta-v3-base", "--gpus", "8xH100-SXM", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert f"| H100-SXM | {h100['step_s'] * 1e3:,.1f} |" in out and "speed-up over A100-80GB" in out
+
+
+def prepared_manifest(folder, seq_len: int, samples: int, tokens: int):
+    """A manifest of ``samples`` training samples holding ``tokens`` tokens (the fixture's, recounted)."""
+    fixture = json.loads((REPO / "tests/run/fixtures/checkpoint-bda9efe/data/manifest.json").read_text())
+    shard = {**fixture["splits"]["train"]["shards"][0], "samples": samples, "tokens": tokens}
+    train = {**fixture["splits"]["train"], "shards": [shard], "samples": samples, "tokens": tokens}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "manifest.json").write_text(json.dumps({**fixture, "seq_len": seq_len, "vocab_size": 1000,
+                                                      "splits": {**fixture["splits"], "train": train}}))
+    return folder
+
+
+@pytest.mark.unit
+def test_the_plan_reads_packing_and_the_datas_sample_lengths(tmp_path, capsys):
+    data = prepared_manifest(tmp_path / "data", 512, 1000, 128_000)        # samples of 128 tokens on average
+    padded = make_plan(load_config("deberta-v3-base", [f"data.dir={data}"]), "8xH100-SXM")
+    packed = make_plan(load_config("deberta-v3-base", [f"data.dir={data}", "data.packing=varlen"]), "8xH100-SXM")
+    assert padded.setting.tokens == packed.setting.tokens == 32 * 512              # positions computed per micro-batch
+    assert padded.setting.real_tokens == 32 * 128 and packed.setting.real_tokens == 32 * 512
+    assert padded.tokens_per_step == 32 * 128 * 4 * 8                              # padding is not data
+    assert packed.setting.attention_len == 128 and padded.setting.attention_len == 512
+    # a packed sample attends within itself: less attention than the padded rows, on 4x the data
+    assert packed.time.parts["attention"] < padded.time.parts["attention"] / 2
+    # the same positions through the encoder's GEMMs, but padding has no MLM-head rows: 4x the head's on packed data
+    assert padded.time.parts["GEMMs"] < packed.time.parts["GEMMs"]
+    assert packed.tokens_per_s > 3 * padded.tokens_per_s
+    assert cli.main(["--config", "deberta-v3-base", "--gpus", "8xH100-SXM", f"data.dir={data}", "data.packing=varlen",
+                     "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["packing"] == "varlen" and found["mean_sample_tokens"] == 128
+    assert "128,000 tokens in 1,000 samples" in found["sample_length_source"]
+    # no prepared data: full samples, and the plan says it assumed them
+    assumed = make_plan(load_config("deberta-v3-base", ["data.packing=varlen"]), "8xH100-SXM")
+    assert assumed.setting.attention_len == 512 and "assumed full sequences" in assumed.tokens_line()
+    # a token budget of its own (data.tokens_per_batch) sets what a packed micro-batch holds
+    budget = make_plan(load_config("deberta-v3-base", [f"data.dir={data}", "data.packing=varlen",
+                                                       "data.tokens_per_batch=4096"]), "8xH100-SXM")
+    assert budget.setting.tokens == 4096 and budget.memory.total < packed.memory.total

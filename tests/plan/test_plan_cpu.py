@@ -10,8 +10,8 @@ import pytest
 from distaff.train.core.errors import ConfigError
 from distaff.train.plan import cli, cpu
 from distaff.train.plan.cpu_time import gemm_rate
-from distaff.train.plan.gpus import parse_gpus, parse_spec
-from distaff.train.plan.planner import make_plan
+from distaff.train.plan.gpus import parse_spec
+from distaff.train.plan.planner import devices, make_plan
 from distaff.train.run.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,13 +37,20 @@ def test_the_probe_is_cached_per_machine_and_measured_again_when_it_changes(tmp_
 
 
 @pytest.mark.unit
-def test_cpu_ranks_share_the_cores_given_per_core_by_gpu_spec():
+def test_cpu_ranks_share_the_cores_given_per_core_by_gpu_spec(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     per_core = parse_spec(SPEC)
     assert per_core.is_cpu and per_core.cores == 4 and per_core.gemm_curve == ((1, 80.0, 200.0),)
-    two, kind = parse_gpus("2xcpu", per_core)
+    two, kind = devices("2xcpu", per_core)
     assert two == 2 and kind.threads == 2 and kind.fp32_tflops == pytest.approx(0.16)
     assert kind.memory_gib == pytest.approx(8.0)
-    assert parse_gpus("8xcpu", per_core)[1].threads == 1       # more ranks than cores: one thread each
+    assert devices("8xcpu", per_core)[1].threads == 1       # more ranks than cores: one thread each
+    # the threads a run really uses: OMP_NUM_THREADS when set (what a running rank exported), at most the share
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    one = devices("2xcpu", per_core)[1]
+    assert one.threads == 1 and one.fp32_tflops == pytest.approx(0.08)
+    monkeypatch.setenv("OMP_NUM_THREADS", "16")
+    assert devices("1xcpu", per_core)[1].threads == 4
     with pytest.raises(ConfigError, match="give the per-core figures fp32_tflops, hbm_tb_s, cores"):
         parse_spec("name=cpu,tflops=1")
     assert gemm_rate(((128, 10, 40), (1024, 40, 80)), 362, "fp32") == pytest.approx(25e9, rel=1e-3)   # log-linear

@@ -22,8 +22,10 @@ TOLERANCE = 0.10
 MIB = 1024 ** 2
 
 
-def run_values(preset: str, zero: int, batch: int, precision: str) -> dict:
-    return {"model": {"preset": preset}, "data": {"dir": "unused", "batch_size": batch},
+def run_values(preset: str, zero: int, batch: int, precision: str, packing: str = "padded",
+               positions: int | None = None) -> dict:
+    model = {"preset": preset, **({"max_position_embeddings": positions} if positions else {})}
+    return {"model": model, "data": {"dir": "unused", "batch_size": batch, "packing": packing},
             "train": {"precision": precision}, "zero": {"stage": zero}, "run": {"seed": 3}}
 
 
@@ -65,6 +67,9 @@ def test_plan_is_within_ten_percent_of_the_measured_peak_in_every_stage_and_prec
     settings = [(run_values("tiny", zero, 4, precision), 64) for zero in (0, 1, 2, 3) for precision in ("fp32", "bf16")]
     # activations most of the peak: the activation model itself, float32 and half-precision attention copies
     settings += [(run_values("tiny", 0, 16, precision), 128) for precision in ("fp32", "bf16")]
+    # packed batches (attention per sample) and a long half-precision sequence (issue 50)
+    settings += [(run_values("tiny", 0, 16, "fp32", "varlen", 512), 128),
+                 (run_values("tiny", 0, 16, "bf16", "padded", 512), 512)]
     measured = measure_peaks(settings, tmp_path / "peak")
     for (values, seq_len), ranks in zip(settings, measured):
         planned = step_peak(cpu_run_setting(config_from_dict(values), 2, seq_len)).peak

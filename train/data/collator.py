@@ -19,14 +19,16 @@ corpora), while without it the expected rate is exactly ``mlm_probability`` of t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
-import torch
 
 from distaff.kernels import IGNORE_INDEX
 from distaff.train.data.errors import DataError, length_problem
 from distaff.train.data.tokenizer import TokenizerInfo, word_start_table
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -92,6 +94,8 @@ class MLMCollator:
 
     def __call__(self, samples: Sequence[np.ndarray], rng: np.random.Generator) -> dict[str, torch.Tensor]:
         """Padded batch: ``input_ids``, ``attention_mask``, ``labels`` (long ``[B, seq_len]``)."""
+        import torch    # here, not at the top: a run config (data.masking) is read without torch (distaff plan)
+
         ids = self.pad(samples)
         input_ids, labels = self.mask(ids, rng)
         return {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(
@@ -103,6 +107,8 @@ class MLMCollator:
         ``input_ids``/``labels``/``position_ids`` are 1-D over all tokens; sequence i is
         ``cu_seqlens[i]:cu_seqlens[i+1]`` (int32, length B+1); ``max_seqlen`` is the longest sequence.
         """
+        import torch    # see __call__
+
         ids = self.pad(samples)
         input_ids, labels = self.mask(ids, rng)
         keep = ids != self.pad_id

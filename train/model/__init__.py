@@ -4,10 +4,21 @@ sequence classifier, FLOP counts, conversion to and from Hugging Face weights, a
 the fused kernels into a user's own ``transformers`` DeBERTa model.
 
 Imports: ``distaff.train.core``, ``distaff.kernels``. Imported by: ``run``, ``pretrain``, ``finetune``,
-``tools``. Knows nothing of DeepSpeed, the data stream or the training loop.
+``tools``. Knows nothing of DeepSpeed, the data stream or the training loop. The exported classes are imported
+on first use, so a model's config (``config``, ``flops``, ``param_count``: what ``distaff plan`` reads) needs no
+torch.
 """
 
-from distaff.train.model.deberta import DebertaForMaskedLM, DebertaModel
-from distaff.train.model.hf_kernels import apply_distaff_kernels
+import importlib
+
+# a public name -> the module that holds it, imported when the name is first read
+LAZY = {"DebertaForMaskedLM": "deberta", "DebertaModel": "deberta", "apply_distaff_kernels": "hf_kernels"}
+
+
+def __getattr__(name: str):
+    if name in LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["DebertaForMaskedLM", "DebertaModel", "apply_distaff_kernels"]

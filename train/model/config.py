@@ -179,3 +179,16 @@ def load_model_config(preset_or_path: str | Path, **overrides: Any) -> ModelConf
     if not isinstance(values, dict):
         raise ConfigError(f"{source}: expected a mapping of fields, got {type(values).__name__}")
     return ModelConfig.from_dict({**values, **overrides}, source)
+
+
+def check_data_fits_model(model_cfg: ModelConfig, seq_len: int, length: str, remedy: str,
+                          section: str = "model") -> None:
+    """Absolute position embeddings (``position_biased_input``, the Enhanced Mask Decoder, T-TA's queries) have
+    ``max_position_embeddings`` rows: longer sequences (``length`` says where their length is set) would
+    fail at the first step with a shape error."""
+    users = [f"{section}.{name}" for name, on in (("position_biased_input", model_cfg.position_biased_input),
+                                                  ("emd", model_cfg.emd), ("tta", model_cfg.tta)) if on]
+    if users and seq_len > model_cfg.max_position_embeddings:
+        raise ConfigError(f"{section}.max_position_embeddings: {model_cfg.max_position_embeddings} is shorter than "
+                          f"the data's sequences ({length}), and {' and '.join(users)} use absolute positions; "
+                          f"{remedy}")

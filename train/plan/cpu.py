@@ -1,7 +1,8 @@
 """The ``cpu`` device kind: this machine's CPU ranks, from a probe of a few seconds (cached), or ``--gpu-spec``.
 
-``distaff plan --gpus 2xcpu`` plans 2 CPU ranks on this machine, each with an even share of its cores (as
-``train/core/threads.py`` gives them). The probe measures, on one thread and in CPU time (so a busy machine
+``distaff plan --gpus 2xcpu`` plans 2 CPU ranks on this machine, each with the threads a run gives it
+(``train/core/threads.py``): ``OMP_NUM_THREADS`` when set (the user's choice, and what a running rank exported for
+itself), at most an even share of the cores, else that even share. The probe measures, on one thread and in CPU time (so a busy machine
 does not make it slower): the dense GEMM rate (fp32 and bf16) at the inner sizes encoder layers use and the
 memory bandwidth of a large copy; and counts the cores and the memory. The plan is then an idle machine's: a run that shares its cores
 with other processes is slower by their share. It runs
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from distaff.train.core.threads import threads_per_rank
 from distaff.train.plan.gpus import GpuKind
 
 PROBE_VERSION = 4      # 2: CPU time (thread_time); 3: no loopback figure; 4: the least of 5 rounds
@@ -136,11 +138,20 @@ def core_kind(figures: dict) -> GpuKind:
                    gemm_curve=tuple(tuple(point) for point in figures["gemm_gflops"]))
 
 
+def run_threads(cores: int, ranks: int) -> int:
+    """Threads per rank as a run takes them: ``OMP_NUM_THREADS`` when set (a run then uses no other number; a
+    running rank exports the number it chose), else an even share of the cores; never more than that share, as
+    threads beyond it only wait for a core."""
+    share = threads_per_rank(cores, ranks)
+    chosen = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return min(share, int(chosen)) if chosen.isdigit() and int(chosen) > 0 else share
+
+
 def cpu_kind(ranks: int, per_core: GpuKind | None = None, refresh: bool = False) -> GpuKind:
-    """``ranks`` CPU ranks of this machine as a kind per rank: each gets ``cores // ranks`` threads (at least
-    one) and the memory's share; ``per_core`` (``--gpu-spec name=cpu,...``) replaces the probe."""
+    """``ranks`` CPU ranks of this machine as a kind per rank: each with the threads a run gives it
+    (:func:`run_threads`) and the memory's share; ``per_core`` (``--gpu-spec name=cpu,...``) replaces the probe."""
     core = per_core or core_kind(probed(refresh))
-    threads = max(1, core.cores // ranks)
+    threads = run_threads(core.cores, ranks)
     curve = tuple((k, fp32 * threads, bf16 * threads) for k, fp32, bf16 in core.gemm_curve)
     return replace(core, memory_bytes=core.memory_bytes / ranks, tflops=core.tflops * threads,
                    fp32_tflops=core.fp32_tflops * threads, hbm_tb_s=core.hbm_tb_s * threads, threads=threads,

@@ -22,13 +22,16 @@ from __future__ import annotations
 import json
 import math
 from functools import lru_cache
+from pathlib import Path
 
 from distaff.train.model.config import ModelConfig
 from distaff.train.model.flops import layer_applications, train_flops_per_token
 from distaff.train.plan.gpus import GpuKind
 from distaff.train.plan.memory import Setting, act_bytes
-from distaff.train.plan.step_time import (CPU_TABLE, Assumptions, AttentionTime, Compute, attention_flops_per_token,
-                                          per_token_head_ms)
+from distaff.train.plan.gpu_time import (Assumptions, AttentionTime, Compute, attention_flops_per_token,
+                                         per_token_head_ms)
+
+CPU_TABLE = Path(__file__).with_name("cpu_table.json")      # CPU ranks' costs (benchmarks/cpu_table.py)
 
 
 @lru_cache(maxsize=1)
@@ -116,18 +119,18 @@ def model_ns_per_token(cfg: ModelConfig, labelled: float, generator: bool) -> fl
 
 def compute_seconds(s: Setting, gpu: GpuKind, a: Assumptions) -> Compute:
     """GEMM, attention and elementwise seconds of one micro-batch on one CPU rank."""
-    tokens = s.micro_batch * s.seq_len
+    tokens, n = s.tokens, s.attention_len
     parts, forward, source = {"GEMMs": 0.0, "attention": 0.0, "fused ops": 0.0}, 0.0, ""
     threads = max(1, gpu.threads)
-    for n, cfg in enumerate(s.models):
-        labelled = s.labelled if n == 0 else 0.0
-        gemm = (train_flops_per_token(cfg, s.seq_len, labelled) - attention_flops_per_token(cfg, s.seq_len))
+    for index, cfg in enumerate(s.models):
+        labelled = s.labelled_share if index == 0 else 0.0
+        gemm = train_flops_per_token(cfg, n, labelled) - attention_flops_per_token(cfg, n)
         gemm_s = gemm * tokens / gemm_rate(gpu.gemm_curve, cfg.hidden_size, s.precision)
-        attn = attention_seconds(cfg, gpu, s.seq_len, tokens)
+        attn = attention_seconds(cfg, gpu, n, tokens)
         table = cfg.vocab_size * cfg.embedding_size * _ns(s)["table_gradient"]     # its gradient, every micro-batch
         applications = layer_applications(cfg) if cfg.emd else cfg.num_hidden_layers
-        per_token = (applications * layer_rest_ns(cfg, s.seq_len)
-                     + model_ns_per_token(cfg, labelled, n == 0 and len(s.models) == 2))
+        per_token = (applications * layer_rest_ns(cfg, n)
+                     + model_ns_per_token(cfg, labelled, index == 0 and len(s.models) == 2))
         elementwise = (per_token * tokens + table) * 1e-9 * _bandwidth_ratio(gpu) / threads
         recompute = 4 / 3 if cfg.activation_checkpointing else 1.0
         parts["GEMMs"] += gemm_s * recompute

@@ -53,7 +53,7 @@ KINDS = {k.name: k for k in (
     # DGX-2's V100 (SXM3 32 GB): NVSwitch, 6 NVLink-2 links of 25 GB/s each way; 8 EDR NICs for 16 GPUs
     GpuKind("V100-32GB", 32510 * MIB, 125, 15.7, 0.9, 150, 6.25, 70),
 )}
-ALIASES = {"A100": "A100-80GB", "H100": "H100-SXM", "4090": "RTX-4090", "RTX4090": "RTX-4090", "V100": "V100-32GB"}
+ALIASES = {"A100": "A100-80GB", "H100": "H100-SXM", "H100-80GB": "H100-SXM", "4090": "RTX-4090", "RTX4090": "RTX-4090", "V100": "V100-32GB"}
 
 
 def _key(name: str) -> str:
@@ -73,16 +73,23 @@ def kind(name: str) -> GpuKind:
                       "(or describe it with --gpu-spec)")
 
 
-def parse_gpus(text: str, extra: GpuKind | None = None) -> tuple[int, GpuKind]:
-    """``8xA100-80GB`` -> (8, the kind); ``extra`` (from ``--gpu-spec``) answers to its own name."""
+def split_gpus(text: str) -> tuple[int, str]:
+    """``8xA100-80GB`` -> (8, "A100-80GB"): the count per node and the kind's name as written."""
     match = re.fullmatch(r"\s*(\d+)\s*[x*]\s*(.+?)\s*", text)
     if not match or int(match.group(1)) < 1:
         raise ConfigError(f"--gpus: expected COUNTxKIND per node (e.g. 8xA100-80GB), got {shown(text)}")
-    name, count = match.group(2), int(match.group(1))
-    if _key(name) == "cpu":      # CPU ranks of this machine: the probe's figures, or --gpu-spec name=cpu,...
-        from distaff.train.plan.cpu import cpu_kind
+    return int(match.group(1)), match.group(2)
 
-        return count, cpu_kind(count, extra if extra is not None and extra.is_cpu else None)
+
+def names_cpu(name: str) -> bool:
+    """Whether ``--gpus``' kind is ``cpu`` (CPU ranks of this machine, planned by train/plan/cpu.py)."""
+    return _key(name) == "cpu"
+
+
+def parse_gpus(text: str, extra: GpuKind | None = None) -> tuple[int, GpuKind]:
+    """``8xA100-80GB`` -> (8, the kind); ``extra`` (from ``--gpu-spec``) answers to its own name. GPU kinds only:
+    ``Nxcpu`` is the planner's (train/plan/planner.py devices), which probes this machine."""
+    count, name = split_gpus(text)
     if extra is not None and _key(name) == _key(extra.name):
         return count, extra
     return count, kind(name)
@@ -136,4 +143,4 @@ def table_rows() -> list[str]:
     return lines
 
 
-__all__ = ["GpuKind", "KINDS", "kind", "parse_gpus", "parse_spec", "table_rows"]
+__all__ = ["GpuKind", "KINDS", "kind", "names_cpu", "parse_gpus", "parse_spec", "split_gpus", "table_rows"]

@@ -91,13 +91,18 @@ def live_bytes(engine) -> int:
     return sum(found.values())
 
 
-def _batch(vocab: int, batch: int, seq: int, pad: int) -> dict[str, torch.Tensor]:
-    """A full (unpadded) masked batch: random tokens, every 1/0.15-th position labelled."""
+def _batch(vocab: int, batch: int, seq: int, pad: int, packed: bool = False) -> dict[str, Any]:
+    """A full (unpadded) masked batch: random tokens, every 1/0.15-th position labelled; ``packed``, the same
+    ``batch`` samples of ``seq`` tokens end to end as the collator packs them (``cu_seqlens``, ``position_ids``)."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(pad + 1, vocab, (batch, seq), generator=gen)
     labels = torch.full_like(ids, -100)
     step = round(1 / 0.15)
     labels[:, ::step] = ids[:, ::step]
+    if packed:
+        return {"input_ids": ids.reshape(-1), "labels": labels.reshape(-1),
+                "position_ids": torch.arange(seq).repeat(batch),
+                "cu_seqlens": torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32), "max_seqlen": seq}
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
@@ -132,7 +137,8 @@ def measure_setting(run_values: dict[str, Any], seq_len: int, world_size: int) -
     model_cfg = cfg.model_config()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         engine = engines.initialize(DebertaForMaskedLM(model_cfg), cfg, world_size)
-        batch = _batch(model_cfg.vocab_size, cfg.data.batch_size, seq_len, model_cfg.pad_token_id)
+        batch = _batch(model_cfg.vocab_size, cfg.data.batch_size, seq_len, model_cfg.pad_token_id,
+                       cfg.data.packing == "varlen")
         _marked_step(engine, batch)
         settle()
         alive = live_bytes(engine)

@@ -86,6 +86,37 @@ class Setting:
     labelled: float = LABELLED       # fraction of tokens the MLM head reads (T-TA: all)
     largest_param: int = 0           # elements of the largest parameter (the word table)
     persistent_params: int = 0       # elements of parameters ZeRO 3 keeps whole on every rank
+    packed: bool = False             # data.packing=varlen: whole samples end to end, attention per sample
+    token_budget: int = 0            # packed: tokens per micro-batch (data.tokens_per_batch); 0: micro_batch x seq_len
+    sample_len: float = 0.0          # real tokens per sample on average (the manifest's); 0: full sequences
+
+    @property
+    def tokens(self) -> int:
+        """Positions one micro-batch computes: padded, micro_batch x seq_len (padding included); packed, the budget."""
+        return self.token_budget if self.packed and self.token_budget else self.micro_batch * self.seq_len
+
+    @property
+    def mean_sample(self) -> float:
+        """Real tokens per sample (at most seq_len)."""
+        return min(self.sample_len, self.seq_len) if self.sample_len else float(self.seq_len)
+
+    @property
+    def attention_len(self) -> float:
+        """The length attention runs over: a padded row's seq_len, or a packed sample's own length."""
+        return self.mean_sample if self.packed else float(self.seq_len)
+
+    @property
+    def real_tokens(self) -> float:
+        """Tokens of the data in one micro-batch: padded rows hold one sample each; a packed batch is taken as filled
+        to its budget (the packer's slack, less than one sample, is not counted)."""
+        if self.packed:
+            return float(self.tokens)
+        return self.micro_batch * self.mean_sample
+
+    @property
+    def labelled_share(self) -> float:
+        """Labelled positions (the MLM head's rows) per position computed: padding is never labelled."""
+        return self.labelled * self.real_tokens / self.tokens
 
 
 @dataclass
@@ -187,19 +218,23 @@ def layer_activations(cfg: ModelConfig, s: Setting, tokens: int) -> float:
     # float32 copies), the attention output, its [B, N, D] relayout as the output projection's input (a view on
     # the reference path), the LayerNorm-1 input, attended (LN-1 out), the LayerNorm-2 input
     attention = 4 * tokens * d * (a if s.fused else 4)
-    hidden = (5 if s.fused else 4) * tokens * d * a + attention
+    # packed on the reference path: each sample's attention runs apart and their outputs are concatenated, a copy
+    # the output projection keeps (kernels/reference.py disentangled_attention_varlen)
+    hidden = (5 if s.fused or s.packed else 4) * tokens * d * a + attention
     ffn = 2 * tokens * i * a
-    stats = 2 * tokens * 8 + tokens // s.seq_len * h * s.seq_len * 4          # LN mean/rstd, attention lse
+    stats = 2 * tokens * 8 + tokens * h * 4                                   # LN mean/rstd, attention lse
     terms = len(cfg.pos_att_type) if cfg.relative_attention else 0
     tables = terms * 2 * cfg.att_span * d * a * (2 if mask else 1)           # Kr/Qr (+ the dropped-out rel)
-    index = 0 if s.fused or not cfg.relative_attention else s.seq_len * s.seq_len * 8
+    # the reference's relative-position index: one [N, N] of the padded batch, or one per packed sample
+    span = s.attention_len
+    index = 0 if s.fused or not cfg.relative_attention else (tokens * span if s.packed else span * span) * 8
     return hidden + ffn + stats + 2 * mask + tables + index
 
 
 def head_activations(cfg: ModelConfig, s: Setting, tokens: int) -> tuple[float, float]:
     """The MLM head's saved bytes and its largest transient (bytes) for ``tokens`` positions."""
     a, d, e, v = act_bytes(s.precision), cfg.hidden_size, cfg.embedding_size, cfg.vocab_size
-    rows = round(tokens * s.labelled)
+    rows = round(tokens * s.labelled_share)
     kept = rows * (d + 2 * e) * a + rows * 8 * 2                                # dense in, GELU out, LN in, stats
     if s.fused:
         kept += v * e * 4 + v * 4 + rows * e * a                                 # decoder gradient, bias, rows
@@ -210,7 +245,7 @@ def head_activations(cfg: ModelConfig, s: Setting, tokens: int) -> tuple[float, 
 
 def activations(s: Setting) -> dict[str, float]:
     """Saved activations of one micro-batch (bytes), by part."""
-    tokens = s.micro_batch * s.seq_len
+    tokens = s.tokens
     a, found = act_bytes(s.precision), {}
     for n, cfg in enumerate(s.models):
         layers = layer_applications(cfg) if cfg.emd else cfg.num_hidden_layers
@@ -230,7 +265,7 @@ def activations(s: Setting) -> dict[str, float]:
 
 def transients(s: Setting) -> dict[str, float]:
     """The largest short-lived buffers: one recomputed layer, the head's logits, the backward of one layer."""
-    tokens = s.micro_batch * s.seq_len
+    tokens = s.tokens
     cfg = s.models[-1]
     a = act_bytes(s.precision)
     out = {"MLM logits (transient)": head_activations(s.models[0], s, tokens)[1]}
@@ -239,11 +274,13 @@ def transients(s: Setting) -> dict[str, float]:
     # dq, dk, dv and the feed-forward's input gradient; the fused attention backward adds its partial sums and
     # scratch, at most PARTIAL_BUDGET (1.0, kernels/attention/backward.py) x the bytes of dq + dk + dv
     grads = 3 * tokens * cfg.hidden_size * a
+    if not s.fused and a != 4:   # the reference computes half precision in float32: dq, dk, dv and the output's
+        grads += (3 + 1) * tokens * cfg.hidden_size * 4     # gradient in float32 beside their casts
     out["layer backward (transient)"] = grads * (2 if s.fused else 1) + tokens * cfg.intermediate_size * a
-    if not s.fused:   # the reference backward's score blocks and per-row position gradients
-        span = 2 * cfg.att_span
-        out["layer backward (transient)"] += s.micro_batch * cfg.num_attention_heads * s.seq_len * (
-            3 * s.seq_len + 2 * span) * 4
+    if not s.fused:   # the reference backward's score blocks and per-row position gradients: the padded batch's
+        span, n = 2 * cfg.att_span, s.attention_len     # at once, a packed batch's one sample at a time
+        rows = n if s.packed else s.micro_batch * n
+        out["layer backward (transient)"] += rows * cfg.num_attention_heads * (3 * n + 2 * span) * 4
     return out
 
 

@@ -13,13 +13,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from distaff.train.core.errors import ConfigError
-from distaff.train.data.manifest import MANIFEST_FILE, read_manifest
-from distaff.train.model.config import ModelConfig
+from distaff.train.model.config import ModelConfig, check_data_fits_model
 from distaff.train.model.flops import train_flops_per_token
 from distaff.train.plan import gpus as gpu_kinds
 from distaff.train.plan.gpus import GpuKind
 from distaff.train.plan.memory import GIB, Breakdown, Setting, parameter_summary, step_peak
-from distaff.train.plan.step_time import Assumptions, StepTime, step_time
+from distaff.train.plan.gpu_time import Assumptions
+from distaff.train.plan.step_time import StepTime, step_time
 from distaff.train.run.config import RunConfig
 
 MAX_MICRO_BATCH = 1 << 16
@@ -40,24 +40,40 @@ class Plan:
     seq_source: str
     assumptions: Assumptions
     token_budget: float | None = None    # --tokens: max_steps was derived from it
+    sample_source: str = ""              # where the mean sample length came from (the manifest, or assumed)
 
     @property
     def fits(self) -> bool:
         return self.memory.total <= self.gpu.memory_bytes
 
     @property
-    def tokens_per_step(self) -> int:
-        return self.setting.micro_batch * self.setting.seq_len * self.grad_accum * self.setting.ranks
+    def tokens_per_step(self) -> float:
+        """Tokens of the data per optimizer step (padding not counted)."""
+        return self.setting.real_tokens * self.grad_accum * self.setting.ranks
 
     @property
-    def global_batch(self) -> int:
-        """Sequences per optimizer step: micro-batch x accumulation steps x GPUs."""
-        return self.setting.micro_batch * self.grad_accum * self.setting.ranks
+    def global_batch(self) -> float:
+        """Samples per optimizer step: micro-batch x accumulation steps x GPUs (packed: the budget's samples)."""
+        s = self.setting
+        per_micro = s.real_tokens / s.mean_sample if s.packed else s.micro_batch
+        return per_micro * self.grad_accum * s.ranks
 
     def batch_line(self) -> str:
         s = self.setting
-        return (f"global batch {self.global_batch:,} sequences = micro-batch {s.micro_batch} x {self.grad_accum} "
-                f"accumulation step(s) x {s.ranks} GPUs, {self.tokens_per_step:,} tokens per step")
+        micro = (f"a packed micro-batch of {s.tokens:,} tokens (~{s.real_tokens / s.mean_sample:,.1f} samples)"
+                 if s.packed else f"micro-batch {s.micro_batch}")
+        return (f"global batch {self.global_batch:,.0f} {'samples' if s.packed else 'sequences'} = {micro} x "
+                f"{self.grad_accum} accumulation step(s) x {s.ranks} GPUs, {self.tokens_per_step:,.0f} tokens of "
+                f"data per step")
+
+    def tokens_line(self) -> str:
+        """What one micro-batch holds, and where its sample length came from."""
+        s = self.setting
+        if s.packed:
+            return (f"packed (data.packing=varlen): {s.tokens:,} tokens per micro-batch, samples of "
+                    f"{s.mean_sample:,.0f} tokens on average ({self.sample_source}), attention per sample")
+        return (f"padded: {s.micro_batch} x {s.seq_len} positions per micro-batch, samples of {s.mean_sample:,.0f} "
+                f"tokens on average ({self.sample_source}), {1 - s.real_tokens / s.tokens:.0%} padding")
 
     @property
     def tokens_per_s(self) -> float:
@@ -66,7 +82,7 @@ class Plan:
     @property
     def flops_per_token(self) -> float:
         s = self.setting
-        return sum(train_flops_per_token(cfg, s.seq_len, s.labelled if n == 0 else 0.0)
+        return sum(train_flops_per_token(cfg, s.attention_len, s.labelled if n == 0 else 0.0)
                    for n, cfg in enumerate(s.models))
 
     @property
@@ -89,18 +105,48 @@ def sequence_length(cfg: RunConfig, model: ModelConfig, given: int | None) -> tu
         if given < 1:
             raise ConfigError(f"--seq-len: must be positive, got {given}")
         return given, "--seq-len"
-    manifest = Path(cfg.data.first_dir) / MANIFEST_FILE
-    if manifest.is_file():      # read as a run reads it: every field range-checked
-        return read_manifest(cfg.data.first_dir).seq_len, f"{manifest}"
+    manifest = prepared(cfg)
+    if manifest is not None:
+        return manifest.seq_len, f"{Path(cfg.data.first_dir) / 'manifest.json'}"
     return model.max_position_embeddings, "model.max_position_embeddings (no prepared data; --seq-len sets it)"
+
+
+def check_positions(cfg: RunConfig, models: tuple[ModelConfig, ...], length: int, source: str) -> None:
+    """Refuse, in one line, a sequence longer than a model's absolute positions (the run would fail at its first
+    step; train/pretrain/trainer.py refuses it with the same check)."""
+    sections = ("rtd.generator", "model") if cfg.train.objective == "rtd" else ("model",)
+    where = "--seq-len" if source == "--seq-len" else f"data.dir's seq_len ({source})"
+    for section, model in zip(sections, models):
+        check_data_fits_model(model, length, f"{where}: {length}", "plan a shorter --seq-len, or raise "
+                              f"{section}.max_position_embeddings", section)
+
+
+def prepared(cfg: RunConfig):
+    """The prepared data's manifest (``data.dir``, or the first source's), read as a run reads it (every field
+    range-checked); None when the data is not prepared yet. Its reader (numpy, webdataset and so torch) is
+    imported only when there is a folder to read."""
+    if not Path(cfg.data.first_dir).is_dir():
+        return None
+    from distaff.train.data.manifest import MANIFEST_FILE, read_manifest
+
+    return read_manifest(cfg.data.first_dir) if (Path(cfg.data.first_dir) / MANIFEST_FILE).is_file() else None
+
+
+def sample_length(cfg: RunConfig) -> tuple[float, str]:
+    """Real tokens per sample on average: the prepared training split's tokens over its samples (as the manifest
+    counts them), or 0 (full sequences) with the assumption said."""
+    manifest = prepared(cfg)
+    split = None if manifest is None else manifest.splits.get("train")
+    if split is None or not split.samples:
+        return 0.0, "assumed full sequences: no prepared data to read sample lengths from"
+    return split.tokens / split.samples, f"the manifest's training split: {split.tokens:,} tokens in {split.samples:,} samples"
 
 
 def prepared_vocabulary(cfg: RunConfig) -> dict:
     """What the trainer takes from the prepared data's tokenizer (train/pretrain/trainer.py build_model_config):
     its vocabulary size, unless ``model.vocab_size`` is set; nothing when the data is not prepared yet."""
-    if "vocab_size" in cfg.model.overrides or not (Path(cfg.data.first_dir) / MANIFEST_FILE).is_file():
-        return {}
-    return {"vocab_size": read_manifest(cfg.data.first_dir).vocab_size}     # read as a run reads it
+    manifest = None if "vocab_size" in cfg.model.overrides else prepared(cfg)
+    return {} if manifest is None else {"vocab_size": manifest.vocab_size}
 
 
 def models_of(cfg: RunConfig) -> tuple[ModelConfig, ...]:
@@ -114,8 +160,9 @@ def models_of(cfg: RunConfig) -> tuple[ModelConfig, ...]:
 
 
 def base_setting(cfg: RunConfig, ranks: int, seq_len: int, micro_batch: int | None, zero: int | None,
-                 offload: bool | None) -> Setting:
-    """The memory model's inputs for ``cfg`` on ``ranks`` GPUs, with the command line's overrides."""
+                 offload: bool | None, sample_len: float = 0.0) -> Setting:
+    """The memory model's inputs for ``cfg`` on ``ranks`` GPUs, with the command line's overrides; ``sample_len``
+    the data's real tokens per sample (0: full sequences)."""
     models = models_of(cfg)
     stage = cfg.zero.stage if zero is None else zero
     offload_optimizer = cfg.zero.offload_optimizer if offload is None else offload
@@ -131,7 +178,8 @@ def base_setting(cfg: RunConfig, ranks: int, seq_len: int, micro_batch: int | No
                    precision=cfg.train.precision, zero=stage, ranks=ranks, offload_optimizer=offload_optimizer,
                    offload_param=cfg.zero.offload_param and stage == 3, fused=True, overlap_comm=True,
                    dropout=any(m.hidden_dropout_prob > 0 for m in models),
-                   labelled=1.0 if cfg.train.objective == "tta" else cfg.data.masking.mlm_probability)
+                   labelled=1.0 if cfg.train.objective == "tta" else cfg.data.masking.mlm_probability,
+                   packed=cfg.data.packing == "varlen", token_budget=cfg.data.tokens_per_batch, sample_len=sample_len)
 
 
 def largest_micro_batch(s: Setting, gpu: GpuKind) -> int:
@@ -150,6 +198,17 @@ def largest_micro_batch(s: Setting, gpu: GpuKind) -> int:
     return low
 
 
+def devices(text: str, extra: GpuKind | None = None) -> tuple[int, GpuKind]:
+    """``--gpus``: ``8xA100-80GB`` -> (8, the GPU kind); ``2xcpu`` -> (2, this machine's CPU ranks: the probe's
+    figures, or ``extra`` when ``--gpu-spec`` names a cpu)."""
+    count, name = gpu_kinds.split_gpus(text)
+    if gpu_kinds.names_cpu(name):
+        from distaff.train.plan.cpu import cpu_kind    # the probe needs torch: only when CPU ranks are planned
+
+        return count, cpu_kind(count, extra if extra is not None and extra.is_cpu else None)
+    return gpu_kinds.parse_gpus(text, extra)
+
+
 def make_plan(cfg: RunConfig, gpus: str, nodes: int = 1, *, micro_batch: int | None = None,
               zero: int | None = None, offload: bool | None = None, seq_len: int | None = None,
               gpu_spec: GpuKind | None = None, assumptions: Assumptions = Assumptions(),
@@ -158,10 +217,12 @@ def make_plan(cfg: RunConfig, gpus: str, nodes: int = 1, *, micro_batch: int | N
     on that many tokens at the run's global batch instead of ``train.max_steps``."""
     if nodes < 1:
         raise ConfigError(f"--nodes: must be positive, got {nodes}")
-    per_node, gpu = gpu_kinds.parse_gpus(gpus, gpu_spec)
+    per_node, gpu = devices(gpus, gpu_spec)
     models = models_of(cfg)
     length, source = sequence_length(cfg, models[-1], seq_len)
-    s = base_setting(cfg, per_node * nodes, length, micro_batch, zero, offload)
+    check_positions(cfg, models, length, source)
+    sample_len, sample_source = sample_length(cfg)
+    s = base_setting(cfg, per_node * nodes, length, micro_batch, zero, offload, sample_len)
     if gpu.is_cpu:       # the PyTorch reference kernels, torch's foreach AdamW, no overlap (train/run/engine.py)
         s = replace(s, fused=False, overlap_comm=False)
     memory = step_peak(s)
@@ -169,11 +230,12 @@ def make_plan(cfg: RunConfig, gpus: str, nodes: int = 1, *, micro_batch: int | N
               for stage in (0, 1, 2, 3)}
     steps = cfg.train.max_steps
     if tokens is not None:
-        steps = max(1, math.ceil(tokens / (s.micro_batch * s.seq_len * cfg.train.grad_accum * s.ranks)))
+        steps = max(1, math.ceil(tokens / (s.real_tokens * cfg.train.grad_accum * s.ranks)))
     return Plan(gpu=gpu, per_node=per_node, nodes=nodes, setting=s, memory=memory,
                 largest_micro_batch=largest_micro_batch(s, gpu), zero_fits=stages,
                 time=step_time(s, gpu, nodes, cfg.train.grad_accum, assumptions), grad_accum=cfg.train.grad_accum,
-                max_steps=steps, seq_source=source, assumptions=assumptions, token_budget=tokens)
+                max_steps=steps, seq_source=source, assumptions=assumptions, token_budget=tokens,
+                sample_source=sample_source)
 
 
 def summary(plan: Plan) -> str:
@@ -183,8 +245,9 @@ def summary(plan: Plan) -> str:
     goal = f"{plan.max_steps:,} steps"
     if plan.token_budget is not None:
         goal = f"{format_tokens(plan.token_budget)} tokens = {goal} ({plan.batch_line()})"
-    return (f"plan: {plan.nodes}x{plan.per_node}x{plan.gpu.name}, ZeRO {s.zero}, micro-batch {s.micro_batch} x "
-            f"{s.seq_len} tokens: {plan.memory.total / GIB:.1f} of {plan.gpu.memory_gib:.1f} GiB per GPU, {verdict} "
+    batch = (f"packed micro-batch of {s.tokens:,} tokens" if s.packed
+             else f"micro-batch {s.micro_batch} x {s.seq_len} tokens")
+    return (f"plan: {plan.nodes}x{plan.per_node}x{plan.gpu.name}, ZeRO {s.zero}, {batch}: {plan.memory.total / GIB:.1f} of {plan.gpu.memory_gib:.1f} GiB per GPU, {verdict} "
             f"(largest micro-batch {plan.largest_micro_batch}); estimate {plan.tokens_per_s:,.0f} tokens/s, MFU "
             f"{plan.mfu:.0%}, {plan.hours:,.1f} h = {plan.gpu_hours:,.0f} GPU-hours for {goal}")
 

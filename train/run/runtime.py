@@ -36,7 +36,7 @@ from distaff.train.core.runlock import DirLock
 from distaff.train.core.threads import configure_threads
 from distaff.train.core.verbosity import VERBOSE_FLAG, take_verbose_flag
 from distaff.train.core.watchdog import Watchdog
-from distaff.train.model.config import ModelConfig
+from distaff.train.model.config import check_data_fits_model  # noqa: F401 (moved; the trainers import it from here)
 from distaff.train.run.checkpoint import Checkpointer, Stateful, latest_checkpoint
 from distaff.train.run.config import ConfigError, changed_keys, config_fingerprint, fingerprinted
 from distaff.train.run.engine import initialize, set_lr
@@ -61,19 +61,6 @@ class PreemptionFlag:
         self.signum = self.signum or signum     # the first one names the cause
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def check_data_fits_model(model_cfg: ModelConfig, seq_len: int, length: str, remedy: str,
-                          section: str = "model") -> None:
-    """Absolute position embeddings (``position_biased_input``, the Enhanced Mask Decoder, T-TA's queries) have
-    ``max_position_embeddings`` rows: longer sequences (``length`` says where their length is set) would
-    fail at the first step with a shape error."""
-    users = [f"{section}.{name}" for name, on in (("position_biased_input", model_cfg.position_biased_input),
-                                                  ("emd", model_cfg.emd), ("tta", model_cfg.tta)) if on]
-    if users and seq_len > model_cfg.max_position_embeddings:
-        raise ConfigError(f"{section}.max_position_embeddings: {model_cfg.max_position_embeddings} is shorter than "
-                          f"the data's sequences ({length}), and {' and '.join(users)} use absolute positions; "
-                          f"{remedy}")
 
 
 def seed_everything(seed: int) -> None:
