@@ -11,7 +11,9 @@ processes a command starts) prints the traceback of every error.
 
 Numbers a user gives (command-line values, launcher variables, fields of the files distaff reads) are parsed
 here too, by :func:`finite_float`, :func:`whole_number` and :func:`env_int`, so every one is range-checked and its
-error names where it came from.
+error names where it came from; every number option of every command is parsed by :func:`int_arg` or
+:func:`float_arg` (never argparse's bare ``int``/``float``: they take nan, inf and numbers too large for what
+uses them), and :func:`document_ranges` writes each one's range into its ``--help`` line.
 
 Imports nothing heavy: launchers use it without importing torch.
 """
@@ -139,15 +141,57 @@ def env_int(env: Mapping[str, str], name: str, default: int | None = None, *, lo
     return whole_number(env[name], f"environment variable {name}", low=low, high=high)
 
 
-def float_arg(what: str, **bounds: Any) -> Callable[[str], float]:
-    """An argparse ``type`` for a float option: :func:`finite_float` with ``bounds``, reported by argparse."""
-    def parse(text: str) -> float:
-        try:
-            return finite_float(text, what, **bounds)
-        except ConfigError as err:
-            raise argparse.ArgumentTypeError(str(err).removeprefix(f"{what}: ")) from None
+MAX_SEED = 2**32 - 1         # numpy's largest seed; torch and Python take it too
+MAX_COUNT = 10**9           # a bound for counts with no natural one (sentences, samples): far above any real use
 
-    return parse
+
+class NumberArg:
+    """An argparse ``type`` for a number option: finite (no nan, inf), within the bounds, whole when ``whole``; a bad
+    value is argparse's one-line error naming the option, the value and the range. :func:`document_ranges` adds
+    the range to the option's ``--help`` line."""
+
+    def __init__(self, what: str, whole: bool, **bounds: Any):
+        self.what, self.whole, self.bounds = what, whole, bounds
+
+    @property
+    def range(self) -> str:
+        bounds = {"low": 0, **self.bounds} if self.whole else self.bounds
+        text = _bounds(bounds.get("low"), bounds.get("high"), bounds.get("low_open", False))
+        return ("a whole number" if self.whole else "a finite number") + (f" {text}" if text else "")
+
+    def __call__(self, text: str) -> float | int:
+        try:
+            if self.whole:
+                return whole_number(text, self.what, **self.bounds)
+            return finite_float(text, self.what, **self.bounds)
+        except ConfigError as err:
+            raise argparse.ArgumentTypeError(str(err).removeprefix(f"{self.what}: ")) from None
+
+    def __repr__(self) -> str:          # argparse names a bad value's type by it: "invalid <repr> value"
+        return self.what
+
+
+def float_arg(what: str, **bounds: Any) -> NumberArg:
+    """An argparse ``type`` for a float option ``what``: :func:`finite_float` with ``bounds``."""
+    return NumberArg(what, False, **bounds)
+
+
+def int_arg(what: str, **bounds: Any) -> NumberArg:
+    """An argparse ``type`` for a whole-number option ``what``: :func:`whole_number` with ``bounds`` (low 0 unless
+    given)."""
+    return NumberArg(what, True, **bounds)
+
+
+def document_ranges(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``parser`` (and its subcommands') with each number option's range at the end of its ``--help`` line."""
+    for action in parser._actions:
+        shown_range = isinstance(action.type, NumberArg) and action.type.range in (action.help or "")
+        if isinstance(action.type, NumberArg) and action.help != argparse.SUPPRESS and not shown_range:
+            action.help = f"{action.help}; {action.type.range}" if action.help else action.type.range
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                document_ranges(sub)
+    return parser
 
 
 def is_bad_input(err: BaseException) -> bool:

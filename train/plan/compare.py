@@ -19,6 +19,7 @@ from pathlib import Path
 
 from distaff.train.core.errors import ConfigError
 from distaff.train.core.threads import local_world_size
+from distaff.train.run.metrics import numbers, read_metrics
 from distaff.train.plan.gpus import KINDS
 from distaff.train.plan.planner import Plan, make_plan
 
@@ -167,8 +168,9 @@ def first_check(cfg, seq_len: int, world_size: int, device_name: str | None, mea
 def measured_means(metrics_path: Path, clock: str = "") -> tuple[dict[str, float], int]:
     """Stage seconds per step averaged over the run's logged training records, the first (warm-up) left out
     when there are others, and how many records they are; ``clock="_cpu"``: CPU ranks' CPU seconds."""
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    train = [r for r in records if "forward_s" in r]
+    stage_keys = [f"{key}{clock}_s" for key in STAGES]
+    train = [r for r in read_metrics(metrics_path) if numbers(r, "forward_s") and
+             all(numbers(r, key) for key in stage_keys if key in r)]
     if not train:
         raise ConfigError(f"{metrics_path}: no stage times logged (forward_s, ...); was the run made by a "
                           "distaff that times its stages?")

@@ -92,7 +92,7 @@ from distaff.train.core.threads import RANKS_FLAG, busy_cores, check_ranks_per_n
 from distaff.train.data.errors import DataError
 from distaff.train.run.config import (ConfigError, RunConfig, changed_keys, config_file, config_fingerprint,
                                      config_to_dict, fingerprinted, load_config, read_config_values)
-from distaff.train.run.metrics import save_figure
+from distaff.train.run.metrics import METRICS_FILE, numbers, read_metrics, save_figure
 from distaff.train.run.runtime import SUMMARY_FILE
 from distaff.train.run.schedule import RunSchedule
 from distaff.train.tools.ablate_derived import (AverageSpec, BranchSpec, branch_overrides, parent_overrides,
@@ -752,9 +752,9 @@ def _derived_line(variant: Variant) -> str:
 
 def eval_curve(run_dir: Path) -> list[tuple[int, float]]:
     """(tokens seen, held-out loss) at each evaluation; tokens from the train record of the same step."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    tokens = {r["step"]: r["tokens_seen"] for r in records if "tokens_seen" in r}
-    return [(tokens[r["step"]], r["eval_loss"]) for r in records if "eval_loss" in r and r["step"] in tokens]
+    records = read_metrics(run_dir / METRICS_FILE)
+    tokens = {r["step"]: r["tokens_seen"] for r in records if numbers(r, "tokens_seen")}
+    return [(tokens[r["step"]], r["eval_loss"]) for r in records if numbers(r, "eval_loss") and r["step"] in tokens]
 
 
 def plot_curves(cfg: AblationConfig, runs: list[PlannedRun], path: Path) -> Path | None:

@@ -145,7 +145,8 @@ def _plan_or_submit(todo: Plan, args: argparse.Namespace) -> None:
 
 
 def _report(run_dir: Path, plan: Plan, cfg: RunConfig) -> None:
-    print(f"\n== evaluations of {run_dir} (mean +- std over seeds (seeds); {run_dir / records.EVALS_FILE})\n"
+    print(f"\n== evaluations of {run_dir} (mean +- std over seeds (seeds), each seed's newest record; "
+          f"{run_dir / records.EVALS_FILE})\n"
           + report.table(run_dir, plan, cfg.evals.tasks), flush=True)
     figure = report.plot(run_dir, plan, cfg.evals.tasks)
     if figure is not None:
