@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from distaff.launch.script_values import plain_text
+from distaff.train.core.errors import MAX_COUNT, int_arg
 from distaff.train.core.threads import MOST_GPUS_PER_NODE, RANKS_FLAG
 from distaff.train.finetune.config import load_finetune_config
 from distaff.train.run.config import config_file, load_config
@@ -52,7 +53,7 @@ class LaunchTarget:
 
 
 def add_ranks_flag(parser) -> None:
-    parser.add_argument(RANKS_FLAG, type=int, metavar="N",
+    parser.add_argument(RANKS_FLAG, type=int_arg(RANKS_FLAG, low=1, high=MAX_COUNT), metavar="N",
                         help="allow up to N ranks per node (default: this node's GPUs, else its cores, when the ranks "
                              f"run here; {MOST_GPUS_PER_NODE} on other nodes)")
 

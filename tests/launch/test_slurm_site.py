@@ -115,7 +115,10 @@ def test_apptainer_wraps_each_python_the_nodes_run(config: Path, capsys) -> None
     (["--container-mounts", "/a:/a"], "--container-mounts: there is no container to mount into"),
     (["--gres", "gpu:a100:2"], "--gres 'gpu:a100:2': 2 GPU(s) per node for --gpus-per-node 4 ranks"),
     (["--gres", "nvme:1"], "--gres 'nvme:1': requests no GPU"),
-    (["--max-requeues", "-1"], "--max-requeues must be >= 0, got -1"),
+    (["--max-requeues", "-1"], "--max-requeues: expected a whole number >= 0 and <= 1,000, got '-1'"),
+    (["--max-requeues", "1e30"], "--max-requeues: expected a whole number >= 0 and <= 1,000, got '1e30'"),
+    (["--cpu", "--gres", "gpu:a100:4"], "--gres 'gpu:a100:4' with --cpu: a job of CPU ranks requests no GPU; leave "
+                                        "the gpu entry out of --gres (or --cpu out, to run on the GPUs)"),
 ])
 def test_site_requests_that_cannot_work_are_refused(config: Path, capsys, options: list[str], problem: str) -> None:
     code, _, err = _submit(config, capsys, *options)
@@ -126,3 +129,9 @@ def test_gres_requests_the_gpus_instead_of_gpus_per_node(config: Path, capsys) -
     code, script, _ = _submit(config, capsys, "--gres", "gpu:h100:4,nvme:1")
     assert code == 0 and "#SBATCH --gres=gpu:h100:4,nvme:1\n" in script and "--gpus-per-node" not in script
     assert "max_requeues=3\n" in script           # the default bound on stalled or lost attempts
+
+
+def test_a_cpu_job_keeps_a_gres_request_that_is_no_gpu(config: Path, capsys) -> None:
+    """``--cpu`` refuses a GPU in ``--gres`` (above); other generic resources are still requested."""
+    code, script, _ = _submit(config, capsys, "--cpu", "--gres", "nvme:1")
+    assert code == 0 and "#SBATCH --gres=nvme:1\n" in script and "#SBATCH --gpus-per-node" not in script

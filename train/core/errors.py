@@ -56,6 +56,12 @@ class ConfigError(UserError):
     """A configuration value is invalid; the message names the field (or key) and what to do."""
 
 
+class OptionError(Exception):
+    """A command-line option's value is bad (the message names the option, the value and the range). Not a
+    ValueError, so that argparse passes it up to :func:`command_main` (one line, exit 2) instead of printing its
+    usage and a message that leaves the range out."""
+
+
 class RunFailure(RuntimeError):
     """The run cannot go on for a reason outside the input (a full disk, say); the message says what survived."""
 
@@ -93,14 +99,14 @@ def _number(value: float) -> str:
     return f"{value:,}" if isinstance(value, int) else f"{value:g}"
 
 
-def _bounds(low: float | None, high: float | None, low_open: bool) -> str:
+def _bounds(low: float | None, high: float | None, low_open: bool, high_open: bool = False) -> str:
     parts = [f"{'>' if low_open else '>='} {_number(low)}" if low is not None else "",
-             f"<= {_number(high)}" if high is not None else ""]
+             f"{'<' if high_open else '<='} {_number(high)}" if high is not None else ""]
     return " and ".join(part for part in parts if part)
 
 
 def finite_float(value: Any, what: str, *, low: float | None = None, high: float | None = None,
-                 low_open: bool = False, error: type[UserError] = ConfigError) -> float:
+                 low_open: bool = False, high_open: bool = False, error: type[UserError] = ConfigError) -> float:
     """``value`` (text or a number) as a finite float within the bounds; else ``error`` naming ``what``. nan and
     inf are refused: they pass every comparison a range check makes, and turn a plan or a run into NaN."""
     number = None
@@ -111,9 +117,10 @@ def finite_float(value: Any, what: str, *, low: float | None = None, high: float
             number = float(value.strip())
         except ValueError:
             pass
-    bounds = _bounds(low, high, low_open)
+    bounds = _bounds(low, high, low_open, high_open)
     below = low is not None and number is not None and (number <= low if low_open else number < low)
-    if number is None or not math.isfinite(number) or below or (high is not None and number > high):
+    above = high is not None and number is not None and (number >= high if high_open else number > high)
+    if number is None or not math.isfinite(number) or below or above:
         raise error(f"{what}: expected a finite number{' ' + bounds if bounds else ''}, got {shown(value)}")
     return number
 
@@ -141,14 +148,18 @@ def env_int(env: Mapping[str, str], name: str, default: int | None = None, *, lo
     return whole_number(env[name], f"environment variable {name}", low=low, high=high)
 
 
-MAX_SEED = 2**32 - 1         # numpy's largest seed; torch and Python take it too
-MAX_COUNT = 10**9           # a bound for counts with no natural one (sentences, samples): far above any real use
+# bounds of command-line numbers that have no natural one: far above any real use, far below what breaks arithmetic
+MAX_SEED = 2**32 - 1        # numpy's largest seed; torch and Python take it too
+MAX_COUNT = 10**9           # steps, sentences, samples, batches
+MAX_NODES = 100_000         # the largest machines have some 10,000 nodes
+MAX_PROCESSES = 4096        # worker processes or threads on one machine
+MAX_PORT = 65535
 
 
 class NumberArg:
     """An argparse ``type`` for a number option: finite (no nan, inf), within the bounds, whole when ``whole``; a bad
-    value is argparse's one-line error naming the option, the value and the range. :func:`document_ranges` adds
-    the range to the option's ``--help`` line."""
+    value is an :class:`OptionError` naming the option, the value and the range. :func:`document_ranges` adds the
+    range to the option's ``--help`` line."""
 
     def __init__(self, what: str, whole: bool, **bounds: Any):
         self.what, self.whole, self.bounds = what, whole, bounds
@@ -156,7 +167,8 @@ class NumberArg:
     @property
     def range(self) -> str:
         bounds = {"low": 0, **self.bounds} if self.whole else self.bounds
-        text = _bounds(bounds.get("low"), bounds.get("high"), bounds.get("low_open", False))
+        text = _bounds(bounds.get("low"), bounds.get("high"), bounds.get("low_open", False),
+                       bounds.get("high_open", False))
         return ("a whole number" if self.whole else "a finite number") + (f" {text}" if text else "")
 
     def __call__(self, text: str) -> float | int:
@@ -165,10 +177,7 @@ class NumberArg:
                 return whole_number(text, self.what, **self.bounds)
             return finite_float(text, self.what, **self.bounds)
         except ConfigError as err:
-            raise argparse.ArgumentTypeError(str(err).removeprefix(f"{self.what}: ")) from None
-
-    def __repr__(self) -> str:          # argparse names a bad value's type by it: "invalid <repr> value"
-        return self.what
+            raise OptionError(str(err)) from None
 
 
 def float_arg(what: str, **bounds: Any) -> NumberArg:
@@ -195,7 +204,8 @@ def document_ranges(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def is_bad_input(err: BaseException) -> bool:
-    return isinstance(err, (UserError, *_PATH_ERRORS)) or (isinstance(err, OSError) and err.errno in _PATH_ERRNOS)
+    return (isinstance(err, (UserError, OptionError, *_PATH_ERRORS))
+            or (isinstance(err, OSError) and err.errno in _PATH_ERRNOS))
 
 
 # a write refused for want of room: a full disk or quota, or the process's file-size limit (RLIMIT_FSIZE)

@@ -320,8 +320,10 @@ class Throughput:
         self.positions += positions
         self.steps += 1
 
-    def report(self, steps_left: int) -> dict[str, Any]:
-        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+    def report(self, steps_left: int, paused_s: float = 0.0) -> dict[str, Any]:
+        """The rates since the last report; ``paused_s``: seconds of that time that were no training (a run's inline
+        evaluations), left out of the rates, the step time and the ETA."""
+        elapsed = max(time.perf_counter() - self.t0 - paused_s, 1e-9)
         tokens_per_s = self.tokens / elapsed
         per_device = tokens_per_s / self.world_size
         report = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": per_device,

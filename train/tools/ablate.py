@@ -84,7 +84,7 @@ import yaml
 
 from distaff.train.core import presets
 from distaff.train.core.config_yaml import load_yaml
-from distaff.train.core.errors import RunFailure, UserError, command_main, shown
+from distaff.train.core.errors import MAX_COUNT, RunFailure, UserError, command_main, document_ranges, int_arg, shown
 from distaff.train.core.exit_codes import EXIT_PREEMPTED
 from distaff.train.core.files import read_text
 from distaff.train.core.runlock import DirLock
@@ -806,9 +806,9 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--config", required=True, help=f"ablation config: {presets.CONFIG_HELP}")
     parser.add_argument("--report", action="store_true", help="only gather finished runs into the report")
     parser.add_argument("--dry-run", action="store_true", help="print the planned runs' commands, run nothing")
-    parser.add_argument(RANKS_FLAG, type=int, metavar="N",
+    parser.add_argument(RANKS_FLAG, type=int_arg(RANKS_FLAG, low=1, high=MAX_COUNT), metavar="N",
                         help="allow up to N ranks on this node (ranks x parallel; default: its GPUs, else its cores)")
-    args = parser.parse_args(argv)
+    args = document_ranges(parser).parse_args(argv)
     cfg = load_ablation(args.config)
     if cfg.launcher == "sequential":        # the runs' ranks all start on this node
         check_ranks_per_node(cfg.ranks * cfg.parallel, f"{args.config}: ranks {cfg.ranks} x parallel {cfg.parallel}",
