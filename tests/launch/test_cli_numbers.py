@@ -73,6 +73,8 @@ BAD = [
     (["plan", "--config", "tiny-cpu", "--gpus", "2xA100-80GB", "--tokens", "nan"], "got 'nan'"),
     (["plan", "--config", "tiny-cpu", "--gpus", "2xA100-80GB", "--nodes", "1e9"],
      "distaff plan: --nodes: expected a whole number >= 1 and <= 100,000, got '1e9'"),
+    (["plan", "--config", "tiny-cpu", "--gpus", "100000000000000000000xA100-80GB"],
+     "distaff plan: --gpus: expected COUNTxKIND per node (e.g. 8xA100-80GB), a COUNT of 1 to 4,096, got "),
     (["plan", "--config", "tiny-cpu", "--gpus", "2xA100-80GB", "--zero", "4"],
      "distaff plan: --zero: expected a whole number >= 0 and <= 3, got '4'"),
     (["slurm", "submit", "--config", "tiny-cpu", "--nodes", "1", "--gpus-per-node", "1", "--dry-run",

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distaff.train.core.errors import ConfigError
+from distaff.train.core.files import read_json
 from distaff.train.core.threads import local_world_size
 from distaff.train.run.metrics import numbers, read_metrics
 from distaff.train.plan.gpus import KINDS
@@ -184,7 +185,12 @@ def compare_lines(run_dir: Path) -> list[str]:
     for path in (record_path, metrics_path):
         if not path.is_file():
             raise ConfigError(f"--compare: {path} not found; a run writes it at its first evaluation (eval.every)")
-    record = json.loads(record_path.read_text())
+    record = read_json(record_path, error=ConfigError)
+    if not (isinstance(record, dict) and isinstance(record.get("plan_stage_seconds"), dict)
+            and numbers(record, "plan_step_total_s") and {"nodes", "gpus"} <= set(record)):
+        raise ConfigError(f"--compare: {record_path}: not a plan record (plan_stage_seconds, plan_step_total_s, nodes, "
+                          "gpus); the run writes it at its first evaluation: delete it and resume the run to have it "
+                          "again")
     measured, records = measured_means(metrics_path)
     cpu = measured_means(metrics_path, "_cpu")[0]       # all 0 where no CPU time was logged (GPU ranks)
     cpu = cpu if any(cpu.values()) else None

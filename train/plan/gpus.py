@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from distaff.train.core.errors import ConfigError, finite_float, shown, whole_number
+from distaff.train.core.errors import MAX_PROCESSES, ConfigError, finite_float, shown, whole_number
 
 MIB = 1024 ** 2
 
@@ -75,9 +75,10 @@ def kind(name: str) -> GpuKind:
 
 def parse_gpus(text: str, extra: GpuKind | None = None) -> tuple[int, GpuKind]:
     """``8xA100-80GB`` -> (8, the kind); ``extra`` (from ``--gpu-spec``) answers to its own name."""
-    match = re.fullmatch(r"\s*(\d+)\s*[x*]\s*(.+?)\s*", text)
-    if not match or int(match.group(1)) < 1:
-        raise ConfigError(f"--gpus: expected COUNTxKIND per node (e.g. 8xA100-80GB), got {shown(text)}")
+    match = re.fullmatch(r"\s*([0-9]+)\s*[x*]\s*(.+?)\s*", text)
+    if not match or not 1 <= int(match.group(1)) <= MAX_PROCESSES:
+        raise ConfigError(f"--gpus: expected COUNTxKIND per node (e.g. 8xA100-80GB), a COUNT of 1 to "
+                          f"{MAX_PROCESSES:,}, got {shown(text)}")
     name, count = match.group(2), int(match.group(1))
     if _key(name) == "cpu":      # CPU ranks of this machine: the probe's figures, or --gpu-spec name=cpu,...
         from distaff.train.plan.cpu import cpu_kind

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from distaff.train.core.errors import MAX_COUNT, MAX_SEED, command_main, document_ranges, int_arg
-from distaff.train.core.files import chmod_default
+from distaff.train.core.files import chmod_default, read_json
 from distaff.train.core.threads import configure_threads
 from distaff.train.data.errors import DataError
 from distaff.train.data.manifest import MAX_SEQ_LEN
@@ -111,7 +111,11 @@ def load_transform(folder: str | Path) -> tuple[np.ndarray, np.ndarray, dict]:
             raise FileNotFoundError(f"--transform: {folder / name} not found (a folder written by "
                                     "`distaff embed --whiten K`)")
     tensors = load_file(folder / TRANSFORM_WEIGHTS)
-    return tensors["mean"].numpy(), tensors["W"].numpy(), json.loads((folder / TRANSFORM_META).read_text())
+    meta = read_json(folder / TRANSFORM_META, error=ConfigError)
+    if not isinstance(meta, dict) or meta.get("pooling") not in POOLINGS:
+        raise ConfigError(f"--transform: {folder / TRANSFORM_META}: no pooling ({' or '.join(POOLINGS)}) recorded; "
+                          "a folder written by `distaff embed --whiten K` holds it: write the transform again")
+    return tensors["mean"].numpy(), tensors["W"].numpy(), meta
 
 
 def model_and_tokenizer(path: str | Path, tokenizer_dir: str | Path | None = None, field: str = "--model"
