@@ -144,4 +144,5 @@ def _panel(ax, name: str, metric: str, points: list[tuple[Row, list[float]]]) ->
     ax.set_xlabel("step")
     ax.set_ylabel(metric)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    if points:          # a panel whose every checkpoint diverged has nothing to label
+        ax.legend(fontsize="small")
