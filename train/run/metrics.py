@@ -15,8 +15,9 @@ import socket
 import sys
 import time
 from collections import deque
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -312,6 +313,7 @@ class Throughput:
         self.samples = 0
         self.positions = 0
         self.steps = 0
+        self.paused_s = 0.0
 
     def add(self, tokens: int, samples: int, positions: int) -> None:
         """Global real tokens, samples and computed positions (padding included) of one optimizer step."""
@@ -320,10 +322,22 @@ class Throughput:
         self.positions += positions
         self.steps += 1
 
-    def report(self, steps_left: int, paused_s: float = 0.0) -> dict[str, Any]:
-        """The rates since the last report; ``paused_s``: seconds of that time that were no training (a run's inline
-        evaluations), left out of the rates, the step time and the ETA."""
-        elapsed = max(time.perf_counter() - self.t0 - paused_s, 1e-9)
+    def exclude(self, seconds: float) -> None:
+        """``seconds`` since the last report were no training (an evaluation between two steps): they are left out
+        of the rates, the step time and the ETA, which would otherwise spread the pause over the window's steps."""
+        self.paused_s += seconds
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """The block's time is no training (see :meth:`exclude`)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.exclude(time.perf_counter() - started)
+
+    def report(self, steps_left: int) -> dict[str, Any]:
+        elapsed = max(time.perf_counter() - self.t0 - self.paused_s, 1e-9)
         tokens_per_s = self.tokens / elapsed
         per_device = tokens_per_s / self.world_size
         report = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": per_device,
