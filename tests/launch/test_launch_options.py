@@ -177,3 +177,22 @@ def test_a_busy_master_port_is_one_line_naming_it(config: Path, capsys, monkeypa
             monkeypatch.setenv(name, value)
         with pytest.raises(ConfigError, match=f"^MASTER_PORT {port}: already in use on 127.0.0.1 "):
             distributed.init_distributed(10)
+
+
+def test_a_port_a_finished_run_left_in_time_wait_is_free() -> None:
+    """The rendezvous listens with SO_REUSEADDR, so a port whose last connections wait out TIME_WAIT (a run that
+    just ended; ``distaff decay`` relaunching with its parent's recorded port) is free, not "in use"."""
+    import socket
+
+    from distaff.train.core.distributed import port_is_free
+
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()                  # the listening side closes first: its port holds a TIME_WAIT connection
+        client.close()
+    assert port_is_free(port)

@@ -47,8 +47,10 @@ def port_in_use_message(what: str, host: str) -> str:
 
 
 def port_is_free(port: int) -> bool:
-    """Whether this host's TCP ``port`` can be listened on (the rendezvous of ranks started here listens on it)."""
+    """Whether this host's TCP ``port`` can be listened on (the rendezvous of ranks started here listens on it). As
+    the rendezvous does, with SO_REUSEADDR: a port a finished run's connections still hold (TIME_WAIT) is free."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("", port))
         except OSError:
