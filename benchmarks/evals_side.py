@@ -35,6 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from distaff.train.run.metrics import numbers, read_metrics
+from distaff.train.tools.evals import records
+
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 MOVIES = REPO / "data" / "movie-snippets.tsv.gz"
@@ -74,10 +77,8 @@ def train(mode: str, data: Path, work: Path, args: argparse.Namespace, env: dict
           str(_free_port()), "-m", "distaff.train.pretrain", "--config", "tiny-cpu", *overrides], env)
     wall = time.monotonic() - started
     summary = json.loads((out / "summary.json").read_text())
-    windows = [r["step_time_s"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-               if "step_time_s" in r]
-    records = out / "evals.jsonl"
-    evaluated = [json.loads(line) for line in records.read_text().splitlines()] if records.is_file() else []
+    windows = [r["step_time_s"] for r in read_metrics(out / "metrics.jsonl") if numbers(r, "step_time_s")]
+    evaluated = records.read(out / records.EVALS_FILE)
     return {"summary": summary, "windows": windows, "wall_s": wall, "eval_s": sum(r["seconds"] for r in evaluated),
             "records": len(evaluated)}
 

@@ -32,6 +32,7 @@ from distaff.train.plan.compare import measured_means, rows
 from distaff.train.plan.cpu import core_kind, probed
 from distaff.train.plan.planner import make_plan
 from distaff.train.run.config import load_config
+from distaff.train.run.metrics import numbers, read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = [REPO / "data" / "austen-emma-pride.txt.gz", REPO / "data" / "movie-unlabelled.txt.gz"]
@@ -115,8 +116,7 @@ def measure(name: str, work: Path, env: dict, probe: dict) -> dict:
     wall, check = train(preset, overrides, data, steps, out, env, ranks)
     measured, records = measured_means(out / "metrics.jsonl")
     measured_cpu, _ = measured_means(out / "metrics.jsonl", "_cpu")
-    step_times = [json.loads(line)["step_time_s"] for line in (out / "metrics.jsonl").read_text().splitlines()
-                  if '"step_time_s"' in line][1:]
+    step_times = [r["step_time_s"] for r in read_metrics(out / "metrics.jsonl") if numbers(r, "step_time_s")][1:]
     result = {"run": name, "preset": preset, "overrides": overrides, "seq_len": seq_len, "steps": steps,
               "ranks": ranks, "threads": THREADS,
               "vocab_size": json.loads((data / "manifest.json").read_text())["vocab_size"],

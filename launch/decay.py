@@ -35,7 +35,7 @@ import yaml
 
 from distaff.launch.run_config import read_launch_record
 from distaff.train.core.config_yaml import load_yaml
-from distaff.train.core.errors import ConfigError, command_main
+from distaff.train.core.errors import MAX_COUNT, ConfigError, command_main, document_ranges, int_arg
 from distaff.train.run.checkpoint_files import META, checkpoint_problem, is_complete, tag_for_step
 from distaff.train.run.config import config_from_dict, parse_overrides
 from distaff.train.run.schedule import DECAY_SHAPES, wsd_window
@@ -170,16 +170,17 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="distaff decay", description=__doc__.splitlines()[0],
                                      epilog="Remaining key=value arguments override the branch's config.")
     parser.add_argument("run_dir", help="the WSD run's directory (the parent)")
-    parser.add_argument("--from", dest="step", type=int, required=True,
+    parser.add_argument("--from", dest="step", type=int_arg("--from", high=MAX_COUNT), required=True,
                         help="the parent's checkpoint step to branch from (in its stable phase)")
-    parser.add_argument("--steps", type=int, required=True, help="the decay's length in optimizer steps")
+    parser.add_argument("--steps", type=int_arg("--steps", low=1, high=MAX_COUNT),
+                        required=True, help="the decay's length in optimizer steps")
     parser.add_argument("--shape", choices=DECAY_SHAPES, default="",
                         help="the decay's shape (default: the parent's optim.decay_shape)")
     parser.add_argument("--out", help="the branch's run directory (default RUN_DIR/branches/decay-STEP-STEPS)")
     parser.add_argument("--dry-run", action="store_true",
                         help="write the branch's config and print how it is launched; start nothing")
     parser.add_argument("overrides", nargs="*", help="config overrides dotted.key=value")
-    return parser
+    return document_ranges(parser)
 
 
 def main(argv: list[str] | None = None) -> int:

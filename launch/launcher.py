@@ -31,7 +31,9 @@ from distaff.launch.run_config import (LaunchTarget, add_ranks_flag, add_task_ar
 from distaff.launch.script_values import host_name, plain_text, remote_argument
 from distaff.launch.watcher import signal_job, start_watcher
 from distaff.train.core import presets
-from distaff.train.core.errors import ConfigError, command_main, env_int, shown, whole_number
+from distaff.train.core.distributed import port_in_use_message, port_is_free
+from distaff.train.core.errors import (MAX_COUNT, MAX_PORT, ConfigError, command_main, document_ranges, env_int,
+                                       int_arg, shown, whole_number)
 from distaff.train.core.files import read_text
 from distaff.train.core.threads import check_ranks_per_node, rank_bound
 from distaff.train.core.verbosity import verbose
@@ -173,17 +175,18 @@ def _parser() -> argparse.ArgumentParser:
     hosts.add_argument("--hosts", help="hostlist, e.g. 'gpu[01-03,07]' or 'a,b' (default: the Slurm "
                        "allocation, else this node only)")
     hosts.add_argument("--hostfile", help="a deepspeed hostfile: 'HOST slots=N' per line ('#' comments)")
-    parser.add_argument("--gpus-per-node", type=int,
+    parser.add_argument("--gpus-per-node", type=int_arg("--gpus-per-node", low=1, high=MAX_COUNT),
                         help="ranks per node (default: every local GPU; for several hosts: the hostfile's slots, "
                         "$SLURM_GPUS_ON_NODE, else 1)")
     add_ranks_flag(parser)
-    parser.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT)
+    parser.add_argument("--master-port", type=int_arg("--master-port", low=1, high=MAX_PORT),
+                        default=DEFAULT_MASTER_PORT)
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="extra variable for every node (repeatable)")
     parser.add_argument("--gpu-kind", help="GPU kind for the plan's line (distaff plan --list-gpus; default A100-80GB)")
     parser.add_argument("--dry-run", action="store_true", help="print the files and the command, run nothing")
     parser.add_argument("overrides", nargs="*", help="config overrides dotted.key=value")
-    return parser
+    return document_ranges(parser)
 
 
 @dataclass(frozen=True)
@@ -264,6 +267,8 @@ def launch(args: argparse.Namespace) -> int:
             print(f"# {path}\n{text}")
         print(command)
         return 0
+    if len(hosts) <= 1 and not port_is_free(args.master_port):     # this node's ranks meet on it
+        raise ConfigError(port_in_use_message(f"--master-port {args.master_port}", "this host"))
     for path, text in plan.files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)

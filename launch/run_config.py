@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from distaff.launch.script_values import plain_text
-from distaff.train.core.errors import ConfigError, RunFailure
+from distaff.train.core.errors import MAX_COUNT, ConfigError, RunFailure, int_arg
 from distaff.train.core.exit_codes import EXIT_BAD_CONFIG
 from distaff.train.core.threads import MOST_GPUS_PER_NODE, RANKS_FLAG
 from distaff.train.data.manifest import is_remote
@@ -60,7 +60,7 @@ class LaunchTarget:
 
 
 def add_ranks_flag(parser) -> None:
-    parser.add_argument(RANKS_FLAG, type=int, metavar="N",
+    parser.add_argument(RANKS_FLAG, type=int_arg(RANKS_FLAG, low=1, high=MAX_COUNT), metavar="N",
                         help="allow up to N ranks per node (default: this node's GPUs, else its cores, when the ranks "
                              f"run here; {MOST_GPUS_PER_NODE} on other nodes)")
 

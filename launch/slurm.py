@@ -48,13 +48,16 @@ from distaff.launch.sbatch import require_sbatch, sbatch_command, submit_script
 from distaff.launch.slurm_site import (SiteOptions, add_site_arguments, check_container_paths, node_python,
                                       site_options)
 from distaff.train.core import presets
-from distaff.train.core.errors import ConfigError, command_main
+from distaff.train.core.errors import (MAX_COUNT, MAX_NODES, ConfigError, RunFailure, command_main, document_ranges,
+                                       int_arg)
 from distaff.train.core.distributed import NODE_LOG_VARIABLE, RANK0_LOG_VARIABLE
 from distaff.train.core.exit_codes import EXIT_FAILURE, EXIT_PREEMPTED, EXIT_STALLED
 from distaff.train.core.threads import check_ranks_per_node, rank_bound
 
 DEFAULT_SIGNAL_LEAD_S = 300
 DEFAULT_MAX_REQUEUES = 3     # stalled or lost attempts a job comes back from; then it stops for a person to look
+MAX_REQUEUES = 1000          # the batch script counts attempts in shell arithmetic: a bound far inside it
+MAX_SIGNAL_LEAD_S = 65535    # the most seconds sbatch --signal takes
 DEFAULT_MEM_PER_CPU = "4G"   # the rank and each DataLoader worker get one CPU, hence this much memory each
 _NO_KILL = ("--no-kill", "-k")
 NO_SBATCH = "run this on a Slurm login node (or use --dry-run)"
@@ -121,8 +124,8 @@ def _validate(spec: SlurmJobSpec) -> None:
                           f"{spec.cpus_per_task} ranks, or more CPUs")
     if spec.signal_lead_s < 1:
         raise ConfigError(f"--signal-lead must be >= 1 second, got {spec.signal_lead_s}")
-    if spec.max_requeues < 0:
-        raise ConfigError(f"--max-requeues must be >= 0, got {spec.max_requeues}")
+    if not 0 <= spec.max_requeues <= MAX_REQUEUES:
+        raise ConfigError(f"--max-requeues must be >= 0 and <= {MAX_REQUEUES:,}, got {spec.max_requeues}")
     spec.site.validate(spec.ranks_per_node, spec.cpu)
     if spec.cpus_per_task is not None and spec.cpus_per_task < 1:
         raise ConfigError(f"--cpus-per-task must be >= 1, got {spec.cpus_per_task}")
@@ -366,11 +369,12 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                "--sbatch=--qos=high.")
     sub.add_argument("--config", required=True, help=f"run config: {presets.CONFIG_HELP}")
     add_task_argument(sub)
-    sub.add_argument("--nodes", type=int, required=True)
-    sub.add_argument("--gpus-per-node", type=int, required=True, help="ranks per node (one per GPU)")
+    sub.add_argument("--nodes", type=int_arg("--nodes", low=1, high=MAX_NODES), required=True)
+    sub.add_argument("--gpus-per-node", type=int_arg("--gpus-per-node", low=1, high=MAX_COUNT),
+                     required=True, help="ranks per node (one per GPU)")
     add_ranks_flag(sub)
     sub.add_argument("--cpu", action="store_true", help="CPU ranks: request no GPUs, set DS_ACCELERATOR=cpu")
-    sub.add_argument("--cpus-per-task", type=int,
+    sub.add_argument("--cpus-per-task", type=int_arg("--cpus-per-task", low=1, high=MAX_COUNT),
                      help="CPUs per node (default: ranks per node x (1 + data.num_workers))")
     memory = sub.add_mutually_exclusive_group()
     memory.add_argument("--mem", help="memory per node, e.g. 256G (0: all of it)")
@@ -381,10 +385,12 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     sub.add_argument("--account")
     sub.add_argument("--time", help="time limit, e.g. 1-00:00:00")
     sub.add_argument("--job-name", help="default: run.name")
-    sub.add_argument("--signal-lead", type=int, default=DEFAULT_SIGNAL_LEAD_S,
+    sub.add_argument("--signal-lead", type=int_arg("--signal-lead", low=1, high=MAX_SIGNAL_LEAD_S),
+                     default=DEFAULT_SIGNAL_LEAD_S,
                      help="seconds before the time limit at which the ranks checkpoint and requeue")
     sub.add_argument("--sbatch", action="append", default=[], metavar="OPTION", help="extra #SBATCH option")
-    sub.add_argument("--max-requeues", type=int, default=DEFAULT_MAX_REQUEUES, metavar="N",
+    sub.add_argument("--max-requeues", type=int_arg("--max-requeues", high=MAX_REQUEUES), default=DEFAULT_MAX_REQUEUES,
+                     metavar="N",
                      help="requeue after a stall or a lost node up to N times, then stop (default "
                           f"{DEFAULT_MAX_REQUEUES}; a checkpoint on a signal always requeues)")
     add_site_arguments(sub)
@@ -393,7 +399,7 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     sub.add_argument("--no-check", action="store_true",
                      help="submit without first running the run's own --check on it (the dry run never runs it)")
     sub.add_argument("overrides", nargs="*", help="config overrides dotted.key=value")
-    return parser, sub
+    return document_ranges(parser), sub
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import sys
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from typing import Any
 from distaff.launch.script_values import sbatch_option, setup_line, site_word
 from distaff.train.core.errors import ConfigError, shown
 from distaff.train.core.files import read_text
+
+_DIGITS = re.compile(r"[0-9]+")     # ASCII digits: str.isdigit() also takes '²', which int() refuses
 
 CONTAINER_PYTHON = "python"     # the interpreter the nodes run inside a container, unless --python says otherwise
 
@@ -53,6 +56,9 @@ class SiteOptions:
         if self.container_mounts and not self.container:
             raise ConfigError("--container-mounts: there is no container to mount into; give --container-image or "
                               "--apptainer")
+        if self.gres is not None and cpu and _gres_gpus(self.gres):
+            raise ConfigError(f"--gres {shown(self.gres)} with --cpu: a job of CPU ranks requests no GPU; leave the "
+                              "gpu entry out of --gres (or --cpu out, to run on the GPUs)")
         if self.gres is not None and not cpu:
             _check_gres_gpus(self.gres, ranks_per_node)
 
@@ -160,13 +166,19 @@ def _flag(site: SiteOptions) -> str:
     return "--container-image" if site.container_image else "--apptainer"
 
 
-def _check_gres_gpus(gres: str, ranks_per_node: int) -> None:
-    """``--gres`` must give every rank of a node a GPU: a ``gpu[:type][:count]`` entry, count >= ranks per node."""
+def _gres_gpus(gres: str) -> list[int]:
+    """The GPU count of each ``gpu[:type][:count]`` entry of ``--gres`` (1 without a count)."""
     counts = []
     for entry in gres.split(","):
         fields = entry.split(":")
         if fields[0] == "gpu":
-            counts.append(int(fields[-1]) if len(fields) > 1 and fields[-1].isdigit() else 1)
+            counts.append(int(fields[-1]) if len(fields) > 1 and _DIGITS.fullmatch(fields[-1]) else 1)
+    return counts
+
+
+def _check_gres_gpus(gres: str, ranks_per_node: int) -> None:
+    """``--gres`` must give every rank of a node a GPU: a ``gpu[:type][:count]`` entry, count >= ranks per node."""
+    counts = _gres_gpus(gres)
     if not counts:
         raise ConfigError(f"--gres {shown(gres)}: requests no GPU (no gpu[:TYPE]:COUNT entry); add "
                           f"gpu:{ranks_per_node}, or leave --gres out to request --gpus-per-node {ranks_per_node}")

@@ -36,6 +36,19 @@ def test_a_missing_data_dir_or_manifest_is_a_config_error_naming_the_key_and_pat
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("command, preset", [("pretrain", "tiny-cpu"), ("finetune", "sentiment-cpu")])
+def test_print_config_with_check_prints_then_checks(tmp_path, monkeypatch, capsys, command, preset):
+    """Issue 48: given both, --check was skipped silently (exit 0 with the config alone); now the config is printed,
+    then checked, and the exit status is the check's."""
+    monkeypatch.chdir(tmp_path)
+    assert distaff_main([command, "--config", preset, "--print-config", "--check"]) == 2
+    out, err = capsys.readouterr()
+    assert yaml.safe_load(out)["run"]["name"] and "note:" not in err
+    assert err.splitlines()[-1].startswith(f"distaff {command}: --check: the config is valid; not checked without")
+    assert not list(tmp_path.iterdir())                # nothing written
+
+
+@pytest.mark.unit
 def test_a_preset_reads_before_its_data_exists_and_inspecting_says_nothing_of_the_load(tmp_path, monkeypatch, capsys):
     """--print-config prints a preset whose inputs are not there yet and notes each (exit 0); --check names them and
     the checks that could not run (exit 2: the run would stop on the same line). On a busy machine, where a

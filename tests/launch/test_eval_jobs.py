@@ -104,7 +104,7 @@ def test_the_evaluation_job_runs_with_the_training_jobs_set_up_lines_and_contain
     config.write_text(f"run: {{out_dir: out/run1, name: run1}}\ndata: {{dir: data}}\ncheckpoint: {{every: 50}}\n"
                       f"evals: {{every: 100, mode: slurm, tasks: [{json.dumps(PROBE)}]}}\n")
     (tmp_path / "site.sh").write_text("module load cuda/12.4\n")
-    submit = ["submit", "--config", str(config), "--nodes", "1", "--gpus-per-node", "2", "--cpu", "--gres=gpu:2",
+    submit = ["submit", "--config", str(config), "--nodes", "1", "--gpus-per-node", "2", "--gres=gpu:2",
               "--setup-file=site.sh", "--setup", 'export HF_HOME="/scratch/$USER/hf"', container,
               f"--container-mounts=/data:/data,{tmp_path}"]      # the run's paths at their own path
     assert cli.main(["slurm", *submit, "--dry-run"]) == 0

@@ -159,16 +159,15 @@ def test_plan_gpu_spec_refuses_nan_inf_and_negatives(capsys, spec: str, message:
     assert message in _one_line(capsys, "distaff plan")
 
 
-def test_float_options_refuse_nan_through_argparse(capsys) -> None:
+def test_float_options_refuse_nan_in_one_line(capsys) -> None:
     for argv in (["plan", "--config", "tiny-cpu", "--gpus", "2xA100-80GB", "--gemm-efficiency", "nan"],
                  ["data", "prepare", "--input", "x.txt", "--tokenizer", "t", "--seq-len", "64", "--out", "o",
                   "--shard-mb", "inf"],
                  ["tokenizer", "train", "--input", "x.txt", "--vocab-size", "100", "--out", "o",
                   "--character-coverage", "nan"]):
-        with pytest.raises(SystemExit) as info:
-            cli.main(argv)
-        assert info.value.code == 2
-        assert "expected a finite number" in capsys.readouterr().err
+        assert cli.main(argv) == 2
+        prog = "distaff data prepare" if argv[0] == "data" else f"distaff {argv[0]}"
+        assert "expected a finite number" in _one_line(capsys, prog)
 
 
 def test_a_good_gpu_spec_still_plans(capsys) -> None:

@@ -29,14 +29,14 @@ def config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_zero_or_negative_ranks_per_node_are_refused(config: Path, capsys, count: str) -> None:
     """The red-team case: --gpus-per-node 0 ran one rank."""
     assert cli.main(["launch", "--config", str(config), "--gpus-per-node", count, "--dry-run"]) == 2
-    assert capsys.readouterr().err == (f"distaff launch: --gpus-per-node {count}: expected at least 1 rank per "
-                                       "node\n")
+    assert capsys.readouterr().err == (f"distaff launch: --gpus-per-node: expected a whole number >= 1 and <= "
+                                       f"1,000,000,000, got '{count}'\n")
 
 
 @pytest.mark.parametrize("port", ["0", "70000"])
 def test_a_port_out_of_range_is_refused(config: Path, capsys, port: str) -> None:
     assert cli.main(["launch", "--config", str(config), "--master-port", port, "--dry-run"]) == 2
-    assert "expected a TCP port, 1 to 65535" in capsys.readouterr().err
+    assert f"--master-port: expected a whole number >= 1 and <= 65,535, got '{port}'" in capsys.readouterr().err
 
 
 def test_options_may_follow_the_overrides(config: Path, capsys) -> None:
@@ -154,3 +154,45 @@ def test_submit_warns_about_a_venv_under_tmp_and_says_where_it_must_live(config:
     assert "warning: every node runs /tmp/venv/bin/python, but it is under /tmp" in captured.err
     assert ("# Every node runs /tmp/venv/bin/python: its venv must be on a filesystem all nodes mount at that same "
             "path.") in captured.out
+
+
+def test_a_busy_master_port_is_one_line_naming_it(config: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 48: a port another process listens on was a traceback from the ranks; the launcher names it before it
+    starts them, and a rank started otherwise (torchrun, a Slurm job) names it too."""
+    import socket
+
+    from distaff.train.core import distributed
+
+    with socket.socket() as holder:
+        holder.bind(("", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        assert cli.main(["launch", "--config", str(config), "--master-port", str(port)]) == 2
+        assert capsys.readouterr().err == (f"distaff launch: --master-port {port}: already in use on this host "
+                                           "(another run, or a process that still holds it); give a free port: "
+                                           "distaff launch --master-port N (torchrun: --master-port N)\n")
+        assert not (config.parent / "out").exists() or not any((config.parent / "out").rglob("*.json"))
+        for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                                LOCAL_RANK="0").items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(ConfigError, match=f"^MASTER_PORT {port}: already in use on 127.0.0.1 "):
+            distributed.init_distributed(10)
+
+
+def test_a_port_a_finished_run_left_in_time_wait_is_free() -> None:
+    """The rendezvous listens with SO_REUSEADDR, so a port whose last connections wait out TIME_WAIT (a run that
+    just ended; ``distaff decay`` relaunching with its parent's recorded port) is free, not "in use"."""
+    import socket
+
+    from distaff.train.core.distributed import port_is_free
+
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()                  # the listening side closes first: its port holds a TIME_WAIT connection
+        client.close()
+    assert port_is_free(port)

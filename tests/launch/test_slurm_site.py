@@ -118,7 +118,10 @@ def test_apptainer_wraps_each_python_the_nodes_run(config: Path, capsys) -> None
     (["--container-mounts", "/a:/a"], "--container-mounts: there is no container to mount into"),
     (["--gres", "gpu:a100:2"], "--gres 'gpu:a100:2': 2 GPU(s) per node for --gpus-per-node 4 ranks"),
     (["--gres", "nvme:1"], "--gres 'nvme:1': requests no GPU"),
-    (["--max-requeues", "-1"], "--max-requeues must be >= 0, got -1"),
+    (["--max-requeues", "-1"], "--max-requeues: expected a whole number >= 0 and <= 1,000, got '-1'"),
+    (["--max-requeues", "1e30"], "--max-requeues: expected a whole number >= 0 and <= 1,000, got '1e30'"),
+    (["--cpu", "--gres", "gpu:a100:4"], "--gres 'gpu:a100:4' with --cpu: a job of CPU ranks requests no GPU; leave "
+                                        "the gpu entry out of --gres (or --cpu out, to run on the GPUs)"),
 ])
 def test_site_requests_that_cannot_work_are_refused(config: Path, capsys, options: list[str], problem: str) -> None:
     code, _, err = _submit(config, capsys, *options)
@@ -168,3 +171,7 @@ def test_mounted_paths_pass_and_the_home_and_an_outside_python_are_warnings(conf
     code, _, err = _submit(config, capsys, "--container-image", "img.sqsh", "--container-mounts", f"{config.parent}:"
                            f"{config.parent}:ro", "--python", f"{config.parent}/venv/bin/python")
     assert code == 0 and "warning" not in err, err
+def test_a_cpu_job_keeps_a_gres_request_that_is_no_gpu(config: Path, capsys) -> None:
+    """``--cpu`` refuses a GPU in ``--gres`` (above); other generic resources are still requested."""
+    code, script, _ = _submit(config, capsys, "--cpu", "--gres", "nvme:1")
+    assert code == 0 and "#SBATCH --gres=nvme:1\n" in script and "#SBATCH --gpus-per-node" not in script

@@ -78,6 +78,12 @@ def test_compare_reads_a_run_folder_and_says_what_is_missing(tmp_path, capsys):
     assert measured_means(tmp_path / "metrics.jsonl")[0]["data_wait"] == pytest.approx(0.3)
     assert cli.main(["--compare", str(tmp_path)]) == 2
     assert "plan.json not found; a run writes it at its first evaluation" in capsys.readouterr().err
+    for damaged in ('{"gpus": "2xcpu", "nod', "null", json.dumps({"gpus": "2xcpu", "nodes": 1})):   # issue 48
+        (tmp_path / "plan.json").write_text(damaged)
+        assert cli.main(["--compare", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"distaff plan: {tmp_path / 'plan.json'}") or "not a plan record" in err, err
+        assert err.count("\n") == 1, err
     (tmp_path / "plan.json").write_text(json.dumps({"gpus": "2xcpu", "nodes": 1, "plan_stage_seconds": PLAN,
                                                     "plan_step_total_s": 0.105}))
     assert cli.main(["--compare", str(tmp_path)]) == 0

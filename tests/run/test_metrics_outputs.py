@@ -87,3 +87,22 @@ def test_tensorboard_without_the_package_is_one_line_naming_the_extra(load, monk
         load(["logging.tensorboard=true"])
     assert str(info.value) == ("logging.tensorboard: the tensorboard package is not installed; pip install "
                                "'distaff[tensorboard]' (the tensorboard extra), or set logging.tensorboard=false")
+
+
+def test_a_pause_between_steps_is_not_counted_as_training():
+    """Issue 48: the step line after an (inline or held-out) evaluation spread the pause over the window's steps,
+    tokens/s and ETA some 150x off. 10 s since the last report, 9 of them an evaluation, 5 steps of 100 tokens."""
+    import time
+
+    throughput = metrics.Throughput(world_size=2, flops_per_token=0.0, peak_flops=None)
+    for _ in range(5):
+        throughput.add(100, 4, 128)
+    throughput.t0 = time.perf_counter() - 10.0
+    throughput.exclude(9.0)
+    report = throughput.report(steps_left=50)
+    assert report["step_time_s"] == pytest.approx(0.2, abs=0.02)
+    assert report["tokens_per_s"] == pytest.approx(500, rel=0.1) and report["eta_s"] == pytest.approx(10, rel=0.1)
+    with throughput.paused():                     # the window after a report starts without a pause
+        pass
+    assert 0 <= throughput.paused_s < 1
+    assert throughput.report(0)["eta_s"] == 0

@@ -86,7 +86,7 @@ def test_bad_rows_name_the_file_and_line(tmp_path: Path, capsys):
     assert main(["--train", str(tmp_path / "missing.tsv")]) == 2
     assert "missing.tsv" in capsys.readouterr().err
     assert main(["--train", str(_write_tsv(tmp_path / "ok.tsv.gz", [(0, "a"), (1, "b")])), "--dev-fraction", "1"]) == 2
-    assert "dev_fraction" in capsys.readouterr().err
+    assert "--dev-fraction: expected a finite number > 0 and < 1, got '1'" in capsys.readouterr().err
 
 
 def test_cli_prints_and_writes_the_result(tmp_path: Path, sample_data: Path):

@@ -151,3 +151,18 @@ def test_out_holding_files_needs_overwrite(small_model_dir, sentences, tmp_path,
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "not an empty folder; pass --overwrite" in err
     assert main([*args, "--overwrite"]) == 0 and (out / "embeddings.npy").is_file()
+
+
+@pytest.mark.parametrize("meta", ['{"pooling": "me', "null", '{"k": 2}'])
+def test_a_damaged_transform_is_one_line_naming_its_file(tmp_path, meta):
+    """Issue 48: a transform's whitening.json that is torn or not a transform's was a traceback."""
+    from safetensors.torch import save_file
+
+    from distaff.train.core.errors import UserError
+    from distaff.train.tools.embed import TRANSFORM_META, TRANSFORM_WEIGHTS, load_transform
+
+    save_file({"mean": torch.zeros(4), "W": torch.eye(4)}, str(tmp_path / TRANSFORM_WEIGHTS))
+    (tmp_path / TRANSFORM_META).write_text(meta)
+    with pytest.raises(UserError, match=re.escape(str(tmp_path / TRANSFORM_META))) as err:
+        load_transform(tmp_path)
+    assert "\n" not in str(err.value)

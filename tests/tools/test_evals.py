@@ -179,9 +179,10 @@ def _branch_and_average_backfilled(tmp: Path, run: Path, data: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_inline_evaluations_pause_every_rank_and_are_counted_in_the_step_time(sample_data, tmp_path_factory):
+def test_inline_evaluations_pause_every_rank_and_are_logged_apart_from_the_step_time(sample_data, tmp_path_factory):
     """``evals.mode: inline`` on 2 ranks: rank 0 evaluates each selected checkpoint between two steps while the other
-    rank waits in the evaluations' own group; the pause is logged as ``evals_inline_s`` beside the step time."""
+    rank waits in the evaluations' own group; the pause is logged as ``evals_inline_s`` beside the step time, which
+    (with tokens/s and the ETA) counts training alone (issue 48: the pause was counted as training)."""
     data = prepare_data(tmp_path_factory.getbasetemp(), sample_data)
     tmp = tmp_path_factory.mktemp("evals-inline")
     run = tmp / "run"
@@ -195,6 +196,8 @@ def test_inline_evaluations_pause_every_rank_and_are_counted_in_the_step_time(sa
     paused = {r["step"]: r["evals_inline_s"] for r in metrics(run) if "evals_inline_s" in r}
     # step 4's evaluation ran between steps 4 and 5: the first log line after it carries its seconds
     assert paused[5] >= records(run)[0]["seconds"] > 0 and paused[4] == 0, paused
+    after = next(r for r in metrics(run) if r["step"] == 5 and "step_time_s" in r)
+    assert after["step_time_s"] < paused[5] and after["eta_s"] < paused[5], (after, paused)   # the pause left out
     summary = json.loads((run / "summary.json").read_text())
     assert summary["evals_inline_s"] >= sum(r["seconds"] for r in records(run)), summary
     assert not list((run / "evals" / "pinned").iterdir())

@@ -22,7 +22,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from distaff.train.core.errors import ConfigError, env_int
+from distaff.train.core.errors import MAX_PORT, ConfigError, env_int
 from distaff.train.core.verbosity import quiet_torch_warnings
 
 
@@ -40,6 +40,24 @@ class DistEnv:
         return self.rank == 0
 
 
+def port_in_use_message(what: str, host: str) -> str:
+    """The one line for a rendezvous port (``what``: ``--master-port 29500``) that ``host`` already listens on."""
+    return (f"{what}: already in use on {host} (another run, or a process that still holds it); give a free port: "
+            "distaff launch --master-port N (torchrun: --master-port N)")
+
+
+def port_is_free(port: int) -> bool:
+    """Whether this host's TCP ``port`` can be listened on (the rendezvous of ranks started here listens on it). As
+    the rendezvous does, with SO_REUSEADDR: a port a finished run's connections still hold (TIME_WAIT) is free."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
     """A TCP port on the loopback interface that nothing listens on right now."""
     with socket.socket() as s:
@@ -49,7 +67,6 @@ def free_port() -> int:
 
 # (rank, world size, local rank) variables of each launcher: torchrun and deepspeed's, else srun's
 LAUNCHER_VARIABLES = (("RANK", "WORLD_SIZE", "LOCAL_RANK"), ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
-MAX_PORT = 65535
 # Set by `distaff slurm submit`'s script: the name rank 0 links to the log of its node (train/run/runtime.py), and
 # the nodes' log, Slurm's %n standing for the node.
 RANK0_LOG_VARIABLE = "DISTAFF_RANK0_LOG"
@@ -136,8 +153,14 @@ def init_distributed(timeout_s: int) -> DistEnv:
         backend = "nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend, rank=layout.rank, world_size=layout.world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    try:
+        dist.init_process_group(backend, rank=layout.rank, world_size=layout.world_size,
+                                timeout=timedelta(seconds=timeout_s))
+    except dist.DistNetworkError as err:
+        if "EADDRINUSE" not in str(err) and "address already in use" not in str(err).lower():
+            raise
+        raise ConfigError(port_in_use_message(f"MASTER_PORT {os.environ['MASTER_PORT']}",
+                                              os.environ["MASTER_ADDR"])) from None
     global _had_process_group
     _had_process_group = True
     return layout

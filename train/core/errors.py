@@ -11,7 +11,9 @@ processes a command starts) prints the traceback of every error.
 
 Numbers a user gives (command-line values, launcher variables, fields of the files distaff reads) are parsed
 here too, by :func:`finite_float`, :func:`whole_number` and :func:`env_int`, so every one is range-checked and its
-error names where it came from.
+error names where it came from; every number option of every command is parsed by :func:`int_arg` or
+:func:`float_arg` (never argparse's bare ``int``/``float``: they take nan, inf and numbers too large for what
+uses them), and :func:`document_ranges` writes each one's range into its ``--help`` line.
 
 Imports nothing heavy: launchers use it without importing torch.
 """
@@ -54,6 +56,12 @@ class ConfigError(UserError):
     """A configuration value is invalid; the message names the field (or key) and what to do."""
 
 
+class OptionError(Exception):
+    """A command-line option's value is bad (the message names the option, the value and the range). Not a
+    ValueError, so that argparse passes it up to :func:`command_main` (one line, exit 2) instead of printing its
+    usage and a message that leaves the range out."""
+
+
 class RunFailure(RuntimeError):
     """The run cannot go on for a reason outside the input (a full disk, say); the message says what survived."""
 
@@ -91,14 +99,14 @@ def _number(value: float) -> str:
     return f"{value:,}" if isinstance(value, int) else f"{value:g}"
 
 
-def _bounds(low: float | None, high: float | None, low_open: bool) -> str:
+def _bounds(low: float | None, high: float | None, low_open: bool, high_open: bool = False) -> str:
     parts = [f"{'>' if low_open else '>='} {_number(low)}" if low is not None else "",
-             f"<= {_number(high)}" if high is not None else ""]
+             f"{'<' if high_open else '<='} {_number(high)}" if high is not None else ""]
     return " and ".join(part for part in parts if part)
 
 
 def finite_float(value: Any, what: str, *, low: float | None = None, high: float | None = None,
-                 low_open: bool = False, error: type[UserError] = ConfigError) -> float:
+                 low_open: bool = False, high_open: bool = False, error: type[UserError] = ConfigError) -> float:
     """``value`` (text or a number) as a finite float within the bounds; else ``error`` naming ``what``. nan and
     inf are refused: they pass every comparison a range check makes, and turn a plan or a run into NaN."""
     number = None
@@ -109,9 +117,10 @@ def finite_float(value: Any, what: str, *, low: float | None = None, high: float
             number = float(value.strip())
         except ValueError:
             pass
-    bounds = _bounds(low, high, low_open)
+    bounds = _bounds(low, high, low_open, high_open)
     below = low is not None and number is not None and (number <= low if low_open else number < low)
-    if number is None or not math.isfinite(number) or below or (high is not None and number > high):
+    above = high is not None and number is not None and (number >= high if high_open else number > high)
+    if number is None or not math.isfinite(number) or below or above:
         raise error(f"{what}: expected a finite number{' ' + bounds if bounds else ''}, got {shown(value)}")
     return number
 
@@ -139,19 +148,64 @@ def env_int(env: Mapping[str, str], name: str, default: int | None = None, *, lo
     return whole_number(env[name], f"environment variable {name}", low=low, high=high)
 
 
-def float_arg(what: str, **bounds: Any) -> Callable[[str], float]:
-    """An argparse ``type`` for a float option: :func:`finite_float` with ``bounds``, reported by argparse."""
-    def parse(text: str) -> float:
-        try:
-            return finite_float(text, what, **bounds)
-        except ConfigError as err:
-            raise argparse.ArgumentTypeError(str(err).removeprefix(f"{what}: ")) from None
+# bounds of command-line numbers that have no natural one: far above any real use, far below what breaks arithmetic
+MAX_SEED = 2**32 - 1        # numpy's largest seed; torch and Python take it too
+MAX_COUNT = 10**9           # steps, sentences, samples, batches
+MAX_NODES = 100_000         # the largest machines have some 10,000 nodes
+MAX_PROCESSES = 4096        # worker processes or threads on one machine
+MAX_PORT = 65535
 
-    return parse
+
+class NumberArg:
+    """An argparse ``type`` for a number option: finite (no nan, inf), within the bounds, whole when ``whole``; a bad
+    value is an :class:`OptionError` naming the option, the value and the range. :func:`document_ranges` adds the
+    range to the option's ``--help`` line."""
+
+    def __init__(self, what: str, whole: bool, **bounds: Any):
+        self.what, self.whole, self.bounds = what, whole, bounds
+
+    @property
+    def range(self) -> str:
+        bounds = {"low": 0, **self.bounds} if self.whole else self.bounds
+        text = _bounds(bounds.get("low"), bounds.get("high"), bounds.get("low_open", False),
+                       bounds.get("high_open", False))
+        return ("a whole number" if self.whole else "a finite number") + (f" {text}" if text else "")
+
+    def __call__(self, text: str) -> float | int:
+        try:
+            if self.whole:
+                return whole_number(text, self.what, **self.bounds)
+            return finite_float(text, self.what, **self.bounds)
+        except ConfigError as err:
+            raise OptionError(str(err)) from None
+
+
+def float_arg(what: str, **bounds: Any) -> NumberArg:
+    """An argparse ``type`` for a float option ``what``: :func:`finite_float` with ``bounds``."""
+    return NumberArg(what, False, **bounds)
+
+
+def int_arg(what: str, **bounds: Any) -> NumberArg:
+    """An argparse ``type`` for a whole-number option ``what``: :func:`whole_number` with ``bounds`` (low 0 unless
+    given)."""
+    return NumberArg(what, True, **bounds)
+
+
+def document_ranges(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``parser`` (and its subcommands') with each number option's range at the end of its ``--help`` line."""
+    for action in parser._actions:
+        shown_range = isinstance(action.type, NumberArg) and action.type.range in (action.help or "")
+        if isinstance(action.type, NumberArg) and action.help != argparse.SUPPRESS and not shown_range:
+            action.help = f"{action.help}; {action.type.range}" if action.help else action.type.range
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                document_ranges(sub)
+    return parser
 
 
 def is_bad_input(err: BaseException) -> bool:
-    return isinstance(err, (UserError, *_PATH_ERRORS)) or (isinstance(err, OSError) and err.errno in _PATH_ERRNOS)
+    return (isinstance(err, (UserError, OptionError, *_PATH_ERRORS))
+            or (isinstance(err, OSError) and err.errno in _PATH_ERRNOS))
 
 
 # a write refused for want of room: a full disk or quota, or the process's file-size limit (RLIMIT_FSIZE)

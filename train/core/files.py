@@ -1,13 +1,17 @@
 """Atomic file writes (readers see the old content or the new, never a torn file, even after a crash),
 file checksums, and text read strictly: every text file distaff reads (configs, hostfiles, manifests, JSON
-metadata, labelled files, corpora) is decoded by :func:`decode_text`, whose error names the file, line and byte."""
+metadata, labelled files, corpora) is decoded by :func:`decode_text`, whose error names the file, line and byte.
+The JSONL record files distaff writes (``metrics.jsonl``, ``evals.jsonl``) are appended whole lines at a time by
+:func:`append_record` and read by :func:`read_records`, which passes over and counts a line that is not a record."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -129,3 +133,82 @@ def parse_json(text: str | bytes, source: str, *, error: type[UserError] = UserE
 def read_json(path: str | Path, *, error: type[UserError] = UserError) -> Any:
     """The JSON value of the file ``path``, read strictly (see :func:`parse_json`)."""
     return parse_json(Path(path).read_bytes(), str(path), error=error)
+
+
+# ---- JSONL record files distaff writes (metrics.jsonl, evals.jsonl, evals/failures.jsonl)
+
+# a field's expected JSON kind: a name is text, a step or seed a whole number, a value any number (NaN included:
+# json writes a diverged figure as NaN, and it is a result to show)
+NAME, WHOLE, NUMBER = (str,), (int,), (int, float)
+_REPORTED: set[tuple[str, tuple[int, ...]]] = set()      # (file, bad lines) already reported by this process
+_SHOWN_LINES = 10       # line numbers a report names before "and N more"
+
+
+def append_record(path: str | Path, record: dict[str, Any], *, durable: bool = True) -> None:
+    """``record`` as one whole line at the end of ``path``, under an exclusive lock (several processes append to
+    one file): after a newline when a writer that died left a torn line. A write that fails (a full disk) is cut
+    back off, so the file ends as it was, and the error names ``path``. ``durable``: fsynced before returning."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps(record) + "\n"
+    with open(path, "a+b", buffering=0) as handle:     # unbuffered: what a write returns is in the file
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        size = handle.seek(0, os.SEEK_END)
+        torn = size > 0 and (handle.seek(size - 1), handle.read(1))[1] != b"\n"
+        data = (("\n" if torn else "") + line).encode()
+        try:
+            written = 0
+            while written < len(data):          # a short write (the disk filling up) is followed by the error
+                written += handle.write(data[written:])
+            if durable:
+                os.fsync(handle.fileno())
+        except OSError as err:
+            handle.truncate(size)       # whole line or nothing: a reader never meets half a record
+            raise OSError(err.errno, err.strerror, str(path)) from None
+
+
+def read_records(path: str | Path, fields: dict[str, tuple[type, ...]], what: str) -> list[dict[str, Any]]:
+    """The records of the JSONL file ``path`` (none when it does not exist): JSON objects holding ``fields``, each of
+    its kind (NAME, WHOLE, NUMBER). A line that is not one (a torn last line, null, a string, a list where a name
+    belongs) is passed over and counted, its line number reported once (``what``: whose records they are). A
+    ``path`` that exists but is not a file is a :class:`UserError`."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    if not path.is_file():
+        raise UserError(f"{path}: not a file ({what} are kept in this file); move it out of the way")
+    found, bad = [], []
+    raw = path.read_bytes()
+    for number, line in enumerate(raw.splitlines(), 1):
+        record = _record(line, fields)
+        if record is not None:
+            found.append(record)
+        elif line.strip():
+            bad.append(number)
+    _report_bad_lines(path, bad, what, torn=bool(raw) and not raw.endswith(b"\n") and raw.count(b"\n") + 1 in bad)
+    return found
+
+
+def _record(line: bytes, fields: dict[str, tuple[type, ...]]) -> dict[str, Any] | None:
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    for field, kinds in fields.items():
+        value = record.get(field)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            return None
+    return record
+
+
+def _report_bad_lines(path: Path, bad: list[int], what: str, torn: bool) -> None:
+    if not bad or (str(path), tuple(bad)) in _REPORTED:
+        return
+    _REPORTED.add((str(path), tuple(bad)))
+    shown_lines = ", ".join(map(str, bad[:_SHOWN_LINES])) + (f" and {len(bad) - _SHOWN_LINES} more"
+                                                              if len(bad) > _SHOWN_LINES else "")
+    cause = " (the last one torn: a writer stopped mid-line)" if torn else ""
+    print(f"distaff: warning: {path}: {len(bad)} line(s) are not {what} and were passed over{cause}: "
+          f"line {shown_lines}", file=sys.stderr, flush=True)

@@ -7,11 +7,10 @@ import logging
 import sys
 from pathlib import Path
 
-from distaff.train.core.errors import command_main, float_arg
+from distaff.train.core.errors import MAX_PROCESSES, command_main, document_ranges, float_arg, int_arg
 from distaff.train.core.runlock import DirLock
-from distaff.train.data.errors import DataError
 from distaff.train.data.heldout import MIN_HELDOUT_TOKENS, choose_heldout
-from distaff.train.data.manifest import SplitInfo
+from distaff.train.data.manifest import MAX_SEQ_LEN, MIN_SEQ_LEN, SplitInfo
 from distaff.train.data.prepare import PrepareConfig, prepare
 from distaff.train.data.sources import FORMATS, ReadOptions
 from distaff.train.data.verify import verify
@@ -25,24 +24,27 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare", help="tokenize text into shards + manifest (resumes an interrupted run)")
     p.add_argument("--input", nargs="+", required=True, help=f"{FORMATS} files")
     p.add_argument("--tokenizer", required=True, help="folder written by `distaff tokenizer train`")
-    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence, [CLS] and [SEP] included")
+    p.add_argument("--seq-len", type=int_arg("--seq-len", low=MIN_SEQ_LEN, high=MAX_SEQ_LEN), required=True,
+                   help="tokens per sequence, [CLS] and [SEP] included")
     p.add_argument("--out", required=True, help="output data dir")
     p.add_argument("--doc-per-file", action="store_true", help=".txt: each file is one document "
                    "(default: documents are separated by blank lines)")
     p.add_argument("--text-field", default="text",
                    help=".jsonl field, or .parquet/.tsv/.csv column, holding the text (default: text)")
     p.add_argument("--pack-documents", action="store_true", help="fill sequences with several documents")
-    p.add_argument("--heldout-fraction", type=float_arg("--heldout-fraction"), default=None,
+    p.add_argument("--heldout-fraction", type=float_arg("--heldout-fraction", low=0, high=1, high_open=True),
+                   default=None,
                    help=f"share of documents held out (0: none; default: 1%%, more for a small corpus, so that the "
                         f"held-out split holds {MIN_HELDOUT_TOKENS:,} tokens or more)")
     p.add_argument("--shard-mb", type=float_arg("--shard-mb", low=0, low_open=True), default=16.0,
                    help="MB of raw text per shard")
-    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
+    p.add_argument("--workers", type=int_arg("--workers", high=MAX_PROCESSES), default=None,
+                   help="tokenizer processes (default: all cores; 0: in this process)")
     p.add_argument("--skip-bad", action="store_true", help="skip, count and log bad documents instead of failing")
     p.add_argument("--no-progress", action="store_true")
     v = sub.add_parser("verify", help="check every shard against the manifest")
     v.add_argument("data_dir")
-    return parser
+    return document_ranges(parser)
 
 
 def _heldout_every(args: argparse.Namespace, read: ReadOptions) -> int:
@@ -51,8 +53,6 @@ def _heldout_every(args: argparse.Namespace, read: ReadOptions) -> int:
         choice = choose_heldout(args.input, args.tokenizer, read)
         print(choice.line())
         return choice.every
-    if not 0.0 <= args.heldout_fraction < 1.0:
-        raise DataError(f"--heldout-fraction {args.heldout_fraction} must lie in [0, 1)")
     return round(1 / args.heldout_fraction) if args.heldout_fraction > 0 else 0
 
 

@@ -24,7 +24,8 @@ from typing import Iterator, Sequence
 
 import sentencepiece as spm
 
-from distaff.train.core.errors import command_main, float_arg, shown, whole_number
+from distaff.train.core.errors import (MAX_COUNT, MAX_PROCESSES, command_main, document_ranges, float_arg, int_arg,
+                                       shown, whole_number)
 from distaff.train.core.files import file_sha256, read_json
 from distaff.train.core.progress import ProgressLines
 from distaff.train.data.errors import DataError
@@ -273,17 +274,18 @@ def _main(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="action", required=True)
     train = sub.add_parser("train", help="train spm.model + a Hugging Face tokenizer folder")
     train.add_argument("--input", nargs="+", required=True, help=f"{FORMATS} files")
-    train.add_argument("--vocab-size", type=int, required=True)
+    train.add_argument("--vocab-size", type=int_arg("--vocab-size", low=len(SPECIAL_TOKENS) + 1, high=MAX_COUNT),
+                       required=True)
     train.add_argument("--out", required=True, help="output folder")
     train.add_argument("--character-coverage", type=float_arg("--character-coverage", low=0, low_open=True, high=1),
                        default=0.9995)
     train.add_argument("--max-input-mb", type=float_arg("--max-input-mb", low=0, low_open=True), default=None,
                        help="train on the first MB of text only")
-    train.add_argument("--threads", type=int, default=2)
+    train.add_argument("--threads", type=int_arg("--threads", low=1, high=MAX_PROCESSES), default=2)
     train.add_argument("--skip-bad", action="store_true", help="skip, count and log bad documents instead of failing")
     train.add_argument("--text-field", default="text",
                        help=".jsonl field, or .parquet/.tsv/.csv column, holding the text (default: text)")
-    args = parser.parse_args(argv)
+    args = document_ranges(parser).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     max_bytes = None if args.max_input_mb is None else int(args.max_input_mb * 1e6)
     info = train_tokenizer(args.input, args.vocab_size, args.out, character_coverage=args.character_coverage,

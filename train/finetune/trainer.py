@@ -315,6 +315,10 @@ class FinetuneTrainer(RunBase):
     # ---------------------------------------------------------------- evaluation
 
     def _evaluate(self) -> None:
+        with self.throughput.paused():      # no training: not in the next step line's tokens/s and ETA
+            self._evaluate_dev()
+
+    def _evaluate_dev(self) -> None:
         """Dev metrics; a better ``eval.metric`` saves the best checkpoint, ``eval.patience`` evaluations
         without one stop the run."""
         state, metric = self.state, self.cfg.metric

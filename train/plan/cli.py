@@ -16,7 +16,9 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from distaff.train.core.errors import ConfigError, command_main, float_arg
+from distaff.train.core.errors import (MAX_COUNT, MAX_NODES, ConfigError, command_main, document_ranges, float_arg,
+                                       int_arg)
+from distaff.train.data.manifest import MAX_SEQ_LEN, MIN_SEQ_LEN
 from distaff.train.plan import gpus as gpu_kinds
 from distaff.train.plan.memory import GIB
 from distaff.train.plan.planner import Plan, make_plan, parse_tokens, summary
@@ -29,11 +31,13 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="run config YAML, or a run preset's name (deberta-v3-base)")
     parser.add_argument("--gpus", help="GPUs per node as COUNTxKIND, e.g. 8xA100-80GB (--list-gpus)")
-    parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument("--micro-batch", type=int, help="sequences per GPU per micro-step (default: data.batch_size)")
-    parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default: zero.stage)")
+    parser.add_argument("--nodes", type=int_arg("--nodes", low=1, high=MAX_NODES), default=1)
+    parser.add_argument("--micro-batch", type=int_arg("--micro-batch", low=1, high=MAX_COUNT),
+                        help="sequences per GPU per micro-step (default: data.batch_size)")
+    parser.add_argument("--zero", type=int_arg("--zero", high=3), help="ZeRO stage (default: zero.stage)")
     parser.add_argument("--offload", action="store_true", default=None, help="optimizer states on the host")
-    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the prepared data's)")
+    parser.add_argument("--seq-len", type=int_arg("--seq-len", low=MIN_SEQ_LEN, high=MAX_SEQ_LEN),
+                        help="tokens per sequence (default: the prepared data's)")
     parser.add_argument("--tokens", help="train on this many tokens (20B, 500M, 2e10): the steps and GPU-hours at the "
                                          "run's global batch, instead of train.max_steps")
     parser.add_argument("--gpu-spec", help="a kind not in the table: name=N,memory_gib=..,tflops=..,hbm_tb_s=..,"
@@ -50,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--reprobe", action="store_true", help="--gpus Nxcpu: measure this machine again (the probe "
                                                                "is cached)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides of the run config")
-    return parser
+    return document_ranges(parser)
 
 
 def _gib(value: float) -> str:

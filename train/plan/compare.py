@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distaff.train.core.errors import ConfigError
+from distaff.train.core.files import read_json
 from distaff.train.core.threads import local_world_size
+from distaff.train.run.metrics import numbers, read_metrics
 from distaff.train.plan.gpus import KINDS
 from distaff.train.plan.planner import Plan, make_plan
 
@@ -167,8 +169,9 @@ def first_check(cfg, seq_len: int, world_size: int, device_name: str | None, mea
 def measured_means(metrics_path: Path, clock: str = "") -> tuple[dict[str, float], int]:
     """Stage seconds per step averaged over the run's logged training records, the first (warm-up) left out
     when there are others, and how many records they are; ``clock="_cpu"``: CPU ranks' CPU seconds."""
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    train = [r for r in records if "forward_s" in r]
+    stage_keys = [f"{key}{clock}_s" for key in STAGES]
+    train = [r for r in read_metrics(metrics_path) if numbers(r, "forward_s") and
+             all(numbers(r, key) for key in stage_keys if key in r)]
     if not train:
         raise ConfigError(f"{metrics_path}: no stage times logged (forward_s, ...); was the run made by a "
                           "distaff that times its stages?")
@@ -182,7 +185,12 @@ def compare_lines(run_dir: Path) -> list[str]:
     for path in (record_path, metrics_path):
         if not path.is_file():
             raise ConfigError(f"--compare: {path} not found; a run writes it at its first evaluation (eval.every)")
-    record = json.loads(record_path.read_text())
+    record = read_json(record_path, error=ConfigError)
+    if not (isinstance(record, dict) and isinstance(record.get("plan_stage_seconds"), dict)
+            and numbers(record, "plan_step_total_s") and {"nodes", "gpus"} <= set(record)):
+        raise ConfigError(f"--compare: {record_path}: not a plan record (plan_stage_seconds, plan_step_total_s, nodes, "
+                          "gpus); the run writes it at its first evaluation: delete it and resume the run to have it "
+                          "again")
     measured, records = measured_means(metrics_path)
     cpu = measured_means(metrics_path, "_cpu")[0]       # all 0 where no CPU time was logged (GPU ranks)
     cpu = cpu if any(cpu.values()) else None

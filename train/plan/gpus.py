@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from distaff.train.core.errors import ConfigError, finite_float, shown, whole_number
+from distaff.train.core.errors import MAX_PROCESSES, ConfigError, finite_float, shown, whole_number
 
 MIB = 1024 ** 2
 
@@ -75,9 +75,10 @@ def kind(name: str) -> GpuKind:
 
 def split_gpus(text: str) -> tuple[int, str]:
     """``8xA100-80GB`` -> (8, "A100-80GB"): the count per node and the kind's name as written."""
-    match = re.fullmatch(r"\s*(\d+)\s*[x*]\s*(.+?)\s*", text)
-    if not match or int(match.group(1)) < 1:
-        raise ConfigError(f"--gpus: expected COUNTxKIND per node (e.g. 8xA100-80GB), got {shown(text)}")
+    match = re.fullmatch(r"\s*([0-9]+)\s*[x*]\s*(.+?)\s*", text)
+    if not match or not 1 <= int(match.group(1)) <= MAX_PROCESSES:
+        raise ConfigError(f"--gpus: expected COUNTxKIND per node (e.g. 8xA100-80GB), a COUNT of 1 to "
+                          f"{MAX_PROCESSES:,}, got {shown(text)}")
     return int(match.group(1)), match.group(2)
 
 

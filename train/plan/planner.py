@@ -253,6 +253,7 @@ def summary(plan: Plan) -> str:
 
 
 SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+MAX_TOKENS = 1e18           # a million T: some 100,000 times the largest pretraining runs
 
 
 def parse_tokens(text: str) -> float:
@@ -263,8 +264,9 @@ def parse_tokens(text: str) -> float:
         tokens = float(value[:-1] if value[-1:] in SUFFIXES else value) * scale
     except ValueError:
         raise ConfigError(f"--tokens: expected a token count such as 20B, 500M or 2e10, got {text!r}") from None
-    if not tokens >= 1:
-        raise ConfigError(f"--tokens: must be at least 1 token, got {text!r}")
+    if not 1 <= tokens <= MAX_TOKENS:        # nan and inf fail too
+        raise ConfigError(f"--tokens: expected a finite count of at least 1 token and at most {MAX_TOKENS:.0e} "
+                          f"(1M T), got {text!r}")
     return tokens
 
 

@@ -210,6 +210,8 @@ class Trainer(RunBase):
 
     def _log_train(self, objective_metrics: dict[str, float | None]) -> None:
         grad_norm = self.engine.get_global_grad_norm()
+        evals = self.evals.timing()
+        self.throughput.exclude(evals.get("evals_inline_s", 0.0))      # an inline evaluation's pause: no training
         self.metrics.log({"step": self.state.step, **objective_metrics,
                           "lr": self.engine.optimizer.param_groups[0]["lr"],
                           "grad_norm": None if grad_norm is None else float(grad_norm),
@@ -218,9 +220,13 @@ class Trainer(RunBase):
                           "nonfinite_steps": self.state.nonfinite_steps,
                           "peak_mem_gb": peak_memory_gb(),
                           **self.throughput.report(self.cfg.train.max_steps - self.state.step),
-                          **self.clock.report(), **self.evals.timing()})
+                          **self.clock.report(), **evals})
 
     def _evaluate(self) -> None:
+        with self.throughput.paused():      # no training: not in the next step line's tokens/s and ETA
+            self._evaluate_held_out()
+
+    def _evaluate_held_out(self) -> None:
         self.state.last_eval = self.evaluator(self.engine)
         self.metrics.log({"step": self.state.step, "tokens_seen": self.state.tokens, **self.state.last_eval})
         if not self.plan_checked and self.layout.is_main:      # once: the measured stages against the plan

@@ -15,11 +15,13 @@ import socket
 import sys
 import time
 from collections import deque
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
+from distaff.train.core.files import WHOLE, append_record, atomic_write_text, read_records
 from distaff.train.model.flops import mfu
 from distaff.train.run.config import WandbSection
 
@@ -30,6 +32,17 @@ TENSORBOARD_DIR = "tensorboard"
 
 def warn(message: str) -> None:
     print(f"distaff: warning: {message}", file=sys.stderr, flush=True)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` (none when there is none), each with a whole-number ``step``; a line that
+    is not one (torn by a crash, edited by hand) is passed over and reported once with its line number."""
+    return read_records(path, {"step": WHOLE}, "metrics records")
+
+
+def numbers(record: dict[str, Any], *keys: str) -> bool:
+    """Whether ``record`` holds a number (not a bool) under each of ``keys``."""
+    return all(isinstance(record.get(key), (int, float)) and not isinstance(record.get(key), bool) for key in keys)
 
 
 def system_info(world_size: int) -> dict[str, Any]:
@@ -255,12 +268,12 @@ class MetricsLogger:
             self.bar = tqdm(total=max_steps, initial=start_step, unit="step", dynamic_ncols=True)
 
     def _truncate_after(self, step: int) -> None:
-        """Drop records past the resumed step (written after the checkpoint by the interrupted run)."""
-        if not self.path.is_file():
+        """Drop records past the resumed step (written after the checkpoint by the interrupted run), and a line it
+        tore when it stopped (counted, reported)."""
+        if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        kept = [record for record in read_metrics(self.path) if record["step"] <= step]
+        atomic_write_text(self.path, "".join(json.dumps(record) + "\n" for record in kept))
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -270,8 +283,7 @@ class MetricsLogger:
             self.bar.write(line)
         else:
             print(line, flush=True)
-        with open(self.path, "a") as handle:
-            handle.write(json.dumps(record) + "\n")
+        append_record(self.path, record, durable=False)    # a whole line or, on a full disk, none
         for sink in self.sinks:
             sink.log(record, step=record["step"])
 
@@ -301,6 +313,7 @@ class Throughput:
         self.samples = 0
         self.positions = 0
         self.steps = 0
+        self.paused_s = 0.0
 
     def add(self, tokens: int, samples: int, positions: int) -> None:
         """Global real tokens, samples and computed positions (padding included) of one optimizer step."""
@@ -309,8 +322,22 @@ class Throughput:
         self.positions += positions
         self.steps += 1
 
+    def exclude(self, seconds: float) -> None:
+        """``seconds`` since the last report were no training (an evaluation between two steps): they are left out
+        of the rates, the step time and the ETA, which would otherwise spread the pause over the window's steps."""
+        self.paused_s += seconds
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """The block's time is no training (see :meth:`exclude`)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.exclude(time.perf_counter() - started)
+
     def report(self, steps_left: int) -> dict[str, Any]:
-        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        elapsed = max(time.perf_counter() - self.t0 - self.paused_s, 1e-9)
         tokens_per_s = self.tokens / elapsed
         per_device = tokens_per_s / self.world_size
         report = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": per_device,
@@ -343,10 +370,10 @@ PLOT_COLUMNS = 3
 def _plot_series(ax, key: str, train: list[dict], evals: list[dict]) -> bool:
     """``key`` from the train records and ``eval_<key>`` from the evaluations, where logged; whether any was."""
     color = None
-    points = [(r["step"], r[key]) for r in train if r.get(key) is not None]
+    points = [(r["step"], r[key]) for r in train if numbers(r, key)]
     if points:
         color = ax.plot(*zip(*points), label=key, linewidth=1)[0].get_color()
-    held = [(r["step"], r[f"eval_{key}"]) for r in evals if r.get(f"eval_{key}") is not None]
+    held = [(r["step"], r[f"eval_{key}"]) for r in evals if numbers(r, f"eval_{key}")]
     if held:
         ax.plot(*zip(*held), "o--", color=color, label=f"held-out {key}")
     return bool(points or held)
@@ -372,9 +399,7 @@ def plot_metrics(jsonl_path: Path, png_path: Path, baseline: float | None = None
     """Loss, accuracy (MLM, or generator and discriminator with RTD; with ``baseline``, the unigram-frequency
     accuracy, as a line), learning rate, gradient norm and tokens/s against steps (train and held-out) as a
     PNG; None if nothing was logged."""
-    if not jsonl_path.is_file():
-        return None
-    records = [json.loads(line) for line in jsonl_path.read_text().splitlines() if line.strip()]
+    records = read_metrics(jsonl_path)
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     if not train and not evals:

@@ -30,7 +30,7 @@ import torch
 
 from distaff.train.core import distributed as dist_utils
 from distaff.train.core import presets
-from distaff.train.core.errors import DEBUG_FLAG, RunFailure, report, take_debug_flag
+from distaff.train.core.errors import DEBUG_FLAG, MAX_COUNT, RunFailure, int_arg, report, take_debug_flag
 from distaff.train.core.exit_codes import EXIT_BAD_CONFIG, EXIT_PREEMPTED
 from distaff.train.core.runlock import DirLock
 from distaff.train.core.threads import configure_threads
@@ -370,12 +370,14 @@ def parse_args(prog: str, description: str, argv: list[str]) -> argparse.Namespa
                                             "libraries' INFO lines and warnings")
     parser.add_argument("--config", help=f"run config: {presets.CONFIG_HELP}")
     # the deepspeed launcher appends --local_rank unless run with --no_local_rank; LOCAL_RANK is read from the env
-    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", "--local-rank", type=int_arg("--local_rank", high=MAX_COUNT),
+                        help=argparse.SUPPRESS)
     parser.add_argument("--check", action="store_true",
                         help="check the config, the data and that a checkpoint to resume fits this run, then exit "
                              "(no engine is built, nothing is trained or written)")
     parser.add_argument("--print-config", action="store_true",
-                        help="print the resolved config (presets, file and overrides merged) as YAML and exit")
+                        help="print the resolved config (presets, file and overrides merged) as YAML and exit "
+                             "(with --check: then check it)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=3e-4")
     return parser.parse_intermixed_args(take_verbose_flag(take_debug_flag(argv)))
 
@@ -421,16 +423,18 @@ def explain_zeros(text: str, cfg: Any) -> str:
 
 
 def _inspect(prog: str, args: argparse.Namespace, cfg: Any, inspection: Inspection) -> int:
-    """``--print-config`` (exit 0, each missing input noted on stderr) or ``--check`` (its summary; with an input
-    missing, which checks could not run and exit 2: the run would stop there)."""
+    """``--print-config`` (exit 0, each missing input noted on stderr) and/or ``--check`` (its summary; with an
+    input missing, which checks could not run and exit 2: the run would stop there). Given both, the config is
+    printed, then checked."""
     import yaml
 
     missing = inspection.missing(cfg)
     if args.print_config:
         print(explain_zeros(yaml.safe_dump(inspection.resolved(cfg), sort_keys=False), cfg), end="", flush=True)
-        for line in missing:
-            print(f"{prog}: note: {line}", file=sys.stderr)
-        return 0
+        if not args.check:
+            for line in missing:
+                print(f"{prog}: note: {line}", file=sys.stderr)
+            return 0
     if missing:
         for line in missing:
             print(f"{prog}: --check: {line}", file=sys.stderr)
@@ -452,9 +456,9 @@ def run_main(prog: str, description: str, argv: list[str] | None, load: Callable
     Errors are reported as every command reports them (:mod:`distaff.train.core.errors`), naming the rank when
     there are several. A config error is raised by every rank together, so the process group is shut
     down in step; any other failure leaves at once (its peers may be mid-collective)."""
-    args = parse_args(prog, description, sys.argv[1:] if argv is None else argv)
-    inspecting = inspection is not None and (args.check or args.print_config)
     try:
+        args = parse_args(prog, description, sys.argv[1:] if argv is None else argv)
+        inspecting = inspection is not None and (args.check or args.print_config)
         configure_threads(announce=not inspecting)    # the load line only where it trains
         layout = dist_utils.env_from_environ()      # a bad launcher variable is named before anything else
         cfg = (inspection.load if inspecting else load)(args.config, args.overrides)

@@ -84,7 +84,7 @@ import yaml
 
 from distaff.train.core import presets
 from distaff.train.core.config_yaml import load_yaml
-from distaff.train.core.errors import RunFailure, UserError, command_main, shown
+from distaff.train.core.errors import MAX_COUNT, RunFailure, UserError, command_main, document_ranges, int_arg, shown
 from distaff.train.core.exit_codes import EXIT_PREEMPTED
 from distaff.train.core.files import read_text
 from distaff.train.core.runlock import DirLock
@@ -92,7 +92,7 @@ from distaff.train.core.threads import RANKS_FLAG, busy_cores, check_ranks_per_n
 from distaff.train.data.errors import DataError
 from distaff.train.run.config import (ConfigError, RunConfig, changed_keys, config_file, config_fingerprint,
                                      config_to_dict, fingerprinted, load_config, read_config_values)
-from distaff.train.run.metrics import save_figure
+from distaff.train.run.metrics import METRICS_FILE, numbers, read_metrics, save_figure
 from distaff.train.run.runtime import SUMMARY_FILE
 from distaff.train.run.schedule import RunSchedule
 from distaff.train.tools.ablate_derived import (AverageSpec, BranchSpec, branch_overrides, parent_overrides,
@@ -752,9 +752,9 @@ def _derived_line(variant: Variant) -> str:
 
 def eval_curve(run_dir: Path) -> list[tuple[int, float]]:
     """(tokens seen, held-out loss) at each evaluation; tokens from the train record of the same step."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    tokens = {r["step"]: r["tokens_seen"] for r in records if "tokens_seen" in r}
-    return [(tokens[r["step"]], r["eval_loss"]) for r in records if "eval_loss" in r and r["step"] in tokens]
+    records = read_metrics(run_dir / METRICS_FILE)
+    tokens = {r["step"]: r["tokens_seen"] for r in records if numbers(r, "tokens_seen")}
+    return [(tokens[r["step"]], r["eval_loss"]) for r in records if numbers(r, "eval_loss") and r["step"] in tokens]
 
 
 def plot_curves(cfg: AblationConfig, runs: list[PlannedRun], path: Path) -> Path | None:
@@ -806,9 +806,9 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--config", required=True, help=f"ablation config: {presets.CONFIG_HELP}")
     parser.add_argument("--report", action="store_true", help="only gather finished runs into the report")
     parser.add_argument("--dry-run", action="store_true", help="print the planned runs' commands, run nothing")
-    parser.add_argument(RANKS_FLAG, type=int, metavar="N",
+    parser.add_argument(RANKS_FLAG, type=int_arg(RANKS_FLAG, low=1, high=MAX_COUNT), metavar="N",
                         help="allow up to N ranks on this node (ranks x parallel; default: its GPUs, else its cores)")
-    args = parser.parse_args(argv)
+    args = document_ranges(parser).parse_args(argv)
     cfg = load_ablation(args.config)
     if cfg.launcher == "sequential":        # the runs' ranks all start on this node
         check_ranks_per_node(cfg.ranks * cfg.parallel, f"{args.config}: ranks {cfg.ranks} x parallel {cfg.parallel}",

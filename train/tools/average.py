@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from distaff.train.core.errors import ConfigError, command_main, shown
+from distaff.train.core.errors import MAX_COUNT, ConfigError, command_main, document_ranges, float_arg, int_arg, shown
 from distaff.train.core.files import atomic_write_text, file_sha256, replaced_folder
 from distaff.train.core.safe_load import safe_load
 from distaff.train.core.threads import configure_threads
@@ -219,14 +219,16 @@ def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="distaff average", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoints", nargs="+", help="checkpoint folders, or run / checkpoints folders (all of theirs)")
     parser.add_argument("--out", required=True, help="the averaged checkpoint's folder")
-    parser.add_argument("--last", type=int, default=0, help="only the newest K of the checkpoints named (by step)")
-    parser.add_argument("--ema", type=float, default=0.0, metavar="DECAY",
+    parser.add_argument("--last", type=int_arg("--last", high=MAX_COUNT),
+                        default=0, help="only the newest K of the checkpoints named (by step)")
+    parser.add_argument("--ema", type=float_arg("--ema", low=0, high=1, high_open=True), default=0.0, metavar="DECAY",
                         help="exponential weights: the newest 1, the one before DECAY, then DECAY^2 ... (default: uniform)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it already holds files")
     parser.add_argument("--eval", action="store_true",
                         help="print the held-out figures of the average and of the newest checkpoint alone")
-    parser.add_argument("--eval-batches", type=int, default=0, help="held-out batches to score (0: the whole split)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--eval-batches", type=int_arg("--eval-batches", high=MAX_COUNT),
+                        default=0, help="held-out batches to score (0: the whole split)")
+    args = document_ranges(parser).parse_args(argv)
     configure_threads(announce=False)
     out = average(args.checkpoints, args.out, args.last, args.ema, args.overwrite)
     meta = read_meta(out)

@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from distaff.train.core.errors import command_main, float_arg
+from distaff.train.core.errors import MAX_SEED, command_main, document_ranges, float_arg, int_arg
 from distaff.train.core.threads import configure_threads
 from distaff.train.finetune.labelled import Example, InputFormat, encode_labels, hold_out, label_names, read_examples
 from distaff.train.tools.embed import embed_ids, encode, model_and_tokenizer
@@ -188,14 +188,17 @@ def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="distaff baselines", description=__doc__.split("\n\n")[0])
     parser.add_argument("--train", type=Path, required=True,
                         help="a headerless label<TAB>text file (.tsv or .tsv.gz), like data/movie-snippets.tsv.gz")
-    parser.add_argument("--dev-fraction", type=float_arg("--dev-fraction"),
+    parser.add_argument("--dev-fraction",
+                        type=float_arg("--dev-fraction", low=0, low_open=True, high=1, high_open=True),
                         default=0.2, help="share of the rows held out for scoring")
-    parser.add_argument("--seed", type=int, default=1, help="seeds the train/dev split (as data.split_seed)")
-    parser.add_argument("--l2", type=float_arg("--l2", low=0), help=f"L2 penalty on the weights (default 1e-4; {PROBE_L2:g} with --probe)")
+    parser.add_argument("--seed", type=int_arg("--seed", high=MAX_SEED),
+                        default=1, help="seeds the train/dev split (as data.split_seed)")
+    parser.add_argument("--l2", type=float_arg("--l2", low=0),
+                        help=f"L2 penalty on the weights (default 1e-4; {PROBE_L2:g} with --probe)")
     parser.add_argument("--probe", metavar="MODEL",
                         help="a linear probe of this model's frozen encoder instead of the bag of words")
     parser.add_argument("--json", type=Path, help="also write the result here")
-    args = parser.parse_args(argv)
+    args = document_ranges(parser).parse_args(argv)
     configure_threads()
     if args.probe:
         result = run_probe(args.probe, args.train, args.dev_fraction, args.seed, PROBE_L2 if args.l2 is None else args.l2)

@@ -25,10 +25,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from distaff.train.core.errors import command_main
-from distaff.train.core.files import chmod_default
+from distaff.train.core.errors import MAX_COUNT, MAX_SEED, command_main, document_ranges, int_arg
+from distaff.train.core.files import chmod_default, read_json
 from distaff.train.core.threads import configure_threads
 from distaff.train.data.errors import DataError
+from distaff.train.data.manifest import MAX_SEQ_LEN
 from distaff.train.data.tokenizer import TokenizerInfo, load_tokenizer_info
 from distaff.train.finetune.classifier_init import ENCODER_PREFIX, load_encoder
 from distaff.train.model.config import ConfigError, ModelConfig
@@ -110,7 +111,11 @@ def load_transform(folder: str | Path) -> tuple[np.ndarray, np.ndarray, dict]:
             raise FileNotFoundError(f"--transform: {folder / name} not found (a folder written by "
                                     "`distaff embed --whiten K`)")
     tensors = load_file(folder / TRANSFORM_WEIGHTS)
-    return tensors["mean"].numpy(), tensors["W"].numpy(), json.loads((folder / TRANSFORM_META).read_text())
+    meta = read_json(folder / TRANSFORM_META, error=ConfigError)
+    if not isinstance(meta, dict) or meta.get("pooling") not in POOLINGS:
+        raise ConfigError(f"--transform: {folder / TRANSFORM_META}: no pooling ({' or '.join(POOLINGS)}) recorded; "
+                          "a folder written by `distaff embed --whiten K` holds it: write the transform again")
+    return tensors["mean"].numpy(), tensors["W"].numpy(), meta
 
 
 def model_and_tokenizer(path: str | Path, tokenizer_dir: str | Path | None = None, field: str = "--model"
@@ -190,17 +195,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--input", required=True, help="text file (.txt or .txt.gz), one text per line")
     parser.add_argument("--out", required=True, help="output folder (embeddings.npy, embeddings.json, transform)")
     parser.add_argument("--pooling", choices=POOLINGS, help="mean over tokens (default) or the [CLS] vector")
-    parser.add_argument("--whiten", type=int, default=0, metavar="K", help="fit whitening to K dimensions")
-    parser.add_argument("--fit-sample", type=int, default=0, metavar="N",
+    parser.add_argument("--whiten", type=int_arg("--whiten", high=MAX_COUNT),
+                        default=0, metavar="K", help="fit whitening to K dimensions")
+    parser.add_argument("--fit-sample", type=int_arg("--fit-sample", high=MAX_COUNT), default=0, metavar="N",
                         help="fit the whitening on N random lines (default: all)")
     parser.add_argument("--transform", help="folder of a saved transform to apply (from an earlier --whiten run)")
     parser.add_argument("--tokenizer", help="tokenizer folder (default: the one stored with the model)")
-    parser.add_argument("--max-length", type=int, default=0, help="tokens per text, [CLS]/[SEP] included "
+    parser.add_argument("--max-length", type=int_arg("--max-length", high=MAX_SEQ_LEN),
+                        default=0, help="tokens per text, [CLS]/[SEP] included "
                         "(default: the model's max_position_embeddings)")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int_arg("--batch-size", low=1, high=MAX_COUNT), default=32)
     parser.add_argument("--overwrite", action="store_true", help="write into --out even if it already holds files")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the fitting sample")
-    args = parser.parse_args(argv)
+    parser.add_argument("--seed", type=int_arg("--seed", high=MAX_SEED), default=0, help="seed of the fitting sample")
+    args = document_ranges(parser).parse_args(argv)
     if args.whiten and args.transform:
         parser.error("--whiten and --transform: fit a new transform or apply a saved one, not both")
     if args.max_length and args.max_length < 3:

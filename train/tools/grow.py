@@ -37,13 +37,16 @@ from pathlib import Path
 
 import torch
 
-from distaff.train.core.errors import command_main
+from distaff.train.core.errors import MAX_SEED, command_main, document_ranges, int_arg
 from distaff.train.core.files import replaced_folder
 from distaff.train.core.threads import configure_threads
 from distaff.train.model.config import ConfigError, ModelConfig
 from distaff.train.model.deberta import DebertaForMaskedLM, Layer
 from distaff.train.run.model_folder import load_model, save_model_folder
 from distaff.train.tools.export import check_out_dir
+
+# the largest sizes a grown model may ask for: far above any encoder, far below what an allocation overflows at
+MAX_WIDTH, MAX_DEPTH = 1 << 18, 1024        # hidden and feed-forward sizes; layers and heads
 
 # Which space each dimension of a parameter lives in: D hidden, E embedding, I feed-forward, None
 # unchanged; a trailing "*" marks a linear layer's input (its weights are split over copies).
@@ -187,13 +190,18 @@ def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="distaff grow", description=__doc__.splitlines()[0])
     parser.add_argument("model", help="checkpoint, run directory, distaff model folder or HF folder")
     parser.add_argument("out", help="output distaff model folder (start a run from it with model.init_from=OUT)")
-    parser.add_argument("--hidden-size", type=int, help="new hidden size, a multiple of the current one")
-    parser.add_argument("--num-layers", type=int, help="new number of layers (inserted before the last one)")
-    parser.add_argument("--intermediate-size", type=int, help="new feed-forward size (default: scaled with width)")
-    parser.add_argument("--heads", type=int, help="attention heads (must be heads x width factor: head size kept)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the new weights and the weight shares")
+    parser.add_argument("--hidden-size", type=int_arg("--hidden-size", low=1, high=MAX_WIDTH),
+                        help="new hidden size, a multiple of the current one")
+    parser.add_argument("--num-layers", type=int_arg("--num-layers", low=1, high=MAX_DEPTH),
+                        help="new number of layers (inserted before the last one)")
+    parser.add_argument("--intermediate-size", type=int_arg("--intermediate-size", low=1, high=MAX_WIDTH),
+                        help="new feed-forward size (default: scaled with width)")
+    parser.add_argument("--heads", type=int_arg("--heads", low=1, high=MAX_DEPTH),
+                        help="attention heads (must be heads x width factor: head size kept)")
+    parser.add_argument("--seed", type=int_arg("--seed", high=MAX_SEED), default=0,
+                        help="seed of the new weights and the weight shares")
     parser.add_argument("--overwrite", action="store_true", help="write into OUT even if it already holds files")
-    args = parser.parse_args(argv)
+    args = document_ranges(parser).parse_args(argv)
     configure_threads(announce=False)
     check_out_dir(Path(args.out), args.overwrite)
     model, tokenizer = load_model(args.model)

@@ -45,8 +45,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from distaff.train.core.errors import ConfigError, RunFailure, command_main, float_arg
+from distaff.train.core.errors import (MAX_COUNT, MAX_SEED, ConfigError, RunFailure, command_main, document_ranges,
+                                       float_arg, int_arg)
 from distaff.train.core.threads import configure_threads
+from distaff.train.data.manifest import MAX_SEQ_LEN, MIN_SEQ_LEN
 from distaff.train.data.sources import ReadOptions, iter_documents
 from distaff.train.finetune.classifier_init import load_encoder
 from distaff.train.finetune.labelled import CSV_SUFFIXES, TSV_SUFFIXES, Example, hold_out, read_examples, read_texts
@@ -338,16 +340,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--random", action="store_true", help="also the first model's architecture, random weights")
     parser.add_argument("--bow", action="store_true", help="also the bag-of-words baseline")
     parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1],
+    parser.add_argument("--seeds", type=int_arg("--seeds", high=MAX_SEED), nargs="+", default=[1],
                         help="each: a dev split, random weights, a fine-tuning seed")
-    parser.add_argument("--task-seed", type=int, default=0, help="seeds the tasks' construction")
-    parser.add_argument("--dev-fraction", type=float_arg("--dev-fraction"),
+    parser.add_argument("--task-seed", type=int_arg("--task-seed", high=MAX_SEED),
+                        default=0, help="seeds the tasks' construction")
+    parser.add_argument("--dev-fraction",
+                        type=float_arg("--dev-fraction", low=0, low_open=True, high=1, high_open=True),
                         default=0.2)
     parser.add_argument("--pretraining-data", nargs="+", metavar="DIR",
                         help="distaff data dirs whose train split is the pretraining text (default: each run's own)")
-    parser.add_argument("--max-sentences", type=int, default=0, help="use only the first N held-out sentences")
-    parser.add_argument("--max-length", type=int, default=128, help="tokens per probed sentence")
-    parser.add_argument("--finetune", type=int, nargs="+", default=[], metavar="N",
+    parser.add_argument("--max-sentences", type=int_arg("--max-sentences", high=MAX_COUNT),
+                        default=0, help="use only the first N held-out sentences")
+    parser.add_argument("--max-length", type=int_arg("--max-length", low=MIN_SEQ_LEN, high=MAX_SEQ_LEN),
+                        default=128, help="tokens per probed sentence")
+    parser.add_argument("--finetune", type=int_arg("--finetune", low=2, high=MAX_COUNT),
+                        nargs="+", default=[], metavar="N",
                         help="also fine-tune each encoder on N training rows (several N; skipped above a task's rows)")
     parser.add_argument("--finetune-tasks", nargs="+", choices=TASKS, default=["bshift"])
     parser.add_argument("--finetune-config", type=Path,
@@ -355,11 +362,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument("finetune_overrides", nargs="*", metavar="key=value",
                         help="fine-tuning config overrides (after --)")
-    args = parser.parse_intermixed_args(argv)      # options may follow the overrides
-    if not 0 < args.dev_fraction < 1:
-        parser.error(f"--dev-fraction {args.dev_fraction}: must lie in (0, 1)")
-    if any(n < 2 for n in args.finetune):
-        parser.error(f"--finetune {args.finetune}: each N must be at least 2")
+    args = document_ranges(parser).parse_intermixed_args(argv)      # options may follow the overrides
     args.argv = argv
     return args
 

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from distaff.train.core.errors import ConfigError, RunFailure, command_main
+from distaff.train.core.errors import ConfigError, RunFailure, command_main, document_ranges, int_arg
 from distaff.train.core.threads import configure_threads
 from distaff.train.core.distributed import without_rank_variables
 from distaff.train.pretrain.attached_evals import EXIT_EVALUATED_ELSEWHERE, SUBMITTER
@@ -43,8 +43,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--table", action="store_true", help="print the table and write the plot; run nothing")
     parser.add_argument("--dry-run", action="store_true", help="list what would run (with --slurm: the job scripts)")
     parser.add_argument("--slurm", action="store_true", help="one Slurm job per checkpoint instead of here")
-    parser.add_argument("--nice", type=int, default=0, help=argparse.SUPPRESS)   # the trainer's side process: 19
-    return parser.parse_intermixed_args(argv)
+    parser.add_argument("--nice", type=int_arg("--nice", high=19),
+                        default=0, help=argparse.SUPPRESS)   # the trainer's side process: 19
+    return document_ranges(parser).parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,7 +146,8 @@ def _plan_or_submit(todo: Plan, args: argparse.Namespace) -> None:
 
 
 def _report(run_dir: Path, plan: Plan, cfg: RunConfig) -> None:
-    print(f"\n== evaluations of {run_dir} (mean +- std over seeds (seeds); {run_dir / records.EVALS_FILE})\n"
+    print(f"\n== evaluations of {run_dir} (mean +- std over seeds (seeds), each seed's newest record; "
+          f"{run_dir / records.EVALS_FILE})\n"
           + report.table(run_dir, plan, cfg.evals.tasks), flush=True)
     figure = report.plot(run_dir, plan, cfg.evals.tasks)
     if figure is not None:

@@ -7,7 +7,11 @@ figures: each probing task, the majority baseline, ...), ``seeds`` (the evaluati
 fingerprint of the run config the checkpoint was trained with, as in ``summary.json``), ``task_hash`` (the
 evaluation's settings but its seeds and ``every``: changing them makes the records of the old settings stale, and the
 evaluation runs again), ``seconds`` and ``time``. Appends are whole lines under an exclusive lock, so the trainer's
-side process, Slurm jobs and ``distaff evals`` may write at once. A failure is a line of ``evals/failures.jsonl``.
+side process, Slurm jobs and ``distaff evals`` may write at once; a write that fails (a full disk) leaves no part of
+its line. A failure is a line of ``evals/failures.jsonl``. Read back, a line that is not a record (torn by a crash,
+edited by hand) is passed over and reported once with its line number; a value that is not finite (NaN, inf) is what
+a diverged checkpoint scores, shown as ``diverged``; a (checkpoint, evaluation, seed) recorded twice counts once, by
+its newest record.
 
 Once every seed of an evaluation of a checkpoint is in, its mean (and standard deviation over seeds) goes to W&B
 under ``eval/<name>/<metric>``, charted at the checkpoint's step (``progress/step``): into the run's own W&B run,
@@ -20,21 +24,26 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import fcntl
 import hashlib
 import json
+import math
 import os
 import statistics
 from pathlib import Path
 from typing import Any
 
+from distaff.train.core.files import NAME, NUMBER, WHOLE, append_record, read_records
 from distaff.train.run.config import EvalTaskSection, RunSection, config_fingerprint, config_from_dict
-from distaff.train.run.metrics import TensorBoardSink, WandbSink, warn
+from distaff.train.run.metrics import TensorBoardSink, WandbSink
 from distaff.train.tools.evals.catalog import Target
 
 EVALS_FILE = "evals.jsonl"
 FAILURES_FILE = Path("evals") / "failures.jsonl"
 SELECTION_KEYS = ("seeds", "every")      # which checkpoints and seeds: not part of what an evaluation measures
+# what a line of each file must hold to be read as a record (its other fields are read where present)
+RESULT_FIELDS = {"step": WHOLE, "checkpoint": NAME, "source": NAME, "name": NAME, "seed": WHOLE, "metric": NAME,
+                 "value": NUMBER, "metrics": (dict,), "task_hash": NAME}
+FAILURE_FIELDS = {"checkpoint": NAME, "name": NAME, "seed": WHOLE, "error": NAME}
 
 
 def task_hash(task: EvalTaskSection) -> str:
@@ -47,44 +56,26 @@ def now() -> str:
 
 
 def append(path: Path, record: dict[str, Any]) -> None:
-    """``record`` as one line at the end of ``path``, under an exclusive lock (after a newline, if a writer that
-    died left a torn line)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        size = handle.seek(0, os.SEEK_END)
-        torn = size > 0 and (handle.seek(size - 1), handle.read(1))[1] != b"\n"
-        handle.write((("\n" if torn else "") + json.dumps(record) + "\n").encode())
-        handle.flush()
-        os.fsync(handle.fileno())
+    """``record`` as one whole line at the end of ``path`` (or nothing, on a full disk: the error names the file)."""
+    append_record(path, record)
 
 
 def read(path: Path) -> list[dict[str, Any]]:
-    """The result records of ``path`` (none if it does not exist); a line that is not one is passed over, counted."""
-    return _lines(path, {"checkpoint", "name", "seed", "task_hash", "value"})
+    """The result records of ``path`` (none if it does not exist); a line that is not one is passed over, counted.
+    A (checkpoint, evaluation, seed, settings) recorded twice (an evaluation run again by hand, say) counts once:
+    its newest record, the one furthest down the file (appends are in time order, under a lock)."""
+    newest = {record_key(r): r for r in read_records(path, RESULT_FIELDS, "evaluation results")}
+    return list(newest.values())
 
 
 def read_failures(path: Path) -> list[dict[str, Any]]:
     """The failure records of ``path`` (``evals/failures.jsonl``)."""
-    return _lines(path, {"checkpoint", "name", "seed", "error"})
+    return read_records(path, FAILURE_FIELDS, "evaluation failures")
 
 
-def _lines(path: Path, fields: set[str]) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    found, bad = [], 0
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line) if line.strip() else None
-        except ValueError:
-            record = None
-        if isinstance(record, dict) and fields <= set(record):
-            found.append(record)
-        elif line.strip():
-            bad += 1
-    if bad:
-        warn(f"evals: {bad} line(s) of {path} are not records (a writer stopped mid-line?); passed over")
-    return found
+def diverged(value: float) -> bool:
+    """A seed's figure that is not finite (NaN, inf): what a diverged checkpoint scores, shown as such."""
+    return not math.isfinite(value)
 
 
 def key(target: Target, task: EvalTaskSection, seed: int) -> tuple[str, str, int, str]:
@@ -116,7 +107,10 @@ def failure(target: Target, task: EvalTaskSection, seed: int, error: str) -> dic
 
 
 def spread(values: list[float]) -> tuple[float, float | None]:
-    """Mean and standard deviation over seeds (None for one seed: no deviation measured)."""
+    """Mean and standard deviation over seeds (None for one seed: no deviation measured); NaN and no deviation when
+    a seed diverged (W&B charts it as a gap)."""
+    if any(map(diverged, values)):
+        return math.nan, None
     return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
@@ -128,7 +122,8 @@ def chart_row(task: EvalTaskSection, step: int, records: list[dict[str, Any]]) -
     if std is not None:
         row[f"eval_{task.name}/{metric}_std"] = std
     for other in records[0]["metrics"]:
-        values = [r["metrics"][other] for r in records if isinstance(r["metrics"].get(other), (int, float))]
+        values = [r["metrics"][other] for r in records
+                  if isinstance(r["metrics"].get(other), (int, float)) and math.isfinite(r["metrics"][other])]
         if len(values) == len(records):
             row[f"eval_{task.name}/{other}"] = statistics.mean(values)
     return row

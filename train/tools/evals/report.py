@@ -2,9 +2,10 @@
 
 A row per checkpoint with results or due some: the run's by step, then each decay branch's, then the averages; a
 column per evaluation of the run's ``evals`` section: the mean over seeds +- their standard deviation (and how many
-seeds), ``failed`` where an evaluation failed and has no result, ``-`` where it is due and has none yet. The plot
-has a panel per evaluation: the run's checkpoints as a line with the spread over seeds as error bars, the branch
-ends and the averages as markers beside it.
+seeds), ``diverged (K of N)`` where K of its N seeds scored NaN or inf (a diverged checkpoint), ``failed`` where an
+evaluation failed and has no result, ``-`` where it is due and has none yet. The plot has a panel per evaluation: the
+run's checkpoints as a line with the spread over seeds as error bars, the branch ends and the averages as markers
+beside it; a diverged checkpoint is left out of its panel, whose title counts it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class Cell:
     due: bool
 
     def text(self) -> str:
+        lost = sum(map(records.diverged, self.values))
+        if lost:
+            return f"diverged ({lost} of {len(self.values)})"
         if self.values:
             mean, std = records.spread(self.values)
             return f"{mean:.4f}" + (f" +- {std:.4f}" if std is not None else "") + f" ({len(self.values)})"
@@ -116,7 +120,9 @@ def plot(root: Path, plan: Plan, tasks: list[EvalTaskSection]) -> Path | None:
     fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.8), squeeze=False)
     metrics = _metrics(root, tasks)
     for ax, task in zip(axes.flat, tasks):
-        _panel(ax, task.name, metrics.get(task.name, ""), series[task.name])
+        finite = [(row, values) for row, values in series[task.name] if not any(map(records.diverged, values))]
+        lost = len(series[task.name]) - len(finite)
+        _panel(ax, task.name + (f" ({lost} diverged: not drawn)" if lost else ""), metrics.get(task.name, ""), finite)
     return save_figure(fig, root / PLOT_FILE)
 
 
@@ -138,4 +144,5 @@ def _panel(ax, name: str, metric: str, points: list[tuple[Row, list[float]]]) ->
     ax.set_xlabel("step")
     ax.set_ylabel(metric)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    if points:          # a panel whose every checkpoint diverged has nothing to label
+        ax.legend(fontsize="small")
