@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,17 @@ def sample_data() -> Path:
 def device() -> torch.device:
     """The device kernel tests put their tensors on: CPU, or CUDA with ``DISTAFF_TEST_GPU=1``."""
     return selected_device()
+
+
+@pytest.fixture(autouse=True)
+def environment_restored() -> Iterator[None]:
+    """Each test starts from the environment the session set: code run in-process (a trainer exporting
+    ``OMP_NUM_THREADS``) must not change what a later test on the same pytest-xdist worker reads."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -58,7 +58,8 @@ def test_cpu_ranks_share_the_cores_given_per_core_by_gpu_spec(monkeypatch):
 
 
 @pytest.mark.unit
-def test_a_cpu_plan_has_every_part_and_stage_and_reads_the_prepared_vocabulary(tmp_path, capsys):
+def test_a_cpu_plan_has_every_part_and_stage_and_reads_the_prepared_vocabulary(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # an in-process run earlier in this worker may have set it
     fixture = json.loads((REPO / "tests/run/fixtures/checkpoint-bda9efe/data/manifest.json").read_text())
     (tmp_path / "manifest.json").write_text(json.dumps({**fixture, "seq_len": 64, "vocab_size": 1000}))
     prepared = make_plan(load_config("tiny-cpu", [f"data.dir={tmp_path}"]), "2xcpu", gpu_spec=parse_spec(SPEC))
