@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from distaff.train.core.errors import command_main
-from distaff.train.core.files import chmod_default
+from distaff.train.core.files import check_apart, check_out_dir, chmod_default
 from distaff.train.core.threads import configure_threads
 from distaff.train.data.errors import DataError
 from distaff.train.data.tokenizer import TokenizerInfo, load_tokenizer_info
@@ -163,8 +163,9 @@ def _whitening(args: argparse.Namespace, x: np.ndarray, out: Path, saved) -> tup
 def embed(args: argparse.Namespace) -> Path:
     """Write ``embeddings.npy`` (float32) and ``embeddings.json`` (plus the transform) under ``args.out``."""
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
-        raise FileExistsError(f"--out {out}: exists and is not an empty folder; pass --overwrite to write into it")
+    check_apart(("--out", out), [("--model", args.model), ("--input", args.input), ("--transform", args.transform),
+                                 ("--tokenizer", args.tokenizer)])
+    check_out_dir(out, args.overwrite, "--out")
     saved = load_transform(args.transform) if args.transform else None
     pooling = _pooling(args, saved[2] if saved else None)
     texts = read_lines(args.input)

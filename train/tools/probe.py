@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from distaff.train.core.errors import ConfigError, RunFailure, command_main, float_arg
+from distaff.train.core.files import check_apart
 from distaff.train.core.threads import configure_threads
 from distaff.train.data.sources import ReadOptions, iter_documents
 from distaff.train.finetune.classifier_init import load_encoder
@@ -311,6 +312,10 @@ def run(args: argparse.Namespace) -> dict:
     for encoder in encoders:
         if not encoder.path.exists():
             raise FileNotFoundError(f"--model {encoder.name}: {encoder.path} does not exist")
+    check_apart(("--out", args.out), [*((f"--model {e.name}", e.path) for e in encoders),
+                                      *(("--text", path) for path in args.text),
+                                      *(("--pretraining-data", path) for path in args.pretraining_data or ()),
+                                      ("--finetune-config", args.finetune_config)])
     args.out.mkdir(parents=True, exist_ok=True)
     sentences, report = held_out_sentences(args, encoders)
     print(f"distaff probe: {report['kept']} sentences ({report['in_pretraining_text']} of {report['sentences']} "
