@@ -19,8 +19,10 @@ from distaff.launch.cli import main as distaff_main
 from distaff.train.core.errors import UserError
 from distaff.train.core.files import check_apart, replaced_folder
 from distaff.train.finetune.config import load_finetune_config
+from distaff.train.run.checkpoint_files import check_apart_from_checkpoints
 from distaff.train.run.config import ConfigError, load_config
 from distaff.train.tools.ablate import load_ablation
+from distaff.train.tools.baselines import main as baselines_main
 
 pytestmark = pytest.mark.unit
 
@@ -59,12 +61,11 @@ def assert_refused(capsys, argv: list[str], *named: str) -> str:
 @pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
 def test_average_over_its_run_or_one_of_its_checkpoints_is_refused(tmp_path, capsys, overwrite):
     run = run_dir(tmp_path)
-    newest = run / "checkpoints" / "step-00000016"
-    err = assert_refused(capsys, ["average", str(run), "--out", str(run), *overwrite], f"--out {run}",
-                         f"checkpoint {run}")
-    assert f"--out {run}: is the checkpoint {run}" in err
-    assert_refused(capsys, ["average", str(run), "--out", str(newest), *overwrite], "lies inside the checkpoint")
-    older = run / "checkpoints" / "step-00000008"
+    older, newest = run / "checkpoints" / "step-00000008", run / "checkpoints" / "step-00000016"
+    assert_refused(capsys, ["average", str(run), "--out", str(run), *overwrite],
+                   f"--out {run}: is the checkpoint {run}")
+    assert_refused(capsys, ["average", str(run), "--out", str(newest), *overwrite],
+                   f"--out {newest}: lies inside the checkpoint's checkpoints folder {run / 'checkpoints'}")
     assert_refused(capsys, ["average", str(older), str(newest), "--out", str(newest), *overwrite],
                    f"--out {newest}: is the checkpoint {newest}")
     assert_refused(capsys, ["average", str(older), "--out", str(tmp_path), *overwrite],
@@ -73,17 +74,29 @@ def test_average_over_its_run_or_one_of_its_checkpoints_is_refused(tmp_path, cap
     assert (run / "metrics.jsonl").is_file()
 
 
+def test_an_output_may_lie_in_a_run_directory_beside_its_checkpoints(tmp_path):
+    """``runs/x/avg`` is where ``distaff evals`` looks for a run's averages: inside the run, apart from its
+    checkpoints."""
+    run = run_dir(tmp_path)
+    check_apart_from_checkpoints(("--out", run / "avg"), [("checkpoint", run)])
+    with pytest.raises(UserError, match="lies inside the checkpoint"):
+        check_apart_from_checkpoints(("--out", run / "checkpoints" / "step-00000008" / "x"),
+                                     [("checkpoint", run / "checkpoints" / "step-00000008")])
+
+
 def test_export_and_grow_into_their_own_run_are_refused_through_symlinks_and_dots(tmp_path, capsys):
     run = run_dir(tmp_path)
     alias = tmp_path / "alias"
     alias.symlink_to(run)
-    err = assert_refused(capsys, ["export-hf", str(run), str(alias), "--overwrite"], str(alias), f"checkpoint {run}")
-    assert "is the checkpoint" in err
-    dotted = f"{run}/checkpoints/../checkpoints"
-    assert_refused(capsys, ["export-hf", str(alias), dotted, "--overwrite"], dotted, f"({run})")
-    assert_refused(capsys, ["grow", str(run), str(run / "grown"), "--hidden-size", "64", "--overwrite"],
-                   "output folder", "lies inside the model")
-    assert_refused(capsys, ["grow", str(run / "checkpoints"), str(run), "--num-layers", "4"], "contains the model")
+    assert_refused(capsys, ["export-hf", str(run), str(alias), "--overwrite"], f"output folder {alias} ({run}): is "
+                   f"the checkpoint {run}")
+    dotted = f"{run}/x/../checkpoints"
+    assert_refused(capsys, ["export-hf", str(alias), dotted, "--overwrite"],
+                   f"output folder {dotted} ({run / 'checkpoints'}): is the checkpoint's checkpoints folder "
+                   f"{alias / 'checkpoints'} ({run / 'checkpoints'})")
+    assert_refused(capsys, ["grow", str(run / "checkpoints"), str(run / "checkpoints" / "grown"), "--hidden-size",
+                            "64", "--overwrite"], "output folder", "lies inside the model")
+    assert_refused(capsys, ["grow", str(run), str(tmp_path), "--num-layers", "4"], "contains the model")
     assert_untouched(*(run / "checkpoints").iterdir())
 
 
@@ -105,6 +118,15 @@ def test_embed_probe_prepare_and_tokenizer_outputs_apart_from_their_inputs(tmp_p
                    f"--out {corpus}: contains the --input {text}")
     assert_untouched(model, corpus)
     assert text.read_text() == "one line\n" and not (corpus / ".distaff.lock").exists()
+
+
+def test_a_result_file_over_the_training_file_is_refused(tmp_path, capsys):
+    data = tmp_path / "train.tsv"
+    data.write_text("1\tgood\n0\tbad\n")
+    assert baselines_main(["--train", str(data), "--json", str(data)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"distaff baselines: --json {data}: is the --train {data}") and "\n" not in err
+    assert data.read_text() == "1\tgood\n0\tbad\n"
 
 
 def test_a_runs_out_dir_apart_from_its_data_and_init_checkpoints(tmp_path):

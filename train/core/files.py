@@ -107,7 +107,7 @@ def _overlap(out: Path, source: Path) -> str:
 
 def check_apart(out: tuple[str, str | Path], inputs: Iterable[tuple[str, str | Path | None]],
                 holders: Iterable[tuple[str, str | Path]] = (), error: type[UserError] = UserError) -> None:
-    """Refuse an output folder ``out`` (its option's name, its path) that is, lies inside or contains one of
+    """Refuse an output folder or file ``out`` (its option's name, its path) that is, lies inside or contains one of
     ``inputs`` (name, path; None or "" skipped, as are remote data dirs), or that is or contains one of
     ``holders`` (folders it may lie inside: a run directory holding its branches). Paths are compared with their
     symlinks and ``..`` resolved. Called before anything is written or deleted, with or without ``--overwrite``:
@@ -120,7 +120,7 @@ def check_apart(out: tuple[str, str | Path], inputs: Iterable[tuple[str, str | P
         relation = _overlap(real_out, Path(place(path)))
         if relation and not (may_hold and relation == "lies inside"):
             raise error(f"{_named(*out)}: {relation} the {_named(name, path)}, which this command reads (writing "
-                        "there could overwrite or delete it); name an output folder apart from its inputs")
+                        "there could overwrite or delete it); name an output apart from its inputs")
 
 
 def _stale_siblings(out: Path) -> Iterator[Path]:

@@ -23,6 +23,7 @@ from distaff.train.core.errors import ConfigError, command_main
 from distaff.train.core.files import check_apart, check_out_dir, replaced_folder
 from distaff.train.core.threads import configure_threads
 from distaff.train.run.checkpoint import META
+from distaff.train.run.checkpoint_files import check_apart_from_checkpoints
 from distaff.train.run.weights import CLASSIFIER_TASK, find_checkpoint, fp32_state_dict, model_from_meta
 
 
@@ -31,11 +32,10 @@ def export(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | None
     """Write the HF folder for ``checkpoint`` into ``out`` (an RTD run's discriminator, or with
     ``generator`` its generator; a fine-tuning run's best checkpoint, or with ``latest`` its latest);
     returns ``out``."""
-    inputs = [("checkpoint", checkpoint), ("--tokenizer", tokenizer)]
-    check_apart(("output folder", out), inputs)
+    check_apart_from_checkpoints(("output folder", out), [("checkpoint", checkpoint)])
+    check_apart(("output folder", out), [("--tokenizer", tokenizer)])
     check_out_dir(Path(out), overwrite)
     folder = find_checkpoint(checkpoint, latest)
-    check_apart(("output folder", out), [("checkpoint", folder)])
     with replaced_folder(out) as fresh:     # --overwrite: no file of the old folder survives
         _write(folder, fresh, tokenizer, generator)
     return Path(out)

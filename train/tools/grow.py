@@ -38,10 +38,11 @@ from pathlib import Path
 import torch
 
 from distaff.train.core.errors import command_main
-from distaff.train.core.files import check_apart, check_out_dir, replaced_folder
+from distaff.train.core.files import check_out_dir, replaced_folder
 from distaff.train.core.threads import configure_threads
 from distaff.train.model.config import ConfigError, ModelConfig
 from distaff.train.model.deberta import DebertaForMaskedLM, Layer
+from distaff.train.run.checkpoint_files import check_apart_from_checkpoints
 from distaff.train.run.model_folder import load_model, save_model_folder
 
 # Which space each dimension of a parameter lives in: D hidden, E embedding, I feed-forward, None
@@ -194,7 +195,7 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--overwrite", action="store_true", help="write into OUT even if it already holds files")
     args = parser.parse_args(argv)
     configure_threads(announce=False)
-    check_apart(("output folder", args.out), [("model", args.model)])
+    check_apart_from_checkpoints(("output folder", args.out), [("model", args.model)])
     check_out_dir(Path(args.out), args.overwrite)
     model, tokenizer = load_model(args.model)
     small = model.config
