@@ -153,6 +153,14 @@ def test_a_fine_tuning_run_and_an_ablation_apart_from_what_they_read(tmp_path):
         load_finetune_config(None, [f"model.init_from={tmp_path / 'model'}", f"data.train={labelled / 'train.tsv'}",
                                     "data.dev_fraction=0.2", f"run.out_dir={labelled}"])
     assert "\n" not in str(caught.value)
+    pretrained = run_dir(tmp_path)          # a pretraining run to start from: beside its checkpoints is fine
+    common = [f"model.init_from={pretrained}", f"data.train={labelled / 'train.tsv'}", "data.dev_fraction=0.2"]
+    with pytest.raises(ConfigError, match=r"^run.out_dir .*: lies inside the model.init_from's checkpoints folder"):
+        load_finetune_config(None, [*common, f"run.out_dir={pretrained / 'checkpoints' / 'ft'}"])
+    try:
+        load_finetune_config(None, [*common, f"run.out_dir={pretrained / 'ft'}"])
+    except ConfigError as err:      # the fake run has no model to read: any other refusal is not the guard's
+        assert "run.out_dir" not in str(err), err
     spec = tmp_path / "ablation.yaml"
     spec.write_text(yaml.safe_dump({"name": "a", "base": "tiny-cpu", "out_dir": str(labelled), "tokens": 1000,
                                     "prepare": {"input": [str(labelled / "train.tsv")]},

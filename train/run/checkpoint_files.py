@@ -34,7 +34,8 @@ def is_complete(folder: Path) -> bool:
     return (folder / META).is_file()
 
 
-def check_apart_from_checkpoints(out: tuple[str, str | Path], named: list[tuple[str, str | Path]]) -> None:
+def check_apart_from_checkpoints(out: tuple[str, str | Path], named: list[tuple[str, str | Path]],
+                                 error: type[UserError] = UserError) -> None:
     """Refuse an output folder ``out`` (option, path) over the checkpoints a command reads through the paths
     ``named`` (option, path: a checkpoint, a run's ``checkpoints`` folder, a run directory or a model folder):
     it may lie inside a run directory (``runs/x/avg``, where ``distaff evals`` finds averages) but not be it,
@@ -48,7 +49,7 @@ def check_apart_from_checkpoints(out: tuple[str, str | Path], named: list[tuple[
             inputs += [(f"{name}'s {sub} folder", run / sub) for sub in ("checkpoints", "best") if (run / sub).is_dir()]
         else:
             inputs.append((name, run))
-    check_apart(out, inputs, holders)
+    check_apart(out, inputs, holders, error)
 
 
 def write_file_list(folder: Path) -> None:
