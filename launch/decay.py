@@ -150,13 +150,9 @@ def resumed_branch(parent: Path, step: int, steps: int, shape: str = "", out: Pa
     found = own_checkpoint(out)
     if found is None:
         return None
-    folder, meta = found
+    _, meta = found
     values = copy.deepcopy(meta.get("config", {}))
-    wanted = branch_identity(parent.resolve(), step, steps, shape)
-    differ = [f"{key}: {_value(values, key)!r} there, {want!r} now" for key, want in wanted.items()
-              if _value(values, key) != want]
-    if differ:
-        raise ConfigError(f"{out}: holds another run ({'; '.join(differ)}); name another --out, or delete {out}")
+    refuse_another_branch(out, values, branch_identity(parent.resolve(), step, steps, shape))
     values.setdefault("run", {})["out_dir"] = str(out)
     return _branch(parent.resolve(), step, steps, out, values, overrides), int(meta.get("step", 0))
 
@@ -166,6 +162,15 @@ def branch_identity(parent: Path, step: int, steps: int, shape: str) -> dict[str
     wanted = {"checkpoint.branch_from": str(parent / "checkpoints" / tag_for_step(step)), "optim.decay_start": step,
               "optim.decay_steps": steps, "train.max_steps": step + steps}
     return {**wanted, "optim.decay_shape": shape} if shape else wanted
+
+
+def refuse_another_branch(out: Path, saved: Any, wanted: dict[str, Any]) -> None:
+    """A one-line error when the config ``saved`` in the branch folder ``out`` is not the branch ``wanted``."""
+    saved = saved if isinstance(saved, dict) else {}
+    differ = [f"{key}: {_value(saved, key)!r} there, {want!r} now" for key, want in wanted.items()
+              if _value(saved, key) != want]
+    if differ:
+        raise ConfigError(f"{out}: holds another run ({'; '.join(differ)}); name another --out, or delete {out}")
 
 
 def _value(values: dict[str, Any], key: str) -> Any:
@@ -192,6 +197,10 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> None:
         key = ".".join(keys)
         if key in BRANCH_KEYS:
             raise ConfigError(f"{key}: set by the branch itself; use {BRANCH_KEYS[key]}")
+        inside = [name for name in BRANCH_KEYS if name.startswith(key + ".")]
+        if inside:      # a whole section would replace what the branch sets in it
+            raise ConfigError(f"{key}: holds {', '.join(inside)}, which the branch sets itself; override its other "
+                              "keys one by one")
         if not any(key == allowed or key.startswith(allowed + ".") for allowed in OVERRIDABLE):
             raise ConfigError(f"{key}: a decay branch continues its parent's checkpoint exactly, so only its "
                               f"evaluation, checkpointing, logging and W&B settings change ({', '.join(OVERRIDABLE)}); "
@@ -227,13 +236,8 @@ def check_same_branch(out: Path, branch: DecayBranch) -> None:
     path = out / "config.yaml"
     if not path.is_file():
         return
-    saved = load_yaml(path.read_text(), str(path))
-    saved = saved if isinstance(saved, dict) else {}
-    wanted = branch_identity(branch.parent, branch.step, branch.steps, branch.shape)
-    differ = [f"{key}: {_value(saved, key)!r} there, {want!r} now" for key, want in wanted.items()
-              if _value(saved, key) != want]
-    if differ:
-        raise ConfigError(f"{out}: holds another run ({'; '.join(differ)}); name another --out, or delete {out}")
+    refuse_another_branch(out, load_yaml(path.read_text(), str(path)),
+                          branch_identity(branch.parent, branch.step, branch.steps, branch.shape))
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -163,6 +163,11 @@ def test_overrides_the_docs_do_not_list_are_refused_in_one_line(tmp_path, overri
                          r"only its evaluation, checkpointing, logging and W&B settings change")
 
 
+def test_a_section_holding_what_the_branch_sets_is_refused_whole(tmp_path):
+    one_line_error(tmp_path, parent_run(tmp_path), 40, 10, "", None, ["checkpoint={every: 5}"],
+                   match=r"^checkpoint: holds checkpoint\.branch_from, checkpoint\.resume, which the branch sets")
+
+
 def test_overrides_of_evaluation_checkpointing_logging_and_wandb_are_taken(tmp_path):
     values = plan_branch(parent_run(tmp_path), 40, 10, "", None, [
         "eval.batches=3", "checkpoint.keep=5", "logging.every=2", "wandb.mode=disabled", "run.name=mine",
