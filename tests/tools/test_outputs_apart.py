@@ -180,6 +180,7 @@ def test_check_apart_relations_holders_and_remote_dirs(tmp_path):
         check_apart(("--out", tmp_path), [], holders=[("run", parent)])
     check_apart(("--out", tmp_path), [("data", f"pipe:cat {tmp_path}/x.tar"), ("none", None), ("empty", "")])
     check_apart(("--out", tmp_path / "parent-2"), [("input", parent)])       # a common prefix is not inside
+    check_apart(("--out", "nul\x00byte"), [("input", parent)])       # no file has that name: refused where it is used
 
 
 KILLED_WRITE = textwrap.dedent("""

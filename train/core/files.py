@@ -84,8 +84,11 @@ def is_remote(data_dir: str | Path) -> bool:
 
 def place(path: str | Path) -> str:
     """Where ``path`` is: absolute, with every symlink and ``..`` resolved (as far as it exists), so that two
-    spellings of one folder compare equal; a remote data dir as written."""
-    return str(path) if is_remote(path) else os.path.realpath(Path(path).expanduser())
+    spellings of one folder compare equal; a remote data dir, or a path no file can have (a NUL byte: refused
+    where it is used), as written."""
+    if is_remote(path) or "\x00" in str(path):
+        return str(path)
+    return os.path.realpath(Path(path).expanduser())
 
 
 def _named(name: str, path: str | Path) -> str:
