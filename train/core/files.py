@@ -181,7 +181,7 @@ def replaced_folder(out: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(fresh, ignore_errors=True)
         raise
-    old = fresh.with_name(fresh.name.replace(".partial-", ".old-"))
+    old = fresh.with_name(f".{out.name}.old-" + fresh.name.removeprefix(f".{out.name}.partial-"))
     if out.exists():
         os.replace(out, old)
     os.replace(fresh, out)
