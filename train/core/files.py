@@ -67,13 +67,14 @@ def file_sha256(path: str | Path) -> str:
 
 # ---------------------------------------------------------------- output folders
 
-def check_out_dir(out: Path, overwrite: bool, what: str = "") -> None:
-    """Refuse to write into a folder that already holds files (the user's config.json, say) unless told to."""
+def check_out_dir(out: Path, overwrite: bool, what: str = "", overwriting: str = "replace it") -> None:
+    """Refuse to write into a folder that already holds files (the user's config.json, say) unless told to
+    (``overwriting``: what ``--overwrite`` then does)."""
     name = f"{what} {out}" if what else str(out)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{name}: exists and is not a folder; name a folder to write")
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{name}: exists and is not an empty folder; pass --overwrite to replace it")
+        raise FileExistsError(f"{name}: exists and is not an empty folder; pass --overwrite to {overwriting}")
 
 
 def is_remote(data_dir: str | Path) -> bool:

@@ -165,7 +165,7 @@ def embed(args: argparse.Namespace) -> Path:
     out = Path(args.out)
     check_apart(("--out", out), [("--model", args.model), ("--input", args.input), ("--transform", args.transform),
                                  ("--tokenizer", args.tokenizer)])
-    check_out_dir(out, args.overwrite, "--out")
+    check_out_dir(out, args.overwrite, "--out", "write into it")
     saved = load_transform(args.transform) if args.transform else None
     pooling = _pooling(args, saved[2] if saved else None)
     texts = read_lines(args.input)
