@@ -511,7 +511,8 @@ def _check_sources(key: str, sources: list[SourceSection]) -> None:
 
 def _check_out_dir_apart(cfg: RunConfig) -> None:
     """``run.out_dir`` apart from every folder the run reads: the run writes its files there and rotates its
-    checkpoints away (an init checkpoint inside it would be deleted, a data dir would get a run's files)."""
+    checkpoints away (a parent checkpoint or model folder inside it could be deleted or overwritten, a data dir would
+    get a run's files)."""
     reads = [("data.dir", cfg.data.dir), *((f"data.sources[{i}].dir", s.dir) for i, s in enumerate(cfg.data.sources)),
              *((f"phases[{i}].sources[{j}].dir", s.dir) for i, phase in enumerate(cfg.phases)
                for j, s in enumerate(phase.sources)),
