@@ -116,6 +116,11 @@ def test_embed_probe_prepare_and_tokenizer_outputs_apart_from_their_inputs(tmp_p
                             "--out", str(model)], "is the --tokenizer")
     assert_refused(capsys, ["tokenizer", "train", "--input", str(text), "--vocab-size", "100", "--out", str(corpus)],
                    f"--out {corpus}: contains the --input {text}")
+    run = run_dir(tmp_path)                 # a run to embed or probe: beside its checkpoints is fine, not in them
+    assert_refused(capsys, ["probe", "--text", str(text), "--model", f"mlm={run}", "--out", str(run / "checkpoints")],
+                   f"--out {run / 'checkpoints'}: is the --model mlm's checkpoints folder")
+    assert_refused(capsys, ["embed", "--model", str(run), "--input", str(text), "--out", str(run / "emb"),
+                            "--tokenizer", str(run / "emb" / "tok")], "contains the --tokenizer")
     assert_untouched(model, corpus)
     assert text.read_text() == "one line\n" and not (corpus / ".distaff.lock").exists()
 

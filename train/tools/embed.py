@@ -33,6 +33,7 @@ from distaff.train.data.tokenizer import TokenizerInfo, load_tokenizer_info
 from distaff.train.finetune.classifier_init import ENCODER_PREFIX, load_encoder
 from distaff.train.model.config import ConfigError, ModelConfig
 from distaff.train.model.deberta import DebertaModel
+from distaff.train.run.checkpoint_files import check_apart_from_checkpoints
 
 POOLINGS = ("mean", "cls")
 TRANSFORM_WEIGHTS, TRANSFORM_META = "whitening.safetensors", "whitening.json"
@@ -163,7 +164,8 @@ def _whitening(args: argparse.Namespace, x: np.ndarray, out: Path, saved) -> tup
 def embed(args: argparse.Namespace) -> Path:
     """Write ``embeddings.npy`` (float32) and ``embeddings.json`` (plus the transform) under ``args.out``."""
     out = Path(args.out)
-    check_apart(("--out", out), [("--model", args.model), ("--input", args.input), ("--transform", args.transform),
+    check_apart_from_checkpoints(("--out", out), [("--model", args.model)])
+    check_apart(("--out", out), [("--input", args.input), ("--transform", args.transform),
                                  ("--tokenizer", args.tokenizer)])
     check_out_dir(out, args.overwrite, "--out", "write into it")
     saved = load_transform(args.transform) if args.transform else None

@@ -51,6 +51,7 @@ from distaff.train.core.threads import configure_threads
 from distaff.train.data.sources import ReadOptions, iter_documents
 from distaff.train.finetune.classifier_init import load_encoder
 from distaff.train.finetune.labelled import CSV_SUFFIXES, TSV_SUFFIXES, Example, hold_out, read_examples, read_texts
+from distaff.train.run.checkpoint_files import check_apart_from_checkpoints
 from distaff.train.tools.baselines import BUNDLED_COLUMNS, PROBE_L2, bag_of_words, fit_and_score, frozen_encoder
 from distaff.train.tools.probe_overlap import pretrained_on, run_data_dir
 from distaff.train.tools.probe_tasks import MAX_WORDS, MIN_SENTENCES, MIN_WORDS, TASKS, build_tasks, probe_sentences
@@ -312,8 +313,8 @@ def run(args: argparse.Namespace) -> dict:
     for encoder in encoders:
         if not encoder.path.exists():
             raise FileNotFoundError(f"--model {encoder.name}: {encoder.path} does not exist")
-    check_apart(("--out", args.out), [*((f"--model {e.name}", e.path) for e in encoders),
-                                      *(("--text", path) for path in args.text),
+    check_apart_from_checkpoints(("--out", args.out), [(f"--model {e.name}", e.path) for e in encoders])
+    check_apart(("--out", args.out), [*(("--text", path) for path in args.text),
                                       *(("--pretraining-data", path) for path in args.pretraining_data or ()),
                                       ("--finetune-config", args.finetune_config)])
     args.out.mkdir(parents=True, exist_ok=True)
