@@ -36,8 +36,9 @@ import yaml
 from distaff.launch.run_config import read_launch_record
 from distaff.train.core.config_yaml import load_yaml
 from distaff.train.core.errors import MAX_COUNT, ConfigError, command_main, document_ranges, int_arg
-from distaff.train.run.checkpoint_files import META, checkpoint_problem, is_complete, tag_for_step
-from distaff.train.run.config import config_from_dict, parse_overrides
+from distaff.train.core.files import check_apart
+from distaff.train.run.checkpoint_files import META, checkpoint_problem, is_complete, read_meta, tag_for_step
+from distaff.train.run.config import NOT_FINGERPRINTED, config_from_dict, parse_overrides
 from distaff.train.run.schedule import DECAY_SHAPES, wsd_window
 
 BRANCHES_DIR = "branches"
@@ -106,8 +107,14 @@ def plan_branch(parent: Path, step: int, steps: int, shape: str = "", out: Path 
     if not first <= step <= last:
         raise ConfigError(f"--from {step}: outside {parent}'s stable phase (steps {first} to {last}: its warmup ends "
                           f"at {first}, its decay starts at {last}); branch from a checkpoint in between")
-    out = (out or parent / BRANCHES_DIR / branch_name(step, steps)).resolve()
+    out = branch_out(parent, step, steps, out)
     values = branch_values(config, folder, step, steps, shape or config["optim"].get("decay_shape", "1-sqrt"), out)
+    return _branch(parent, step, steps, out, values, overrides)
+
+
+def _branch(parent: Path, step: int, steps: int, out: Path, values: dict[str, Any],
+            overrides: list[str]) -> DecayBranch:
+    """The branch of ``values`` with ``overrides`` applied, its config validated."""
     apply_overrides(values, overrides)
     try:
         config_from_dict(copy.deepcopy(values))
@@ -116,18 +123,88 @@ def plan_branch(parent: Path, step: int, steps: int, shape: str = "", out: Path 
     return DecayBranch(parent, step, steps, values["optim"]["decay_shape"], out, values)
 
 
+def branch_out(parent: Path, step: int, steps: int, out: Path | None) -> Path:
+    """The branch's run directory (default ``parent/branches/decay-STEP-STEPS``), resolved; refused when it is, lies
+    inside or contains the parent's checkpoints, or is or contains the parent's run directory (a branch writes and
+    rotates checkpoints there, so the parent's would be overwritten or deleted)."""
+    out = (out or parent / BRANCHES_DIR / branch_name(step, steps)).resolve()
+    check_apart(("--out", out), [("parent's checkpoints folder", parent / "checkpoints")],
+                holders=[("parent's run directory", parent)])
+    return out
+
+
+def own_checkpoint(out: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The branch's newest sound checkpoint of its own and its meta; None while it has none."""
+    for folder in sorted((out / "checkpoints").glob("step-*"), key=lambda p: p.name, reverse=True):
+        if is_complete(folder) and checkpoint_problem(folder) is None:
+            return folder, read_meta(folder)
+    return None
+
+
+def resumed_branch(parent: Path, step: int, steps: int, shape: str = "", out: Path | None = None,
+                   overrides: list[str] = ()) -> tuple[DecayBranch, int] | None:
+    """The branch in ``out`` (default as :func:`plan_branch`) as its own newest checkpoint saved it, and that
+    checkpoint's step, when it has one: it resumes from there, so the parent's checkpoint may be gone by now. A
+    branch folder of another branch (parent checkpoint, decay, shape) is refused; None when it has no checkpoint."""
+    out = branch_out(parent.resolve(), step, steps, out)
+    found = own_checkpoint(out)
+    if found is None:
+        return None
+    _, meta = found
+    values = copy.deepcopy(meta.get("config", {}))
+    refuse_another_branch(out, values, branch_identity(parent.resolve(), step, steps, shape))
+    values.setdefault("run", {})["out_dir"] = str(out)
+    return _branch(parent.resolve(), step, steps, out, values, overrides), int(meta.get("step", 0))
+
+
+def branch_identity(parent: Path, step: int, steps: int, shape: str) -> dict[str, Any]:
+    """The config values that make a branch this one (``shape`` "" : any)."""
+    wanted = {"checkpoint.branch_from": str(parent / "checkpoints" / tag_for_step(step)), "optim.decay_start": step,
+              "optim.decay_steps": steps, "train.max_steps": step + steps}
+    return {**wanted, "optim.decay_shape": shape} if shape else wanted
+
+
+def refuse_another_branch(out: Path, saved: Any, wanted: dict[str, Any]) -> None:
+    """A one-line error when the config ``saved`` in the branch folder ``out`` is not the branch ``wanted``."""
+    saved = saved if isinstance(saved, dict) else {}
+    differ = [f"{key}: {_value(saved, key)!r} there, {want!r} now" for key, want in wanted.items()
+              if _value(saved, key) != want]
+    if differ:
+        raise ConfigError(f"{out}: holds another run ({'; '.join(differ)}); name another --out, or delete {out}")
+
+
+def _value(values: dict[str, Any], key: str) -> Any:
+    section, _, name = key.partition(".")
+    node = values.get(section)
+    return node.get(name) if isinstance(node, dict) else None
+
+
 # what makes a branch the branch it is: set by distaff decay's own options
 BRANCH_KEYS = {"train.max_steps": "--steps", "optim.schedule": "--steps", "optim.decay_start": "--from",
                "optim.decay_steps": "--steps", "optim.decay_shape": "--shape", "run.out_dir": "--out",
                "checkpoint.branch_from": "--from", "checkpoint.resume": "--from"}
 
 
+# what an override may change: how the branch evaluates, checkpoints, waits, logs and reports, never the numbers it
+# computes (it continues its parent's checkpoint exactly: the parent's model, data, batch, seed and optimizer)
+OVERRIDABLE = ("eval", *NOT_FINGERPRINTED)
+
+
 def apply_overrides(values: dict[str, Any], overrides: list[str]) -> None:
-    """``key=value`` overrides into ``values``; the keys that define the branch are refused, naming the option."""
+    """``key=value`` overrides into ``values``; the keys that define the branch are refused, naming the option, and
+    so is any key outside :data:`OVERRIDABLE`."""
     for keys, value in parse_overrides(list(overrides)):
         key = ".".join(keys)
         if key in BRANCH_KEYS:
             raise ConfigError(f"{key}: set by the branch itself; use {BRANCH_KEYS[key]}")
+        inside = [name for name in BRANCH_KEYS if name.startswith(key + ".")]
+        if inside:      # a whole section would replace what the branch sets in it
+            raise ConfigError(f"{key}: holds {', '.join(inside)}, which the branch sets itself; override its other "
+                              "keys one by one")
+        if not any(key == allowed or key.startswith(allowed + ".") for allowed in OVERRIDABLE):
+            raise ConfigError(f"{key}: a decay branch continues its parent's checkpoint exactly, so only its "
+                              f"evaluation, checkpointing, logging and W&B settings change ({', '.join(OVERRIDABLE)}); "
+                              "start a separate run to change it")
         node = values
         for part in keys[:-1]:
             node = node.setdefault(part, {})
@@ -145,6 +222,8 @@ def branch_values(config: dict[str, Any], checkpoint: Path, step: int, steps: in
     values["run"] = {**run, "out_dir": str(out), "name": name}
     values["wandb"] = {**wandb, "group": wandb.get("group") or run.get("name", "distaff"), "name": ""}
     values["train"] = {**values["train"], "max_steps": step + steps}
+    # the parent's phases from the branch's end on are never entered by the branch (a config refuses them)
+    values["phases"] = [phase for phase in values.get("phases") or [] if phase.get("at_step", 0) < step + steps]
     values["optim"] = {**values["optim"], "schedule": "wsd", "decay_start": step, "decay_steps": steps,
                        "decay_shape": shape}
     values["checkpoint"] = {**values.get("checkpoint", {}), "resume": "auto", "branch_from": str(checkpoint)}
@@ -157,13 +236,8 @@ def check_same_branch(out: Path, branch: DecayBranch) -> None:
     path = out / "config.yaml"
     if not path.is_file():
         return
-    saved = load_yaml(path.read_text(), str(path)) or {}
-    keys = (("checkpoint", "branch_from"), ("optim", "decay_start"), ("optim", "decay_steps"),
-            ("optim", "decay_shape"), ("train", "max_steps"))
-    differ = [f"{a}.{b}: {saved.get(a, {}).get(b)!r} there, {branch.values[a][b]!r} now" for a, b in keys
-              if saved.get(a, {}).get(b) != branch.values[a][b]]
-    if differ:
-        raise ConfigError(f"{out}: holds another run ({'; '.join(differ)}); name another --out, or delete {out}")
+    refuse_another_branch(out, load_yaml(path.read_text(), str(path)),
+                          branch_identity(branch.parent, branch.step, branch.steps, branch.shape))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -189,20 +263,27 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     args = _parser().parse_intermixed_args(argv)
-    parent = Path(args.run_dir)
-    branch = plan_branch(parent, args.step, args.steps, args.shape, Path(args.out) if args.out else None,
-                         args.overrides)
-    check_same_branch(branch.out_dir, branch)
+    parent, out = Path(args.run_dir), Path(args.out) if args.out else None
+    resumed = resumed_branch(parent, args.step, args.steps, args.shape, out, args.overrides)
+    if resumed is None:
+        branch, since = plan_branch(parent, args.step, args.steps, args.shape, out, args.overrides), ""
+        check_same_branch(branch.out_dir, branch)
+    else:
+        branch, at = resumed
+        if at >= branch.values["train"]["max_steps"]:
+            print(f"distaff decay: branch {branch.out_dir} is finished (its checkpoint at step {at} is its last; "
+                  f"its summary: {branch.out_dir / 'summary.json'}); nothing to run")
+            return 0
+        since = f" (its own checkpoint at step {at})"
     record = read_launch_record(branch.parent)
     if record is None and not args.dry_run:
         raise ConfigError(f"{parent}: no launch record (launch/command.json): the run was not started by `distaff "
                           "launch` or `distaff slurm submit`; pass --dry-run to write the branch's config and start "
                           "it the way its parent was started")
     config = write_config(branch)
-    resumes = (branch.out_dir / "checkpoints" / "latest").is_file()
-    print(f"distaff decay: {'resuming' if resumes else 'starting'} branch {branch.out_dir}: from {branch.checkpoint}, "
-          f"{branch.steps} steps of {branch.shape} decay (W&B group {branch.values['wandb']['group']!r})",
-          file=sys.stderr, flush=True)
+    print(f"distaff decay: {'resuming' if since else 'starting'} branch {branch.out_dir}{since}: from "
+          f"{branch.checkpoint}, {branch.steps} steps of {branch.shape} decay (W&B group "
+          f"{branch.values['wandb']['group']!r})", file=sys.stderr, flush=True)
     if record is None:
         print(f"# start the branch as its parent was started, with its config:\n"
               f"torchrun --nproc_per_node N -m distaff.train.pretrain --config {shlex.quote(str(config))}")

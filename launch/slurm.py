@@ -48,7 +48,7 @@ from distaff.launch.sbatch import require_sbatch, sbatch_command, submit_script
 from distaff.launch.slurm_site import (SiteOptions, add_site_arguments, check_container_paths, node_python,
                                       site_options)
 from distaff.train.core import presets
-from distaff.train.core.errors import (MAX_COUNT, MAX_NODES, ConfigError, RunFailure, command_main, document_ranges,
+from distaff.train.core.errors import (MAX_COUNT, MAX_NODES, ConfigError, command_main, document_ranges,
                                        int_arg)
 from distaff.train.core.distributed import NODE_LOG_VARIABLE, RANK0_LOG_VARIABLE
 from distaff.train.core.exit_codes import EXIT_FAILURE, EXIT_PREEMPTED, EXIT_STALLED

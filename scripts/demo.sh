@@ -32,6 +32,9 @@ GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 RANKS=$(( GPUS > 0 ? GPUS : 2 ))
 export WANDB_MODE="${WANDB_MODE:-offline}" WANDB_SILENT=true TOKENIZERS_PARALLELISM=false
 
+# shellcheck source=scripts/out-dir.sh
+source scripts/out-dir.sh
+refuse_out_over_inputs demo.sh "$PY" "$OUT" "${SAMPLE[@]}"
 if [ "$FRESH" = 1 ]; then
     rm -rf "$OUT"
 elif [ -d "$OUT" ]; then    # an earlier demo, finished or interrupted: each step below picks up where it stopped

@@ -27,6 +27,9 @@ if [ ! -f "$PRETRAINED/summary.json" ]; then
     exit 2
 fi
 export WANDB_MODE="${WANDB_MODE:-offline}" WANDB_SILENT=true TOKENIZERS_PARALLELISM=false
+# shellcheck source=scripts/out-dir.sh
+source scripts/out-dir.sh
+refuse_out_over_inputs finetune-demo.sh "$PY" "$OUT" "$PRETRAINED" "$DATA" "$CONFIG"
 rm -rf "$OUT"
 mkdir -p "$OUT"
 

@@ -25,6 +25,9 @@ if [ ! -f "$PRETRAINED/summary.json" ]; then
 fi
 export WANDB_MODE="${WANDB_MODE:-offline}" WANDB_SILENT=true TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# shellcheck source=scripts/out-dir.sh
+source scripts/out-dir.sh
+refuse_out_over_inputs probe-demo.sh "$BIN/python" "$OUT" "$PRETRAINED" data/movie-snippets.tsv.gz
 rm -rf "$OUT"
 
 # shellcheck disable=SC2086  # SEEDS and FINETUNE are lists

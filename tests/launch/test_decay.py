@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import yaml
 from distaff.launch.cli import main as distaff_main
 from distaff.launch.decay import plan_branch
 from distaff.launch.run_config import record_launch
+from distaff.train.core.errors import UserError
 from distaff.train.run.checkpoint import FORMAT_VERSION, META, tag_for_step
 from distaff.train.run.checkpoint_files import write_file_list
 from distaff.train.run.config import ConfigError, config_to_dict, load_config
@@ -114,3 +116,78 @@ def test_dry_run_prints_the_parents_launcher_with_the_branch_config(tmp_path, ca
     assert distaff_main(["decay", str(run), "--from", "20", "--steps", "10", "--dry-run"]) == 0
     command = capsys.readouterr().out
     assert "--num_gpus 2 --master_port 29511" in command and f"--config {branch / 'config.yaml'}" in command
+
+
+def branch_checkpoint(run: Path, step: int, values: dict) -> Path:
+    """A checkpoint of the branch whose config is ``values`` (its meta and file list), at ``step``."""
+    folder = Path(values["run"]["out_dir"]) / "checkpoints" / tag_for_step(step)
+    (folder / META).parent.mkdir(parents=True)
+    (folder / META).write_text(json.dumps({"format": FORMAT_VERSION, "step": step, "world_size": 1, "config": values}))
+    write_file_list(folder)
+    return folder
+
+
+def test_a_branch_resumes_from_its_own_checkpoint_once_its_parents_is_gone(tmp_path, capsys):
+    run = parent_run(tmp_path)
+    branch = plan_branch(run, 40, 30, "cosine", None, ["eval.every=5"])
+    branch_checkpoint(run, 50, branch.values)
+    shutil.rmtree(branch.checkpoint)        # the parent rotated it away (checkpoint.keep)
+    argv = ["decay", str(run), "--from", "40", "--steps", "30", "--dry-run", "checkpoint.every=7"]
+    assert distaff_main(argv) == 0
+    out = capsys.readouterr()
+    assert f"resuming branch {branch.out_dir} (its own checkpoint at step 50)" in out.err
+    saved = yaml.safe_load((branch.out_dir / "config.yaml").read_text())
+    assert (saved["optim"]["decay_shape"], saved["eval"]["every"], saved["checkpoint"]["every"]) == ("cosine", 5, 7)
+    assert saved["checkpoint"]["branch_from"] == str(branch.checkpoint)
+    # another branch's folder is refused even without its parent's checkpoint: its step count differs
+    assert distaff_main(["decay", str(run), "--from", "40", "--steps", "20", "--out", str(branch.out_dir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds another run (optim.decay_steps: 30 there, 20 now" in err and "\n" not in err
+
+
+def test_rerunning_a_finished_branch_says_so_in_one_line(tmp_path, capsys):
+    run = parent_run(tmp_path)
+    branch = plan_branch(run, 40, 30)
+    branch_checkpoint(run, 70, branch.values)
+    assert distaff_main(["decay", str(run), "--from", "40", "--steps", "30"]) == 0    # no launch record needed
+    out = capsys.readouterr().out.strip()
+    assert out == (f"distaff decay: branch {branch.out_dir} is finished (its checkpoint at step 70 is its last; its "
+                   f"summary: {branch.out_dir / 'summary.json'}); nothing to run")
+
+
+@pytest.mark.parametrize("override", ["model.hidden_size=64", "optim.lr=1e-3", "data.dir=other", "run.seed=7",
+                                      "train.grad_accum=2", "phases=[]"])
+def test_overrides_the_docs_do_not_list_are_refused_in_one_line(tmp_path, override):
+    one_line_error(tmp_path, parent_run(tmp_path), 40, 10, "", None, [override],
+                   match=rf"^{override.split('=')[0]}: a decay branch continues its parent's checkpoint exactly, so "
+                         r"only its evaluation, checkpointing, logging and W&B settings change")
+
+
+def test_a_section_holding_what_the_branch_sets_is_refused_whole(tmp_path):
+    one_line_error(tmp_path, parent_run(tmp_path), 40, 10, "", None, ["checkpoint={every: 5}"],
+                   match=r"^checkpoint: holds checkpoint\.branch_from, checkpoint\.resume, which the branch sets")
+
+
+def test_overrides_of_evaluation_checkpointing_logging_and_wandb_are_taken(tmp_path):
+    values = plan_branch(parent_run(tmp_path), 40, 10, "", None, [
+        "eval.batches=3", "checkpoint.keep=5", "logging.every=2", "wandb.mode=disabled", "run.name=mine",
+        "distributed.timeout_s=60"]).values
+    assert (values["eval"]["batches"], values["checkpoint"]["keep"], values["logging"]["every"],
+            values["wandb"]["mode"], values["run"]["name"], values["distributed"]["timeout_s"]) == \
+        (3, 5, 2, "disabled", "mine", 60)
+
+
+def test_a_branch_folder_over_its_parent_is_refused_in_one_line(tmp_path):
+    run = parent_run(tmp_path)
+    for out, relation in [(run, "is the parent's run directory"), (tmp_path, "contains the parent's run directory"),
+                          (run / "checkpoints" / "x", "lies inside the parent's checkpoints folder"),
+                          (run / "x" / ".." / "checkpoints", "is the parent's checkpoints folder")]:
+        with pytest.raises(UserError, match=f": {relation}") as err:
+            plan_branch(run, 40, 10, "", out)
+        assert "\n" not in str(err.value)
+
+
+def test_a_parents_phases_after_the_branch_ends_are_left_out(tmp_path):
+    run = parent_run(tmp_path, WSD + ["phases=[{at_step: 30, mask_rate: 0.2}, {at_step: 60, mask_rate: 0.1}]"])
+    assert [p["at_step"] for p in plan_branch(run, 40, 10).values["phases"]] == [30]
+    assert [p["at_step"] for p in plan_branch(run, 40, 30).values["phases"]] == [30, 60]

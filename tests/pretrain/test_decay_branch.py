@@ -1,12 +1,14 @@
 """Decay branches of a warmup-stable-decay run, for real: a parent started by ``distaff launch`` (2 gloo ranks,
 real shards, RTD on packed documents under ZeRO-2), then ``distaff decay`` twice from one stable-phase checkpoint:
-one branch runs through, the other is interrupted (SIGTERM to ``distaff decay``) and resumed by the same command.
+one branch runs through, the other is interrupted (SIGTERM to ``distaff decay``) and, once the parent's checkpoint
+it started from is gone, resumed by the same command from its own; the finished one run again says it is done.
 The branches coexist, continue the parent exactly (its next two losses, whose rates are still the peak) and the
 interrupted branch repeats every step of the uninterrupted one bit for bit."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -65,8 +67,15 @@ def test_a_decay_branch_continues_its_parent_exactly_and_resumes_bit_for_bit(sam
     finished(proc, tmp, "interrupted.log", code=EXIT_PREEMPTED)
     stopped_at = max(train_losses(default))
     assert BRANCH_AT + 2 <= stopped_at < BRANCH_AT + DECAY
+    # the parent's checkpoint is gone (its checkpoint.keep rotated it away): the branch resumes from its own
+    shutil.rmtree(parent / "checkpoints" / f"step-{BRANCH_AT:08d}")
     finished(distaff(tmp, *decay, log="resumed.log"), tmp, "resumed.log")
     assert f"resuming from {default / 'checkpoints'}" in (tmp / "resumed.log").read_text()
+    # a finished branch run again says so in one line
+    finished(distaff(tmp, *decay, "--out", str(full), log="again.log"), tmp, "again.log")
+    assert (tmp / "again.log").read_text().strip().splitlines()[-1] == (
+        f"distaff decay: branch {full} is finished (its checkpoint at step {BRANCH_AT + DECAY} is its last; its "
+        f"summary: {full / 'summary.json'}); nothing to run")
 
     steps = list(range(BRANCH_AT + 1, BRANCH_AT + DECAY + 1))
     expected = train_losses(full)

@@ -65,6 +65,15 @@ def test_phases_keep_what_they_leave_out_and_say_what_they_change():
      "data.sources[0].weight: expected a finite number, got nan"),
     (["data.sources=[{dir: a}]"], "data.dir and data.sources: give one of them"),
     (["data.dir=", "data.sources=[{dir: a}, {dir: a}]"], "data.sources[1].dir: a is listed twice"),
+    # one folder under two spellings is one source listed twice (the mixture would double its share)
+    (["data.dir=", "data.sources=[{dir: a}, {dir: ./b/../a/}]"],
+     "data.sources[1].dir: ./b/../a/ is listed twice (as data.sources[0].dir a: the same folder)"),
+    (["phases=[{at_step: 5, sources: [{dir: long}, {dir: long/.}]}]"], "phases[0].sources[1].dir: long/. is listed"),
+    # a phase from train.max_steps on is never entered
+    (["train.max_steps=100", "phases=[{at_step: 100, mask_rate: 0.2}]"],
+     "phases[0].at_step: 100 is at or past the end of the run (train.max_steps=100)"),
+    (["train.max_steps=100", "phases=[{at_step: 50, mask_rate: 0.2}, {at_step: 400, mask_rate: 0.1}]"],
+     "phases[1].at_step: 400 is at or past the end of the run"),
     (["data.dir=", "data.sources=[a]"], "data.sources[0]: expected a mapping, got 'a'"),
     (["phases=[{at_step: 0, mask_rate: 0.2}]"], "phases[0].at_step: must be above 0"),
     (["phases=[{at_step: 5, mask_rate: 0.2}, {at_step: 5, mask_rate: 0.1}]"], "phases[1].at_step: must be above 5"),

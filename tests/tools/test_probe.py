@@ -154,6 +154,20 @@ def test_the_demo_script_asks_for_the_demo_first(tmp_path: Path):
     assert done.returncode == 2 and "run scripts/demo.sh first" in done.stderr
 
 
+def test_the_demo_script_refuses_an_output_folder_over_the_demo_it_probes(tmp_path: Path):
+    """``rm -rf`` of the probe's folder would delete the pretrained demo (DISTAFF_PROBE_DIR=DISTAFF_DEMO_DIR)."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "probe-demo.sh"
+    (tmp_path / "demo" / "run").mkdir(parents=True)
+    (tmp_path / "demo" / "run" / "summary.json").write_text("{}")
+    env = {**os.environ, "DISTAFF_DEMO_DIR": str(tmp_path / "demo"), "DISTAFF_PROBE_DIR": str(tmp_path / "demo")}
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (f"probe-demo.sh: output folder {tmp_path / 'demo'}: contains the input "
+                                   f"{tmp_path / 'demo' / 'run'}, which this command reads (writing there could "
+                                   "overwrite or delete it); name an output apart from its inputs")
+    assert (tmp_path / "demo" / "run" / "summary.json").is_file()
+
+
 def test_a_bare_hugging_face_folder_is_probed_like_its_source_and_named_unchecked(small_model_dir: Path,
                                                                                    sample_data: Path, tmp_path: Path,
                                                                                    capsys):

@@ -1,21 +1,24 @@
-"""Atomic file writes (readers see the old content or the new, never a torn file, even after a crash),
-file checksums, and text read strictly: every text file distaff reads (configs, hostfiles, manifests, JSON
-metadata, labelled files, corpora) is decoded by :func:`decode_text`, whose error names the file, line and byte.
-The JSONL record files distaff writes (``metrics.jsonl``, ``evals.jsonl``) are appended whole lines at a time by
-:func:`append_record` and read by :func:`read_records`, which passes over and counts a line that is not a record."""
+"""Atomic file writes (readers see the old content or the new, never a torn file, even after a crash), output
+folders written whole and kept apart from what a command reads (:func:`check_apart`), file checksums, and text
+read strictly: every text file distaff reads (configs, hostfiles, manifests, JSON metadata, labelled files,
+corpora) is decoded by :func:`decode_text`, whose error names the file, line and byte. The JSONL record files
+distaff writes (``metrics.jsonl``, ``evals.jsonl``) are appended whole lines at a time by :func:`append_record`
+and read by :func:`read_records`, which passes over and counts a line that is not a record."""
 
 from __future__ import annotations
 
 import fcntl
+import glob
 import hashlib
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Iterable, Iterator
 
 from distaff.train.core.errors import UserError
 
@@ -66,14 +69,115 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+# ---------------------------------------------------------------- output folders
+
+def check_out_dir(out: Path, overwrite: bool, what: str = "", overwriting: str = "replace it") -> None:
+    """Refuse to write into a folder that already holds files (the user's config.json, say) unless told to
+    (``overwriting``: what ``--overwrite`` then does)."""
+    name = f"{what} {out}" if what else str(out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{name}: exists and is not a folder; name a folder to write")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{name}: exists and is not an empty folder; pass --overwrite to {overwriting}")
+
+
+def is_remote(data_dir: str | Path) -> bool:
+    """Whether a data dir is read through a URL or a ``pipe:`` command, not a local folder."""
+    text = str(data_dir)
+    return "{path}" in text or text.startswith("pipe:") or "://" in text
+
+
+def place(path: str | Path) -> str:
+    """Where ``path`` is: absolute, with every symlink and ``..`` resolved (as far as it exists), so that two
+    spellings of one folder compare equal; a remote data dir, or a path no file can have (a NUL byte: refused
+    where it is used), as written."""
+    if is_remote(path) or "\x00" in str(path):
+        return str(path)
+    return os.path.realpath(Path(path).expanduser())
+
+
+def _named(name: str, path: str | Path) -> str:
+    """``NAME PATH``, and where it really is when that reads otherwise (a symlink, ``..``, a relative path)."""
+    real = place(path)
+    return f"{name} {path}" + (f" ({real})" if real != str(path) else "")
+
+
+def _overlap(out: Path, source: Path) -> str:
+    """How the resolved ``out`` overlaps the resolved ``source`` ("" when apart)."""
+    if out == source:
+        return "is"
+    if source in out.parents:
+        return "lies inside"
+    if out in source.parents:
+        return "contains"
+    return ""
+
+
+def check_apart(out: tuple[str, str | Path], inputs: Iterable[tuple[str, str | Path | None]],
+                holders: Iterable[tuple[str, str | Path]] = (), error: type[UserError] = UserError) -> None:
+    """Refuse an output folder or file ``out`` (its option's name, its path) that is, lies inside or contains one of
+    ``inputs`` (name, path; None or "" skipped, as are remote data dirs), or that is or contains one of
+    ``holders`` (folders it may lie inside: a run directory holding its branches). Paths are compared with their
+    symlinks and ``..`` resolved. Called before anything is written or deleted, with or without ``--overwrite``:
+    replacing the output would delete what the command reads."""
+    real_out = Path(place(out[1]))
+    places = [(name, path, True) for name, path in holders] + [(name, path, False) for name, path in inputs]
+    for name, path, may_hold in places:
+        if not path or is_remote(path):
+            continue
+        relation = _overlap(real_out, Path(place(path)))
+        if relation and not (may_hold and relation == "lies inside"):
+            raise error(f"{_named(*out)}: {relation} the {_named(name, path)}, which this command reads (writing "
+                        "there could overwrite or delete it); name an output apart from its inputs")
+
+
+def _stale_siblings(out: Path) -> Iterator[Path]:
+    """What an earlier write of ``out`` killed mid-way left beside it (a partial copy, or the old folder)."""
+    for kind in ("partial", "old"):
+        yield from out.parent.glob(f".{glob.escape(out.name)}.{kind}-*")
+
+
+def _host() -> str:
+    """This host's name as a write's temporary folder names it (no ``-`` or ``.``, which separate its parts)."""
+    return socket.gethostname().replace(".", "_").replace("-", "_")
+
+
+def _owner_alive(folder: Path) -> bool:
+    """Whether the process that made ``folder`` (``.NAME.KIND-HOST-PID-XXXX``) is alive on this host."""
+    try:
+        host, pid = folder.name.rsplit(".", 1)[1].split("-", 1)[1].rsplit("-", 2)[:2]
+        os.kill(int(pid), 0)
+    except (ValueError, IndexError):
+        return False            # no owner in the name: a write of an older distaff
+    except ProcessLookupError:
+        return host != _host()      # another host's process: not ours to judge
+    except PermissionError:
+        pass                    # alive, another user's
+    return True
+
+
+def clean_stale_writes(out: Path) -> None:
+    """Remove what a killed write of ``out`` left beside it; when it was killed between moving the old ``out``
+    aside and moving the new one in, put the old one back (the user's folder is never lost)."""
+    for stale in sorted(_stale_siblings(out)):
+        if _owner_alive(stale):
+            continue
+        if ".old-" in stale.name and not out.exists():
+            os.replace(stale, out)
+        else:
+            shutil.rmtree(stale, ignore_errors=True)
+
+
 @contextmanager
 def replaced_folder(out: str | Path) -> Iterator[Path]:
     """A fresh folder beside ``out`` to write into; when the block succeeds it takes ``out``'s place whole (none of
     the old folder's files survive: a stale ``added_tokens.json`` would change the tokenizer), else it is removed
-    and ``out`` stays as it was."""
+    and ``out`` stays as it was. What a killed earlier write left beside ``out`` is cleaned first."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fresh = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    clean_stale_writes(out)
+    owner = f"{_host()}-{os.getpid()}-"
+    fresh = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{owner}", dir=out.parent))
     mask = os.umask(0)
     os.umask(mask)
     os.chmod(fresh, 0o777 & ~mask)      # mkdtemp makes it 0700
@@ -82,7 +186,7 @@ def replaced_folder(out: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(fresh, ignore_errors=True)
         raise
-    old = fresh.with_name(fresh.name.replace(".partial-", ".old-"))
+    old = fresh.with_name(f".{out.name}.old-" + fresh.name.removeprefix(f".{out.name}.partial-"))
     if out.exists():
         os.replace(out, old)
     os.replace(fresh, out)

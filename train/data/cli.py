@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from distaff.train.core.errors import MAX_PROCESSES, command_main, document_ranges, float_arg, int_arg
+from distaff.train.core.files import check_apart
 from distaff.train.core.runlock import DirLock
 from distaff.train.data.heldout import MIN_HELDOUT_TOKENS, choose_heldout
 from distaff.train.data.manifest import MAX_SEQ_LEN, MIN_SEQ_LEN, SplitInfo
@@ -57,6 +58,7 @@ def _heldout_every(args: argparse.Namespace, read: ReadOptions) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    check_apart(("--out", args.out), [*(("--input", path) for path in args.input), ("--tokenizer", args.tokenizer)])
     read = ReadOptions(doc_per_file=args.doc_per_file, text_field=args.text_field, skip_bad=args.skip_bad)
     config = PrepareConfig(
         inputs=tuple(args.input), tokenizer_dir=args.tokenizer, seq_len=args.seq_len, out_dir=args.out,

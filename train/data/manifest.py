@@ -25,7 +25,7 @@ import numpy as np
 import webdataset as wds
 
 from distaff.train.core.errors import shown, whole_number
-from distaff.train.core.files import atomic_write_text, file_sha256, parse_json
+from distaff.train.core.files import atomic_write_text, file_sha256, is_remote, parse_json
 from distaff.train.data.errors import DataError
 from distaff.train.data.shards import TOKEN_DTYPES
 from distaff.train.data.tokenizer import (METADATA_FILE, MODEL_FILE, SPECIAL_TOKENS, TokenizerInfo,
@@ -155,11 +155,6 @@ def _special_ids(ids: dict, vocab_size: int, where: str) -> dict[str, int]:
     if not isinstance(ids, dict) or set(SPECIAL_NAMES) - set(ids):
         raise DataError(f"{where}: special_ids must name {list(SPECIAL_NAMES)}, got {shown(ids)}")
     return {name: _count(value, f"{where}: special_ids.{name}", high=vocab_size - 1) for name, value in ids.items()}
-
-
-def is_remote(data_dir: str | Path) -> bool:
-    text = str(data_dir)
-    return "{path}" in text or text.startswith("pipe:") or "://" in text
 
 
 def data_url(data_dir: str | Path, relpath: str) -> str:

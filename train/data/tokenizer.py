@@ -26,7 +26,7 @@ import sentencepiece as spm
 
 from distaff.train.core.errors import (MAX_COUNT, MAX_PROCESSES, command_main, document_ranges, float_arg, int_arg,
                                        shown, whole_number)
-from distaff.train.core.files import file_sha256, read_json
+from distaff.train.core.files import check_apart, file_sha256, read_json
 from distaff.train.core.progress import ProgressLines
 from distaff.train.data.errors import DataError
 from distaff.train.data.sources import FORMATS, ReadOptions, ReadStats, check_inputs, iter_documents
@@ -224,6 +224,7 @@ def train_tokenizer(inputs: Sequence[str | Path], vocab_size: int, out_dir: str 
     """Train a unigram SentencePiece model on ``inputs`` and write a complete tokenizer folder (``progress``:
     log lines on stderr while reading)."""
     check_inputs(inputs)
+    check_apart(("--out", out_dir), [("--input", path) for path in inputs])
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model, stats = io.BytesIO(), ReadStats()

@@ -19,8 +19,10 @@ from distaff.train.run.config import (CheckpointSection, DeepSpeedSection, Distr
                      RunSection, WandbSection, ZeroSection, _build, _check_value, check_engine_sections, check_ranges,
                      check_seed, read_config_values)
 from distaff.train.core.errors import ConfigError, reject_unknown_keys, shown
+from distaff.train.core.files import check_apart
 from distaff.train.finetune.sift import SiftConfig
 from distaff.train.model.config import ModelConfig
+from distaff.train.run.checkpoint_files import check_apart_from_checkpoints
 from distaff.train.run.model_folder import FREE_FIELDS
 
 __all__ = ["ConfigError", "FinetuneConfig", "load_finetune_config", "finetune_config_to_dict"]
@@ -173,6 +175,12 @@ def _validate(cfg: FinetuneConfig) -> None:
     allowed = REGRESSION_METRICS if cfg.regression else CLASSIFICATION_METRICS
     if cfg.metric not in allowed:
         raise ConfigError(f"eval.metric: {cfg.metric!r} is not a {data.task} metric; choose one of {list(allowed)}")
+    # the run writes, and rotates checkpoints, in run.out_dir: what it reads must lie elsewhere (beside a pretraining
+    # run's checkpoints is fine)
+    out_dir = ("run.out_dir", cfg.run.out_dir)
+    check_apart_from_checkpoints(out_dir, [("model.init_from", cfg.model.init_from)], ConfigError)
+    check_apart(out_dir, [("data.train", data.train), ("data.dev", data.dev), ("data.tokenizer", data.tokenizer)],
+                error=ConfigError)
 
 
 def finetune_config_from_dict(values: dict[str, Any]) -> FinetuneConfig:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from distaff.train.core.errors import UserError, whole_number
-from distaff.train.core.files import atomic_write_text, file_sha256, read_json
+from distaff.train.core.files import atomic_write_text, check_apart, file_sha256, read_json
 from distaff.train.data.errors import DataError
 
 FILES = Path("distaff") / "files.json"
@@ -32,6 +32,24 @@ def tag_for_step(step: int) -> str:
 def is_complete(folder: Path) -> bool:
     """Whether ``folder`` is a finished checkpoint (``meta.json`` is written last)."""
     return (folder / META).is_file()
+
+
+def check_apart_from_checkpoints(out: tuple[str, str | Path], named: list[tuple[str, str | Path]],
+                                 error: type[UserError] = UserError) -> None:
+    """Refuse an output folder ``out`` (option, path) over the checkpoints a command reads through the paths
+    ``named`` (option, path: a checkpoint, a run's ``checkpoints`` folder, a run directory or a model folder):
+    it may lie inside a run directory (``runs/x/avg``, where ``distaff evals`` finds averages) but not be it,
+    contain it, or touch the run's ``checkpoints`` (or fine-tuning ``best``) folder, which the run rotates and
+    resumes from (see :func:`distaff.train.core.files.check_apart`)."""
+    inputs, holders = [], []
+    for name, path in named:
+        run = Path(path)
+        if not is_complete(run) and (run / "checkpoints").is_dir():
+            holders.append((name, run))
+            inputs += [(f"{name}'s {sub} folder", run / sub) for sub in ("checkpoints", "best") if (run / sub).is_dir()]
+        else:
+            inputs.append((name, run))
+    check_apart(out, inputs, holders, error)
 
 
 def write_file_list(folder: Path) -> None:

@@ -22,7 +22,7 @@ import yaml
 from distaff.train.core import presets
 from distaff.train.core.config_yaml import load_yaml
 from distaff.train.core.errors import ConfigError, closest, finite_float, reject_unknown_keys, shown
-from distaff.train.core.files import read_text
+from distaff.train.core.files import check_apart, place, read_text
 from distaff.train.data.collator import MaskingConfig
 from distaff.train.model.config import ModelConfig, load_model_config
 from distaff.train.run.schedule import wsd_window
@@ -461,6 +461,7 @@ def _validate(cfg: RunConfig) -> None:
     _check_batch_warmup(cfg.train.batch_warmup)
     _check_phases(cfg)
     _check_combinations(cfg)
+    _check_out_dir_apart(cfg)
     check_schedule(cfg.optim, cfg.train.max_steps)
     _check_evals(cfg.evals, cfg.checkpoint.every)
 
@@ -498,10 +499,26 @@ def _check_sources(key: str, sources: list[SourceSection]) -> None:
             raise ConfigError(f"{key}[{i}].dir: required (a folder written by `distaff data prepare`)")
         if source.weight < 0:
             raise ConfigError(f"{key}[{i}].weight: must be >= 0, got {source.weight}")
-        if source.dir in [s.dir for s in sources[:i]]:
-            raise ConfigError(f"{key}[{i}].dir: {source.dir} is listed twice; give it once, with the summed weight")
+        earlier = [j for j in range(i) if place(sources[j].dir) == place(source.dir)]
+        if earlier:
+            first = sources[earlier[0]].dir
+            spelling = "" if first == source.dir else f" (as {key}[{earlier[0]}].dir {first}: the same folder)"
+            raise ConfigError(f"{key}[{i}].dir: {source.dir} is listed twice{spelling}; give it once, with the "
+                              "summed weight")
     if sources and not sum(s.weight for s in sources) > 0:
         raise ConfigError(f"{key}: the weights {[s.weight for s in sources]} must sum to a positive number")
+
+
+def _check_out_dir_apart(cfg: RunConfig) -> None:
+    """``run.out_dir`` apart from every folder the run reads: the run writes its files there and rotates its
+    checkpoints away (a parent checkpoint or model folder inside it could be deleted or overwritten, a data dir would
+    get a run's files)."""
+    reads = [("data.dir", cfg.data.dir), *((f"data.sources[{i}].dir", s.dir) for i, s in enumerate(cfg.data.sources)),
+             *((f"phases[{i}].sources[{j}].dir", s.dir) for i, phase in enumerate(cfg.phases)
+               for j, s in enumerate(phase.sources)),
+             ("model.init_from", cfg.model.init_from), ("rtd.init_discriminator", cfg.rtd.init_discriminator),
+             ("checkpoint.branch_from", cfg.checkpoint.branch_from)]
+    check_apart(("run.out_dir", cfg.run.out_dir), reads, error=ConfigError)
 
 
 def _check_batch_warmup(warmup: BatchWarmupSection) -> None:
@@ -520,6 +537,10 @@ def _check_phases(cfg: RunConfig) -> None:
             raise ConfigError(f"{key}.at_step: must be above {after} (phases start after step 0, in increasing "
                               f"order), got {phase.at_step}")
         after = phase.at_step
+        if phase.at_step >= cfg.train.max_steps:
+            raise ConfigError(f"{key}.at_step: {phase.at_step} is at or past the end of the run (train.max_steps="
+                              f"{cfg.train.max_steps}), so the phase would never be entered; start it earlier, raise "
+                              "train.max_steps, or drop it")
         check_ranges(positive={}, non_negative={f"{key}.seq_len": phase.seq_len, f"{key}.mask_rate": phase.mask_rate,
                                                 f"{key}.global_batch": phase.global_batch,
                                                 f"{key}.batch_size": phase.batch_size})

@@ -86,7 +86,7 @@ from distaff.train.core import presets
 from distaff.train.core.config_yaml import load_yaml
 from distaff.train.core.errors import MAX_COUNT, RunFailure, UserError, command_main, document_ranges, int_arg, shown
 from distaff.train.core.exit_codes import EXIT_PREEMPTED
-from distaff.train.core.files import read_text
+from distaff.train.core.files import check_apart, read_text
 from distaff.train.core.runlock import DirLock
 from distaff.train.core.threads import RANKS_FLAG, busy_cores, check_ranks_per_node, plan_threads, rank_bound
 from distaff.train.data.errors import DataError
@@ -304,9 +304,15 @@ def load_ablation(path: str | Path) -> AblationConfig:
     cfg = AblationConfig(**values)
     _check_ranges(source, cfg)
     try:
-        config_file(cfg.base, "run")        # runs read it by the same name, a preset's included
+        base = config_file(cfg.base, "run")     # runs read it by the same name, a preset's included
     except ConfigError as err:
         raise ConfigError(f"{source}: base: {err}") from None
+    # each run's own config check keeps its run.out_dir apart from its data and init checkpoints
+    inputs = [("base", base), *(("prepare.input", path) for path in (cfg.prepare.input if cfg.prepare else ()))]
+    try:
+        check_apart(("out_dir", cfg.out_dir), inputs, error=ConfigError)
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
     objectives = {}
     for variant in cfg.variants:
         try:

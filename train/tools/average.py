@@ -30,14 +30,13 @@ from typing import Any
 import torch
 
 from distaff.train.core.errors import MAX_COUNT, ConfigError, command_main, document_ranges, float_arg, int_arg, shown
-from distaff.train.core.files import atomic_write_text, file_sha256, replaced_folder
+from distaff.train.core.files import atomic_write_text, check_apart, check_out_dir, file_sha256, replaced_folder
 from distaff.train.core.safe_load import safe_load
 from distaff.train.core.threads import configure_threads
 from distaff.train.data.errors import DataError
-from distaff.train.run.checkpoint_files import (FILES, FORMAT_WITH_META_LISTED, META, checkpoint_problem, is_complete,
-                                               read_meta, write_file_list)
+from distaff.train.run.checkpoint_files import (FILES, FORMAT_WITH_META_LISTED, META, check_apart_from_checkpoints,
+                                               checkpoint_problem, is_complete, read_meta, write_file_list)
 from distaff.train.run.resume_check import RESUME_FREE_MODEL_FIELDS
-from distaff.train.tools.export import check_out_dir
 
 # Where DeepSpeed keeps full-precision copies of the weights, in a model-states or optimizer-states file: ZeRO 1-2 and
 # the bf16 optimizer, ZeRO-3, the fused and the unfused fp16 optimizers.
@@ -202,8 +201,11 @@ def average(paths: list[str], out: str | Path, last: int = 0, ema: float = 0.0, 
         raise ConfigError(f"--last {last}: must be a positive number of checkpoints")
     if ema and not 0.0 < ema < 1.0:
         raise ConfigError(f"--ema {ema}: the decay must be between 0 and 1 (0.5: each older checkpoint weighs half)")
-    check_out_dir(Path(out), overwrite)
+    check_apart_from_checkpoints(("--out", out), [("checkpoint", path) for path in paths])
+    check_out_dir(Path(out), overwrite, "--out")
     sources = gather(paths, last)
+    # each source resolved, a checkpoint linked in from elsewhere included
+    check_apart(("--out", out), [("checkpoint", source.folder) for source in sources])
     check_compatible(sources)
     method = f"ema {ema}" if ema else "uniform"
     return write_average(sources, average_weights(len(sources), ema), Path(out), method)

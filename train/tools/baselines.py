@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from distaff.train.core.errors import MAX_SEED, command_main, document_ranges, float_arg, int_arg
+from distaff.train.core.files import check_apart
 from distaff.train.core.threads import configure_threads
 from distaff.train.finetune.labelled import Example, InputFormat, encode_labels, hold_out, label_names, read_examples
 from distaff.train.tools.embed import embed_ids, encode, model_and_tokenizer
@@ -199,6 +200,8 @@ def _main(argv: list[str]) -> int:
                         help="a linear probe of this model's frozen encoder instead of the bag of words")
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = document_ranges(parser).parse_args(argv)
+    if args.json:       # before the run: --json over the training file would replace the data
+        check_apart(("--json", args.json), [("--train", args.train), ("--probe", args.probe)])
     configure_threads()
     if args.probe:
         result = run_probe(args.probe, args.train, args.dev_fraction, args.seed, PROBE_L2 if args.l2 is None else args.l2)

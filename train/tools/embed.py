@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from distaff.train.core.errors import MAX_COUNT, MAX_SEED, command_main, document_ranges, int_arg
-from distaff.train.core.files import chmod_default, read_json
+from distaff.train.core.files import check_apart, check_out_dir, chmod_default, read_json
 from distaff.train.core.threads import configure_threads
 from distaff.train.data.errors import DataError
 from distaff.train.data.manifest import MAX_SEQ_LEN
@@ -34,6 +34,7 @@ from distaff.train.data.tokenizer import TokenizerInfo, load_tokenizer_info
 from distaff.train.finetune.classifier_init import ENCODER_PREFIX, load_encoder
 from distaff.train.model.config import ConfigError, ModelConfig
 from distaff.train.model.deberta import DebertaModel
+from distaff.train.run.checkpoint_files import check_apart_from_checkpoints
 
 POOLINGS = ("mean", "cls")
 TRANSFORM_WEIGHTS, TRANSFORM_META = "whitening.safetensors", "whitening.json"
@@ -168,8 +169,10 @@ def _whitening(args: argparse.Namespace, x: np.ndarray, out: Path, saved) -> tup
 def embed(args: argparse.Namespace) -> Path:
     """Write ``embeddings.npy`` (float32) and ``embeddings.json`` (plus the transform) under ``args.out``."""
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
-        raise FileExistsError(f"--out {out}: exists and is not an empty folder; pass --overwrite to write into it")
+    check_apart_from_checkpoints(("--out", out), [("--model", args.model)])
+    check_apart(("--out", out), [("--input", args.input), ("--transform", args.transform),
+                                 ("--tokenizer", args.tokenizer)])
+    check_out_dir(out, args.overwrite, "--out", "write into it")
     saved = load_transform(args.transform) if args.transform else None
     pooling = _pooling(args, saved[2] if saved else None)
     texts = read_lines(args.input)

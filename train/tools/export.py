@@ -20,18 +20,11 @@ from pathlib import Path
 
 from distaff.train.core.distributed import quiet_library_warnings
 from distaff.train.core.errors import ConfigError, command_main
-from distaff.train.core.files import replaced_folder
+from distaff.train.core.files import check_apart, check_out_dir, replaced_folder
 from distaff.train.core.threads import configure_threads
 from distaff.train.run.checkpoint import META
+from distaff.train.run.checkpoint_files import check_apart_from_checkpoints
 from distaff.train.run.weights import CLASSIFIER_TASK, find_checkpoint, fp32_state_dict, model_from_meta
-
-
-def check_out_dir(out: Path, overwrite: bool) -> None:
-    """Refuse to write into a folder that already holds files (the user's config.json, say) unless told to."""
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"{out}: exists and is not a folder; name a folder to write")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out}: exists and is not an empty folder; pass --overwrite to replace it")
 
 
 def export(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | None = None,
@@ -39,6 +32,8 @@ def export(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | None
     """Write the HF folder for ``checkpoint`` into ``out`` (an RTD run's discriminator, or with
     ``generator`` its generator; a fine-tuning run's best checkpoint, or with ``latest`` its latest);
     returns ``out``."""
+    check_apart_from_checkpoints(("output folder", out), [("checkpoint", checkpoint)])
+    check_apart(("output folder", out), [("--tokenizer", tokenizer)])
     check_out_dir(Path(out), overwrite)
     folder = find_checkpoint(checkpoint, latest)
     with replaced_folder(out) as fresh:     # --overwrite: no file of the old folder survives

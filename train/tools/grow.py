@@ -38,12 +38,12 @@ from pathlib import Path
 import torch
 
 from distaff.train.core.errors import MAX_SEED, command_main, document_ranges, int_arg
-from distaff.train.core.files import replaced_folder
+from distaff.train.core.files import check_out_dir, replaced_folder
 from distaff.train.core.threads import configure_threads
 from distaff.train.model.config import ConfigError, ModelConfig
 from distaff.train.model.deberta import DebertaForMaskedLM, Layer
+from distaff.train.run.checkpoint_files import check_apart_from_checkpoints
 from distaff.train.run.model_folder import load_model, save_model_folder
-from distaff.train.tools.export import check_out_dir
 
 # the largest sizes a grown model may ask for: far above any encoder, far below what an allocation overflows at
 MAX_WIDTH, MAX_DEPTH = 1 << 18, 1024        # hidden and feed-forward sizes; layers and heads
@@ -203,6 +203,7 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--overwrite", action="store_true", help="write into OUT even if it already holds files")
     args = document_ranges(parser).parse_args(argv)
     configure_threads(announce=False)
+    check_apart_from_checkpoints(("output folder", args.out), [("model", args.model)])
     check_out_dir(Path(args.out), args.overwrite)
     model, tokenizer = load_model(args.model)
     small = model.config

@@ -47,11 +47,13 @@ import torch
 
 from distaff.train.core.errors import (MAX_COUNT, MAX_SEED, ConfigError, RunFailure, command_main, document_ranges,
                                        float_arg, int_arg)
+from distaff.train.core.files import check_apart
 from distaff.train.core.threads import configure_threads
 from distaff.train.data.manifest import MAX_SEQ_LEN, MIN_SEQ_LEN
 from distaff.train.data.sources import ReadOptions, iter_documents
 from distaff.train.finetune.classifier_init import load_encoder
 from distaff.train.finetune.labelled import CSV_SUFFIXES, TSV_SUFFIXES, Example, hold_out, read_examples, read_texts
+from distaff.train.run.checkpoint_files import check_apart_from_checkpoints
 from distaff.train.tools.baselines import BUNDLED_COLUMNS, PROBE_L2, bag_of_words, fit_and_score, frozen_encoder
 from distaff.train.tools.probe_overlap import pretrained_on, run_data_dir
 from distaff.train.tools.probe_tasks import MAX_WORDS, MIN_SENTENCES, MIN_WORDS, TASKS, build_tasks, probe_sentences
@@ -313,6 +315,10 @@ def run(args: argparse.Namespace) -> dict:
     for encoder in encoders:
         if not encoder.path.exists():
             raise FileNotFoundError(f"--model {encoder.name}: {encoder.path} does not exist")
+    check_apart_from_checkpoints(("--out", args.out), [(f"--model {e.name}", e.path) for e in encoders])
+    check_apart(("--out", args.out), [*(("--text", path) for path in args.text),
+                                      *(("--pretraining-data", path) for path in args.pretraining_data or ()),
+                                      ("--finetune-config", args.finetune_config)])
     args.out.mkdir(parents=True, exist_ok=True)
     sentences, report = held_out_sentences(args, encoders)
     print(f"distaff probe: {report['kept']} sentences ({report['in_pretraining_text']} of {report['sentences']} "
