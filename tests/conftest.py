@@ -17,6 +17,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One CPU thread per process: the suite's pytest-xdist workers and the ranks they start share the cores, and a rank's
+# "other processes keep N cores busy" notice would otherwise depend on what the other worker runs. The thread
+# planning's own tests remove it (tests/run/test_threads.py, tests/test_first_run.py).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402  (after the environment above)
 from helpers import selected_device  # noqa: E402
