@@ -169,14 +169,18 @@ def test_sbatch_script_for_gpu_nodes(target) -> None:
     srun = _srun_command(script)
     assert "--ntasks-per-node=1" in srun and f"--output={log_dir}/%x-%j-node%n.out" in srun
     assert "--open-mode=append" in srun
-    torchrun = next(line for line in script.splitlines() if "torch.distributed.run" in line)
-    assert "/venv/bin/python -m torch.distributed.run --nproc-per-node=8 --max-restarts=0 --rdzv-backend=c10d" in torchrun
+    assert "--kill-on-bad-exit=1" in srun          # a node whose ranks fail ends the step on every node
+    torchrun = next(line for line in script.splitlines() if "distaff.launch.node_ranks" in line)
+    assert ("/venv/bin/python -m distaff.launch.node_ranks --nproc-per-node=8 --max-restarts=0 --rdzv-backend=c10d "
+            "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT") in torchrun
     assert '--rdzv-id="$SLURM_JOB_ID" --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"' in torchrun
     assert f"--module distaff.train.pretrain --config {target.config} optim.lr=3e-4 run.out_dir={target.out_dir}" in torchrun
     assert 'resume=(checkpoint.resume=auto)' in script and '"${resume[@]}"' in torchrun
-    # exit 75 (a signal's checkpoint) or 76 (a stall, bounded by --max-requeues) -> the job requeues itself
-    assert re.search(r'if \[ "\$status" -eq 75 \]; then\n(.*\n){2}\s+scontrol requeue "\$SLURM_JOB_ID"', script)
-    assert re.search(r'elif \[ "\$status" -eq 76 \]; then\n(.*\n){3}.*\n\s+scontrol requeue "\$SLURM_JOB_ID"', script)
+    # exit 75 on SIGUSR1 (a signal's checkpoint) or 76 (a stall, bounded by --max-requeues) -> the job requeues
+    # itself; on SIGTERM Slurm requeues it (or not: a cancel)
+    assert re.search(r'elif \[ "\$status" -eq 75 \]; then\n(.*\n){3}\s+scontrol requeue "\$SLURM_JOB_ID"', script)
+    assert re.search(r'if \[ "\$status" -eq 76 \] .*; then\n(.*\n){8}\s+scontrol requeue "\$SLURM_JOB_ID"', script)
+    assert "trap on_term TERM\n" in script
     assert "max_requeues=3\n" in script and 'if [ "$failed" -le "$max_requeues" ]; then' in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)  # valid bash
 
