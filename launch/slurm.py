@@ -255,7 +255,7 @@ _SRUN_RESTATED = ("^srun: (error: .*: tasks? [0-9,-]+: (Exited with exit code [0
                   "launch/slurm: _step_signal: Terminating StepId=|Job step aborted: Waiting up to|got SIGCONT$|"
                   "forcing job termination$)")
 
-# Shell functions of the batch script (after ``attempts``, ``out_dir`` and ``attempt`` are set).
+# Shell functions of the batch script (after ``attempts``, ``batch_log``, ``out_dir`` and ``attempt`` are set).
 _ATTEMPT_FUNCTIONS = f"""dumps() {{ local found; found=$(ls -1 "$out_dir"/stacks-rank*.txt 2>/dev/null | paste -sd ' ')
     echo "${{found:-none}}"; }}
 new_dumps() {{ find "$out_dir" -maxdepth 1 -name 'stacks-rank*.txt' -newer "$attempt_start" 2>/dev/null; }}
@@ -266,22 +266,23 @@ latest_step() {{ local tag; tag=$(cat "$out_dir/checkpoints/latest" 2>/dev/null)
     if [ -n "$tag" ]; then echo "step $((10#${{tag#step-}}))"; else echo "no checkpoint"; fi; }}
 down_nodes() {{ sinfo -h -N -n "$SLURM_JOB_NODELIST" -o '%N %T' 2>/dev/null \\
     | awk '$2 ~ /down|fail|\\*/ {{print $1}}' | sort -u | paste -sd ,; }}
-# SIGTERM: Slurm ends the attempt. It has counted a restart already if it requeues the job: a preemption (which
-# sets PreemptTime), a lost node (down now) or scontrol requeue; if not, it was scancel or the time limit.
+# SIGTERM: Slurm ends the attempt. It has counted a restart already if it requeues the job: a preemption (its
+# batch step's line in the log, written as it signals, says "DUE TO PREEMPTION"), a lost node (down now) or
+# scontrol requeue; if not, it was scancel or the time limit.
 on_term() {{
     [ -n "$stopped_by" ] && return
-    local job restarts lost
-    job=$(scontrol -o show job "$SLURM_JOB_ID" 2>/dev/null)
-    restarts=$(grep -oE 'Restarts=[0-9]+' <<<"$job"); restarts=${{restarts#Restarts=}}
+    local restarts lost
+    restarts=$(scontrol -o show job "$SLURM_JOB_ID" 2>/dev/null | grep -oE 'Restarts=[0-9]+')
+    restarts=${{restarts#Restarts=}}
     lost=$(down_nodes)
     if [ "${{restarts:-0}}" -le "$attempt" ]; then stopped_by=cancelled
         echo "attempt $attempt got SIGTERM: cancelled (scancel, or the time limit), not requeued" >> "$attempts"
     elif [ -n "$lost" ]; then stopped_by=lost
         echo "attempt $attempt lost: node $lost failed; Slurm requeues the job" >> "$attempts"
-    elif grep -q 'PreemptTime=None' <<<"$job"; then stopped_by=requeued
-        echo "attempt $attempt got SIGTERM: requeued from outside (scontrol requeue)" >> "$attempts"
-    else stopped_by=preempted
+    elif tail -n 5 "$batch_log" 2>/dev/null | grep -q 'DUE TO PREEMPTION'; then stopped_by=preempted
         echo "attempt $attempt got SIGTERM: preempted" >> "$attempts"
+    else stopped_by=requeued
+        echo "attempt $attempt got SIGTERM: requeued from outside (scontrol requeue)" >> "$attempts"
     fi
 }}
 # srun's lines restate the status the ranks explained in one line ("task 0: Exited with exit code 75"): shown
@@ -306,6 +307,7 @@ def _attempts_start(spec: SlurmJobSpec) -> str:
     return f"""# Attempts that failed on their own (stalled, or lost with a node) count against --max-requeues; a checkpoint
 # on a signal ({EXIT_PREEMPTED}), a preemption, a requeue from outside and a cancel do not.
 attempts={shlex.quote(str(spec.log_dir))}/attempts-"$SLURM_JOB_ID".txt
+batch_log={shlex.quote(str(spec.log_dir))}/"$SLURM_JOB_NAME-$SLURM_JOB_ID".out
 out_dir={shlex.quote(str(spec.target.out_dir))}
 attempt=${{SLURM_RESTART_COUNT:-0}}
 max_requeues={spec.max_requeues}

@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from pretrain_fixtures import assert_redealt
-from slurm_cluster import NODE_FAIL_TIMEOUT_S, SlurmCluster
+from slurm_cluster import FINAL_STATES, NODE_FAIL_TIMEOUT_S, PREEMPTING_PARTITION, SlurmCluster
 
 from distaff.launch import cli
 from distaff.launch.hostlist import expand_hostlist
@@ -206,10 +206,11 @@ LOSS_STEPS, LOSS_EVERY, WATCHDOG_S = 48, 20, 6
 
 
 def _wait_for_step(out_dir: Path, step: int, job_id: str, slurm: SlurmCluster, timeout: float) -> None:
+    """Until ``step`` is in metrics.jsonl (the job may be between attempts meanwhile)."""
     deadline = time.monotonic() + timeout
     while not any(s >= step for s, _ in (_losses(out_dir) if (out_dir / "metrics.jsonl").is_file() else [])):
         state = slurm.job_field(job_id, "JobState")
-        if state not in ("PENDING", "CONFIGURING", "RUNNING") or time.monotonic() > deadline:
+        if state in FINAL_STATES or time.monotonic() > deadline:
             raise AssertionError(f"step {step} not reached (job {job_id} {state})\n{_logs(out_dir / 'slurm')}")
         time.sleep(0.05)
 
@@ -262,9 +263,12 @@ def test_a_node_lost_mid_run_requeues_and_the_run_finishes_on_the_node_left(
     assert cluster.job_field(job_id, "ExitCode") == "0:0" and cluster.job_field(job_id, "NodeList") == "n1", logs
     assert "restart_count=1 on n1 at" in (log_dir / f"slurm-e2e-{job_id}.out").read_text()
     attempts = (log_dir / f"attempts-{job_id}.txt").read_text().splitlines()   # a lost attempt counts as failed
-    assert attempts[0] == "attempt 0 started" and attempts[2:] == ["attempt 1 started", "attempt 1 ended with 0"]
-    assert attempts[1] in ("attempt 0 lost (its node failed, or the job was requeued from outside)",
-                           "attempt 0 stalled"), attempts     # Slurm's requeue, or the watchdog's status first
+    first = attempts.index("attempt 1 started")
+    assert attempts[0] == "attempt 0 started" and attempts[first:] == ["attempt 1 started", "attempt 1 ended with 0"]
+    # the batch shell's SIGTERM as Slurm ends the job (n2 down), the watchdog's status, or both (they count once)
+    assert 1 <= first - 1 <= 2 and set(attempts[1:first]) <= {
+        "attempt 0 lost: node n2 failed; Slurm requeues the job", "attempt 0 stalled",
+        "attempt 0 lost (it ended without a word: its first node failed, or Slurm killed its script)"}, attempts
     node0 = (log_dir / f"slurm-e2e-{job_id}-node0.out").read_text()
     assert f"resuming from {checkpoints}/step-{LOSS_EVERY:08d}; 1 rank(s)" in node0, node0
     assert "resuming a 2-rank checkpoint on 1 rank(s): global batch 16 -> 8 samples" in node0
@@ -373,3 +377,130 @@ def test_a_failing_set_up_line_stops_the_job_before_the_launch(
     node = (out_dir / "slurm" / f"slurm-e2e-{job}-node0.out").read_text()
     assert node.startswith("before\n") and "distaff: node 0: a set-up line failed with status 127" in node, node
     assert "after" not in node and "CPUs for its ranks" not in node and not (out_dir / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------- preemption and requeues are not failures
+
+NOISE = ("Traceback", "ChildFailedError", "death signal", "Exited with exit code", "stack dumps: ;")
+
+
+def _assert_quiet(log_dir: Path) -> None:
+    """The logs of an attempt that ended with 75 or 76 hold distaff's lines, not torchrun's or srun's."""
+    logs = _logs(log_dir)
+    assert not [noise for noise in NOISE if noise in logs], logs
+
+
+def _wait_for_restarts(job_id: str, restarts: int, slurm: SlurmCluster, timeout: float) -> float:
+    """Until Slurm has counted ``restarts`` restarts of the job; the seconds that took."""
+    started = time.monotonic()
+    while int(slurm.job_field(job_id, "Restarts")) < restarts:
+        state = slurm.job_field(job_id, "JobState")
+        if state in FINAL_STATES or time.monotonic() - started > timeout:
+            raise AssertionError(f"job {job_id} {state}, not restarted {restarts} times in {timeout:.0f} s\n"
+                                 f"{_logs(Path(slurm.job_field(job_id, 'StdOut')).parent)}\n{slurm.log_tail()}")
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
+REQUEUE_STEPS = 300
+
+
+@pytest.mark.timeout(900)
+def test_requeues_and_a_preemption_are_not_failures(
+        slurm: SlurmCluster, run_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Two `scontrol requeue`s and a preemption by a job of a higher-priority partition (PreemptMode=REQUEUE), each
+    mid-run, to a 2-node job allowed one failed attempt: each one checkpoints on SIGTERM and comes back, and the job
+    completes with every step trained once."""
+    out_dir = tmp_path / "run"
+    job_id = _submit(slurm, run_config, tmp_path, monkeypatch, capsys, f"run.out_dir={out_dir}",
+                     f"train.max_steps={REQUEUE_STEPS}", "checkpoint.every=1000", "--max-requeues", "1")
+    log_dir, resumed_at = out_dir / "slurm", 0
+    for restarts, how in enumerate(("requeue", "requeue", "preempt"), 1):
+        _wait_for_step(out_dir, resumed_at + 2, job_id, slurm, timeout=240)   # past its signal handlers' set-up
+        if how == "requeue":
+            slurm.run("scontrol", "requeue", job_id)
+        else:   # every CPU of both nodes: Slurm requeues our job to make room
+            slurm.run("sbatch", f"--partition={PREEMPTING_PARTITION}", "--nodes=2", "--exclusive",
+                      f"--output={tmp_path}/urgent-%j.out", "--wrap", "sleep 1")
+        _wait_for_restarts(job_id, restarts, slurm, timeout=120)
+        deadline = time.monotonic() + 60    # the batch shell writes the checkpoint's step once its ranks are done
+        while not (stopped := re.search(rf"attempt {restarts - 1} \S.* at step (\d+), checkpointed",
+                                        (log_dir / f"attempts-{job_id}.txt").read_text())):
+            assert time.monotonic() < deadline, _logs(log_dir)
+            time.sleep(0.2)
+        resumed_at = int(stopped.group(1))
+    state = slurm.wait_for(job_id, {"COMPLETED"}, timeout=300)
+    logs = _logs(log_dir)
+    assert state == "COMPLETED", f"job {job_id} ended {state}\n{logs}\n{slurm.log_tail()}"
+    assert [slurm.job_field(job_id, name) for name in ("Restarts", "ExitCode")] == ["3", "0:0"], logs
+
+    attempts = (log_dir / f"attempts-{job_id}.txt").read_text().splitlines()
+    steps = [int(step) for step in re.findall(r"at step (\d+), checkpointed", "\n".join(attempts))]
+    requeued = "requeued from outside (scontrol requeue)"
+    assert attempts == [
+        "attempt 0 started", f"attempt 0 got SIGTERM: {requeued}", f"attempt 0 {requeued} at step {steps[0]}, checkpointed",
+        "attempt 1 started", f"attempt 1 got SIGTERM: {requeued}", f"attempt 1 {requeued} at step {steps[1]}, checkpointed",
+        "attempt 2 started", "attempt 2 got SIGTERM: preempted",
+        f"attempt 2 preempted at step {steps[2]}, checkpointed, requeued", "attempt 3 started", "attempt 3 ended with 0"]
+    batch = (log_dir / f"slurm-e2e-{job_id}.out").read_text()
+    assert f"distaff: job {job_id} preempted at step {steps[2]}, checkpointed, requeued" in batch, batch
+    node_logs = _node_logs(log_dir, job_id)
+    for step in steps:    # each attempt resumed from the checkpoint its predecessor saved on SIGTERM
+        assert f"resuming from {out_dir}/checkpoints/step-{step:08d};" in node_logs, node_logs
+    assert 0 < steps[0] < steps[1] < steps[2] < REQUEUE_STEPS
+    assert [step for step, _ in _losses(out_dir)] == list(range(1, REQUEUE_STEPS + 1))
+    _assert_quiet(log_dir)
+
+
+HANG_STEPS, HANG_EVERY, HANG_WATCHDOG_S = 150, 10, 6
+
+
+def _rank_on(node: str, out_dir: Path, slurm: SlurmCluster) -> psutil.Process:
+    """The rank of the run in ``out_dir`` on ``node`` (not its DataLoader worker, forked with its command line)."""
+    trainers = []
+    for pid in slurm.node_processes(node):
+        try:
+            proc = psutil.Process(pid)
+            argv = proc.cmdline()
+        except psutil.Error:
+            continue
+        if "distaff.train.pretrain" in argv and argv[argv.index("distaff.train.pretrain") - 1] == "-m" \
+                and f"run.out_dir={out_dir}" in argv:
+            trainers.append(proc)
+    pids = {proc.pid for proc in trainers}
+    ranks = [proc for proc in trainers if proc.ppid() not in pids]
+    assert len(ranks) == 1, f"{node}: {ranks}"
+    return ranks[0]
+
+
+@pytest.mark.timeout(900)
+def test_a_rank_frozen_on_either_node_ends_the_step_everywhere_and_the_job_comes_back(
+        slurm: SlurmCluster, run_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """A 2-node job whose rank is frozen (SIGSTOP) first on n1, the node of the c10d rendezvous, then on n2: each
+    time the other rank's watchdog ends it, its node's exit ends the step on both nodes, and the job is requeued
+    within the watchdog and a minute; it resumes and completes."""
+    out_dir = tmp_path / "run"
+    job_id = _submit(slurm, run_config, tmp_path, monkeypatch, capsys, f"run.out_dir={out_dir}",
+                     f"train.max_steps={HANG_STEPS}", f"checkpoint.every={HANG_EVERY}",
+                     f"distributed.watchdog_s={HANG_WATCHDOG_S}", "--max-requeues", "2")
+    log_dir, reached = out_dir / "slurm", HANG_EVERY
+    took = []
+    for restarts, node in enumerate(("n1", "n2"), 1):
+        _wait_for_step(out_dir, reached + 1, job_id, slurm, timeout=240)
+        _rank_on(node, out_dir, slurm).suspend()
+        took.append(_wait_for_restarts(job_id, restarts, slurm, timeout=HANG_WATCHDOG_S + 60))
+        reached = max(step for step, _ in _losses(out_dir)) + 1
+    state = slurm.wait_for(job_id, {"COMPLETED"}, timeout=300)
+    logs = _logs(log_dir)
+    assert state == "COMPLETED", f"job {job_id} ended {state}\n{logs}\n{slurm.log_tail()}"
+    assert [slurm.job_field(job_id, name) for name in ("Restarts", "ExitCode")] == ["2", "0:0"], logs
+    assert all(seconds < HANG_WATCHDOG_S + 60 for seconds in took), took
+    assert (log_dir / f"attempts-{job_id}.txt").read_text().splitlines() == [
+        "attempt 0 started", "attempt 0 stalled", "attempt 1 started", "attempt 1 stalled", "attempt 2 started",
+        "attempt 2 ended with 0"]
+    batch = (log_dir / f"slurm-e2e-{job_id}.out").read_text()
+    for failed in (1, 2):
+        assert re.search(rf"distaff: stalled \(stack dumps: [^)]*stacks-rank\d.txt[^)]*\): requeueing job {job_id} to "
+                         rf"resume from its latest checkpoint \({failed} of --max-requeues 2\)", batch), batch
+    assert [step for step, _ in _losses(out_dir)] == list(range(1, HANG_STEPS + 1))
+    _assert_quiet(log_dir)
