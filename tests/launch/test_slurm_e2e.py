@@ -384,10 +384,12 @@ def test_a_failing_set_up_line_stops_the_job_before_the_launch(
 NOISE = ("Traceback", "ChildFailedError", "death signal", "Exited with exit code", "stack dumps: ;")
 
 
-def _assert_quiet(log_dir: Path) -> None:
-    """The logs of an attempt that ended with 75 or 76 hold distaff's lines, not torchrun's or srun's."""
-    logs = _logs(log_dir)
-    assert not [noise for noise in NOISE if noise in logs], logs
+def _assert_quiet(log_dir: Path, victims: int = 0) -> None:
+    """The logs of attempts that ended with 75 or 76 hold distaff's lines, not torchrun's or srun's; but for the
+    traceback of each of ``victims`` frozen ranks (SIGCONT and SIGTERM from Slurm as it ends the step wake it in a
+    collective whose peer is gone)."""
+    logs = "".join(p.read_text(errors="replace") for p in sorted(log_dir.glob("*.out")))
+    assert not [noise for noise in NOISE[1:] if noise in logs] and logs.count("Traceback") <= victims, logs
 
 
 def _wait_for_restarts(job_id: str, restarts: int, slurm: SlurmCluster, timeout: float) -> float:
@@ -452,7 +454,8 @@ def test_requeues_and_a_preemption_are_not_failures(
     _assert_quiet(log_dir)
 
 
-HANG_STEPS, HANG_EVERY, HANG_WATCHDOG_S = 150, 10, 6
+HANG_STEPS, HANG_EVERY = 150, 10
+HANG_WATCHDOG_S = 20    # above the slowest first step of the loaded test machine (6 s stalled spuriously)
 
 
 def _rank_on(node: str, out_dir: Path, slurm: SlurmCluster) -> psutil.Process:
@@ -503,4 +506,4 @@ def test_a_rank_frozen_on_either_node_ends_the_step_everywhere_and_the_job_comes
         assert re.search(rf"distaff: stalled \(stack dumps: [^)]*stacks-rank\d.txt[^)]*\): requeueing job {job_id} to "
                          rf"resume from its latest checkpoint \({failed} of --max-requeues 2\)", batch), batch
     assert [step for step, _ in _losses(out_dir)] == list(range(1, HANG_STEPS + 1))
-    _assert_quiet(log_dir)
+    _assert_quiet(log_dir, victims=2)
