@@ -7,17 +7,22 @@ The job survives preemption and time limits by itself:
   a signal that reaches the batch shell, e.g. ``--signal=B:USR1@...``, is forwarded to the step).
   Each rank finishes its step, saves a checkpoint and exits 75 (``EXIT_PREEMPTED``).
 - One task per node (``srun --ntasks-per-node=1``) runs torchrun with a c10d rendezvous on the
-  first node; the per-node wrapper reports "stopped on a signal" as exit 75, because torchrun
-  itself turns any failed rank into exit 1.
-- On 75 the batch script requeues the job (``--requeue``, logs opened with
+  first node, through :mod:`distaff.launch.node_ranks`: the node exits with the status of its rank that failed
+  first (torchrun alone turns any failed rank into exit 1, with a traceback).
+- On 75 after SIGUSR1 the batch script requeues the job (``--requeue``, logs opened with
   ``--open-mode=append``); the next attempt keeps the job id, hence the rendezvous port, the log
   files and the W&B run id, and resumes from the latest checkpoint (``checkpoint.resume=auto``).
-- A node that dies ends the job as NODE_FAIL, which ``--requeue`` also requeues (docs/launch.md).
-- A stall (a rank's watchdog: no step progress for ``distributed.watchdog_s``, its stacks dumped) is reported by
-  the per-node wrapper as 76 (``EXIT_STALLED``), and the batch script requeues it too. Stalls and lost nodes
-  count against ``--max-requeues`` (in ``<run>/slurm/attempts-<jobid>.txt``); past it the job stops with a
-  message naming the stack dumps. A checkpoint on a signal never counts: time limits may requeue a job any
-  number of times.
+- SIGTERM (a preemption, ``scontrol requeue``, ``scancel``, the time limit): the ranks checkpoint and exit 75 within
+  Slurm's KillWait; the batch shell traps it and writes down which it was (Slurm requeues the job itself, or it
+  was cancelled). A preemption or a requeue is never a failure.
+- A stall (a rank's watchdog: no step progress for ``distributed.watchdog_s``, its stacks dumped) exits 76;
+  ``srun --kill-on-bad-exit=1`` then ends the step on every node, so a rank frozen on another node cannot hold
+  the job, and the batch script requeues it. A node that dies ends the job as NODE_FAIL, which ``--requeue``
+  also requeues (docs/launch.md). Stalls and lost nodes count against ``--max-requeues`` (in
+  ``<run>/slurm/attempts-<jobid>.txt``, once per attempt); past it the job stops with a message naming the
+  stack dumps.
+- On 75, 76 and 2 the logs carry distaff's lines: srun's lines that restate the status are left out of the
+  batch log unless ``--verbose`` (``DISTAFF_VERBOSE=1``, which sbatch passes on to the job).
 - What a site needs before the launch (``--setup`` lines, a container, ``--gres``): :mod:`distaff.launch.slurm_site`.
 
 It also requests what it starts: ``--cpus-per-task`` (the ranks and their DataLoader workers, one

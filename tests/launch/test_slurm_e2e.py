@@ -7,8 +7,12 @@ run started with ``distaff launch`` (the deepspeed launcher). Another loses a no
 surviving rank's watchdog ends it, Slurm requeues the job, and it resumes on the node left, on one
 rank, with the rest of the epoch re-dealt. Two one-node jobs stall (a DataLoader worker stops answering): the
 watchdog's exit 76 requeues the first, which resumes and finishes, with its set-up lines run on each attempt;
-the second, allowed no requeue, stops naming its stack dumps. Skipped, with the reason, where Slurm cannot run
-(not root, packages missing: scripts/install-slurm.sh installs them).
+the second, allowed no requeue, stops naming its stack dumps. A 2-node job allowed one failed attempt is requeued
+twice with `scontrol requeue` and preempted once (a job of the `urgent` partition): none counts, and it completes
+with every step once. A 2-node job has its rank frozen on the first node (the rendezvous host), then on the second:
+each time the step ends on both nodes and the job is requeued within the watchdog and a minute, and completes.
+Skipped, with the reason, where Slurm cannot run (not root, packages missing: scripts/install-slurm.sh installs
+them).
 """
 
 from __future__ import annotations
