@@ -298,3 +298,27 @@ def test_submit_without_sbatch_says_so(target, capsys, monkeypatch) -> None:
     monkeypatch.setenv("PATH", "/nonexistent")
     assert cli.main(["slurm", "submit", "--config", str(target.config), "--nodes", "1", "--gpus-per-node", "1"]) == 1
     assert "sbatch not found" in capsys.readouterr().err
+
+
+SRUN_LINES = ("srun: error: n2: task 1: Exited with exit code {code}\n"
+              "srun: launch/slurm: _step_signal: Terminating StepId=12.0\n"
+              "srun: error: n1: task 0: Killed\n"
+              "srun: error: Unable to create step for job 12: Invalid generic resource (gres) specification\n")
+
+
+@pytest.mark.parametrize(("status", "verbose", "shown"), [
+    (EXIT_STALLED, "", [3]), (EXIT_PREEMPTED, "", [3]), (2, "", [3]),    # what the ranks explained: srun's own error
+    (EXIT_STALLED, "1", [0, 1, 2, 3]), (1, "", [0, 1, 2, 3])])          # --verbose, or a status nobody explained
+def test_the_batch_log_leaves_out_srun_lines_that_restate_an_explained_status(
+        target, tmp_path: Path, status: int, verbose: str, shown: list[int]) -> None:
+    """The script's show_srun_lines, run by bash on a file of srun's lines."""
+    script = render_sbatch_script(SlurmJobSpec(target=target, nodes=2, ranks_per_node=1, cpu=True))
+    function = re.search(r"^show_srun_lines\(\) \{\n.*?^\}\n", script, re.M | re.S).group(0)
+    lines_file = tmp_path / "srun-lines"
+    lines = SRUN_LINES.format(code=status)
+    lines_file.write_text(lines)
+    shell = subprocess.run(["bash", "-c", f'{function}show_srun_lines "$0" "$1"', str(lines_file), str(status)],
+                           env={"PATH": "/usr/bin:/bin", "DISTAFF_VERBOSE": verbose}, capture_output=True, text=True)
+    assert shell.returncode == 0 and shell.stdout == ""
+    assert shell.stderr.splitlines() == [lines.splitlines()[i] for i in shown]
+    assert not lines_file.exists()      # a temporary file of this attempt
