@@ -125,6 +125,17 @@ def _logs(log_dir: Path) -> str:
     return "\n".join(f"=== {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in sorted(log_dir.glob("*.out")))
 
 
+NOISE = ("Traceback", "ChildFailedError", "death signal", "Exited with exit code", "stack dumps: ;")
+
+
+def _assert_quiet(log_dir: Path, victims: int = 0) -> None:
+    """The logs of attempts that ended with 75 or 76 hold distaff's lines, not torchrun's or srun's; but for the
+    traceback of each of ``victims`` frozen ranks (SIGCONT and SIGTERM from Slurm as it ends the step wake it in a
+    collective whose peer is gone)."""
+    logs = "".join(p.read_text(errors="replace") for p in sorted(log_dir.glob("*.out")))
+    assert not [noise for noise in NOISE[1:] if noise in logs] and logs.count("Traceback") <= victims, logs
+
+
 def _submit(cluster: SlurmCluster, run_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys,
             *options: str, nodes: int = 2) -> str:
     """``distaff slurm submit`` of a CPU job (2 nodes unless told), one rank per node; the job id."""
@@ -202,6 +213,7 @@ def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(
     run_dirs = sorted(p.name for p in (out_dir / "wandb").glob("offline-run-*"))
     assert len(run_dirs) == 2 and all(name.endswith(f"-distafftest-{job_id}") for name in run_dirs), run_dirs
     assert all(any((out_dir / "wandb" / name).glob("*.wandb")) for name in run_dirs)
+    _assert_quiet(log_dir)
 
 
 # ---------------------------------------------------------------- a node lost mid-run
@@ -368,6 +380,8 @@ def test_a_stalled_run_requeues_resumes_and_finishes_and_stops_past_max_requeues
     assert (f"distaff: stalled: not requeueing job {stopped_job}: 1 attempts stalled or were lost, more than "
             f"--max-requeues 0; stack dumps: {stops}/stacks-rank0.txt; attempts: {stops}/slurm/attempts-"
             f"{stopped_job}.txt") in batch, batch
+    _assert_quiet(finishes / "slurm")
+    _assert_quiet(stops / "slurm")
 
 
 @pytest.mark.timeout(120)
@@ -384,17 +398,6 @@ def test_a_failing_set_up_line_stops_the_job_before_the_launch(
 
 
 # ---------------------------------------------------------------- preemption and requeues are not failures
-
-NOISE = ("Traceback", "ChildFailedError", "death signal", "Exited with exit code", "stack dumps: ;")
-
-
-def _assert_quiet(log_dir: Path, victims: int = 0) -> None:
-    """The logs of attempts that ended with 75 or 76 hold distaff's lines, not torchrun's or srun's; but for the
-    traceback of each of ``victims`` frozen ranks (SIGCONT and SIGTERM from Slurm as it ends the step wake it in a
-    collective whose peer is gone)."""
-    logs = "".join(p.read_text(errors="replace") for p in sorted(log_dir.glob("*.out")))
-    assert not [noise for noise in NOISE[1:] if noise in logs] and logs.count("Traceback") <= victims, logs
-
 
 def _wait_for_restarts(job_id: str, restarts: int, slurm: SlurmCluster, timeout: float) -> float:
     """Until Slurm has counted ``restarts`` restarts of the job; the seconds that took."""
