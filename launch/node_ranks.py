@@ -13,7 +13,7 @@ checkpointed on a signal (75), stalled (76) or refused its config (2) has alread
   node's status and the stack dumps;
 - torch elastic's own log lines (INFO/WARNING/ERROR) and the c10d store's C++ warnings are not shown.
 
-``--verbose`` (``DISTAFF_VERBOSE=1``, which sbatch passes on to the job) shows elastic's lines and the traceback as
+``--verbose`` (``DISTAFF_VERBOSE=1``, which the script of ``distaff slurm submit --verbose`` exports) shows elastic's lines and the traceback as
 torchrun prints them; the exit status is the same.
 """
 

@@ -22,7 +22,7 @@ The job survives preemption and time limits by itself:
   ``<run>/slurm/attempts-<jobid>.txt``, once per attempt); past it the job stops with a message naming the
   stack dumps.
 - On 75, 76 and 2 the logs carry distaff's lines: srun's lines that restate the status are left out of the
-  batch log unless ``--verbose`` (``DISTAFF_VERBOSE=1``, which sbatch passes on to the job).
+  batch log unless ``--verbose`` (the script then exports ``DISTAFF_VERBOSE=1``).
 - What a site needs before the launch (``--setup`` lines, a container, ``--gres``): :mod:`distaff.launch.slurm_site`.
 
 It also requests what it starts: ``--cpus-per-task`` (the ranks and their DataLoader workers, one
@@ -51,6 +51,7 @@ from distaff.train.core import presets
 from distaff.train.core.errors import ConfigError, RunFailure, command_main
 from distaff.train.core.exit_codes import EXIT_BAD_CONFIG, EXIT_FAILURE, EXIT_PREEMPTED, EXIT_STALLED
 from distaff.train.core.threads import check_ranks_per_node, rank_bound
+from distaff.train.core.verbosity import VERBOSE_ENV, verbose
 
 DEFAULT_SIGNAL_LEAD_S = 300
 DEFAULT_MAX_REQUEUES = 3     # stalled or lost attempts a job comes back from; then it stops for a person to look
@@ -191,6 +192,8 @@ def render_sbatch_script(spec: SlurmJobSpec) -> str:
     _validate(spec)
     header = "\n".join(_sbatch_header(spec))
     cpu_env = "export DS_ACCELERATOR=cpu\n" if spec.cpu else ""
+    if verbose():   # written down: a site's SBATCH_EXPORT=NONE would not pass it on
+        cpu_env += f"export {VERBOSE_ENV}=1   # submitted with --verbose: torchrun's and srun's own lines too\n"
     where = (f"inside the container {spec.site.container}" if spec.site.container else
              "its venv must be on a filesystem all nodes mount at that same path")
     return f"""#!/bin/bash

@@ -322,3 +322,11 @@ def test_the_batch_log_leaves_out_srun_lines_that_restate_an_explained_status(
     assert shell.returncode == 0 and shell.stdout == ""
     assert shell.stderr.splitlines() == [lines.splitlines()[i] for i in shown]
     assert not lines_file.exists()      # a temporary file of this attempt
+
+
+def test_a_verbose_submit_writes_verbose_into_the_script(target, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = SlurmJobSpec(target=target, nodes=2, ranks_per_node=1, cpu=True)
+    monkeypatch.delenv("DISTAFF_VERBOSE", raising=False)
+    assert "DISTAFF_VERBOSE=1" not in render_sbatch_script(spec)
+    monkeypatch.setenv("DISTAFF_VERBOSE", "1")     # what `distaff --verbose` sets
+    assert "\nexport DISTAFF_VERBOSE=1   # submitted with --verbose" in render_sbatch_script(spec)
