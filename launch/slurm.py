@@ -7,17 +7,22 @@ The job survives preemption and time limits by itself:
   a signal that reaches the batch shell, e.g. ``--signal=B:USR1@...``, is forwarded to the step).
   Each rank finishes its step, saves a checkpoint and exits 75 (``EXIT_PREEMPTED``).
 - One task per node (``srun --ntasks-per-node=1``) runs torchrun with a c10d rendezvous on the
-  first node; the per-node wrapper reports "stopped on a signal" as exit 75, because torchrun
-  itself turns any failed rank into exit 1.
-- On 75 the batch script requeues the job (``--requeue``, logs opened with
+  first node, through :mod:`distaff.launch.node_ranks`: the node exits with the status of its rank that failed
+  first (torchrun alone turns any failed rank into exit 1, with a traceback).
+- On 75 after SIGUSR1 the batch script requeues the job (``--requeue``, logs opened with
   ``--open-mode=append``); the next attempt keeps the job id, hence the rendezvous port, the log
   files and the W&B run id, and resumes from the latest checkpoint (``checkpoint.resume=auto``).
-- A node that dies ends the job as NODE_FAIL, which ``--requeue`` also requeues (docs/launch.md).
-- A stall (a rank's watchdog: no step progress for ``distributed.watchdog_s``, its stacks dumped) is reported by
-  the per-node wrapper as 76 (``EXIT_STALLED``), and the batch script requeues it too. Stalls and lost nodes
-  count against ``--max-requeues`` (in ``<run>/slurm/attempts-<jobid>.txt``); past it the job stops with a
-  message naming the stack dumps. A checkpoint on a signal never counts: time limits may requeue a job any
-  number of times.
+- SIGTERM (a preemption, ``scontrol requeue``, ``scancel``, the time limit): the ranks checkpoint and exit 75 within
+  Slurm's KillWait; the batch shell traps it and writes down which it was (Slurm requeues the job itself, or it
+  was cancelled). A preemption or a requeue is never a failure.
+- A stall (a rank's watchdog: no step progress for ``distributed.watchdog_s``, its stacks dumped) exits 76;
+  ``srun --kill-on-bad-exit=1`` then ends the step on every node, so a rank frozen on another node cannot hold
+  the job, and the batch script requeues it. A node that dies ends the job as NODE_FAIL, which ``--requeue``
+  also requeues (docs/launch.md). Stalls and lost nodes count against ``--max-requeues`` (in
+  ``<run>/slurm/attempts-<jobid>.txt``, once per attempt); past it the job stops with a message naming the
+  stack dumps.
+- On 75, 76 and 2 the logs carry distaff's lines: srun's lines that restate the status are left out of the
+  batch log unless ``--verbose`` (the script then exports ``DISTAFF_VERBOSE=1``).
 - What a site needs before the launch (``--setup`` lines, a container, ``--gres``): :mod:`distaff.launch.slurm_site`,
   which also refuses a container that would not see the job's paths.
 - Before anything is queued the run's own ``--check`` runs on it (launch/run_config.py; ``--no-check`` skips it),
@@ -51,8 +56,9 @@ from distaff.train.core import presets
 from distaff.train.core.errors import (MAX_COUNT, MAX_NODES, ConfigError, command_main, document_ranges,
                                        int_arg)
 from distaff.train.core.distributed import NODE_LOG_VARIABLE, RANK0_LOG_VARIABLE
-from distaff.train.core.exit_codes import EXIT_FAILURE, EXIT_PREEMPTED, EXIT_STALLED
+from distaff.train.core.exit_codes import EXIT_BAD_CONFIG, EXIT_FAILURE, EXIT_PREEMPTED, EXIT_STALLED
 from distaff.train.core.threads import check_ranks_per_node, rank_bound
+from distaff.train.core.verbosity import VERBOSE_ENV, verbose
 
 DEFAULT_SIGNAL_LEAD_S = 300
 DEFAULT_MAX_REQUEUES = 3     # stalled or lost attempts a job comes back from; then it stops for a person to look
@@ -178,9 +184,12 @@ def _sbatch_header(spec: SlurmJobSpec) -> list[str]:
 
 
 def _torchrun_command(spec: SlurmJobSpec) -> str:
-    """This node's ranks (shell text): torchrun joins the c10d rendezvous on the job's first node."""
-    fixed = shlex.join([spec.python, "-m", "torch.distributed.run",
-                        f"--nproc-per-node={spec.ranks_per_node}", "--max-restarts=0", "--rdzv-backend=c10d"])
+    """This node's ranks (shell text): torchrun, through :mod:`distaff.launch.node_ranks` (the ranks' own exit
+    status, without torchrun's traceback), joins the c10d rendezvous on the job's first node. It handles no SIGTERM
+    (``--signals-to-handle``; the node script makes it ignore it): it would give the ranks 30 s to checkpoint, then
+    kill them; Slurm gives them KillWait (or a preemption's GraceTime)."""
+    fixed = shlex.join([spec.python, "-m", "distaff.launch.node_ranks", f"--nproc-per-node={spec.ranks_per_node}",
+                        "--max-restarts=0", "--rdzv-backend=c10d", "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT"])
     per_job = ('--nnodes="$SLURM_JOB_NUM_NODES" --rdzv-id="$SLURM_JOB_ID" '
                '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-conf="is_host=$is_host"')
     trainer = shlex.join(["--module", spec.target.module, *spec.target.trainer_args()])
@@ -192,6 +201,8 @@ def render_sbatch_script(spec: SlurmJobSpec) -> str:
     _validate(spec)
     header = "\n".join(_sbatch_header(spec))
     cpu_env = "export DS_ACCELERATOR=cpu\n" if spec.cpu else ""
+    if verbose():   # written down: a site's SBATCH_EXPORT=NONE would not pass it on
+        cpu_env += f"export {VERBOSE_ENV}=1   # submitted with --verbose: torchrun's and srun's own lines too\n"
     where = (f"inside the container {spec.site.container}" if spec.site.container else
              "its venv must be on a filesystem all nodes mount at that same path")
     return f"""#!/bin/bash
@@ -209,19 +220,27 @@ export WANDB_RUN_ID="${{WANDB_RUN_ID:-${{SLURM_CLUSTER_NAME:-slurm}}-$SLURM_JOB_
 read -r -d '' node_script <<'{NODE_SCRIPT_END}'
 {_node_script(spec)}{NODE_SCRIPT_END}
 
-# A signal sent to the batch shell only (scancel --batch, --signal=B:...) goes on to the ranks.
+# A signal sent to the batch shell only (scancel --batch, --signal=B:...) goes on to the ranks. SIGTERM (a
+# preemption, scontrol requeue, scancel, the time limit) reaches the ranks from Slurm too: the shell writes down
+# at once which it was (Slurm kills it after KillWait) and waits for their checkpoint.
 trap 'scancel --signal=USR1 "$SLURM_JOB_ID"' USR1
+trap on_term TERM
 # One task per node of this attempt's allocation (SLURM_NTASKS keeps the submitted count, which a job
 # shrunk after a lost node no longer has). Slurm >= 22.05: a step does not inherit the job's
-# --cpus-per-task; it is asked for again.
+# --cpus-per-task; it is asked for again. --kill-on-bad-exit: a node whose ranks fail (a stall, a dead rank, a
+# config error) ends the step on every node (SIGTERM, then SIGKILL after KillWait), so that a rank frozen on
+# another node cannot hold the job. srun's own lines go to a file, shown after it.
+srun_lines=$(mktemp)
 srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task={spec.cpus} \\
-    --kill-on-bad-exit=0 --open-mode=append --output={shlex.quote(spec.node_log)} \\
-    {spec.site.srun_options(spec.workdir)}bash -c "$node_script" &
+    --kill-on-bad-exit=1 --open-mode=append --output={shlex.quote(spec.node_log)} \\
+    {spec.site.srun_options(spec.workdir)}bash -c "$node_script" 2>"$srun_lines" &
 srun_pid=$!
 while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid"; done
 wait "$srun_pid"; status=$?
+show_srun_lines "$srun_lines" "$status"
 echo "distaff: job $SLURM_JOB_ID ranks exited with $status at $(date -Is)"
-{_attempts_end(spec)}exit "$status"
+{_attempts_end(spec)}rm -f "$attempt_start"
+exit "$status"
 """
 
 
@@ -242,72 +261,139 @@ def _node_script(spec: SlurmJobSpec) -> str:
     prefix = spec.site.command_prefix(spec.cpu)
     # what the ranks inherit (nproc would answer OMP_NUM_THREADS instead)
     affinity = prefix + shlex.join([spec.python, "-c", "import os; print(len(os.sched_getaffinity(0)))"])
-    return f"""stop_requested=0
-trap 'stop_requested=1' USR1 TERM
-{spec.site.setup_block()}started=$(mktemp)      # the ranks' stack dumps newer than this are this attempt's
-out_dir={shlex.quote(str(spec.target.out_dir))}
-is_host=$([ "$SLURM_NODEID" = 0 ] && echo true || echo false)
+    return f"""# The ranks act on USR1 and TERM (a checkpoint, exit {EXIT_PREEMPTED}); this script outlives both to report their status.
+trap : USR1 TERM
+{spec.site.setup_block()}is_host=$([ "$SLURM_NODEID" = 0 ] && echo true || echo false)
 echo "distaff: node $SLURM_NODEID ($SLURMD_NODENAME): $({affinity}) CPUs for its ranks"
 resume=()
 [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ] && resume=(checkpoint.resume=auto)
-# torchrun would die of SIGUSR1: it ignores it; the ranks install their own handler.
-(trap '' USR1; exec {prefix}{_torchrun_command(spec)}) &
+# torchrun ignores USR1 (it would die of it) and TERM (it would kill the ranks 30 s later); the ranks install
+# their own handlers. It exits with the status of the rank that failed first.
+(trap '' USR1 TERM; exec {prefix}{_torchrun_command(spec)}) &
 pid=$!
 while kill -0 "$pid" 2>/dev/null; do wait "$pid"; done
 wait "$pid"; status=$?
-# torchrun reports any failed rank as 1: a signal was the reason, so say "preempted"; a rank's watchdog
-# (its stack dump), so say "stalled".
-if [ "$status" -ne 0 ] && [ "$stop_requested" = 1 ]; then status={EXIT_PREEMPTED}
-elif [ "$status" -ne 0 ] && [ -n "$(find "$out_dir" -maxdepth 1 -name 'stacks-rank*.txt' -newer "$started")" ]
-then status={EXIT_STALLED}; fi
-rm -f "$started"
 echo "distaff: node $SLURM_NODEID ranks exited with $status"
 exit "$status"
 """
 
 
+# srun's lines that restate a status the ranks explained themselves (75, 76, 2), or its own ending of the step.
+_SRUN_RESTATED = ("^srun: (error: .*: tasks? [0-9,-]+: (Exited with exit code [0-9]+|Killed|Terminated)$|"
+                  "launch/slurm: _step_signal: Terminating StepId=|Job step aborted: Waiting up to|got SIGCONT$|"
+                  "forcing job termination$)")
+
+# Shell functions of the batch script (after ``attempts``, ``batch_log``, ``out_dir`` and ``attempt`` are set).
+_ATTEMPT_FUNCTIONS = f"""dumps() {{ local found; found=$(ls -1 "$out_dir"/stacks-rank*.txt 2>/dev/null | paste -sd ' ')
+    echo "${{found:-none}}"; }}
+new_dumps() {{ find "$out_dir" -maxdepth 1 -name 'stacks-rank*.txt' -newer "$attempt_start" 2>/dev/null; }}
+# An attempt counts once, however often it is written down as failed (lost with a node, and stalled).
+failed_attempts() {{ grep -oE '^attempt [0-9]+ (stalled|lost)' "$attempts" 2>/dev/null | cut -d' ' -f2 | sort -u \\
+    | wc -l; }}
+latest_step() {{ local tag; tag=$(cat "$out_dir/checkpoints/latest" 2>/dev/null)
+    if [ -n "$tag" ]; then echo "step $((10#${{tag#step-}}))"; else echo "no checkpoint"; fi; }}
+down_nodes() {{ sinfo -h -N -n "$SLURM_JOB_NODELIST" -o '%N %T' 2>/dev/null \\
+    | awk '$2 ~ /down|fail|\\*/ {{print $1}}' | sort -u | paste -sd ,; }}
+# SIGTERM: Slurm ends the attempt. It has counted a restart already if it requeues the job: a preemption (its
+# batch step's line in the log, written as it signals, says "DUE TO PREEMPTION"), a lost node (down now) or
+# scontrol requeue; if not, it was scancel or the time limit.
+on_term() {{
+    [ -n "$stopped_by" ] && return
+    local restarts lost
+    restarts=$(scontrol -o show job "$SLURM_JOB_ID" 2>/dev/null | grep -oE 'Restarts=[0-9]+')
+    restarts=${{restarts#Restarts=}}
+    lost=$(down_nodes)
+    if [ "${{restarts:-0}}" -le "$attempt" ]; then stopped_by=cancelled
+        echo "attempt $attempt got SIGTERM: cancelled (scancel, or the time limit), not requeued" >> "$attempts"
+    elif [ -n "$lost" ]; then stopped_by=lost
+        echo "attempt $attempt lost: node $lost failed; Slurm requeues the job" >> "$attempts"
+    elif tail -n 5 "$batch_log" 2>/dev/null | grep -q 'DUE TO PREEMPTION'; then stopped_by=preempted
+        echo "attempt $attempt got SIGTERM: preempted" >> "$attempts"
+    else stopped_by=requeued
+        echo "attempt $attempt got SIGTERM: requeued from outside (scontrol requeue)" >> "$attempts"
+    fi
+}}
+# srun's lines restate the status the ranks explained in one line ("task 0: Exited with exit code 75"): shown
+# for any other status, and always with --verbose.
+show_srun_lines() {{
+    if [ "${{DISTAFF_VERBOSE:-0}}" != 0 ] || ! [[ " 0 {EXIT_PREEMPTED} {EXIT_STALLED} {EXIT_BAD_CONFIG} " == *" $2 "* ]]
+    then cat "$1" >&2
+    else grep -vE '{_SRUN_RESTATED}' "$1" >&2
+    fi
+    rm -f "$1"
+}}"""
+
+# A preempted, requeued or cancelled attempt (``$stopped_by``) as its line says it: "<what> at step S,
+# checkpointed<after>".
+_STOPPED_WORDS = {"preempted": ("preempted", ", requeued"), "requeued": ("requeued from outside (scontrol requeue)", ""),
+                  "cancelled": ("cancelled (scancel, or the time limit)", "; not requeued")}
+
+
 def _attempts_start(spec: SlurmJobSpec) -> str:
     """Batch-script text: count the attempts that failed on their own (a stall, a lost node) and stop once there
-    were more than ``--max-requeues``; mark this attempt started."""
-    return f"""# Attempts that failed on their own (stalled, or lost with a node) count against --max-requeues;
-# a checkpoint on a signal ({EXIT_PREEMPTED}) does not.
+    were more than ``--max-requeues``; mark this attempt started; the functions the rest of the script calls."""
+    return f"""# Attempts that failed on their own (stalled, or lost with a node) count against --max-requeues; a checkpoint
+# on a signal ({EXIT_PREEMPTED}), a preemption, a requeue from outside and a cancel do not.
 attempts={shlex.quote(str(spec.log_dir))}/attempts-"$SLURM_JOB_ID".txt
+batch_log={shlex.quote(str(spec.log_dir))}/"$SLURM_JOB_NAME-$SLURM_JOB_ID".out
 out_dir={shlex.quote(str(spec.target.out_dir))}
-dumps() {{ ls -1 "$out_dir"/stacks-rank*.txt 2>/dev/null | paste -sd ' '; }}
 attempt=${{SLURM_RESTART_COUNT:-0}}
 max_requeues={spec.max_requeues}
+{_ATTEMPT_FUNCTIONS}
 last=$(tail -n 1 "$attempts" 2>/dev/null)
-if [ "${{last% started}}" != "$last" ]; then   # it started and said nothing more: Slurm requeued it (NODE_FAIL)
-    echo "${{last% started}} lost (its node failed, or the job was requeued from outside)" >> "$attempts"
+if [ "${{last% started}}" != "$last" ]; then   # it started and said nothing more: its batch script was killed
+    echo "${{last% started}} lost (it ended without a word: its first node failed, or Slurm killed its script)" \\
+        >> "$attempts"
 fi
-failed=$(grep -cE '^attempt [0-9]+ (stalled|lost)' "$attempts" 2>/dev/null)
-if [ "${{failed:-0}}" -gt "$max_requeues" ]; then
-    echo "distaff: job $SLURM_JOB_ID: $failed attempts stalled or were lost, more than --max-requeues" \
+failed=$(failed_attempts)
+if [ "$failed" -gt "$max_requeues" ]; then
+    echo "distaff: job $SLURM_JOB_ID: $failed attempts stalled or were lost, more than --max-requeues" \\
          "$max_requeues: not running again; stack dumps: $(dumps); attempts: $attempts"
     exit {EXIT_FAILURE}
 fi
 echo "attempt $attempt started" >> "$attempts"
+attempt_start=$(mktemp)      # the ranks' stack dumps newer than this are this attempt's
+stopped_by=""                # on SIGTERM: preempted, requeued, lost or cancelled
 """
 
 
 def _attempts_end(spec: SlurmJobSpec) -> str:
-    """Batch-script text after the step: requeue on a signal's checkpoint, and on a stall up to ``--max-requeues``
-    times (the per-node script reports a rank's watchdog as 76, ``EXIT_STALLED``)."""
-    return f"""if [ "$status" -eq {EXIT_PREEMPTED} ]; then
-    echo "attempt $attempt checkpointed on a signal" >> "$attempts"
-    echo "distaff: checkpointed on a signal: requeueing job $SLURM_JOB_ID"
-    scontrol requeue "$SLURM_JOB_ID"
-elif [ "$status" -eq {EXIT_STALLED} ]; then
+    """Batch-script text after the step: a stall (76, or a failure with this attempt's stack dumps: the node whose
+    rank stalled ended the step) requeues up to ``--max-requeues`` times; a preemption, a requeue from outside, a
+    lost node and a cancel are Slurm's to act on, written down with the step of the checkpoint; a checkpoint on
+    SIGUSR1 (the time limit is near) requeues."""
+    stopped = "\n".join(f'    {name}) what="{what}"; after="{after}" ;;' for name, (what, after) in _STOPPED_WORDS.items())
+    return f"""if [ "$status" -eq {EXIT_STALLED} ] || {{ [ "$status" -ne 0 ] && [ -n "$(new_dumps)" ]; }}; then
+    status={EXIT_STALLED}
     echo "attempt $attempt stalled" >> "$attempts"
-    failed=$(( ${{failed:-0}} + 1 ))
-    if [ "$failed" -le "$max_requeues" ]; then
-        echo "distaff: stalled (stack dumps: $(dumps)): requeueing job $SLURM_JOB_ID to resume from its latest" \
+    failed=$(failed_attempts)
+    if [ -n "$stopped_by" ]; then
+        echo "distaff: stalled (stack dumps: $(dumps)) as Slurm ended job $SLURM_JOB_ID ($stopped_by)"
+    elif [ "$failed" -le "$max_requeues" ]; then
+        echo "distaff: stalled (stack dumps: $(dumps)): requeueing job $SLURM_JOB_ID to resume from its latest" \\
              "checkpoint ($failed of --max-requeues $max_requeues)"
         scontrol requeue "$SLURM_JOB_ID"
     else
-        echo "distaff: stalled: not requeueing job $SLURM_JOB_ID: $failed attempts stalled or were lost, more than" \
+        echo "distaff: stalled: not requeueing job $SLURM_JOB_ID: $failed attempts stalled or were lost, more than" \\
              "--max-requeues $max_requeues; stack dumps: $(dumps); attempts: $attempts"
     fi
+elif [ "$stopped_by" = lost ]; then
+    echo "distaff: job $SLURM_JOB_ID lost a node: Slurm requeues it ($(failed_attempts) of --max-requeues" \\
+         "$max_requeues)"
+elif [ -n "$stopped_by" ]; then
+    case "$stopped_by" in
+{stopped}
+    esac
+    if [ "$status" -eq {EXIT_PREEMPTED} ]; then what="$what at $(latest_step), checkpointed"
+    else what="$what; not checkpointed (ranks exited with $status; resumes from $(latest_step))"; fi
+    what="$what$after"
+    echo "attempt $attempt $what" >> "$attempts"
+    echo "distaff: job $SLURM_JOB_ID $what"
+elif [ "$status" -eq {EXIT_PREEMPTED} ]; then
+    what="checkpointed at $(latest_step) on SIGUSR1 (the time limit is near, or scancel --signal=USR1), requeued"
+    echo "attempt $attempt $what" >> "$attempts"
+    echo "distaff: $what: requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
 else
     echo "attempt $attempt ended with $status" >> "$attempts"
 fi

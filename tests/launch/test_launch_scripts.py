@@ -169,14 +169,18 @@ def test_sbatch_script_for_gpu_nodes(target) -> None:
     srun = _srun_command(script)
     assert "--ntasks-per-node=1" in srun and f"--output={log_dir}/%x-%j-node%n.out" in srun
     assert "--open-mode=append" in srun
-    torchrun = next(line for line in script.splitlines() if "torch.distributed.run" in line)
-    assert "/venv/bin/python -m torch.distributed.run --nproc-per-node=8 --max-restarts=0 --rdzv-backend=c10d" in torchrun
+    assert "--kill-on-bad-exit=1" in srun          # a node whose ranks fail ends the step on every node
+    torchrun = next(line for line in script.splitlines() if "distaff.launch.node_ranks" in line)
+    assert ("/venv/bin/python -m distaff.launch.node_ranks --nproc-per-node=8 --max-restarts=0 --rdzv-backend=c10d "
+            "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT") in torchrun
     assert '--rdzv-id="$SLURM_JOB_ID" --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"' in torchrun
     assert f"--module distaff.train.pretrain --config {target.config} optim.lr=3e-4 run.out_dir={target.out_dir}" in torchrun
     assert 'resume=(checkpoint.resume=auto)' in script and '"${resume[@]}"' in torchrun
-    # exit 75 (a signal's checkpoint) or 76 (a stall, bounded by --max-requeues) -> the job requeues itself
-    assert re.search(r'if \[ "\$status" -eq 75 \]; then\n(.*\n){2}\s+scontrol requeue "\$SLURM_JOB_ID"', script)
-    assert re.search(r'elif \[ "\$status" -eq 76 \]; then\n(.*\n){3}.*\n\s+scontrol requeue "\$SLURM_JOB_ID"', script)
+    # exit 75 on SIGUSR1 (a signal's checkpoint) or 76 (a stall, bounded by --max-requeues) -> the job requeues
+    # itself; on SIGTERM Slurm requeues it (or not: a cancel)
+    assert re.search(r'elif \[ "\$status" -eq 75 \]; then\n(.*\n){3}\s+scontrol requeue "\$SLURM_JOB_ID"', script)
+    assert re.search(r'if \[ "\$status" -eq 76 \] .*; then\n(.*\n){8}\s+scontrol requeue "\$SLURM_JOB_ID"', script)
+    assert "trap on_term TERM\n" in script
     assert "max_requeues=3\n" in script and 'if [ "$failed" -le "$max_requeues" ]; then' in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)  # valid bash
 
@@ -318,3 +322,33 @@ def test_one_name_follows_rank_0s_log_to_whichever_node_holds_it(target, tmp_pat
     assert sorted(p.name for p in logs.iterdir()) == ["run1-42-node0.out", "run1-42-node1.out", "run1-42-rank0.out"]
     link_rank0_log({"SLURM_NODEID": "1"})                               # not under such a job: nothing
     assert Path(link).readlink() == Path("run1-42-node0.out")
+SRUN_LINES = ("srun: error: n2: task 1: Exited with exit code {code}\n"
+              "srun: launch/slurm: _step_signal: Terminating StepId=12.0\n"
+              "srun: error: n1: task 0: Killed\n"
+              "srun: error: Unable to create step for job 12: Invalid generic resource (gres) specification\n")
+
+
+@pytest.mark.parametrize(("status", "verbose", "shown"), [
+    (EXIT_STALLED, "", [3]), (EXIT_PREEMPTED, "", [3]), (2, "", [3]),    # what the ranks explained: srun's own error
+    (EXIT_STALLED, "1", [0, 1, 2, 3]), (1, "", [0, 1, 2, 3])])          # --verbose, or a status nobody explained
+def test_the_batch_log_leaves_out_srun_lines_that_restate_an_explained_status(
+        target, tmp_path: Path, status: int, verbose: str, shown: list[int]) -> None:
+    """The script's show_srun_lines, run by bash on a file of srun's lines."""
+    script = render_sbatch_script(SlurmJobSpec(target=target, nodes=2, ranks_per_node=1, cpu=True))
+    function = re.search(r"^show_srun_lines\(\) \{\n.*?^\}\n", script, re.M | re.S).group(0)
+    lines_file = tmp_path / "srun-lines"
+    lines = SRUN_LINES.format(code=status)
+    lines_file.write_text(lines)
+    shell = subprocess.run(["bash", "-c", f'{function}show_srun_lines "$0" "$1"', str(lines_file), str(status)],
+                           env={"PATH": "/usr/bin:/bin", "DISTAFF_VERBOSE": verbose}, capture_output=True, text=True)
+    assert shell.returncode == 0 and shell.stdout == ""
+    assert shell.stderr.splitlines() == [lines.splitlines()[i] for i in shown]
+    assert not lines_file.exists()      # a temporary file of this attempt
+
+
+def test_a_verbose_submit_writes_verbose_into_the_script(target, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = SlurmJobSpec(target=target, nodes=2, ranks_per_node=1, cpu=True)
+    monkeypatch.delenv("DISTAFF_VERBOSE", raising=False)
+    assert "DISTAFF_VERBOSE=1" not in render_sbatch_script(spec)
+    monkeypatch.setenv("DISTAFF_VERBOSE", "1")     # what `distaff --verbose` sets
+    assert "\nexport DISTAFF_VERBOSE=1   # submitted with --verbose" in render_sbatch_script(spec)

@@ -74,7 +74,7 @@ def _options(script: str) -> dict[str, str]:
 
 def torchrun_argv(script: str) -> list[str]:
     """The per-node torchrun command as bash splits it (the line that execs it, in the node heredoc)."""
-    line = re.search(r"^\(trap '' USR1; exec (.*)\) &$", script, re.M).group(1)
+    line = re.search(r"^\(trap '' USR1 TERM; exec (.*)\) &$", script, re.M).group(1)
     return shlex.split(line.replace('"${resume[@]}"', ""))
 
 

@@ -7,8 +7,12 @@ run started with ``distaff launch`` (the deepspeed launcher). Another loses a no
 surviving rank's watchdog ends it, Slurm requeues the job, and it resumes on the node left, on one
 rank, with the rest of the epoch re-dealt. Two one-node jobs stall (a DataLoader worker stops answering): the
 watchdog's exit 76 requeues the first, which resumes and finishes, with its set-up lines run on each attempt;
-the second, allowed no requeue, stops naming its stack dumps. Skipped, with the reason, where Slurm cannot run
-(not root, packages missing: scripts/install-slurm.sh installs them).
+the second, allowed no requeue, stops naming its stack dumps. A 2-node job allowed one failed attempt is requeued
+twice with `scontrol requeue` and preempted once (a job of the `urgent` partition): none counts, and it completes
+with every step once. A 2-node job has its rank frozen on the first node (the rendezvous host), then on the second:
+each time the step ends on both nodes and the job is requeued within the watchdog and a minute, and completes.
+Skipped, with the reason, where Slurm cannot run (not root, packages missing: scripts/install-slurm.sh installs
+them).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import psutil
 import pytest
 
 from pretrain_fixtures import assert_redealt
-from slurm_cluster import NODE_FAIL_TIMEOUT_S, SlurmCluster
+from slurm_cluster import FINAL_STATES, NODE_FAIL_TIMEOUT_S, PREEMPTING_PARTITION, SlurmCluster
 
 from distaff.launch import cli
 from distaff.launch.hostlist import expand_hostlist
@@ -121,6 +125,17 @@ def _logs(log_dir: Path) -> str:
     return "\n".join(f"=== {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in sorted(log_dir.glob("*.out")))
 
 
+NOISE = ("Traceback", "ChildFailedError", "death signal", "Exited with exit code", "stack dumps: ;")
+
+
+def _assert_quiet(log_dir: Path, victims: int = 0) -> None:
+    """The logs of attempts that ended with 75 or 76 hold distaff's lines, not torchrun's or srun's; but for the
+    traceback of each of ``victims`` frozen ranks (SIGCONT and SIGTERM from Slurm as it ends the step wake it in a
+    collective whose peer is gone)."""
+    logs = "".join(p.read_text(errors="replace") for p in sorted(log_dir.glob("*.out")))
+    assert not [noise for noise in NOISE[1:] if noise in logs] and logs.count("Traceback") <= victims, logs
+
+
 def _submit(cluster: SlurmCluster, run_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys,
             *options: str, nodes: int = 2) -> str:
     """``distaff slurm submit`` of a CPU job (2 nodes unless told), one rank per node; the job id."""
@@ -198,6 +213,7 @@ def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(
     run_dirs = sorted(p.name for p in (out_dir / "wandb").glob("offline-run-*"))
     assert len(run_dirs) == 2 and all(name.endswith(f"-distafftest-{job_id}") for name in run_dirs), run_dirs
     assert all(any((out_dir / "wandb" / name).glob("*.wandb")) for name in run_dirs)
+    _assert_quiet(log_dir)
 
 
 # ---------------------------------------------------------------- a node lost mid-run
@@ -206,10 +222,11 @@ LOSS_STEPS, LOSS_EVERY, WATCHDOG_S = 48, 20, 6
 
 
 def _wait_for_step(out_dir: Path, step: int, job_id: str, slurm: SlurmCluster, timeout: float) -> None:
+    """Until ``step`` is in metrics.jsonl (the job may be between attempts meanwhile)."""
     deadline = time.monotonic() + timeout
     while not any(s >= step for s, _ in (_losses(out_dir) if (out_dir / "metrics.jsonl").is_file() else [])):
         state = slurm.job_field(job_id, "JobState")
-        if state not in ("PENDING", "CONFIGURING", "RUNNING") or time.monotonic() > deadline:
+        if state in FINAL_STATES or time.monotonic() > deadline:
             raise AssertionError(f"step {step} not reached (job {job_id} {state})\n{_logs(out_dir / 'slurm')}")
         time.sleep(0.05)
 
@@ -262,9 +279,12 @@ def test_a_node_lost_mid_run_requeues_and_the_run_finishes_on_the_node_left(
     assert cluster.job_field(job_id, "ExitCode") == "0:0" and cluster.job_field(job_id, "NodeList") == "n1", logs
     assert "restart_count=1 on n1 at" in (log_dir / f"slurm-e2e-{job_id}.out").read_text()
     attempts = (log_dir / f"attempts-{job_id}.txt").read_text().splitlines()   # a lost attempt counts as failed
-    assert attempts[0] == "attempt 0 started" and attempts[2:] == ["attempt 1 started", "attempt 1 ended with 0"]
-    assert attempts[1] in ("attempt 0 lost (its node failed, or the job was requeued from outside)",
-                           "attempt 0 stalled"), attempts     # Slurm's requeue, or the watchdog's status first
+    first = attempts.index("attempt 1 started")
+    assert attempts[0] == "attempt 0 started" and attempts[first:] == ["attempt 1 started", "attempt 1 ended with 0"]
+    # the batch shell's SIGTERM as Slurm ends the job (n2 down), the watchdog's status, or both (they count once)
+    assert 1 <= first - 1 <= 2 and set(attempts[1:first]) <= {
+        "attempt 0 lost: node n2 failed; Slurm requeues the job", "attempt 0 stalled",
+        "attempt 0 lost (it ended without a word: its first node failed, or Slurm killed its script)"}, attempts
     node0 = (log_dir / f"slurm-e2e-{job_id}-node0.out").read_text()
     assert f"resuming from {checkpoints}/step-{LOSS_EVERY:08d}; 1 rank(s)" in node0, node0
     assert "resuming a 2-rank checkpoint on 1 rank(s): global batch 16 -> 8 samples" in node0
@@ -360,6 +380,8 @@ def test_a_stalled_run_requeues_resumes_and_finishes_and_stops_past_max_requeues
     assert (f"distaff: stalled: not requeueing job {stopped_job}: 1 attempts stalled or were lost, more than "
             f"--max-requeues 0; stack dumps: {stops}/stacks-rank0.txt; attempts: {stops}/slurm/attempts-"
             f"{stopped_job}.txt") in batch, batch
+    _assert_quiet(finishes / "slurm")
+    _assert_quiet(stops / "slurm")
 
 
 @pytest.mark.timeout(120)
@@ -373,3 +395,122 @@ def test_a_failing_set_up_line_stops_the_job_before_the_launch(
     node = (out_dir / "slurm" / f"slurm-e2e-{job}-node0.out").read_text()
     assert node.startswith("before\n") and "distaff: node 0: a set-up line failed with status 127" in node, node
     assert "after" not in node and "CPUs for its ranks" not in node and not (out_dir / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------- preemption and requeues are not failures
+
+def _wait_for_restarts(job_id: str, restarts: int, slurm: SlurmCluster, timeout: float) -> float:
+    """Until Slurm has counted ``restarts`` restarts of the job; the seconds that took."""
+    started = time.monotonic()
+    while int(slurm.job_field(job_id, "Restarts")) < restarts:
+        state = slurm.job_field(job_id, "JobState")
+        if state in FINAL_STATES or time.monotonic() - started > timeout:
+            raise AssertionError(f"job {job_id} {state}, not restarted {restarts} times in {timeout:.0f} s\n"
+                                 f"{_logs(Path(slurm.job_field(job_id, 'StdOut')).parent)}\n{slurm.log_tail()}")
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
+REQUEUE_STEPS = 300
+
+
+@pytest.mark.timeout(900)
+def test_requeues_and_a_preemption_are_not_failures(
+        slurm: SlurmCluster, run_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Two `scontrol requeue`s and a preemption by a job of a higher-priority partition (PreemptMode=REQUEUE), each
+    mid-run, to a 2-node job allowed one failed attempt: each one checkpoints on SIGTERM and comes back, and the job
+    completes with every step trained once."""
+    out_dir = tmp_path / "run"
+    job_id = _submit(slurm, run_config, tmp_path, monkeypatch, capsys, f"run.out_dir={out_dir}",
+                     f"train.max_steps={REQUEUE_STEPS}", "checkpoint.every=1000", "--max-requeues", "1")
+    log_dir, resumed_at = out_dir / "slurm", 0
+    for restarts, how in enumerate(("requeue", "requeue", "preempt"), 1):
+        _wait_for_step(out_dir, resumed_at + 2, job_id, slurm, timeout=240)   # past its signal handlers' set-up
+        if how == "requeue":
+            slurm.run("scontrol", "requeue", job_id)
+        else:   # every CPU of both nodes: Slurm requeues our job to make room
+            slurm.run("sbatch", f"--partition={PREEMPTING_PARTITION}", "--nodes=2", "--exclusive",
+                      f"--output={tmp_path}/urgent-%j.out", "--wrap", "sleep 1")
+        _wait_for_restarts(job_id, restarts, slurm, timeout=120)
+        deadline = time.monotonic() + 60    # the batch shell writes the checkpoint's step once its ranks are done
+        while not (stopped := re.search(rf"attempt {restarts - 1} \S.* at step (\d+), checkpointed",
+                                        (log_dir / f"attempts-{job_id}.txt").read_text())):
+            assert time.monotonic() < deadline, _logs(log_dir)
+            time.sleep(0.2)
+        resumed_at = int(stopped.group(1))
+    state = slurm.wait_for(job_id, {"COMPLETED"}, timeout=300)
+    logs = _logs(log_dir)
+    assert state == "COMPLETED", f"job {job_id} ended {state}\n{logs}\n{slurm.log_tail()}"
+    assert [slurm.job_field(job_id, name) for name in ("Restarts", "ExitCode")] == ["3", "0:0"], logs
+
+    attempts = (log_dir / f"attempts-{job_id}.txt").read_text().splitlines()
+    steps = [int(step) for step in re.findall(r"at step (\d+), checkpointed", "\n".join(attempts))]
+    requeued = "requeued from outside (scontrol requeue)"
+    assert attempts == [
+        "attempt 0 started", f"attempt 0 got SIGTERM: {requeued}", f"attempt 0 {requeued} at step {steps[0]}, checkpointed",
+        "attempt 1 started", f"attempt 1 got SIGTERM: {requeued}", f"attempt 1 {requeued} at step {steps[1]}, checkpointed",
+        "attempt 2 started", "attempt 2 got SIGTERM: preempted",
+        f"attempt 2 preempted at step {steps[2]}, checkpointed, requeued", "attempt 3 started", "attempt 3 ended with 0"]
+    batch = (log_dir / f"slurm-e2e-{job_id}.out").read_text()
+    assert f"distaff: job {job_id} preempted at step {steps[2]}, checkpointed, requeued" in batch, batch
+    node_logs = _node_logs(log_dir, job_id)
+    for step in steps:    # each attempt resumed from the checkpoint its predecessor saved on SIGTERM
+        assert f"resuming from {out_dir}/checkpoints/step-{step:08d};" in node_logs, node_logs
+    assert 0 < steps[0] < steps[1] < steps[2] < REQUEUE_STEPS
+    assert [step for step, _ in _losses(out_dir)] == list(range(1, REQUEUE_STEPS + 1))
+    _assert_quiet(log_dir)
+
+
+HANG_STEPS, HANG_EVERY = 150, 10
+HANG_WATCHDOG_S = 20    # above the slowest first step of the loaded test machine (6 s stalled spuriously)
+
+
+def _rank_on(node: str, out_dir: Path, slurm: SlurmCluster) -> psutil.Process:
+    """The rank of the run in ``out_dir`` on ``node`` (not its DataLoader worker, forked with its command line)."""
+    trainers = []
+    for pid in slurm.node_processes(node):
+        try:
+            proc = psutil.Process(pid)
+            argv = proc.cmdline()
+        except psutil.Error:
+            continue
+        if "distaff.train.pretrain" in argv and argv[argv.index("distaff.train.pretrain") - 1] == "-m" \
+                and f"run.out_dir={out_dir}" in argv:
+            trainers.append(proc)
+    pids = {proc.pid for proc in trainers}
+    ranks = [proc for proc in trainers if proc.ppid() not in pids]
+    assert len(ranks) == 1, f"{node}: {ranks}"
+    return ranks[0]
+
+
+@pytest.mark.timeout(900)
+def test_a_rank_frozen_on_either_node_ends_the_step_everywhere_and_the_job_comes_back(
+        slurm: SlurmCluster, run_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """A 2-node job whose rank is frozen (SIGSTOP) first on n1, the node of the c10d rendezvous, then on n2: each
+    time the other rank's watchdog ends it, its node's exit ends the step on both nodes, and the job is requeued
+    within the watchdog and a minute; it resumes and completes."""
+    out_dir = tmp_path / "run"
+    job_id = _submit(slurm, run_config, tmp_path, monkeypatch, capsys, f"run.out_dir={out_dir}",
+                     f"train.max_steps={HANG_STEPS}", f"checkpoint.every={HANG_EVERY}",
+                     f"distributed.watchdog_s={HANG_WATCHDOG_S}", "--max-requeues", "2")
+    log_dir, reached = out_dir / "slurm", HANG_EVERY
+    took = []
+    for restarts, node in enumerate(("n1", "n2"), 1):
+        _wait_for_step(out_dir, reached + 1, job_id, slurm, timeout=240)
+        _rank_on(node, out_dir, slurm).suspend()
+        took.append(_wait_for_restarts(job_id, restarts, slurm, timeout=HANG_WATCHDOG_S + 60))
+        reached = max(step for step, _ in _losses(out_dir)) + 1
+    state = slurm.wait_for(job_id, {"COMPLETED"}, timeout=300)
+    logs = _logs(log_dir)
+    assert state == "COMPLETED", f"job {job_id} ended {state}\n{logs}\n{slurm.log_tail()}"
+    assert [slurm.job_field(job_id, name) for name in ("Restarts", "ExitCode")] == ["2", "0:0"], logs
+    assert all(seconds < HANG_WATCHDOG_S + 60 for seconds in took), took
+    assert (log_dir / f"attempts-{job_id}.txt").read_text().splitlines() == [
+        "attempt 0 started", "attempt 0 stalled", "attempt 1 started", "attempt 1 stalled", "attempt 2 started",
+        "attempt 2 ended with 0"]
+    batch = (log_dir / f"slurm-e2e-{job_id}.out").read_text()
+    for failed in (1, 2):
+        assert re.search(rf"distaff: stalled \(stack dumps: [^)]*stacks-rank\d.txt[^)]*\): requeueing job {job_id} to "
+                         rf"resume from its latest checkpoint \({failed} of --max-requeues 2\)", batch), batch
+    assert [step for step, _ in _losses(out_dir)] == list(range(1, HANG_STEPS + 1))
+    _assert_quiet(log_dir, victims=2)

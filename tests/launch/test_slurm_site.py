@@ -54,7 +54,7 @@ def test_set_up_lines_run_verbatim_on_every_node_before_the_launch(config: Path,
                 "source /shared/env.sh", *lines]
     start = node.index("set -e") + 2          # after the ERR trap that names a failing line's node
     assert node[start:start + len(expected)] == expected and node[start + len(expected)] == "trap - ERR"
-    assert node.index("trap - ERR") < next(i for i, line in enumerate(node) if "torch.distributed.run" in line)
+    assert node.index("trap - ERR") < next(i for i, line in enumerate(node) if "distaff.launch.node_ranks" in line)
     assert script.count("#SBATCH --gpus-per-node=4") == 1     # the GPU request as before
 
 
@@ -88,14 +88,14 @@ def test_a_pyxis_container_runs_each_node_script_in_the_image(config: Path, caps
     code, script, err = _submit(config, capsys, "--container-image", "nvcr.io#nvidia/pytorch:24.01-py3",
                                 "--container-mounts", mounts, "--setup", "nvidia-smi")
     assert code == 0 and "warning" not in err
-    srun = re.search(r"^srun .*?bash -c \"\$node_script\" &$", script, re.S | re.M).group(0)
+    srun = re.search(r"^srun .*?bash -c \"\$node_script\" 2>\"\$srun_lines\" &$", script, re.S | re.M).group(0)
     assert ("'--container-image=nvcr.io#nvidia/pytorch:24.01-py3' "
             f"--container-workdir={config.parent} --container-mounts={mounts} ") in srun
     assert "# Every node runs python: inside the container nvcr.io#nvidia/pytorch:24.01-py3." in script
-    assert "exec python -m torch.distributed.run --nproc-per-node=4" in script    # the image's python
+    assert "exec python -m distaff.launch.node_ranks --nproc-per-node=4" in script    # the image's python
     code, script, _ = _submit(config, capsys, "--container-image", "img.sqsh", "--python", "/opt/conda/bin/python",
                               "--container-mounts", str(config.parent))
-    assert "exec /opt/conda/bin/python -m torch.distributed.run" in script
+    assert "exec /opt/conda/bin/python -m distaff.launch.node_ranks" in script
 
 
 def test_apptainer_wraps_each_python_the_nodes_run(config: Path, capsys) -> None:
@@ -104,13 +104,13 @@ def test_apptainer_wraps_each_python_the_nodes_run(config: Path, capsys) -> None
     assert code == 0
     prefix = "apptainer exec --nv --bind /shared docker://nvcr.io/nvidia/pytorch:24.01-py3 python "
     node = _node_script(script)
-    assert f"exec {prefix}-m torch.distributed.run" in node and f"$({prefix}-c " in node    # the ranks, the affinity
+    assert f"exec {prefix}-m distaff.launch.node_ranks" in node and f"$({prefix}-c " in node    # the ranks, the affinity
     assert node.index("module load apptainer") < node.index("apptainer exec")               # set-up on the host
     assert "--container-image" not in script
     config.parent.joinpath("out").mkdir()
     cpu = cli.main(["slurm", "submit", "--config", str(config), "--nodes", "1", "--gpus-per-node", "1", "--cpu",
                     "--apptainer", "img.sif", "--dry-run"])
-    assert cpu == 0 and "apptainer exec img.sif python -m torch.distributed.run" in capsys.readouterr().out
+    assert cpu == 0 and "apptainer exec img.sif python -m distaff.launch.node_ranks" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("options, problem", [

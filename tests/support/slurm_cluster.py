@@ -29,6 +29,7 @@ from distaff.train.data.loader import WORKER_SIGTERM_GRACE_S
 NODE_NAMES = ("n1", "n2")
 DAEMON_BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "unshare")
 # Job states after which a job never runs again (REQUEUED and PREEMPTED are not among them).
+PREEMPTING_PARTITION = "urgent"  # its jobs preempt (requeue) those of the default partition, "debug"
 NODE_FAIL_TIMEOUT_S = 10  # SlurmdTimeout of the cluster for node-failure tests
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
@@ -211,7 +212,12 @@ KillWait=10
 # A node that answers no ping for this long is DOWN and its jobs end as NODE_FAIL (Slurm's default: 300).
 SlurmdTimeout={slurmd_timeout_s}
 {nodes}
-PartitionName=debug Nodes={",".join(NODE_NAMES)} Default=YES MaxTime=INFINITE State=UP
+# A job in "urgent" preempts one in "debug" on the same nodes, which Slurm requeues (as a preemptible partition
+# of a real cluster does): SIGCONT and SIGTERM, then SIGKILL after KillWait.
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=debug Nodes={",".join(NODE_NAMES)} Default=YES MaxTime=INFINITE State=UP PriorityTier=1
+PartitionName={PREEMPTING_PARTITION} Nodes={",".join(NODE_NAMES)} MaxTime=INFINITE State=UP PriorityTier=2
 """)
     return conf
 
@@ -257,8 +263,9 @@ def _nodes_in(cluster: SlurmCluster, state: str) -> bool:
 
 def _cancel_all_jobs(cluster: SlurmCluster) -> None:
     """Cancel every job and wait for their processes to end, so no slurmstepd outlives slurmd."""
-    cluster.run("scancel", "--full", "--signal=KILL", "--partition=debug", check=False)
-    cluster.run("scancel", "--partition=debug", check=False)
+    partitions = f"--partition=debug,{PREEMPTING_PARTITION}"
+    cluster.run("scancel", "--full", "--signal=KILL", partitions, check=False)
+    cluster.run("scancel", partitions, check=False)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         active = cluster.run("squeue", "-h", "-t", "all", "-o", "%i %T", check=False).stdout.split()
