@@ -262,10 +262,14 @@ def _add(a: dict, b: dict) -> dict:
 @dataclass(frozen=True)
 class Latency:
     """Cycles from an instruction's issue to its result, by what it waits on (stated model inputs, not
-    measurements): ``global`` is a load's round trip through L2 (a mix with HBM misses at the high end)."""
+    measurements): ``global`` is a load's round trip through L2 (a mix with HBM misses at the high end);
+    ``local`` a spill reload (``LDL``): the thread's own slot of local memory, just written by its ``STL``
+    and so an L1 hit (about 30-40 cycles on Ampere and Hopper in public microbenchmarks), never an L2 round
+    trip."""
 
     name: str
     global_: int
+    local: int = 35       # LDL: an L1 hit
     shared: int = 30      # LDS / LDSM / SHFL
     tensor: int = 24      # HMMA result
     mufu: int = 20
@@ -407,8 +411,10 @@ def registers(instr: Instruction) -> tuple[list[str], list[str]]:
 
 def _result_latency(instr: Instruction, lat: Latency) -> int:
     base = instr.base
-    if base in ("LDG", "ATOMG", "LDL", "LD", "ATOM"):
+    if base in ("LDG", "ATOMG", "LD", "ATOM"):
         return lat.global_
+    if base == "LDL":
+        return lat.local
     if base in ("LDS", "LDSM", "SHFL", "ATOMS"):
         return lat.shared
     if base == "CS2R" and "SRZ" in instr.operands:  # zeroing a register pair

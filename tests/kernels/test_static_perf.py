@@ -262,6 +262,11 @@ REAL_FORMS = [
     ("/*2a60*/  HMMA.16816.F32.BF16 R100, R96, R12.reuse, RZ ;", ["R96", "R12", "R97", "R98", "R99", "R13"],
      ["R100", "R101", "R102", "R103"]),
     ("/*0140*/  UTCATOMSWS.FIND_AND_SET.ALIGN UP1, UR6, UR6 ;", ["UR6"], ["UP1", "UR6"]),
+    # sm_90 DisentangledFlash 1.1.1 forward (64 x 64, 4 warps, 2 stages; 112 B spilled): a spill store, a spill
+    # reload and a last-use reload (``.LU``) of the thread's local slots
+    ("/*03a0*/  STL [R1+0x10], R52 ;", ["R1", "R52"], []),
+    ("/*5850*/  LDL R114, [R1] ;", ["R1"], ["R114"]),
+    ("/*8d20*/  LDL.LU R20, [R1+0x24] ;", ["R1"], ["R20"]),
 ]
 
 
@@ -311,3 +316,24 @@ def test_warpgroup_mma_groups_are_waited_for_up_to_the_count_left_in_flight() ->
     # ran behind it on the tensor cores and the last wait returns when it is done
     assert sp.chain_cycles(code[:5], 4, low) == pytest.approx(1 + mma + 1)
     assert sp.chain_cycles(code, 4, low) == pytest.approx(1 + 2 * mma + 1)
+
+
+# sm_90 DisentangledFlash 1.1.1 forward: a value spilled before the tile loop (0d60), reloaded in it (5850) and
+# its first consumer (65a0), as compiled here (``static_perf.disassemble`` of the judge's cached compile).
+SPILL_RELOAD_THEN_USE = """
+        /*0d60*/                   STL [R1], R27 ;
+        /*5850*/                   LDL R114, [R1] ;
+        /*65a0*/                   LOP3.LUT P5, RZ, R114, 0xff, RZ, 0xc0, !PT ;
+"""
+
+
+@pytest.mark.unit
+def test_a_spill_reload_is_an_l1_hit_not_a_global_round_trip() -> None:
+    code = sp.parse_listing(SPILL_RELOAD_THEN_USE)
+    for lat in sp.LATENCIES:
+        # the store issues at 0 and waits for nothing, the reload at 1, its consumer when the L1 answers (the
+        # walk ends one issue after it)
+        assert sp.chain_cycles(code, 4, lat) == 1 + lat.local + 1
+        assert lat.local < lat.shared * 2 < lat.global_
+    assert [i.kind for i in code[:2]] == ["other", "other"]  # no L2 bytes, no global class
+    assert sum(sp.global_bytes(i) for i in code) == 0
