@@ -14,7 +14,8 @@ check does (same cache), then:
 
 * the SASS of its tile loops (``static_perf``): warp-instructions per path, per tile;
 * per program: the tiles it walks on each path (distaff: from the bucket table, as its kernels decide, each of
-  the forward's three runs on its own loop; the peers: one path, the fewest-instruction one when their loop
+  the forward's three runs on its own loop, a one-loop kernel's saturated and general tiles on the dearest path
+  each can execute, every ``if saturated:`` of the tile taken its way; the peers: one path, the fewest-instruction one when their loop
   has several) plus its other code;
 * blocks per SM from registers, warps and shared memory; programs are list-scheduled onto the SMs'
   block slots, a block issuing ``4 / blocks`` warp-instructions a cycle (four schedulers per SM), and never
@@ -505,7 +506,8 @@ def _kernel_figures(stem: str):
     """``static_perf.kernel_figures`` of one cached compile, read once per process (workloads and anchors share
     most of their compiled kernels)."""
     path = Path(stem)
-    return static_perf.kernel_figures(path.with_suffix(".cubin"), path.with_suffix(".ttgir").read_text())
+    return static_perf.kernel_figures(path.with_suffix(".cubin"), path.with_suffix(".ttgir").read_text(),
+                                      condition="saturated")
 
 
 @dataclass
@@ -531,9 +533,8 @@ class Work:
 
 
 def _tile_paths(kernel_name: str, figures) -> list[dict]:
-    """The paths of a distaff attention kernel's tile loops, fewest warp-instructions first: the saturated
-    path first, the general one last. The forward with its paths apart walks its key blocks in one loop per run
-    (copies of one inlined loop), the one-loop forward and the backward kernels in one loop with a branch."""
+    """The paths of a distaff attention kernel's tile loops that do not branch on the tile's kind (no position
+    terms), fewest warp-instructions first."""
     lines = {"_attn_fwd": ("for j0 in range(j_start, j_end, BLOCK_N)", "for j0 in range(0, seq_len, BLOCK_N)"),
              "_attn_bwd_dkdv": ("for i0 in range(0, seq_len, BLOCK_M)",)}.get(kernel_name,
                                                                            ("for j0 in range(0, seq_len, BLOCK_N)",))
@@ -550,8 +551,9 @@ def _run_mixes(kernel_name: str, kwargs: dict, figures) -> dict:
     """``{"top", "general", "bottom"}`` -> the path mix of one tile of each run a distaff kernel walks. The
     forward with its paths apart has one loop per run (the three inlined copies of ``_fwd_tiles``' loop, in
     address order: top-saturated, general, bottom-saturated), each priced on its own path; the one-loop kernels
-    (backward, one-loop forward) branch per tile: their cheapest path is the saturated one, their dearest the
-    general one."""
+    (backward, one-loop forward) branch per tile on ``if saturated:``: a tile of each kind is priced on the
+    dearest path it can execute, every branch on ``saturated`` taken its way (``static_perf.tile_kinds``), not
+    on the loop's cheapest and dearest instruction mixes, which take the two tests of a tile different ways."""
     if kernel_name == "_attn_fwd" and kwargs.get("PATHS_APART"):
         loops = figures.loops_at("for j0 in range(j_start, j_end, BLOCK_N)")
         if len(loops) == 3:
@@ -560,7 +562,12 @@ def _run_mixes(kernel_name: str, kwargs: dict, figures) -> dict:
                     static_perf.instructions(x["paths"][0]) for x in (top, bottom)):
                 raise Unavailable("the forward's general loop is not the middle of its three")
             return {"top": top["paths"][0], "general": general["paths"][-1], "bottom": bottom["paths"][0]}
-    paths = _tile_paths(kernel_name, figures)
+    sides = [entry["sides"] for entry in figures.loops if "sides" in entry]
+    if len(sides) > 1:
+        raise Unavailable(f"{kernel_name}: {len(sides)} tile loops branch on `if saturated:` (one expected)")
+    if sides:
+        return {"top": sides[0]["then"], "general": sides[0]["else"], "bottom": sides[0]["then"]}
+    paths = _tile_paths(kernel_name, figures)  # no position terms: no branch on the tile's kind
     return {"top": paths[0], "general": paths[-1], "bottom": paths[0]}
 
 
