@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     gpus = {str(cc): asdict(judge.static_perf.GPUS[cc]) for cc in sorted({r["cc"] for r in rows})}
     anchors = "; ".join(sorted({anchor.source for anchor, _ in judge.calibration().anchors}))
     table = {"source": "benchmarks/attention_judge.py estimate('distaff', ...): ESTIMATES from compiled code at the "
-                       "high (600-cycle) latency end, calibrated on published timings (" + anchors + "); no GPU ran",
+                       "high (600-cycle) latency end, calibrated on published timings (" + anchors + "); no GPU ran; "
+                       "every attention figure distaff plan gives an A100 (sm_80) or an H100 (sm_90) comes from it",
              "regenerate": "python benchmarks/attention_table.py", "gpus": gpus, "rows": rows}
     args.out.write_text(json.dumps(table, indent=1) + "\n")
     for r in rows:
