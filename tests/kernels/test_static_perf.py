@@ -267,6 +267,9 @@ REAL_FORMS = [
     ("/*03a0*/  STL [R1+0x10], R52 ;", ["R1", "R52"], []),
     ("/*5850*/  LDL R114, [R1] ;", ["R1"], ["R114"]),
     ("/*8d20*/  LDL.LU R20, [R1+0x24] ;", ["R1"], ["R20"]),
+    # sm_80 DisentangledFlash 1.1.1 forward (176-192 B spilled): the same forms
+    ("/*3cb0*/  LDL R143, [R1+0x68] ;", ["R1"], ["R143"]),
+    ("/*f560*/  LDL.LU R144, [R1+0x10] ;", ["R1"], ["R144"]),
 ]
 
 
