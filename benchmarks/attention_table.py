@@ -37,7 +37,7 @@ def row(w: judge.Workload) -> dict:
     """The judge's forward and backward estimate of distaff on ``w`` (milliseconds), and of the content-only
     FlashAttention-2 reference at the same shape (``content_fwd_ms``, ``content_bwd_ms``: plain attention, no
     position terms, mask or dropout), and of Hugging Face's eager attention (``hf_eager_fwd_ms``,
-``hf_eager_bwd_ms``), or why there is none."""
+    ``hf_eager_bwd_ms``), or why there is none."""
     try:
         passes = judge.estimate("distaff", w)
         content = judge.estimate(judge.CONTENT, w)

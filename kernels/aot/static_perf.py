@@ -19,6 +19,7 @@ calibrated time estimate; everything here is a count, not a time.
 
 from __future__ import annotations
 
+import ast
 import functools
 import re
 import subprocess
@@ -284,8 +285,6 @@ class Decision:
 
 def _body_lines(file: str, statements: list, functions: dict, trees: dict) -> set:
     """``(file, line)`` of the statements and, transitively, of the functions (of the parsed files) they call."""
-    import ast
-
     lines, todo, seen = set(), [(file, statements)], set()
     while todo:
         where, stmts = todo.pop()
@@ -305,8 +304,6 @@ def decisions(blocks: dict[int, Block], loop: Loop, condition: str) -> list[Deci
     side of the ``if`` it executes, from the source lines its instructions are attributed to: lines of the
     ``then`` body and of the functions only it calls, against those of the ``else`` body. A successor with
     neither is the other one's opposite (an ``if`` without ``else`` falls through to the join)."""
-    import ast
-
     files = {i.line.rpartition(":")[0] for b in loop.body for i in blocks[b].instructions if i.line}
     trees = {f: ast.parse(Path(f).read_text()) for f in files if Path(f).exists()}
     functions = {f: {n.name for n in tree.body if isinstance(n, ast.FunctionDef)} for f, tree in trees.items()}
