@@ -389,9 +389,10 @@ def record_content_reference(w: Workload) -> dict:
     return passes
 
 
-# The efficiency cuBLAS reaches on large dense bf16 GEMMs, of the dense peak (a stated model input, of the
-# order of public GEMM benchmarks: about 80% on an A100, 75% on an H100); HF's attention products are small-K
-# batched GEMMs that reach less, so this is favourable to HF. Most of them are bound by their bytes anyway.
+# The efficiency cuBLAS reaches on large dense bf16 GEMMs, of the dense peak (a stated model input, not a cited
+# measurement: about 80% on an A100, 75% on an H100); HF's attention products are small-K batched GEMMs that
+# reach less, so this is favourable to HF. At d = 64 it does not matter: every one of them (K = 64, or an N x N
+# operand) has at most 64 FLOPs per byte, under both GPUs' ridge points, and is charged its bytes.
 CUBLAS_EFFICIENCY = {80: 0.8, 90: 0.75, 100: 0.75}
 
 
