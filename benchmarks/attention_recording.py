@@ -446,11 +446,12 @@ def record_hf_eager(w: Workload) -> dict:
 
 
 def _host_scalar(build):
-    """``build`` run outside the fake mode: HF's score scale is a CPU tensor (``torch.tensor(d)``, no device),
-    computed on the host, which the fake mode would otherwise turn into device launches."""
-    def on_host(*args):
+    """``build`` run outside the fake mode: HF's score scale is a CPU tensor (``torch.tensor(d)``, no device)
+    computed and cast (to the layer's dtype, as HF's ``scale.to(dtype=...)`` does next: then a no-op) on the
+    host, which the fake mode would otherwise turn into device launches."""
+    def on_host(layer, *args):
         with _disable_current_modes():
-            return build(*args)
+            return build(layer, *args).to(layer.dtype)
     return on_host
 
 
