@@ -19,6 +19,7 @@ calibrated time estimate; everything here is a count, not a time.
 
 from __future__ import annotations
 
+import ast
 import functools
 import re
 import subprocess
@@ -256,16 +257,123 @@ def _add(a: dict, b: dict) -> dict:
     return {k: a[k] + b[k] for k in a}
 
 
+# --------------------------------------------------------------------------- feasible tile paths
+
+
+def acyclic_paths(blocks: dict[int, Block], loop: Loop) -> list[list[int]]:
+    """Every path from the loop's header back to it (block starts, forward edges only), at most ``MAX_PATHS``."""
+    paths, stack = [], [[loop.header]]
+    while stack:
+        path = stack.pop()
+        for succ in blocks[path[-1]].successors:
+            if succ == loop.header:
+                paths.append(path)
+            elif succ in loop.body and succ > path[-1]:
+                stack.append(path + [succ])
+        if len(paths) > MAX_PATHS:
+            raise ValueError(f"loop at {loop.header:#x}: more than {MAX_PATHS} paths")
+    return paths
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A conditional branch on ``if <condition>:`` and the tile kind each of its successors executes."""
+
+    block: int
+    sides: dict          # successor block start -> "then" / "else"
+
+
+def _body_lines(file: str, statements: list, functions: dict, trees: dict) -> set:
+    """``(file, line)`` of the statements and, transitively, of the functions (of the parsed files) they call."""
+    lines, todo, seen = set(), [(file, statements)], set()
+    while todo:
+        where, stmts = todo.pop()
+        for stmt in stmts:
+            lines |= {(where, n) for n in range(stmt.lineno, stmt.end_lineno + 1)}
+            for call in (c for c in ast.walk(stmt) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)):
+                for other, names in functions.items():
+                    if call.func.id in names and (other, call.func.id) not in seen:
+                        seen.add((other, call.func.id))
+                        fn = next(f for f in trees[other].body if getattr(f, "name", None) == call.func.id)
+                        todo.append((other, fn.body))
+    return lines
+
+
+def decisions(blocks: dict[int, Block], loop: Loop, condition: str) -> list[Decision]:
+    """The loop's branches on ``if <condition>:`` (or ``if not <condition>:``), each successor labelled with the
+    side of the ``if`` it executes, from the source lines its instructions are attributed to: lines of the
+    ``then`` body and of the functions only it calls, against those of the ``else`` body. A successor with
+    neither is the other one's opposite (an ``if`` without ``else`` falls through to the join)."""
+    files = {i.line.rpartition(":")[0] for b in loop.body for i in blocks[b].instructions if i.line}
+    trees = {f: ast.parse(Path(f).read_text()) for f in files if Path(f).exists()}
+    functions = {f: {n.name for n in tree.body if isinstance(n, ast.FunctionDef)} for f, tree in trees.items()}
+    found = []
+    for start in sorted(loop.body):
+        last = blocks[start].instructions[-1]
+        file, _, number = last.line.rpartition(":")
+        if not (last.is_branch and last.predicated and file in trees):
+            continue
+        node = next((n for n in ast.walk(trees[file]) if isinstance(n, ast.If) and n.lineno == int(number)), None)
+        test = getattr(node, "test", None)
+        negated = isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not)
+        name = test.operand if negated else test
+        if not (isinstance(name, ast.Name) and name.id == condition):
+            continue
+        then = _body_lines(file, node.body, functions, trees)
+        other = _body_lines(file, node.orelse, functions, trees)
+        sides = {}
+        for succ in blocks[start].successors:
+            here = {(i.line.rpartition(":")[0], int(i.line.rpartition(":")[2]))
+                    for i in blocks[succ].instructions if i.line}
+            hits = (len(here & (then - other)), len(here & (other - then)))
+            if hits[0] != hits[1]:
+                sides[succ] = ("then" if hits[0] > hits[1] else "else") if not negated else \
+                    ("else" if hits[0] > hits[1] else "then")
+        if len(sides) == 1 and len(blocks[start].successors) == 2:
+            (known, side), = sides.items()
+            unknown = next(s for s in blocks[start].successors if s != known)
+            sides[unknown] = "else" if side == "then" else "then"
+        if len(set(sides.values())) != 2:
+            raise ValueError(f"branch at {last.address:#x} ({source_line(last.line)}): cannot tell its sides apart")
+        found.append(Decision(start, sides))
+    return found
+
+
+def tile_kinds(blocks: dict[int, Block], loop: Loop, condition: str) -> dict[str, tuple[dict, list]] | None:
+    """``{"then": (mix, starts), "else": (mix, starts)}``: per side of the loop's ``if <condition>:`` branches,
+    the dearest path a tile of that kind can execute (every branch on the condition taken to that side: two
+    ``if saturated:`` in one tile agree); None when the loop does not branch on it. Other branches are left
+    free, and the dearest of their paths priced."""
+    found = decisions(blocks, loop, condition)
+    if not found:
+        return None
+    kinds: dict = {}
+    for path in acyclic_paths(blocks, loop):
+        taken = {d.sides.get(path[n + 1] if n + 1 < len(path) else loop.header)
+                 for d in found for n, start in enumerate(path) if start == d.block}
+        if len(taken) != 1 or None in taken:
+            continue  # infeasible: the same condition both ways in one tile
+        (side,) = taken
+        mix = functools.reduce(_add, (_mix(blocks[b]) for b in path))
+        if side not in kinds or instructions(mix) > instructions(kinds[side][0]):
+            kinds[side] = (mix, path)
+    return kinds
+
+
 # --------------------------------------------------------------------------- latency: an in-order scoreboard
 
 
 @dataclass(frozen=True)
 class Latency:
     """Cycles from an instruction's issue to its result, by what it waits on (stated model inputs, not
-    measurements): ``global`` is a load's round trip through L2 (a mix with HBM misses at the high end)."""
+    measurements): ``global`` is a load's round trip through L2 (a mix with HBM misses at the high end);
+    ``local`` a spill reload (``LDL``): the thread's own slot of local memory, just written by its ``STL``
+    and so an L1 hit (about 30-40 cycles on Ampere and Hopper in public microbenchmarks), never an L2 round
+    trip."""
 
     name: str
     global_: int
+    local: int = 35       # LDL: an L1 hit
     shared: int = 30      # LDS / LDSM / SHFL
     tensor: int = 24      # HMMA result
     mufu: int = 20
@@ -407,8 +515,10 @@ def registers(instr: Instruction) -> tuple[list[str], list[str]]:
 
 def _result_latency(instr: Instruction, lat: Latency) -> int:
     base = instr.base
-    if base in ("LDG", "ATOMG", "LDL", "LD", "ATOM"):
+    if base in ("LDG", "ATOMG", "LD", "ATOM"):
         return lat.global_
+    if base == "LDL":
+        return lat.local
     if base in ("LDS", "LDSM", "SHFL", "ATOMS"):
         return lat.shared
     if base == "CS2R" and "SRZ" in instr.operands:  # zeroing a register pair
@@ -621,7 +731,8 @@ def blocks_per_sm(registers: int, warps: int, shared: int, gpu: Gpu) -> int:
 class KernelFigures:
     """The static figures of one compiled kernel (JSON-serialisable)."""
 
-    loops: list      # [{"line": "file:line" of the loop's back edge, "paths": [cheapest mix, dearest mix]}, ...],
+    loops: list      # [{"line": "file:line" of the loop's back edge, "paths": [cheapest mix, dearest mix],
+                     #   "sides": {"then": mix, "else": mix} when it branches on the condition asked for}, ...],
                      # in address order
     straight: dict   # instruction mix outside those loops
     dots: list       # [(m, n, k, warp_group, repetition), ...] of every matrix product
@@ -649,8 +760,10 @@ class KernelFigures:
         return found
 
 
-def kernel_figures(cubin: Path, ttgir: str) -> KernelFigures:
-    """Read the tile loops' paths, the rest of the code and the products of one compiled kernel."""
+def kernel_figures(cubin: Path, ttgir: str, condition: str = "") -> KernelFigures:
+    """Read the tile loops' paths, the rest of the code and the products of one compiled kernel; with a
+    ``condition``, each loop that branches on ``if <condition>:`` also gets the dearest feasible path of each
+    side (``sides``: ``{"then": mix, "else": mix}``, :func:`tile_kinds`)."""
     code = disassemble(cubin)
     blocks = basic_blocks(code)
     found = tensor_loops(blocks)
@@ -662,7 +775,11 @@ def kernel_figures(cubin: Path, ttgir: str) -> KernelFigures:
     for lp in found:
         paths = [with_chains(mix, [i for b in starts for i in blocks[b].instructions], warps, PIPELINE_WALKS)
                  for mix, starts in loop_paths(blocks, lp)]
-        entries.append({"line": blocks[lp.latch].instructions[-1].line, "paths": paths})
+        entry = {"line": blocks[lp.latch].instructions[-1].line, "paths": paths}
+        if condition and (kinds := tile_kinds(blocks, lp, condition)):
+            entry["sides"] = {side: with_chains(mix, [i for b in starts for i in blocks[b].instructions], warps,
+                                                PIPELINE_WALKS) for side, (mix, starts) in kinds.items()}
+        entries.append(entry)
     dots = [(d.m, d.n, d.k, d.warp_group, d.repetition) for d in ttgir_dots(ttgir)]
     return KernelFigures(entries, straight, dots)
 

@@ -262,6 +262,14 @@ REAL_FORMS = [
     ("/*2a60*/  HMMA.16816.F32.BF16 R100, R96, R12.reuse, RZ ;", ["R96", "R12", "R97", "R98", "R99", "R13"],
      ["R100", "R101", "R102", "R103"]),
     ("/*0140*/  UTCATOMSWS.FIND_AND_SET.ALIGN UP1, UR6, UR6 ;", ["UR6"], ["UP1", "UR6"]),
+    # sm_90 DisentangledFlash 1.1.1 forward (64 x 64, 4 warps, 2 stages; 112 B spilled): a spill store, a spill
+    # reload and a last-use reload (``.LU``) of the thread's local slots
+    ("/*03a0*/  STL [R1+0x10], R52 ;", ["R1", "R52"], []),
+    ("/*5850*/  LDL R114, [R1] ;", ["R1"], ["R114"]),
+    ("/*8d20*/  LDL.LU R20, [R1+0x24] ;", ["R1"], ["R20"]),
+    # sm_80 DisentangledFlash 1.1.1 forward (176-192 B spilled): the same forms
+    ("/*3cb0*/  LDL R143, [R1+0x68] ;", ["R1"], ["R143"]),
+    ("/*f560*/  LDL.LU R144, [R1+0x10] ;", ["R1"], ["R144"]),
 ]
 
 
@@ -311,3 +319,104 @@ def test_warpgroup_mma_groups_are_waited_for_up_to_the_count_left_in_flight() ->
     # ran behind it on the tensor cores and the last wait returns when it is done
     assert sp.chain_cycles(code[:5], 4, low) == pytest.approx(1 + mma + 1)
     assert sp.chain_cycles(code, 4, low) == pytest.approx(1 + 2 * mma + 1)
+
+
+# sm_90 DisentangledFlash 1.1.1 forward: a value spilled before the tile loop (0d60), reloaded in it (5850) and
+# its first consumer (65a0), as compiled here (``static_perf.disassemble`` of the judge's cached compile).
+SPILL_RELOAD_THEN_USE = """
+        /*0d60*/                   STL [R1], R27 ;
+        /*5850*/                   LDL R114, [R1] ;
+        /*65a0*/                   LOP3.LUT P5, RZ, R114, 0xff, RZ, 0xc0, !PT ;
+"""
+
+
+@pytest.mark.unit
+def test_a_spill_reload_is_an_l1_hit_not_a_global_round_trip() -> None:
+    code = sp.parse_listing(SPILL_RELOAD_THEN_USE)
+    for lat in sp.LATENCIES:
+        # the store issues at 0 and waits for nothing, the reload at 1, its consumer when the L1 answers (the
+        # walk ends one issue after it)
+        assert sp.chain_cycles(code, 4, lat) == 1 + lat.local + 1
+        assert lat.local < lat.shared * 2 < lat.global_
+    assert [i.kind for i in code[:2]] == ["other", "other"]  # no L2 bytes, no global class
+    assert sum(sp.global_bytes(i) for i in code) == 0
+
+
+# A one-loop tile kernel (its source below, written to a temporary file the listing's lines name) that tests
+# ``saturated`` twice per tile, as distaff's backward does (``_tile_scores``' ``if saturated:``, then the
+# gradient's): the first test branches to its ``else`` (``@!P0``), the second to its ``then`` (``@P2``), and the
+# cheap side of the first is followed by the dear side of the second. The loop's cheapest and dearest mixes
+# (8 and 14 instructions) each take the two tests different ways, which no tile does.
+KIND_SOURCE = """def tile(x, n, saturated):
+    for j in range(n):
+        if saturated:
+            a = cheap(x)
+        else:
+            a = dear(x)
+        if saturated:
+            b = sums(x)
+        else:
+            b = 0
+def cheap(x): return x
+def dear(x): return x
+def sums(x): return x
+"""
+KIND_LISTING = """
+\t//## File "{f}", line 2
+        /*0000*/                   MOV R1, R2 ;
+.L_x_0:
+\t//## File "{f}", line 2
+        /*0010*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+\t//## File "{f}", line 3
+        /*0020*/              @!P0 BRA `(.L_x_1) ;
+\t//## File "{f}", line 11
+        /*0030*/                   FADD R5, R5, R6 ;
+\t//## File "{f}", line 4
+        /*0040*/                   BRA `(.L_x_2) ;
+.L_x_1:
+\t//## File "{f}", line 12
+        /*0050*/                   HMMA.16816.F32.BF16 R20, R8, R12, R20 ;
+        /*0060*/                   LDG.E R7, desc[UR4][R6.64] ;
+        /*0070*/                   STS [R9], R7 ;
+        /*0080*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0090*/                   LDS R7, [R9] ;
+.L_x_2:
+\t//## File "{f}", line 7
+        /*00a0*/                   ISETP.NE.AND P2, PT, R3, RZ, PT ;
+        /*00b0*/               @P2 BRA `(.L_x_3) ;
+\t//## File "{f}", line 9
+        /*00c0*/                   BRA `(.L_x_4) ;
+.L_x_3:
+\t//## File "{f}", line 13
+        /*00d0*/                   SHFL.BFLY PT, R5, R6, 0x4, 0x1f ;
+        /*00e0*/                   FADD R6, R5, R6 ;
+        /*00f0*/                   SHFL.BFLY PT, R5, R6, 0x2, 0x1f ;
+        /*0100*/                   FADD R6, R5, R6 ;
+.L_x_4:
+\t//## File "{f}", line 2
+        /*0110*/              @!P1 BRA `(.L_x_0) ;
+        /*0120*/                   EXIT ;
+"""
+
+
+@pytest.mark.unit
+def test_a_tile_kind_is_priced_on_the_paths_it_can_execute(tmp_path) -> None:
+    source = tmp_path / "kernel.py"
+    source.write_text(KIND_SOURCE)
+    blocks = sp.basic_blocks(sp.parse_listing(KIND_LISTING.format(f=source)))
+    (loop,) = sp.tensor_loops(blocks)
+    assert len(sp.acyclic_paths(blocks, loop)) == 4
+    found = sp.decisions(blocks, loop, "saturated")
+    assert [(d.block, d.sides) for d in found] == [(0x10, {0x50: "else", 0x30: "then"}),
+                                                    (0xa0, {0xd0: "then", 0xc0: "else"})]
+    (cheap, _), (dear, _) = sp.loop_paths(blocks, loop)
+    assert (sp.instructions(cheap), sp.instructions(dear)) == (8, 14)  # then + else, else + then: infeasible
+    kinds = sp.tile_kinds(blocks, loop, "saturated")
+    # saturated: HMMA, BRA, FADD, BRA, ISETP, BRA, 2 x (SHFL, FADD), BRA; general: HMMA, BRA, the five of dear(),
+    # ISETP, BRA, BRA (line 9), BRA (the latch)
+    assert {side: sp.instructions(mix) for side, (mix, _) in kinds.items()} == {"then": 11, "else": 11}
+    assert kinds["then"][1] == [0x10, 0x30, 0xa0, 0xd0, 0x110]
+    assert kinds["else"][1] == [0x10, 0x50, 0xa0, 0xc0, 0x110]
+    assert (kinds["then"][0]["tensor"], kinds["else"][0]["tensor"]) == (1, 2)
+    assert (kinds["then"][0]["shared"], kinds["else"][0]["shared"]) == (0, 2)
+    assert sp.tile_kinds(blocks, loop, "general") is None  # no branch on it

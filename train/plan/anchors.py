@@ -31,9 +31,12 @@ figure its authors measured (facts only, with their source):
   sizes with a GELU feed-forward of the same FLOPs (4608), content-only attention, NeoBERT's 20 % masking,
   micro-batch 32 (not published); differences: pre-RMSNorm, no biases, SwiGLU.
 - DisentangledFlash's README (v1.1.1): an attention layer at N=8192, B=2, H=12, d=64, bf16, no dropout on an H200:
-  forward 8.48 ms + backward 45.26 ms. The plan's attention for the same layer is distaff's kernels as the judge
-  estimates them; the judge is calibrated on this very figure, so the ratio says how much faster or slower the
-  judge finds distaff's kernels than DisentangledFlash's, not an independent check.
+  forward 8.48 ms + backward 45.26 ms. The plan's attention for the same layer is distaff's kernels as the static
+  judge (``benchmarks/attention_judge.py``) estimates them: the same judge every A100 (sm_80) and H100 (sm_90)
+  attention figure of the plan comes from (``attention_table.json``). The judge is fitted to this README's forward
+  (and to DisentangledFlash's bundled H200 profile), not to its backward, which that profile contradicts (about
+  83 ms at the same 24 sequence-heads, against 45.26); so the ratio says how the judge ranks distaff's kernels
+  against DisentangledFlash's published layer, not an independent check of the plan.
 """
 
 from __future__ import annotations
