@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 from .planning import DELTA_ELEMENTS, _on_device, _Problem, band_folds, band_range, programs_per_head, Tiles
-from .scores import (_dropout_keep, _load_rows, _load_stat, _locate, _mask_stride, _mask_words, _path_ends,
-                     _sequence_scale, _side_visible, _store_rows, _table_ahead, _tile_scores)
+from .scores import (_dropout_keep, _ends_ahead, _item, _load_rows, _load_stat, _locate, _mask_words, _path_ends,
+                     _program_items, _side_visible, _store_rows, _table_ahead, _tile_scores)
 
 
 @triton.jit
@@ -135,8 +135,11 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
     general = 0
     first, last = seq_len, -BLOCK_N  # key blocks of the general tiles
     ahead = ()
-    if HOIST:
+    ends = ()
+    if HOIST:  # the path ends, and with them a saturated tile's end terms, come a tile ahead
         ahead = _path_ends(TABLE, i0 - (BLOCK_N - 1), BLOCK_M, BLOCK_N)
+        ends = _ends_ahead(END, stat_off, stat_numel, i0, 0, ahead, offs_m, offs_n, seq_len, TWO_SPAN, BLOCK_M,
+                           BLOCK_N, HAS_C2P, HAS_P2C)
     for j0 in range(0, seq_len, BLOCK_N):
         row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), -BLOCK_N, HOIST, BLOCK_M, BLOCK_N, WINDOW,
                                   SPLIT)
@@ -144,10 +147,12 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
         k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
         v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
         s, saturated, top, general = _tile_scores(
-            q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, keys, END, scratch, stat_off, stat_numel, i0, j0,
-            seq_len,
-            scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C,
-            HAS_MASK, MASK_DIAGONAL, False, HOIST, False, PRECISION)
+            q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, keys, END, ends, scratch, stat_off, stat_numel,
+            i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW,
+            SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, False, HOIST, False, HOIST, PRECISION)
+        if HOIST:
+            ends = _ends_ahead(END, stat_off, stat_numel, i0, j0 + BLOCK_N, ahead, offs_m, offs_n, seq_len, TWO_SPAN,
+                               BLOCK_M, BLOCK_N, HAS_C2P, HAS_P2C)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         _, ds = _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, scale, BLOCK_M, BLOCK_N, DROPOUT,
                              False)
@@ -187,16 +192,15 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, 
     part_ptr = DKR_PART + program * (TWO_SPAN + CHUNK) * HEAD_DIM  # padded rows: see _band_gradients
     scratch = SCRATCH + program * scratch_elements
     blocks = tl.cdiv(n_ctx, BLOCK_M)
-    first = pid * items_per_program
-    for item in range(first, tl.minimum(first + items_per_program, num_seqs * blocks)):
-        seq = item // blocks
-        seq_len, base, rel_off, stat_off = _locate(CU, seq, head, n_ctx, stride_b, stride_h, stride_n,
-                                                   stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, VARLEN)
-        i0 = (item % blocks) * BLOCK_M
+    first, end = _program_items(items_per_program, num_seqs, blocks)
+    for item in range(first, end):
+        i0, seq_len, base, rel_off, stat_off, mask_ptr, seq_seed, seq_scale = _item(
+            CU, MASK, SCALES, item, blocks, head, seed, scale, n_ctx, n_heads, stride_b, stride_h, stride_n,
+            stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, BLOCK_M, VARLEN, SCALE_PER_SEQ)
         if i0 < seq_len:
-            _dq_block(Q, K, V, KR, QR, TABLE, MASK + seq * _mask_stride(n_ctx), END, DO, LSE, DELTA, DQ, part_ptr, scratch, FOLD,
-                      MERGE, i0, seed + seq * n_heads + head, _sequence_scale(SCALES, seq, scale, SCALE_PER_SEQ),
-                      dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo, TWO_SPAN, HEAD_DIM,
+            _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_ptr, scratch, FOLD, MERGE, i0,
+                      seq_seed, seq_scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n,
+                      lo, TWO_SPAN, HEAD_DIM,
                       BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT,
                       HOIST, PRECISION)
         tl.debug_barrier()
@@ -223,8 +227,11 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
     general = 0
     first, last = seq_len, -BLOCK_M  # query blocks of the general tiles
     ahead = ()
-    if HOIST:
+    ends = ()
+    if HOIST:  # the path ends, and with them a saturated tile's end terms, come a tile ahead
         ahead = _path_ends(TABLE, -j0 - (BLOCK_N - 1), BLOCK_M, BLOCK_N)
+        ends = _ends_ahead(END, stat_off, stat_numel, 0, j0, ahead, offs_m, offs_n, seq_len, TWO_SPAN, BLOCK_M,
+                           BLOCK_N, HAS_C2P, HAS_P2C)
     keys = _side_visible(mask_ptr, j0, offs_n, seq_len, BLOCK_N, HAS_MASK)  # the block's keys: once
     for i0 in range(0, seq_len, BLOCK_M):
         row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), BLOCK_M, HOIST, BLOCK_M, BLOCK_N, WINDOW,
@@ -234,9 +241,12 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
         lse = _load_stat(LSE + stat_off, i0, offs_m, seq_len, float("inf"))
         delta = _load_stat(DELTA + stat_off, i0, offs_m, seq_len, 0.0)
         s, saturated, top, general = _tile_scores(
-            q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, keys, END, scratch, stat_off, stat_numel, i0,
-            j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT,
-            HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, True, HOIST, False, PRECISION)
+            q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, keys, END, ends, scratch, stat_off, stat_numel,
+            i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW,
+            SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, True, HOIST, False, HOIST, PRECISION)
+        if HOIST:
+            ends = _ends_ahead(END, stat_off, stat_numel, i0 + BLOCK_M, j0, ahead, offs_m, offs_n, seq_len, TWO_SPAN,
+                               BLOCK_M, BLOCK_N, HAS_C2P, HAS_P2C)
         dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         p_dropped, ds = _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, scale, BLOCK_M, BLOCK_N,
                                      DROPOUT, True)
@@ -279,17 +289,15 @@ def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA
     part_ptr = DQR_PART + program * (TWO_SPAN + CHUNK) * HEAD_DIM  # padded rows: see _band_gradients
     scratch = SCRATCH + program * scratch_elements
     blocks = tl.cdiv(n_ctx, BLOCK_N)
-    first = pid * items_per_program
-    for item in range(first, tl.minimum(first + items_per_program, num_seqs * blocks)):
-        seq = item // blocks
-        seq_len, base, rel_off, stat_off = _locate(CU, seq, head, n_ctx, stride_b, stride_h, stride_n,
-                                                   stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, VARLEN)
-        j0 = (item % blocks) * BLOCK_N
+    first, end = _program_items(items_per_program, num_seqs, blocks)
+    for item in range(first, end):
+        j0, seq_len, base, rel_off, stat_off, mask_ptr, seq_seed, seq_scale = _item(
+            CU, MASK, SCALES, item, blocks, head, seed, scale, n_ctx, n_heads, stride_b, stride_h, stride_n,
+            stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, BLOCK_N, VARLEN, SCALE_PER_SEQ)
         if j0 < seq_len:
-            _dkdv_block(Q, K, V, KR, QR, TABLE, MASK + seq * _mask_stride(n_ctx), END, DO, LSE, DELTA, DK, DV, part_ptr, scratch,
-                        FOLD, MERGE, j0, seed + seq * n_heads + head,
-                        _sequence_scale(SCALES, seq, scale, SCALE_PER_SEQ), dropout_p, n_ctx, seq_len, base, rel_off,
-                        stat_off, stat_numel, stride_n, lo, TWO_SPAN,
+            _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, part_ptr, scratch, FOLD, MERGE,
+                        j0, seq_seed, seq_scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel,
+                        stride_n, lo, TWO_SPAN,
                         HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK,
                         MASK_DIAGONAL, DROPOUT, HOIST, PRECISION)
         tl.debug_barrier()

@@ -131,12 +131,12 @@ def test_kernels_take_the_saturated_path_on_exactly_the_saturated_tiles(tiles, m
             return fn(*args)
         return wrapper
 
-    # each kernel calls them through the module it is defined in: the one-loop tiles' (_tile_scores) from
-    # scores, the forward's runs from forward
-    monkeypatch.setattr(attention.scores, "_end_bias", counted("saturated", attention.scores._end_bias))
-    monkeypatch.setattr(attention.forward, "_end_row_column", counted("saturated", attention.forward._end_row_column))
+    # each kernel calls them through the module it imported them into: the one-loop tiles' (_tile_scores, the
+    # backward's end terms read a tile ahead or not) from scores, the forward's runs from forward
+    end_row_column = counted("saturated", attention.scores._end_row_column)
     skewed_read = counted("general", attention.scores._skewed_read)
     for module in (attention.scores, attention.forward):
+        monkeypatch.setattr(module, "_end_row_column", end_row_column)
         monkeypatch.setattr(module, "_skewed_read", skewed_read)
     batch, heads, n = 1, 2, 130
     paths = attention.tile_paths(n, attention.INTERPRETER_TILES, BUCKETS, MAX_REL)
