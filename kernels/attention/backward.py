@@ -120,7 +120,7 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
               TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
               HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
-              DROPOUT: tl.constexpr, HOIST: tl.constexpr, PRECISION: tl.constexpr):
+              DROPOUT: tl.constexpr, HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
     """dQ of query block ``i0`` (all key blocks), and its c2p gradient added to the partial dKr."""
     offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
     band = scratch + 2 * (BLOCK_M + BLOCK_N) * WINDOW
@@ -136,8 +136,9 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
     first, last = seq_len, -BLOCK_N  # key blocks of the general tiles
     ahead = ()
     ends = ()
-    if HOIST:  # the path ends, and with them a saturated tile's end terms, come a tile ahead
+    if HOIST:
         ahead = _path_ends(TABLE, i0 - (BLOCK_N - 1), BLOCK_M, BLOCK_N)
+    if ENDS_AHEAD:  # with the path ends (HOIST), a saturated tile's end terms come a tile ahead
         ends = _ends_ahead(END, stat_off, stat_numel, i0, 0, ahead, offs_m, offs_n, seq_len, TWO_SPAN, BLOCK_M,
                            BLOCK_N, HAS_C2P, HAS_P2C)
     for j0 in range(0, seq_len, BLOCK_N):
@@ -149,8 +150,8 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
         s, saturated, top, general = _tile_scores(
             q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, keys, END, ends, scratch, stat_off, stat_numel,
             i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW,
-            SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, False, HOIST, False, HOIST, PRECISION)
-        if HOIST:
+            SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, False, HOIST, False, ENDS_AHEAD, PRECISION)
+        if ENDS_AHEAD:
             ends = _ends_ahead(END, stat_off, stat_numel, i0, j0 + BLOCK_N, ahead, offs_m, offs_n, seq_len, TWO_SPAN,
                                BLOCK_M, BLOCK_N, HAS_C2P, HAS_P2C)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -185,7 +186,7 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, 
                  WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
                  HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr,
                  DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
-                 HOIST: tl.constexpr, PRECISION: tl.constexpr):
+                 HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
     """Program (p, head) walks a run of (sequence, query block) items of one head into one partial dKr."""
     pid, head = tl.program_id(0), tl.program_id(1)
     program = (head * tl.num_programs(0) + pid).to(tl.int64)
@@ -202,7 +203,7 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, 
                       seq_seed, seq_scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n,
                       lo, TWO_SPAN, HEAD_DIM,
                       BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT,
-                      HOIST, PRECISION)
+                      HOIST, ENDS_AHEAD, PRECISION)
         tl.debug_barrier()
 
 
@@ -212,7 +213,7 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
                 TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
                 HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
-                DROPOUT: tl.constexpr, HOIST: tl.constexpr, PRECISION: tl.constexpr):
+                DROPOUT: tl.constexpr, HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
     """dK, dV of key block ``j0`` (all query blocks; tiles held as ``[BN, BM]``), and its p2c gradient
     added to the partial dQr."""
     offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
@@ -228,8 +229,9 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
     first, last = seq_len, -BLOCK_M  # query blocks of the general tiles
     ahead = ()
     ends = ()
-    if HOIST:  # the path ends, and with them a saturated tile's end terms, come a tile ahead
+    if HOIST:
         ahead = _path_ends(TABLE, -j0 - (BLOCK_N - 1), BLOCK_M, BLOCK_N)
+    if ENDS_AHEAD:  # with the path ends (HOIST), a saturated tile's end terms come a tile ahead
         ends = _ends_ahead(END, stat_off, stat_numel, 0, j0, ahead, offs_m, offs_n, seq_len, TWO_SPAN, BLOCK_M,
                            BLOCK_N, HAS_C2P, HAS_P2C)
     keys = _side_visible(mask_ptr, j0, offs_n, seq_len, BLOCK_N, HAS_MASK)  # the block's keys: once
@@ -243,8 +245,8 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
         s, saturated, top, general = _tile_scores(
             q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, keys, END, ends, scratch, stat_off, stat_numel,
             i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW,
-            SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, True, HOIST, False, HOIST, PRECISION)
-        if HOIST:
+            SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, True, HOIST, False, ENDS_AHEAD, PRECISION)
+        if ENDS_AHEAD:
             ends = _ends_ahead(END, stat_off, stat_numel, i0 + BLOCK_M, j0, ahead, offs_m, offs_n, seq_len, TWO_SPAN,
                                BLOCK_M, BLOCK_N, HAS_C2P, HAS_P2C)
         dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -282,7 +284,7 @@ def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA
                    WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
                    HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr,
                    DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
-                   HOIST: tl.constexpr, PRECISION: tl.constexpr):
+                   HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
     """Program (p, head) walks a run of (sequence, key block) items of one head into one partial dQr."""
     pid, head = tl.program_id(0), tl.program_id(1)
     program = (head * tl.num_programs(0) + pid).to(tl.int64)
@@ -299,7 +301,7 @@ def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA
                         j0, seq_seed, seq_scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel,
                         stride_n, lo, TWO_SPAN,
                         HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK,
-                        MASK_DIAGONAL, DROPOUT, HOIST, PRECISION)
+                        MASK_DIAGONAL, DROPOUT, HOIST, ENDS_AHEAD, PRECISION)
         tl.debug_barrier()
 
 
@@ -363,8 +365,11 @@ def _backward_kernel(problem: _Problem, kernel, name: str, q, has_term: bool, bu
     shape = (problem.n_heads, programs, buffers.partial_rows, q.shape[-1]) if has_term else (1,)
     partial = torch.zeros(shape, dtype=torch.float32, device=q.device)
     scratch = q.new_empty(max(1, problem.n_heads * programs * buffers.scratch_elements))
+    # A saturated tile's end terms come with its path ends, a tile ahead, where those are read ahead (the tiles
+    # hoist) and some tile can saturate at all: elsewhere the reads (masked off) would only cost general tiles.
+    ends_ahead = tiles.hoists(problem.mask_diagonal) and problem.saturates(q)
     problem.launch(kernel, tiles, (programs, problem.n_heads), q, args["KR"] is not q, args["QR"] is not q,
-                   items_per_program=triton.cdiv(items, programs),
+                   ENDS_AHEAD=ends_ahead, items_per_program=triton.cdiv(items, programs),
                    scratch_elements=buffers.scratch_elements, lo=lo, FOLD=fold, MERGE=merge, BAND=band,
                    CHUNK=tiles.chunk, SCRATCH=scratch, **{part_name: partial}, **args)
     return partial.sum(1)[:, :problem.two_span] if has_term else None  # fixed order: deterministic
