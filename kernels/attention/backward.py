@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 from .planning import DELTA_ELEMENTS, _on_device, _Problem, band_folds, band_range, programs_per_head, Tiles
-from .scores import (_dropout_keep, _load_rows, _load_stat, _locate, _mask_stride, _mask_words, _path_ends,
-                     _sequence_scale, _side_visible, _store_rows, _table_ahead, _tile_scores)
+from .scores import (_dropout_keep, _ends_ahead, _item, _load_rows, _load_stat, _locate, _mask_words, _path_ends,
+                     _program_items, _side_visible, _store_rows, _table_ahead, _tile_scores)
 
 
 @triton.jit
@@ -120,7 +120,7 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
               TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
               HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
-              DROPOUT: tl.constexpr, HOIST: tl.constexpr, PRECISION: tl.constexpr):
+              DROPOUT: tl.constexpr, HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
     """dQ of query block ``i0`` (all key blocks), and its c2p gradient added to the partial dKr."""
     offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
     band = scratch + 2 * (BLOCK_M + BLOCK_N) * WINDOW
@@ -135,8 +135,12 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
     general = 0
     first, last = seq_len, -BLOCK_N  # key blocks of the general tiles
     ahead = ()
+    ends = ()
     if HOIST:
         ahead = _path_ends(TABLE, i0 - (BLOCK_N - 1), BLOCK_M, BLOCK_N)
+    if ENDS_AHEAD:  # with the path ends (HOIST), a saturated tile's end terms come a tile ahead
+        ends = _ends_ahead(END, stat_off, stat_numel, i0, 0, ahead, offs_m, offs_n, seq_len, TWO_SPAN, BLOCK_M,
+                           BLOCK_N, HAS_C2P, HAS_P2C)
     for j0 in range(0, seq_len, BLOCK_N):
         row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), -BLOCK_N, HOIST, BLOCK_M, BLOCK_N, WINDOW,
                                   SPLIT)
@@ -144,10 +148,12 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
         k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
         v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
         s, saturated, top, general = _tile_scores(
-            q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, keys, END, scratch, stat_off, stat_numel, i0, j0,
-            seq_len,
-            scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C,
-            HAS_MASK, MASK_DIAGONAL, False, HOIST, False, PRECISION)
+            q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, keys, END, ends, scratch, stat_off, stat_numel,
+            i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW,
+            SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, False, HOIST, False, ENDS_AHEAD, PRECISION)
+        if ENDS_AHEAD:
+            ends = _ends_ahead(END, stat_off, stat_numel, i0, j0 + BLOCK_N, ahead, offs_m, offs_n, seq_len, TWO_SPAN,
+                               BLOCK_M, BLOCK_N, HAS_C2P, HAS_P2C)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         _, ds = _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, scale, BLOCK_M, BLOCK_N, DROPOUT,
                              False)
@@ -180,25 +186,24 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, 
                  WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
                  HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr,
                  DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
-                 HOIST: tl.constexpr, PRECISION: tl.constexpr):
+                 HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
     """Program (p, head) walks a run of (sequence, query block) items of one head into one partial dKr."""
     pid, head = tl.program_id(0), tl.program_id(1)
     program = (head * tl.num_programs(0) + pid).to(tl.int64)
     part_ptr = DKR_PART + program * (TWO_SPAN + CHUNK) * HEAD_DIM  # padded rows: see _band_gradients
     scratch = SCRATCH + program * scratch_elements
     blocks = tl.cdiv(n_ctx, BLOCK_M)
-    first = pid * items_per_program
-    for item in range(first, tl.minimum(first + items_per_program, num_seqs * blocks)):
-        seq = item // blocks
-        seq_len, base, rel_off, stat_off = _locate(CU, seq, head, n_ctx, stride_b, stride_h, stride_n,
-                                                   stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, VARLEN)
-        i0 = (item % blocks) * BLOCK_M
+    first, end = _program_items(items_per_program, num_seqs, blocks)
+    for item in range(first, end):
+        i0, seq_len, base, rel_off, stat_off, mask_ptr, seq_seed, seq_scale = _item(
+            CU, MASK, SCALES, item, blocks, head, seed, scale, n_ctx, n_heads, stride_b, stride_h, stride_n,
+            stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, BLOCK_M, VARLEN, SCALE_PER_SEQ)
         if i0 < seq_len:
-            _dq_block(Q, K, V, KR, QR, TABLE, MASK + seq * _mask_stride(n_ctx), END, DO, LSE, DELTA, DQ, part_ptr, scratch, FOLD,
-                      MERGE, i0, seed + seq * n_heads + head, _sequence_scale(SCALES, seq, scale, SCALE_PER_SEQ),
-                      dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo, TWO_SPAN, HEAD_DIM,
+            _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_ptr, scratch, FOLD, MERGE, i0,
+                      seq_seed, seq_scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n,
+                      lo, TWO_SPAN, HEAD_DIM,
                       BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT,
-                      HOIST, PRECISION)
+                      HOIST, ENDS_AHEAD, PRECISION)
         tl.debug_barrier()
 
 
@@ -208,7 +213,7 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
                 TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
                 HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
-                DROPOUT: tl.constexpr, HOIST: tl.constexpr, PRECISION: tl.constexpr):
+                DROPOUT: tl.constexpr, HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
     """dK, dV of key block ``j0`` (all query blocks; tiles held as ``[BN, BM]``), and its p2c gradient
     added to the partial dQr."""
     offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
@@ -223,8 +228,12 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
     general = 0
     first, last = seq_len, -BLOCK_M  # query blocks of the general tiles
     ahead = ()
+    ends = ()
     if HOIST:
         ahead = _path_ends(TABLE, -j0 - (BLOCK_N - 1), BLOCK_M, BLOCK_N)
+    if ENDS_AHEAD:  # with the path ends (HOIST), a saturated tile's end terms come a tile ahead
+        ends = _ends_ahead(END, stat_off, stat_numel, 0, j0, ahead, offs_m, offs_n, seq_len, TWO_SPAN, BLOCK_M,
+                           BLOCK_N, HAS_C2P, HAS_P2C)
     keys = _side_visible(mask_ptr, j0, offs_n, seq_len, BLOCK_N, HAS_MASK)  # the block's keys: once
     for i0 in range(0, seq_len, BLOCK_M):
         row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), BLOCK_M, HOIST, BLOCK_M, BLOCK_N, WINDOW,
@@ -234,9 +243,12 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
         lse = _load_stat(LSE + stat_off, i0, offs_m, seq_len, float("inf"))
         delta = _load_stat(DELTA + stat_off, i0, offs_m, seq_len, 0.0)
         s, saturated, top, general = _tile_scores(
-            q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, keys, END, scratch, stat_off, stat_numel, i0,
-            j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT,
-            HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, True, HOIST, False, PRECISION)
+            q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, keys, END, ends, scratch, stat_off, stat_numel,
+            i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW,
+            SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, True, HOIST, False, ENDS_AHEAD, PRECISION)
+        if ENDS_AHEAD:
+            ends = _ends_ahead(END, stat_off, stat_numel, i0 + BLOCK_M, j0, ahead, offs_m, offs_n, seq_len, TWO_SPAN,
+                               BLOCK_M, BLOCK_N, HAS_C2P, HAS_P2C)
         dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         p_dropped, ds = _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, scale, BLOCK_M, BLOCK_N,
                                      DROPOUT, True)
@@ -272,26 +284,24 @@ def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA
                    WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
                    HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr,
                    DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
-                   HOIST: tl.constexpr, PRECISION: tl.constexpr):
+                   HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
     """Program (p, head) walks a run of (sequence, key block) items of one head into one partial dQr."""
     pid, head = tl.program_id(0), tl.program_id(1)
     program = (head * tl.num_programs(0) + pid).to(tl.int64)
     part_ptr = DQR_PART + program * (TWO_SPAN + CHUNK) * HEAD_DIM  # padded rows: see _band_gradients
     scratch = SCRATCH + program * scratch_elements
     blocks = tl.cdiv(n_ctx, BLOCK_N)
-    first = pid * items_per_program
-    for item in range(first, tl.minimum(first + items_per_program, num_seqs * blocks)):
-        seq = item // blocks
-        seq_len, base, rel_off, stat_off = _locate(CU, seq, head, n_ctx, stride_b, stride_h, stride_n,
-                                                   stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, VARLEN)
-        j0 = (item % blocks) * BLOCK_N
+    first, end = _program_items(items_per_program, num_seqs, blocks)
+    for item in range(first, end):
+        j0, seq_len, base, rel_off, stat_off, mask_ptr, seq_seed, seq_scale = _item(
+            CU, MASK, SCALES, item, blocks, head, seed, scale, n_ctx, n_heads, stride_b, stride_h, stride_n,
+            stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, BLOCK_N, VARLEN, SCALE_PER_SEQ)
         if j0 < seq_len:
-            _dkdv_block(Q, K, V, KR, QR, TABLE, MASK + seq * _mask_stride(n_ctx), END, DO, LSE, DELTA, DK, DV, part_ptr, scratch,
-                        FOLD, MERGE, j0, seed + seq * n_heads + head,
-                        _sequence_scale(SCALES, seq, scale, SCALE_PER_SEQ), dropout_p, n_ctx, seq_len, base, rel_off,
-                        stat_off, stat_numel, stride_n, lo, TWO_SPAN,
+            _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, part_ptr, scratch, FOLD, MERGE,
+                        j0, seq_seed, seq_scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel,
+                        stride_n, lo, TWO_SPAN,
                         HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK,
-                        MASK_DIAGONAL, DROPOUT, HOIST, PRECISION)
+                        MASK_DIAGONAL, DROPOUT, HOIST, ENDS_AHEAD, PRECISION)
         tl.debug_barrier()
 
 
@@ -355,8 +365,11 @@ def _backward_kernel(problem: _Problem, kernel, name: str, q, has_term: bool, bu
     shape = (problem.n_heads, programs, buffers.partial_rows, q.shape[-1]) if has_term else (1,)
     partial = torch.zeros(shape, dtype=torch.float32, device=q.device)
     scratch = q.new_empty(max(1, problem.n_heads * programs * buffers.scratch_elements))
+    # A saturated tile's end terms come with its path ends, a tile ahead, where those are read ahead (the tiles
+    # hoist) and some tile can saturate at all: elsewhere the reads (masked off) would only cost general tiles.
+    ends_ahead = tiles.hoists(problem.mask_diagonal) and problem.saturates(q)
     problem.launch(kernel, tiles, (programs, problem.n_heads), q, args["KR"] is not q, args["QR"] is not q,
-                   items_per_program=triton.cdiv(items, programs),
+                   ENDS_AHEAD=ends_ahead, items_per_program=triton.cdiv(items, programs),
                    scratch_elements=buffers.scratch_elements, lo=lo, FOLD=fold, MERGE=merge, BAND=band,
                    CHUNK=tiles.chunk, SCRATCH=scratch, **{part_name: partial}, **args)
     return partial.sum(1)[:, :problem.two_span] if has_term else None  # fixed order: deterministic

@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 from .planning import END_ELEMENTS, _Problem, programs_per_head
-from .scores import (CONTENT, GENERAL, LOG2E, PER_TILE, SATURATED, _dropout_keep, _load_rows, _load_stat, _locate,
-                     _mask_stride, _mask_words, _pair_visible, _path_ends, _sequence_scale, _side_visible,
+from .scores import (CONTENT, GENERAL, LOG2E, PER_TILE, SATURATED, _dropout_keep, _end_row_column, _item, _load_rows,
+                     _load_stat, _locate, _mask_words, _pair_visible, _path_ends, _program_items, _side_visible,
                      _skewed_read, _store_rows, _store_window_products, _table_ahead, _tile_scores, _window_buckets,
                      _window_rows, _words_visible)
 
@@ -139,19 +139,13 @@ def _fwd_run(acc, m_i, l_i, q, row_ok, K, V, KR, QR, TABLE, mask_ptr, END, scrat
             v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)  # not held across the products
             s += _skewed_read(buffer, offs_m, offs_n, BLOCK_M, BLOCK_N, WINDOW, HAS_C2P, HAS_P2C, False)
         else:
-            s += _end_row_column(c_end, p_end)
+            s += _end_row_column(c_end, p_end, False)
         col_ok = _words_visible(words, j0, offs_n, limit, BLOCK_N, HAS_MASK)
         visible = _pair_visible(row_ok, col_ok, i0, j0, offs_m, offs_n, BLOCK_M, BLOCK_N, MASK_DIAGONAL, False)
         s = tl.where(visible, s * (scale * LOG2E), float("-inf"))
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, seed, i0, j0, n_ctx, dropout_p, BLOCK_M, BLOCK_N,
                                       DROPOUT, PRECISION)
     return acc, m_i, l_i
-
-
-@triton.jit
-def _end_row_column(c_end, p_end):
-    """c2p + p2c of a saturated forward tile: its rows' and its columns' end terms, ``[BM, BN]``."""
-    return c_end[:, None] + p_end[None, :]
 
 
 @triton.jit
@@ -173,10 +167,10 @@ def _fwd_tiles(acc, m_i, l_i, q, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0
         if PATH == PER_TILE:
             row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), -BLOCK_N, HOIST, BLOCK_M, BLOCK_N,
                                       WINDOW, SPLIT)
-        s, _, _, general = _tile_scores(q, k, KR, QR, TABLE, row, mask_ptr, (0, 0), END, scratch, stat_off, stat_numel,
-                                        i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM,
-                                        BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL,
-                                        False, HOIST, True, PRECISION)
+        s, _, _, general = _tile_scores(q, k, KR, QR, TABLE, row, mask_ptr, (0, 0), END, (), scratch, stat_off,
+                                        stat_numel, i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN,
+                                        HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK,
+                                        MASK_DIAGONAL, False, HOIST, True, False, PRECISION)
         v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, seed, i0, j0, n_ctx, dropout_p, BLOCK_M, BLOCK_N,
                                       DROPOUT, PRECISION)
@@ -244,15 +238,13 @@ def _attn_fwd(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, O, LSE, SCRATCH,
     pid, head = tl.program_id(0), tl.program_id(1)
     scratch = SCRATCH + (head * tl.num_programs(0) + pid).to(tl.int64) * scratch_elements
     blocks = tl.cdiv(n_ctx, BLOCK_M)
-    first = pid * items_per_program
-    for item in range(first, tl.minimum(first + items_per_program, num_seqs * blocks)):
-        seq = item // blocks
-        seq_len, base, rel_off, stat_off = _locate(CU, seq, head, n_ctx, stride_b, stride_h, stride_n,
-                                                   stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, VARLEN)
-        i0 = (item % blocks) * BLOCK_M
+    first, end = _program_items(items_per_program, num_seqs, blocks)
+    for item in range(first, end):
+        i0, seq_len, base, rel_off, stat_off, mask_ptr, seq_seed, seq_scale = _item(
+            CU, MASK, SCALES, item, blocks, head, seed, scale, n_ctx, n_heads, stride_b, stride_h, stride_n,
+            stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, BLOCK_M, VARLEN, SCALE_PER_SEQ)
         if i0 < seq_len:
-            _fwd_block(Q, K, V, KR, QR, TABLE, MASK + seq * _mask_stride(n_ctx), END, O, LSE, scratch, i0,
-                       seed + seq * n_heads + head, _sequence_scale(SCALES, seq, scale, SCALE_PER_SEQ), dropout_p,
+            _fwd_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, O, LSE, scratch, i0, seq_seed, seq_scale, dropout_p,
                        n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, top_start, bottom_end,
                        TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL,
                        DROPOUT, PATHS_APART, HOIST, PRECISION)

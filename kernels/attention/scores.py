@@ -31,6 +31,26 @@ def _locate(CU, seq, head, n_ctx, stride_b, stride_h, stride_n, stride_lb, strid
 
 
 @triton.jit
+def _program_items(items_per_program, num_seqs, blocks):
+    """``[first, end)``: the run of (sequence, block) items program ``program_id(0)`` walks, ``blocks`` per sequence."""
+    first = tl.program_id(0) * items_per_program
+    return first, tl.minimum(first + items_per_program, num_seqs * blocks)
+
+
+@triton.jit
+def _item(CU, MASK, SCALES, item, blocks, head, seed, scale, n_ctx, n_heads, stride_b, stride_h, stride_n, stride_lb,
+          stride_lh, TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, VARLEN: tl.constexpr,
+          SCALE_PER_SEQ: tl.constexpr):
+    """Item ``item`` of head ``head``: its block's first token, where its sequence lives (:func:`_locate`), the
+    sequence's padding-mask words, dropout seed and softmax scale."""
+    seq = item // blocks
+    seq_len, base, rel_off, stat_off = _locate(CU, seq, head, n_ctx, stride_b, stride_h, stride_n, stride_lb,
+                                               stride_lh, TWO_SPAN, HEAD_DIM, VARLEN)
+    return ((item % blocks) * BLOCK, seq_len, base, rel_off, stat_off, MASK + seq * _mask_stride(n_ctx),
+            seed + seq * n_heads + head, _sequence_scale(SCALES, seq, scale, SCALE_PER_SEQ))
+
+
+@triton.jit
 def _load_rows(ptr, row0, offs_r, offs_d, stride_n, seq_len):
     """``[len(offs_r), d]`` rows ``row0 + offs_r`` of one sequence, zero past its end."""
     rows = row0 + offs_r
@@ -63,23 +83,41 @@ def _saturated(table_row, TWO_SPAN: tl.constexpr):
 
 
 @triton.jit
-def _end_bias(END, stat_off, stat_numel, i0, j0, offs_m, offs_n, seq_len, top, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """c2p + p2c of a saturated tile from the per-token end terms: ``END[0 | 1]`` (Q . Kr[0 | top]) of its
-    query rows plus ``END[2 | 3]`` (K . Qr[0 | top]) of its key columns; ``[BM, BN]``, or ``[BN, BM]``
-    when ``TRANSPOSED``."""
+def _end_vectors(END, stat_off, stat_numel, i0, j0, offs_m, offs_n, seq_len, top, ok, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr):
+    """The end terms of a saturated tile at its end ``top``: ``END[0 | 1]`` (Q . Kr[0 | top]) of its query rows
+    and ``END[2 | 3]`` (K . Qr[0 | top]) of its key columns, read only where ``ok`` (zeros elsewhere: without a
+    saturated tile anywhere ``END`` is a one-element stand-in, never read)."""
     c = tl.zeros([BLOCK_M], tl.float32)
     p = tl.zeros([BLOCK_N], tl.float32)
     end = tl.where(top, 1, 0).to(tl.int64)  # ``top`` may be a tensor or a constant
+    rows, cols = i0 + offs_m, j0 + offs_n
     if HAS_C2P:
-        c = _load_stat(END + end * stat_numel + stat_off, i0, offs_m, seq_len, 0.0)
+        c = tl.load(END + end * stat_numel + stat_off + rows, mask=(rows < seq_len) & ok, other=0.0)
     if HAS_P2C:
-        p = _load_stat(END + (2 + end) * stat_numel + stat_off, j0, offs_n, seq_len, 0.0)
+        p = tl.load(END + (2 + end) * stat_numel + stat_off + cols, mask=(cols < seq_len) & ok, other=0.0)
+    return c, p
+
+
+@triton.jit
+def _end_row_column(c, p, TRANSPOSED: tl.constexpr):
+    """c2p + p2c of a saturated tile from its rows' and its columns' end terms: ``[BM, BN]``, or ``[BN, BM]``
+    when ``TRANSPOSED``."""
     if TRANSPOSED:
         bias = p[:, None] + c[None, :]
     else:
         bias = c[:, None] + p[None, :]
     return bias
+
+
+@triton.jit
+def _ends_ahead(END, stat_off, stat_numel, i0, j0, path_ends, offs_m, offs_n, seq_len, TWO_SPAN: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr):
+    """The end terms (:func:`_end_vectors`) of tile ``(i0, j0)`` from its two end buckets (:func:`_path_ends`),
+    read a tile before the tile uses them: nothing when it is general or past the sequence."""
+    saturated, top = _saturated((path_ends[0], path_ends[1], ()), TWO_SPAN)
+    return _end_vectors(END, stat_off, stat_numel, i0, j0, offs_m, offs_n, seq_len, top, saturated, BLOCK_M, BLOCK_N,
+                        HAS_C2P, HAS_P2C)
 
 
 @triton.jit
@@ -315,13 +353,7 @@ def _visible(row_words, col_words, i0, j0, offs_m, offs_n, seq_len, BLOCK_M: tl.
             row_ok &= _word_bits(row_words, i0, offs_m, BLOCK_M)
     else:
         row_ok = tl.full([BLOCK_M], 1, tl.int1)
-    if TRANSPOSED:
-        visible = col_ok[:, None] & row_ok[None, :]
-    else:
-        visible = row_ok[:, None] & col_ok[None, :]
-    if MASK_DIAGONAL:
-        visible = _off_diagonal(visible, i0, j0, offs_m, offs_n, BLOCK_M, BLOCK_N, TRANSPOSED)
-    return visible
+    return _pair_visible(row_ok, col_ok, i0, j0, offs_m, offs_n, BLOCK_M, BLOCK_N, MASK_DIAGONAL, TRANSPOSED)
 
 
 @triton.jit
@@ -369,19 +401,20 @@ PER_TILE = tl.constexpr(3)   # any of the above, read per tile from the bucket t
 
 
 @triton.jit
-def _tile_scores(q, k, KR, QR, table_ptr, table_row, mask_ptr, keys, END, scratch, stat_off, stat_numel, i0, j0,
-                 seq_len, scale, offs_m, offs_n, offs_d, general,
+def _tile_scores(q, k, KR, QR, table_ptr, table_row, mask_ptr, keys, END, ends, scratch, stat_off, stat_numel, i0,
+                 j0, seq_len, scale, offs_m, offs_n, offs_d, general,
                  TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  WINDOW: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr,
                  HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr, TRANSPOSED: tl.constexpr,
-                 HOIST: tl.constexpr, ROWS: tl.constexpr, PRECISION: tl.constexpr):
+                 HOIST: tl.constexpr, ROWS: tl.constexpr, ENDS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
     """Scores of tile ``(i0, j0)`` times ``scale * log2(e)`` (``-inf`` where not visible, whatever the scale:
     a scale of 0 must not make ``-inf * 0``), whether it is saturated and at which end (read per tile from
     the bucket table), and the count of general tiles so far (it picks the scratch buffer). ``keys``: the tile's
     keys' padding-mask words (:func:`_mask_words`, read at the tile's start) or, when ``TRANSPOSED`` (a key block),
     their visibility (read once per block). Query rows are tested only with ``ROWS`` (the forward; the backward
     needs no query side, :func:`_visible`), and then both sides' words are read here, after the products (read
-    at the tile's start, they spilled at d = 128 on sm_90)."""
+    at the tile's start, they spilled at d = 128 on sm_90). A saturated tile's end terms are ``ends``, read a tile
+    ahead (:func:`_ends_ahead`), with ``ENDS_AHEAD``; else read here."""
     if TRANSPOSED:
         s = tl.dot(k, tl.trans(q), input_precision=PRECISION)
     else:
@@ -389,8 +422,12 @@ def _tile_scores(q, k, KR, QR, table_ptr, table_row, mask_ptr, keys, END, scratc
     saturated, top = _saturated(table_row, TWO_SPAN)
     if HAS_C2P or HAS_P2C:
         if saturated:
-            s += _end_bias(END, stat_off, stat_numel, i0, j0, offs_m, offs_n, seq_len, top, BLOCK_M, BLOCK_N,
-                           HAS_C2P, HAS_P2C, TRANSPOSED)
+            if ENDS_AHEAD:
+                c_end, p_end = ends
+            else:
+                c_end, p_end = _end_vectors(END, stat_off, stat_numel, i0, j0, offs_m, offs_n, seq_len, top, True,
+                                            BLOCK_M, BLOCK_N, HAS_C2P, HAS_P2C)
+            s += _end_row_column(c_end, p_end, TRANSPOSED)
         else:
             buffer = scratch + (general % 2) * ((BLOCK_M + BLOCK_N) * WINDOW)
             _window_products(q, k, KR, QR, table_ptr, i0 - j0 - (BLOCK_N - 1), table_row[2], buffer, offs_m, offs_n,

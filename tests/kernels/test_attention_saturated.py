@@ -115,6 +115,29 @@ def test_no_end_terms_at_512_tokens_with_v3_settings_and_the_output_still_matche
     assert "_attn_end_terms" not in launched and "_attn_bwd_delta" in launched
 
 
+@pytest.mark.parametrize("n,buckets,max_rel,ahead", [(64, 256, 512, False), (130, BUCKETS, MAX_REL, True)],
+                         ids=["nothing-saturates", "saturating"])
+def test_the_backward_reads_end_terms_ahead_only_where_a_tile_can_saturate(n, buckets, max_rel, ahead,
+                                                                           monkeypatch) -> None:
+    """Both backward kernels read a saturated tile's end terms a tile ahead (``ENDS_AHEAD``) exactly when some tile
+    can saturate (and their tiles hoist, as the interpreter's do): at v3's settings and 64 tokens the masked-off
+    reads would only cost the general tiles. Gradients match the reference either way."""
+    launched = {}
+    original = _Problem.launch
+
+    def recorded(self, kernel, *args, **kwargs):
+        launched[kernel.__name__] = kwargs.get("ENDS_AHEAD")
+        return original(self, kernel, *args, **kwargs)
+
+    monkeypatch.setattr(_Problem, "launch", recorded)
+    inputs = make_inputs(torch.device("cpu"), 1, 2, n, 16, attention_span(buckets, max_rel), seed=9)
+    kw = dict(position_buckets=buckets, max_relative_positions=max_rel)
+    got = run_with_grads(attention.disentangled_attention, inputs, torch.float32, **kw)
+    want = run_with_grads(reference.disentangled_attention, inputs, torch.float64, **kw)
+    assert_close(got, want, TOL[torch.float32])
+    assert launched == {"_attn_fwd": None, "_attn_bwd_dkdv": ahead, "_attn_bwd_dq": ahead}
+
+
 @pytest.mark.parametrize("tiles", [attention.INTERPRETER_TILES, attention.Tiles(32, 32, 4, 1)],
                          ids=["paths-apart", "one-loop"])
 def test_kernels_take_the_saturated_path_on_exactly_the_saturated_tiles(tiles, monkeypatch) -> None:
@@ -131,12 +154,12 @@ def test_kernels_take_the_saturated_path_on_exactly_the_saturated_tiles(tiles, m
             return fn(*args)
         return wrapper
 
-    # each kernel calls them through the module it is defined in: the one-loop tiles' (_tile_scores) from
-    # scores, the forward's runs from forward
-    monkeypatch.setattr(attention.scores, "_end_bias", counted("saturated", attention.scores._end_bias))
-    monkeypatch.setattr(attention.forward, "_end_row_column", counted("saturated", attention.forward._end_row_column))
+    # each kernel calls them through the module it imported them into: the one-loop tiles' (_tile_scores, the
+    # backward's end terms read a tile ahead or not) from scores, the forward's runs from forward
+    end_row_column = counted("saturated", attention.scores._end_row_column)
     skewed_read = counted("general", attention.scores._skewed_read)
     for module in (attention.scores, attention.forward):
+        monkeypatch.setattr(module, "_end_row_column", end_row_column)
         monkeypatch.setattr(module, "_skewed_read", skewed_read)
     batch, heads, n = 1, 2, 130
     paths = attention.tile_paths(n, attention.INTERPRETER_TILES, BUCKETS, MAX_REL)

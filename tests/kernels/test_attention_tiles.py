@@ -59,6 +59,33 @@ def test_gpu_and_rectangular_tiles_match_the_oracle(shape, monkeypatch) -> None:
         assert _rel_l2(a, e) < 1e-5, name
 
 
+FORWARD_TILES = sorted({row["fwd"] for row in _TILES.values()}, key=lambda t: (t.block_m, t.block_n, t.num_warps))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("tiles", FORWARD_TILES, ids=[f"{t.block_m}x{t.block_n}w{t.num_warps}" for t in FORWARD_TILES])
+def test_every_planned_forward_tile_with_its_warps_matches_the_oracle(tiles, dtype, monkeypatch) -> None:
+    """Each forward tile a GPU launches, with its warps (which decide whether it walks its paths apart, as sm_80's
+    32 x 32 on 2 warps now does, or in one loop), through the interpreter on fresh random inputs: output and all
+    five gradients against the float64 oracle, across identity, log and saturated buckets and a padding mask."""
+    monkeypatch.setattr(attention.planning, "INTERPRETER_TILES", tiles)
+    inputs = _inputs(150, 32, 16, seed=11 + tiles.block_m + tiles.block_n + tiles.num_warps)
+    mask = torch.ones(1, 150, dtype=torch.long)
+    mask[0, 4::9] = 0
+    mask[0, 137:] = 0
+    kw = dict(position_buckets=16, max_relative_positions=40, attention_mask=mask)
+    got = _out_and_grads(attention.disentangled_attention, inputs, dtype, **kw)
+    want = _out_and_grads(naive_attention, inputs, torch.float64, **kw)
+    for name, a, e in zip(("out", "dq", "dk", "dv", "dkr", "dqr"), got, want):
+        assert _rel_l2(a, e) < (1e-5 if dtype == torch.float32 else 5e-3), name
+
+
+def test_the_a100_forward_walks_its_paths_apart(monkeypatch) -> None:
+    """sm_80's half-precision forward at d = 64 takes the tile-ahead forward: a warp per 16 query rows."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the GPU's tiles, not the interpreter's
+    assert attention.tiles_for("fwd", 64, torch.bfloat16, 80).paths_apart
+
+
 def test_forward_without_position_terms_on_its_own_tile_matches_the_oracle(monkeypatch) -> None:
     """The content-only forward on the tile sm_100 gives it at d = 128 (64 x 64 on 4 warps), through the
     interpreter with a padding mask: output and gradients against the oracle."""
