@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,13 +34,17 @@ import torch.nn.functional as F
 from distaff import kernels
 from distaff.kernels import reference
 from distaff.train.model.config import load_model_config
-from distaff.train.model.deberta import Encoder
+from distaff.train.model.deberta import DebertaForMaskedLM, Encoder
+from distaff.train.model.rtd import ReplacedTokenDetection
+from distaff.train.model.flops import layer_applications
 from distaff.train.plan.cpu import probe
 from distaff.train.plan.cpu_time import CPU_TABLE
 
 TOKENS, HEADS = 2048, 4
 HEAD_DIMS, SPANS, LENGTHS, DROPOUTS = (32, 64), (16, 32, 256), (64, 128, 256), (0.0, 0.1)
 ELEMENTS = 1 << 20
+LAYER_REST_TOKENS = 1024   # tokens of each layer_rest row
+FIXED_TOKENS = 8           # tokens of the per-call (fixed) calibration: its cost is nearly all per-call work
 
 
 def best_seconds(fn, repeat: int = 5) -> float:
@@ -99,7 +104,7 @@ def layer_rest_row(hidden: int, heads: int, span: int, n: int, dropout: float) -
                             position_buckets=span, max_position_embeddings=512, hidden_dropout_prob=dropout,
                             attention_probs_dropout_prob=dropout, kernel_impl="reference", attention_impl="reference")
     encoder = Encoder(cfg)
-    batch = 1024 // n
+    batch = LAYER_REST_TOKENS // n
     x = torch.randn(batch, n, hidden, requires_grad=True)
     mask = torch.ones(batch, n, dtype=torch.long)
 
@@ -110,6 +115,77 @@ def layer_rest_row(hidden: int, heads: int, span: int, n: int, dropout: float) -
     with without_gemms_and_attention():
         rest = best_seconds(layer)
     return {"hidden": hidden, "n": n, "dropout": dropout, "ns_per_token": rest / (batch * n) * 1e9}
+
+
+def _few_tokens_ms(model: torch.nn.Module, vocab_size: int) -> tuple[float, float]:
+    """CPU ms of ``model``'s forward and of its forward + backward at :data:`FIXED_TOKENS` tokens: at so few
+    tokens nearly all of it is the per-call work (Python, modules, autograd, dispatch)."""
+    model.train()
+    ids = torch.randint(5, vocab_size, (1, FIXED_TOKENS))
+    labels = ids.masked_fill(torch.arange(FIXED_TOKENS) % 2 == 0, -100)
+    mask = torch.ones(1, FIXED_TOKENS, dtype=torch.long)
+
+    def forward():
+        return model(ids, mask, labels=labels).loss
+
+    return best_seconds(forward, 15) * 1e3, best_seconds(lambda: forward().backward(), 15) * 1e3
+
+
+def _model_ms(layers: int, dropout: float) -> tuple[float, float]:
+    """:func:`_few_tokens_ms` of a tiny MLM model of ``layers`` layers on the reference path."""
+    cfg = load_model_config("tiny", vocab_size=4000, num_hidden_layers=layers, hidden_dropout_prob=dropout,
+                            attention_probs_dropout_prob=dropout, kernel_impl="reference", attention_impl="reference")
+    return _few_tokens_ms(DebertaForMaskedLM(cfg), cfg.vocab_size)
+
+
+def _rtd_ms(row: dict) -> dict[str, float]:
+    """The RTD wrapper's own per-call work (the replacement's sampling, the discriminator's input and head, the
+    two losses' weighting): the tiny-rtd-cpu pair at a few tokens less its two models' layers and rest (``row``)."""
+    from distaff.train.plan.planner import models_of
+    from distaff.train.run.config import load_config
+
+    generator, discriminator = (replace(m, vocab_size=4000, kernel_impl="reference", attention_impl="reference")
+                                for m in models_of(load_config("tiny-rtd-cpu", ["data.dir=unused"])))
+    forward, both = _few_tokens_ms(ReplacedTokenDetection(generator, discriminator), 4000)
+    models = {stage: sum(layer_applications(m) * row["layer_ms"][stage] + row["model_ms"][stage]
+                         for m in (generator, discriminator)) for stage in ("forward", "backward")}
+    return {"forward": max(0.0, forward - models["forward"]), "backward": max(0.0, both - forward - models["backward"])}
+
+
+def rest_fixed_ms(dropout: float) -> float:
+    """CPU ms of one layer's ops around its GEMMs and attention (forward + backward) at :data:`FIXED_TOKENS`
+    tokens: the part of a ``layer_rest`` row that does not grow with its tokens (:func:`layer_rest_row`)."""
+    cfg = load_model_config("tiny", hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+                            kernel_impl="reference", attention_impl="reference")
+    encoder = Encoder(cfg)
+    x = torch.randn(1, FIXED_TOKENS, cfg.hidden_size, requires_grad=True)
+    mask = torch.ones(1, FIXED_TOKENS, dtype=torch.long)
+
+    def layer():
+        out, _ = encoder.layer[0](x, mask, encoder.rel_table())
+        out.sum().backward()
+
+    with without_gemms_and_attention():
+        return best_seconds(layer, 9) * 1e3
+
+
+def fixed_ms() -> list[dict]:
+    """The per-step work that does not grow with the tokens (issue 50: a small model's step is mostly this), per
+    dropout: one layer application's forward and backward (the slope of two tiny models, 4 and 8 layers, at
+    :data:`FIXED_TOKENS` tokens), the rest of the model (embeddings, EMD's setup, the head and its loss: the
+    4-layer model less its layer applications), and the layer-rest rows' own share of it (to take out of them)."""
+    rows = []
+    for dropout in DROPOUTS:
+        (fwd4, all4), (fwd8, all8) = _model_ms(4, dropout), _model_ms(8, dropout)
+        applications = layer_applications(load_model_config("tiny", num_hidden_layers=4))
+        layer_fwd, layer_all = (fwd8 - fwd4) / 4, (all8 - all4) / 4
+        rows.append({"dropout": dropout, "tokens": FIXED_TOKENS,
+                     "layer_ms": {"forward": layer_fwd, "backward": layer_all - layer_fwd},
+                     "model_ms": {"forward": max(0.0, fwd4 - applications * layer_fwd),
+                                  "backward": max(0.0, all4 - fwd4 - applications * (layer_all - layer_fwd))},
+                     "layer_rest_ms": rest_fixed_ms(dropout), "layer_rest_tokens": LAYER_REST_TOKENS})
+        rows[-1]["rtd_ms"] = _rtd_ms(rows[-1])
+    return rows
 
 
 def _fwd_bwd_ns(make, fn, elements: int) -> float:
@@ -146,49 +222,62 @@ def elementwise_ns(dtype: torch.dtype) -> dict[str, float]:
 
 
 DS_LAYERS, DS_WIDTH = 16, 1024      # the DeepSpeed probe's model: 16 linear layers of 1024 x 1024 (16.8M parameters)
+DS_SMALL_LAYERS, DS_SMALL_WIDTH = 128, 16     # and its per-tensor probe: 256 tensors of 16 x 16 or 16 (35K parameters)
+
+
+def _deepspeed_ns(model, zero: int) -> dict[str, float]:
+    """This process's CPU ns of ``model``'s gradient reduction (``engine.allreduce_gradients``) and optimizer step
+    at ZeRO ``zero`` (fp32, distaff's engine settings), the mean of three steps after a first."""
+    from distaff.train.run.config import config_from_dict
+    from distaff.train.run.engine import initialize
+
+    cfg = config_from_dict({"model": {"preset": "tiny"}, "data": {"dir": "unused", "batch_size": 8},
+                            "train": {"precision": "fp32"}, "zero": {"stage": zero}})
+    engine = initialize(model, cfg, 2)
+    spent = {"reduction": 0.0, "step": 0.0}
+    reduce = engine.allreduce_gradients
+
+    def timed(*args, **kwargs):
+        started = time.process_time()
+        reduce(*args, **kwargs)
+        spent["reduction"] += time.process_time() - started
+
+    engine.allreduce_gradients = timed
+    x = torch.randn(8, model[0].in_features)
+    for step in range(4):
+        if step == 1:
+            spent.update(reduction=0.0, step=0.0)
+        engine.backward(engine(x).square().mean())
+        started = time.process_time()
+        engine.step()
+        spent["step"] += time.process_time() - started
+    engine.destroy()
+    return {key: value / 3 * 1e9 for key, value in spent.items()}
 
 
 def deepspeed_rank(rank: int, port: int) -> None:
-    """One of two ranks timing DeepSpeed's gradient reduction (``engine.allreduce_gradients``) and optimizer step
-    on CPU ranks at ZeRO 0, 1 and 2 (fp32, distaff's engine settings): the process's CPU ns per parameter."""
+    """One of two ranks timing DeepSpeed's gradient reduction and optimizer step on CPU ranks at ZeRO 0, 1 and 2:
+    CPU ns per parameter (a stack of large linear layers), and the ns per parameter tensor beyond that (a stack
+    of :data:`DS_SMALL_LAYERS` small ones: a small model's step is mostly per-tensor work, issue 50)."""
     from torch import nn
 
     from distaff.train.core.distributed import init_distributed
-    from distaff.train.run.config import config_from_dict
-    from distaff.train.run.engine import initialize
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     init_distributed(600)
-    found = {}
+    per_param, per_tensor = {}, {}
     for zero in (0, 1, 2):
-        model = nn.Sequential(*(nn.Linear(DS_WIDTH, DS_WIDTH) for _ in range(DS_LAYERS)))
-        cfg = config_from_dict({"model": {"preset": "tiny"}, "data": {"dir": "unused", "batch_size": 8},
-                                "train": {"precision": "fp32"}, "zero": {"stage": zero}})
-        engine = initialize(model, cfg, 2)
-        params = sum(p.numel() for p in model.parameters())
-        spent = {"reduction": 0.0, "step": 0.0}
-        reduce = engine.allreduce_gradients
-
-        def timed(*args, **kwargs):
-            started = time.process_time()
-            reduce(*args, **kwargs)
-            spent["reduction"] += time.process_time() - started
-
-        engine.allreduce_gradients = timed
-        x = torch.randn(8, DS_WIDTH)
-        for step in range(4):
-            if step == 1:
-                spent.update(reduction=0.0, step=0.0)
-            engine.backward(engine(x).square().mean())
-            started = time.process_time()
-            engine.step()
-            spent["step"] += time.process_time() - started
-        found[str(zero)] = {key: value / 3 / params * 1e9 for key, value in spent.items()}
-        engine.destroy()
+        large = nn.Sequential(*(nn.Linear(DS_WIDTH, DS_WIDTH) for _ in range(DS_LAYERS)))
+        small = nn.Sequential(*(nn.Linear(DS_SMALL_WIDTH, DS_SMALL_WIDTH) for _ in range(DS_SMALL_LAYERS)))
+        found = _deepspeed_ns(large, zero)
+        per_param[str(zero)] = {key: ns / sum(p.numel() for p in large.parameters()) for key, ns in found.items()}
+        params, tensors = sum(p.numel() for p in small.parameters()), len(list(small.parameters()))
+        per_tensor[str(zero)] = {key: max(0.0, ns - per_param[str(zero)][key] * params) / tensors
+                                 for key, ns in _deepspeed_ns(small, zero).items()}
     if rank == 0:
-        print(json.dumps(found))
+        print(json.dumps({"deepspeed": per_param, "deepspeed_per_tensor": per_tensor}))
     torch.distributed.barrier()
 
 
@@ -214,7 +303,7 @@ def measure() -> dict:
             "regenerate": "python benchmarks/cpu_table.py", "probe": probe(),
             "attention": rows, "elementwise_ns": {"fp32": elementwise_ns(torch.float32),
                                                   "bf16": elementwise_ns(torch.bfloat16)},
-            "deepspeed": _two_ranks("--deepspeed-rank"), "load_average": os.getloadavg()[0],
+            **_two_ranks("--deepspeed-rank"), "fixed_ms": fixed_ms(), "load_average": os.getloadavg()[0],
             "seconds": round(time.perf_counter() - started, 1)}
 
 
@@ -222,13 +311,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--print", action="store_true", help="print the committed table, measure nothing")
     parser.add_argument("--out", type=Path, default=CPU_TABLE)
+    parser.add_argument("--fixed-only", action="store_true",
+                        help="measure only the per-call (fixed) costs into the committed table, keep the rest")
     parser.add_argument("--deepspeed-rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.deepspeed_rank is not None:
         deepspeed_rank(args.deepspeed_rank, args.port)
         return 0
-    table = json.loads(args.out.read_text()) if args.print else measure()
+    if args.fixed_only:
+        torch.set_num_threads(1)
+        deepspeed = _two_ranks("--deepspeed-rank")["deepspeed_per_tensor"]
+        table = {**json.loads(args.out.read_text()), "fixed_ms": fixed_ms(), "deepspeed_per_tensor": deepspeed,
+                 "fixed_load_average": os.getloadavg()[0]}
+    else:
+        table = json.loads(args.out.read_text()) if args.print else measure()
     if not args.print:
         args.out.write_text(json.dumps(table, indent=1) + "\n")
     print(f"probe: {table['probe']['gemm_gflops']} GFLOP/s per thread, copy {table['probe']['copy_gb_s']:.1f} GB/s, "
@@ -239,7 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     for dtype, costs in table["elementwise_ns"].items():
         print(dtype, {k: round(v, 2) for k, v in costs.items()})
     print("layer rest ns/token:", [(r["hidden"], r["n"], r["dropout"], round(r["ns_per_token"])) for r in table["layer_rest"]])
-    print(f"DeepSpeed on 2 CPU ranks, CPU ns per parameter: {table['deepspeed']}")
+    print("fixed (per-call) ms per step:", table.get("fixed_ms"))
+    print(f"DeepSpeed on 2 CPU ranks, CPU ns per parameter: {table['deepspeed']}, "
+          f"per tensor beyond it: {table.get('deepspeed_per_tensor')}")
     return 0
 
 

@@ -77,3 +77,29 @@ def test_a_cpu_plan_has_every_part_and_stage_and_reads_the_prepared_vocabulary(t
     assert data["estimate"]["step_total_s"] == pytest.approx(plan.time.total)
     assert set(data["estimate"]["stage_seconds"]) == {"data wait", "forward", "backward", "gradient communication",
                                                       "optimizer"}
+
+
+@pytest.mark.unit
+def test_a_small_step_keeps_the_per_call_floor_and_the_per_tensor_work(monkeypatch):
+    """Issue 50: a few tokens' step is mostly per-call work (per layer application, per model, RTD's own) and
+    DeepSpeed's per-tensor work; the plan keeps both as the tokens shrink and adds them once per micro-batch."""
+    from dataclasses import replace
+
+    from distaff.train.plan import cpu_time
+    from distaff.train.plan.gpu_time import Assumptions
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    spec = parse_spec(SPEC)
+    plan = make_plan(load_config("tiny-rtd-cpu", ["data.batch_size=1"]), "2xcpu", seq_len=16, gpu_spec=spec)
+    s, kind = plan.setting, devices("2xcpu", spec)[1]
+    discriminator = s.models[-1]
+    floor = sum(sum(cpu_time.fixed_seconds(cfg)) for cfg in s.models) * cpu_time._core_ratio(kind)
+    assert floor > 0 and plan.time.parts["fused ops"] >= floor       # the floor, whatever the tokens
+    forward_floor = sum(cpu_time.fixed_seconds(cfg)[0] for cfg in s.models) * cpu_time._core_ratio(kind)
+    assert plan.time.stages["forward"] > forward_floor
+    assert s.param_tensors > 2 * discriminator.num_hidden_layers * 10     # both models' tensors counted
+    doubled = replace(s, param_tensors=2 * s.param_tensors)
+    per_tensor = cpu_time.optimizer_seconds(doubled, kind, Assumptions()) - cpu_time.optimizer_seconds(s, kind,
+                                                                                                       Assumptions())
+    table = cpu_time.cpu_table()["deepspeed_per_tensor"][str(min(s.zero, 2))]["step"]
+    assert per_tensor == pytest.approx(table * s.param_tensors * 1e-9 * cpu_time._core_ratio(kind))

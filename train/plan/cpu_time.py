@@ -12,9 +12,15 @@ A CPU rank runs the PyTorch reference kernels, one op at a time, on ``threads`` 
   GEMMs and attention), the embeddings' LayerNorm and dropout, the MLM head's and its loss per logit, the tied
   word table's gradient (a ``V x E`` zero-fill and sum every micro-batch), scaled by the ratio of copy
   bandwidths;
+- the per-call work that does not grow with the tokens (Python, module calls, autograd and dispatch per op: a
+  small model's step is mostly this, issue 50): each layer application's and each model's (embeddings, EMD, head
+  and loss) forward and backward, and RTD's own around its two models, measured once on tiny models at a few
+  tokens (``fixed_ms``), scaled by the ratio of the cores' small-GEMM rates (not bandwidth: it is Python and
+  dispatch); the layer rows' own share of it is taken out of them, so it is counted once;
 - optimizer and communication: DeepSpeed's optimizer step and gradient reduction on two CPU ranks, measured per
   parameter at each ZeRO stage (the table's, on a stack of linear layers): AdamW, ZeRO's copies and the weights'
-  all-gather; gloo's all-reduce and the bucket's copies, none hidden (``overlap_comm`` is off on CPUs).
+  all-gather; gloo's all-reduce and the bucket's copies, none hidden (``overlap_comm`` is off on CPUs); and
+  per parameter tensor (measured on many small ones), as DeepSpeed and AdamW loop over the tensors in Python.
 """
 
 from __future__ import annotations
@@ -81,6 +87,14 @@ def _bandwidth_ratio(gpu: GpuKind) -> float:
     return cpu_table()["probe"]["copy_gb_s"] / (gpu.hbm_tb_s * 1e3)
 
 
+def _core_ratio(gpu: GpuKind) -> float:
+    """How much faster the table's core ran scalar work than this machine's: the ratio of their fp32 GEMM rates at
+    the smallest probed size (the per-call work is Python and dispatch: neither bandwidth- nor GEMM-bound, but it
+    follows the core's speed, which the small GEMM's rate tracks closest of what the probe measures)."""
+    smallest = cpu_table()["probe"]["gemm_gflops"][0][0]
+    return _table_rate(smallest, "fp32") / gemm_rate(gpu.gemm_curve, smallest, "fp32")
+
+
 def _ns(s: Setting) -> dict[str, float]:
     return cpu_table()["elementwise_ns"]["fp32" if s.precision == "fp32" else "bf16"]
 
@@ -99,10 +113,24 @@ def layer_rest_ns(cfg: ModelConfig, seq_len: int) -> float:
                 return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
         return points[-1][1] * x / points[-1][0]
 
+    fixed = _fixed(cfg)
+    per_token_fixed = fixed["layer_rest_ms"] * 1e6 / fixed["layer_rest_tokens"]      # counted by fixed_seconds
     by_hidden = {}
     for r in rows:
-        by_hidden.setdefault(r["hidden"], []).append((r["n"], r["ns_per_token"]))
+        by_hidden.setdefault(r["hidden"], []).append((r["n"], max(0.0, r["ns_per_token"] - per_token_fixed)))
     return along([(hidden, along(points, seq_len)) for hidden, points in by_hidden.items()], cfg.hidden_size)
+
+
+def _fixed(cfg: ModelConfig) -> dict:
+    return _nearest(cpu_table()["fixed_ms"], "dropout", cfg.hidden_dropout_prob)[0]
+
+
+def fixed_seconds(cfg: ModelConfig) -> tuple[float, float]:
+    """One thread's forward and backward seconds of ``cfg``'s per-call work per micro-batch (the table's tiny
+    model at a few tokens: its layer applications' and the rest of the model's), whatever its tokens."""
+    fixed, applications = _fixed(cfg), layer_applications(cfg) if cfg.emd else cfg.num_hidden_layers
+    return tuple((applications * fixed["layer_ms"][stage] + fixed["model_ms"][stage]) * 1e-3
+                 for stage in ("forward", "backward"))
 
 
 def model_ns_per_token(cfg: ModelConfig, labelled: float, generator: bool) -> float:
@@ -132,12 +160,19 @@ def compute_seconds(s: Setting, gpu: GpuKind, a: Assumptions) -> Compute:
         per_token = (applications * layer_rest_ns(cfg, n)
                      + model_ns_per_token(cfg, labelled, index == 0 and len(s.models) == 2))
         elementwise = (per_token * tokens + table) * 1e-9 * _bandwidth_ratio(gpu) / threads
+        # per-call work is one thread's whatever the threads (Python and dispatch do not split across cores)
+        fixed_forward, fixed_backward = (seconds * _core_ratio(gpu) for seconds in fixed_seconds(cfg))
         recompute = 4 / 3 if cfg.activation_checkpointing else 1.0
         parts["GEMMs"] += gemm_s * recompute
         parts["attention"] += attn.seconds * recompute
-        parts["fused ops"] += elementwise * recompute
-        forward += gemm_s / 3 + attn.forward + elementwise / 3
+        replays = 2 if cfg.activation_checkpointing else 1        # a checkpointed forward runs again
+        parts["fused ops"] += elementwise * recompute + fixed_forward * replays + fixed_backward
+        forward += gemm_s / 3 + attn.forward + elementwise / 3 + fixed_forward
         source = attn.source
+    if len(s.models) == 2:      # RTD's own per-call work around its two models
+        rtd = _fixed(s.models[-1])["rtd_ms"]
+        parts["fused ops"] += (rtd["forward"] + rtd["backward"]) * 1e-3 * _core_ratio(gpu)
+        forward += rtd["forward"] * 1e-3 * _core_ratio(gpu)
     return Compute(parts, forward, source, None)
 
 
@@ -149,7 +184,15 @@ def _deepspeed(s: Setting, gpu: GpuKind, what: str) -> float:
     ns = cpu_table()["deepspeed"][str(min(s.zero, 2))][what]
     ring = 2 * (s.ranks - 1) / s.ranks if s.ranks > 1 else 0.0
     precision = act_bytes(s.precision) / 4 if what == "reduction" else 1.0
-    return ns * s.params * 1e-9 * _bandwidth_ratio(gpu) * (ring if what == "reduction" else 1.0) * precision
+    per_parameter = ns * s.params * 1e-9 * _bandwidth_ratio(gpu) * (ring if what == "reduction" else 1.0) * precision
+    return per_parameter + _per_tensor(s, gpu, what)
+
+
+def _per_tensor(s: Setting, gpu: GpuKind, what: str) -> float:
+    """Seconds of DeepSpeed's ``what`` that go with the count of parameter tensors, not their size (a loop in
+    Python over them: the table's many small tensors less their per-parameter cost), scaled as per-call work."""
+    ns = cpu_table()["deepspeed_per_tensor"][str(min(s.zero, 2))][what]
+    return ns * s.param_tensors * 1e-9 * _core_ratio(gpu)
 
 
 def optimizer_seconds(s: Setting, gpu: GpuKind, a: Assumptions) -> float:

@@ -86,6 +86,7 @@ class Setting:
     labelled: float = LABELLED       # fraction of tokens the MLM head reads (T-TA: all)
     largest_param: int = 0           # elements of the largest parameter (the word table)
     persistent_params: int = 0       # elements of parameters ZeRO 3 keeps whole on every rank
+    param_tensors: int = 0           # parameter tensors of everything the engine holds
     packed: bool = False             # data.packing=varlen: whole samples end to end, attention per sample
     token_budget: int = 0            # packed: tokens per micro-batch (data.tokens_per_batch); 0: micro_batch x seq_len
     sample_len: float = 0.0          # real tokens per sample on average (the manifest's); 0: full sequences
@@ -139,13 +140,14 @@ class ParamSummary:
     total: int
     largest: int
     persistent: int     # elements in parameters of at most PERSISTENCE elements
+    tensors: int = 0    # parameter tensors (DeepSpeed's and AdamW's per-tensor work, train/plan/cpu_time.py)
 
 
 def parameter_summary(models: tuple[ModelConfig, ...], rtd_sharing: str | None = None) -> ParamSummary:
     """Parameter count, largest parameter and ZeRO 3's persistent elements, from the configs' shapes."""
     sizes = (rtd_parameter_sizes(models[0], models[1], rtd_sharing or "gdes") if len(models) == 2
              else mlm_parameter_sizes(models[0]))
-    return ParamSummary(sum(sizes), max(sizes), sum(n for n in sizes if n <= PERSISTENCE))
+    return ParamSummary(sum(sizes), max(sizes), sum(n for n in sizes if n <= PERSISTENCE), len(sizes))
 
 
 def act_bytes(precision: str) -> int:

@@ -174,7 +174,7 @@ def base_setting(cfg: RunConfig, ranks: int, seq_len: int, micro_batch: int | No
     sharing = cfg.rtd.embedding_sharing if cfg.train.objective == "rtd" else None
     sizes = parameter_summary(models, sharing)
     return Setting(models=models, params=sizes.total, largest_param=sizes.largest,
-                   persistent_params=sizes.persistent, seq_len=seq_len, micro_batch=batch,
+                   persistent_params=sizes.persistent, param_tensors=sizes.tensors, seq_len=seq_len, micro_batch=batch,
                    precision=cfg.train.precision, zero=stage, ranks=ranks, offload_optimizer=offload_optimizer,
                    offload_param=cfg.zero.offload_param and stage == 3, fused=True, overlap_comm=True,
                    dropout=any(m.hidden_dropout_prob > 0 for m in models),
