@@ -20,9 +20,9 @@ from typing import Any
 
 from distaff.launch.script_values import plain_text
 from distaff.train.core.errors import MAX_COUNT, ConfigError, RunFailure, int_arg
+from distaff.train.core.files import is_remote
 from distaff.train.core.exit_codes import EXIT_BAD_CONFIG
 from distaff.train.core.threads import MOST_GPUS_PER_NODE, RANKS_FLAG
-from distaff.train.data.manifest import is_remote
 from distaff.train.finetune.config import load_finetune_config
 from distaff.train.run.config import config_file, load_config, source_dirs
 

@@ -43,10 +43,8 @@ ALLOWED = {
                            "distaff.train.data.manifest"},
     # The launchers read configs and start trainers as processes: never a trainer's loop.
     # A decay branch's config comes from its parent's checkpoint: its file layout and the schedule (distaff decay).
-    # A container's mounts are checked against the data dirs a run reads, told from remote ones as the loader does.
     "distaff.launch": {"distaff.train.core", "distaff.train.run.config", "distaff.train.finetune.config",
-                       "distaff.train.plan", "distaff.train.run.checkpoint_files", "distaff.train.run.schedule",
-                       "distaff.train.data.manifest"},
+                       "distaff.train.plan", "distaff.train.run.checkpoint_files", "distaff.train.run.schedule"},
 }
 MAX_MODULES = {"kernels": 12, "train": 12, "tests": 20}
 # Folders whose modules may not import each other in a circle (lazy imports included: a circle hidden in a

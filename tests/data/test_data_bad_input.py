@@ -212,10 +212,12 @@ def _prepare_cli(inputs: list[Path], tokenizer_dir: Path, out: Path, seq_len: in
 
 def test_bad_prepare_arguments_are_clear_errors(corpus_files: list[Path], tokenizer_dir: Path, tmp_path: Path,
                                                 capsys: pytest.CaptureFixture) -> None:
-    assert _prepare_cli([tmp_path], tokenizer_dir, tmp_path / "a") == 2         # a directory, not a file
-    assert f"{tmp_path}: is a directory; pass the input files in it" in capsys.readouterr().err
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    assert _prepare_cli([folder], tokenizer_dir, tmp_path / "a") == 2           # a directory, not a file
+    assert f"{folder}: is a directory; pass the input files in it" in capsys.readouterr().err
     assert _prepare_cli(corpus_files[3:], tokenizer_dir, tmp_path / "b", seq_len=2) == 2
-    assert "--seq-len 2: sequences need room for [CLS], a token and [SEP]" in capsys.readouterr().err
+    assert "distaff data prepare: --seq-len: expected a whole number >= 3" in capsys.readouterr().err
     mismatched = shutil.copytree(tokenizer_dir, tmp_path / "tok")
     (mismatched / "spm.model").write_bytes((mismatched / "spm.model").read_bytes() + b"\0")
     assert _prepare_cli(corpus_files[3:], mismatched, tmp_path / "c") == 2

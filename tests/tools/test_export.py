@@ -54,7 +54,8 @@ def test_export_loads_in_transformers_with_identical_logits(stage, sample_data, 
 
 
 def test_export_names_a_missing_checkpoint(tmp_path, capsys):
-    assert export_main([str(tmp_path), str(tmp_path / "out")]) == 2
+    (tmp_path / "run").mkdir()
+    assert export_main([str(tmp_path / "run"), str(tmp_path / "out")]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err
 
 

@@ -139,9 +139,11 @@ def test_grow_cli_names_a_bad_model(tmp_path, capsys):
 @pytest.mark.integration
 def test_grow_cli_refuses_a_zero_size_instead_of_copying(small_model_dir, tmp_path, capsys):
     assert main([str(small_model_dir), str(tmp_path / "out"), "--hidden-size", "0"]) == 2
-    assert "--hidden-size 0: must be a multiple" in capsys.readouterr().err
-    assert main([str(small_model_dir), str(tmp_path / "out"), "--num-layers", "0"]) == 2
-    assert "--num-layers 0: fewer than" in capsys.readouterr().err
+    assert "distaff grow: --hidden-size: expected a whole number >= 1" in capsys.readouterr().err
+    assert main([str(small_model_dir), str(tmp_path / "out"), "--hidden-size", "48"]) == 2
+    assert "--hidden-size 48: must be a multiple" in capsys.readouterr().err
+    assert main([str(small_model_dir), str(tmp_path / "out"), "--num-layers", "1"]) == 2
+    assert "--num-layers 1: fewer than" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

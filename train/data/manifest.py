@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
-import webdataset as wds
 
 from distaff.train.core.errors import shown, whole_number
 from distaff.train.core.files import atomic_write_text, file_sha256, is_remote, parse_json
@@ -171,6 +170,8 @@ def open_data_file(data_dir: str | Path, relpath: str) -> BinaryIO:
     url = data_url(data_dir, relpath)
     if not is_remote(data_dir) and not Path(url).is_file():
         raise DataError(f"{url}: file not found")
+    import webdataset as wds  # here, not at the top: the planner reads manifests without torch (webdataset imports it)
+
     return wds.gopen(url, "rb")
 
 
