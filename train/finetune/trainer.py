@@ -27,13 +27,13 @@ from distaff.train.finetune.labelled_batches import EvalBatches, TrainBatches, m
 from distaff.train.finetune.metrics import compute_metrics
 from distaff.train.finetune.sift import SiFT
 from distaff.train.model.classifier import DebertaForSequenceClassification
-from distaff.train.model.config import ConfigError
+from distaff.train.model.config import ConfigError, check_data_fits_model
 from distaff.train.model.flops import train_flops_per_token
 from distaff.train.run.checkpoint import Checkpointer, RNGState, latest_checkpoint
 from distaff.train.run.resume_check import RunIdentity, check_resumable
 from distaff.train.run.engine import layer_decay_groups
 from distaff.train.run.metrics import PLOT_FILE, Throughput, peak_memory_gb, plot_metrics
-from distaff.train.run.runtime import Inspection, RunBase, TrainState, check_data_fits_model, run_main
+from distaff.train.run.runtime import Inspection, RunBase, TrainState, run_main
 from distaff.train.run.schedule import lr_at
 from distaff.train.run.steps import Objective
 from distaff.train.run.steps import forward_batch, to_device

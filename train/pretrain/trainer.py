@@ -23,7 +23,7 @@ from distaff.train.data.loader import EvalLoader, MixedLoader, PretrainLoader, c
 from distaff.train.data.manifest import MANIFEST_FILE, Manifest, is_remote
 from distaff.train.data.tokenizer import TokenizerInfo
 from distaff.train.data.verify import check_first_samples
-from distaff.train.model.config import ModelConfig
+from distaff.train.model.config import ModelConfig, check_data_fits_model
 from distaff.train.model.flops import peak_flops
 from distaff.train.plan.compare import first_check
 from distaff.train.pretrain.attached_evals import AttachedEvals, check_eval_inputs, eval_summary
@@ -34,7 +34,7 @@ from distaff.train.run.engine import loss_scale, set_accumulation
 from distaff.train.run.metrics import PLOT_FILE, Throughput, padding_fraction, peak_memory_gb, plot_metrics, warn
 from distaff.train.run.model_folder import load_initial_weights
 from distaff.train.run.resume_check import RunIdentity, check_resumable
-from distaff.train.run.runtime import Inspection, RunBase, TrainState, check_data_fits_model, parse_args as runtime_parse_args, run_main
+from distaff.train.run.runtime import Inspection, RunBase, TrainState, parse_args as runtime_parse_args, run_main
 from distaff.train.run.schedule import Phase, RunSchedule, lr_at
 from distaff.train.run.steps import Evaluator
 

@@ -36,7 +36,6 @@ from distaff.train.core.runlock import DirLock
 from distaff.train.core.threads import configure_threads
 from distaff.train.core.verbosity import VERBOSE_FLAG, take_verbose_flag
 from distaff.train.core.watchdog import Watchdog
-from distaff.train.model.config import check_data_fits_model  # noqa: F401 (moved; the trainers import it from here)
 from distaff.train.run.checkpoint import Checkpointer, Stateful, latest_checkpoint
 from distaff.train.run.config import ConfigError, changed_keys, config_fingerprint, fingerprinted
 from distaff.train.run.engine import initialize, set_lr
