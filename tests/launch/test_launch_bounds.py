@@ -23,14 +23,6 @@ from distaff.train.tools.ablate import main as ablate_main
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture()
-def config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    path = tmp_path / "run.yaml"
-    path.write_text("run:\n  out_dir: out/run1\n  name: run1\ndata:\n  dir: data\ntrain:\n  max_steps: 10\n")
-    return path
-
-
 def _one_line(capsys, prog: str) -> str:
     err = capsys.readouterr().err
     assert err.startswith(f"{prog}: ") and err.count("\n") == 1 and "Traceback" not in err, err

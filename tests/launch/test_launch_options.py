@@ -17,14 +17,6 @@ from distaff.train.core.errors import ConfigError
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture()
-def config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    path = tmp_path / "run.yaml"
-    path.write_text("run:\n  out_dir: out/run1\n  name: run1\ndata:\n  dir: data\ntrain:\n  max_steps: 10\n")
-    return path
-
-
 @pytest.mark.parametrize("count", ["0", "-2"])
 def test_zero_or_negative_ranks_per_node_are_refused(config: Path, capsys, count: str) -> None:
     """The red-team case: --gpus-per-node 0 ran one rank."""

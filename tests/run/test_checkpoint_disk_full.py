@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import StepCounter
 from pretrain_fixtures import PYTHON, namespaces_permitted, prepare_data, rank_env, write_config
 
 from distaff.train.core.distributed import free_port
@@ -47,19 +48,9 @@ class _FullDiskEngine:
         return load_dir, {}
 
 
-class _Step:
-    value = 0
-
-    def state_dict(self) -> dict:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.value = state["value"]
-
-
 @pytest.mark.unit
 def test_enospc_during_a_save_names_the_intact_previous_checkpoint(tmp_path):
-    checkpointer = Checkpointer(tmp_path, _FullDiskEngine(fail_from=2), per_rank={"s": _Step()}, shared={},
+    checkpointer = Checkpointer(tmp_path, _FullDiskEngine(fail_from=2), per_rank={"s": StepCounter()}, shared={},
                                 meta={}, every=3, keep=2, rank=0, world_size=1, barrier=lambda: None)
     checkpointer.maybe_save(3)
     with pytest.raises(CheckpointSaveError) as raised:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import StepCounter
 from distaff.train.data.errors import DataError
 from distaff.train.model.config import ModelConfig
 from distaff.train.run.checkpoint import Checkpointer, resolve_resume
@@ -35,18 +36,8 @@ class _Engine:
         (Path(save_dir) / tag / "weights.bin").write_bytes(b"w" * 64)
 
 
-class _Step:
-    value = 0
-
-    def state_dict(self) -> dict:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.value = state["value"]
-
-
 def _saved(root: Path, *steps: int, model: dict = MODEL) -> list[Path]:
-    checkpointer = Checkpointer(root, _Engine(), per_rank={"data": _Step()}, shared={},
+    checkpointer = Checkpointer(root, _Engine(), per_rank={"data": StepCounter()}, shared={},
                                 meta={"config": {"run": {"seed": 7}, "zero": {"stage": 2}, "train": {"objective": "mlm"}},
                                       "model_config": model},
                                 every=1, keep=5, rank=0, world_size=1, barrier=lambda: None)
@@ -136,8 +127,8 @@ def test_a_save_that_hits_the_file_size_limit_is_named_as_such(tmp_path):
     script = f"""
 import resource, sys, torch
 from pathlib import Path
-sys.path.insert(0, {str(Path(__file__).parent)!r})
-from test_checkpoint_meta import _Step
+sys.path.insert(0, {str(Path(__file__).parents[1] / "support")!r})
+from helpers import StepCounter
 from distaff.train.run.checkpoint import Checkpointer, CheckpointSaveError
 
 class Engine:
@@ -146,7 +137,7 @@ class Engine:
         torch.save({{"w": torch.zeros(1 << 20)}}, Path(save_dir) / tag / "model.pt")
 
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-ckpt = Checkpointer(Path({str(tmp_path)!r}), Engine(), per_rank={{"s": _Step()}}, shared={{}}, meta={{}}, every=1,
+ckpt = Checkpointer(Path({str(tmp_path)!r}), Engine(), per_rank={{"s": StepCounter()}}, shared={{}}, meta={{}}, every=1,
                     keep=2, rank=0, world_size=1, barrier=lambda: None)
 try:
     ckpt.save(1)

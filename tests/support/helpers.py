@@ -46,3 +46,15 @@ class CreatesMarker:
 
     def __reduce__(self) -> tuple:
         return open, (str(self.marker), "w")
+
+
+class StepCounter:
+    """The smallest per-rank state a Checkpointer saves and restores: one integer."""
+
+    value = 0
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
