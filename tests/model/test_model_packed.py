@@ -73,15 +73,16 @@ def test_packed_outputs_equal_padded_outputs(name):
     torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state[keep], atol=2e-5, rtol=1e-5)
 
 
-def _loss_and_grads(model: DebertaForMaskedLM, **batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def loss_and_grads(model: torch.nn.Module, **batch) -> tuple[object, dict[str, torch.Tensor]]:
+    """The model's output on ``batch`` after its loss's backward, and its parameters' gradients by name."""
     out = model(**batch)
     out.loss.backward()
     return out, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
 def _check_loss_and_gradients(padded_model, packed_model, ids, mask, labels, atol: float) -> None:
-    want, want_grads = _loss_and_grads(padded_model, input_ids=ids, attention_mask=mask, labels=labels)
-    got, got_grads = _loss_and_grads(packed_model, **pack(ids, mask, labels))
+    want, want_grads = loss_and_grads(padded_model, input_ids=ids, attention_mask=mask, labels=labels)
+    got, got_grads = loss_and_grads(packed_model, **pack(ids, mask, labels))
     assert int(got.num_labelled) == int(want.num_labelled) == int((labels != IGNORE_INDEX).sum())
     assert int(got.num_correct) == int(want.num_correct)
     torch.testing.assert_close(got.loss, want.loss, atol=atol, rtol=1e-5)
@@ -128,6 +129,6 @@ def test_packed_activation_checkpointing_gives_identical_gradients():
     grads = []
     for model in (plain, ckpt):
         torch.manual_seed(7)
-        grads.append(_loss_and_grads(model, **packed)[1])
+        grads.append(loss_and_grads(model, **packed)[1])
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, msg=name)

@@ -14,7 +14,7 @@ from distaff.train.model import rtd
 from distaff.train.model.config import load_model_config
 from distaff.train.model.deberta import Packed
 
-from test_model_packed import pack
+from test_model_packed import loss_and_grads, pack
 
 pytestmark = pytest.mark.unit
 
@@ -57,15 +57,9 @@ def twins(sharing: str, impl: str = "reference") -> tuple[rtd.ReplacedTokenDetec
     return model, other
 
 
-def forward_backward(model: rtd.ReplacedTokenDetection, **batch) -> tuple[rtd.RTDOutput, dict[str, torch.Tensor]]:
-    out = model(**batch)
-    out.loss.backward()
-    return out, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-
-
 def check_equal(padded_model, packed_model, ids, mask, labels, atol: float) -> None:
-    want, want_grads = forward_backward(padded_model, input_ids=ids, attention_mask=mask, labels=labels)
-    got, got_grads = forward_backward(packed_model, **pack(ids, mask, labels))
+    want, want_grads = loss_and_grads(padded_model, input_ids=ids, attention_mask=mask, labels=labels)
+    got, got_grads = loss_and_grads(packed_model, **pack(ids, mask, labels))
     keep = mask.bool()
     assert torch.equal(got.discriminator_ids, want.discriminator_ids[keep])      # the same replacements
     assert torch.equal(got.replaced, want.replaced[keep])                        # the same labels
