@@ -40,8 +40,12 @@ from distaff.train.model.flops import layer_applications
 from distaff.train.plan.cpu import probe
 from distaff.train.plan.cpu_time import CPU_TABLE
 
-TOKENS, HEADS = 2048, 4
-HEAD_DIMS, SPANS, LENGTHS, DROPOUTS = (32, 64), (16, 32, 256), (64, 128, 256), (0.0, 0.1)
+# 3,072 tokens per attention row: 48 x 64 to 6 x 512, none of them a shape benchmarks/plan_time.py trains
+TOKENS, HEADS = 3072, 4
+HEAD_DIMS, SPANS, LENGTHS, DROPOUTS = (32, 64), (16, 32, 256), (64, 128, 256, 512), (0.0, 0.1)
+# the inputs' dtypes: half-precision attention runs in float32 in the reference, but its casts and its
+# float32 copies of Q/K/V and their gradients are work an fp32 row does not have
+ATTENTION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ELEMENTS = 1 << 20
 LAYER_REST_TOKENS = 1024   # tokens of each layer_rest row
 FIXED_TOKENS = 8           # tokens of the per-call (fixed) calibration: its cost is nearly all per-call work
@@ -59,12 +63,13 @@ def best_seconds(fn, repeat: int = 5) -> float:
     return min(times)
 
 
-def attention_row(head_dim: int, span: int, n: int, dropout: float) -> dict:
-    """The reference attention's forward and backward ms per token per head (a padded batch, every token real)."""
-    batch = TOKENS // n
-    q, k, v = (torch.randn(batch, HEADS, n, head_dim, requires_grad=True) for _ in range(3))
-    kr, qr = (torch.randn(HEADS, 2 * span, head_dim) for _ in range(2))
-    mask, grad = torch.ones(batch, n, dtype=torch.long), torch.randn(batch, HEADS, n, head_dim)
+def attention_row(head_dim: int, span: int, n: int, dropout: float, precision: str = "fp32") -> dict:
+    """The reference attention's forward and backward ms of :data:`TOKENS` tokens x :data:`HEADS` heads (a padded
+    batch, every token real) on ``precision``'s inputs."""
+    batch, dtype = TOKENS // n, ATTENTION_DTYPES[precision]
+    q, k, v = (torch.randn(batch, HEADS, n, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
+    kr, qr = (torch.randn(HEADS, 2 * span, head_dim, dtype=dtype) for _ in range(2))
+    mask, grad = torch.ones(batch, n, dtype=torch.long), torch.randn(batch, HEADS, n, head_dim, dtype=dtype)
 
     def run():
         return reference.disentangled_attention(q, k, v, kr, qr, position_buckets=span, max_relative_positions=512,
@@ -72,8 +77,8 @@ def attention_row(head_dim: int, span: int, n: int, dropout: float) -> dict:
 
     forward = best_seconds(run)
     both = best_seconds(lambda: torch.autograd.grad(run(), (q, k, v), grad))
-    return {"head_dim": head_dim, "span": span, "n": n, "dropout": dropout, "tokens": TOKENS, "heads": HEADS,
-            "fwd_ms": forward * 1e3, "bwd_ms": max(0.0, both - forward) * 1e3}
+    return {"head_dim": head_dim, "span": span, "n": n, "dropout": dropout, "precision": precision,
+            "tokens": TOKENS, "heads": HEADS, "fwd_ms": forward * 1e3, "bwd_ms": max(0.0, both - forward) * 1e3}
 
 
 LAYERS = ((128, 4, 32), (384, 6, 256), (768, 12, 256))      # (hidden, heads, position span): tiny, xsmall, base
@@ -293,15 +298,22 @@ def _two_ranks(flag: str) -> dict:
     return json.loads(outputs[0].strip().splitlines()[-1])
 
 
+def attention_rows() -> dict:
+    """Every attention row, with the probe of the cores they were measured on (the plan scales them by it)."""
+    return {"attention_probe": probe(),
+            "attention": [attention_row(d, span, n, p, precision) for precision in ATTENTION_DTYPES
+                          for d in HEAD_DIMS for span in SPANS for n in LENGTHS for p in DROPOUTS],
+            "attention_load_average": os.getloadavg()[0]}
+
+
 def measure() -> dict:
     torch.set_num_threads(1)
     started = time.perf_counter()
-    rows = [attention_row(d, span, n, p) for d in HEAD_DIMS for span in SPANS for n in LENGTHS for p in DROPOUTS]
     rests = [layer_rest_row(hidden, heads, span, n, p) for hidden, heads, span in LAYERS for n in (64, 128)
              for p in DROPOUTS]
     return {"layer_rest": rests,"source": "benchmarks/cpu_table.py on one thread: the reference kernels' costs (no GPU)",
             "regenerate": "python benchmarks/cpu_table.py", "probe": probe(),
-            "attention": rows, "elementwise_ns": {"fp32": elementwise_ns(torch.float32),
+            **attention_rows(), "elementwise_ns": {"fp32": elementwise_ns(torch.float32),
                                                   "bf16": elementwise_ns(torch.bfloat16)},
             **_two_ranks("--deepspeed-rank"), "fixed_ms": fixed_ms(), "load_average": os.getloadavg()[0],
             "seconds": round(time.perf_counter() - started, 1)}
@@ -313,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=CPU_TABLE)
     parser.add_argument("--fixed-only", action="store_true",
                         help="measure only the per-call (fixed) costs into the committed table, keep the rest")
+    parser.add_argument("--attention-only", action="store_true",
+                        help="measure only the attention rows (and their probe) into the committed table, keep the rest")
     parser.add_argument("--deepspeed-rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -324,15 +338,20 @@ def main(argv: list[str] | None = None) -> int:
         deepspeed = _two_ranks("--deepspeed-rank")["deepspeed_per_tensor"]
         table = {**json.loads(args.out.read_text()), "fixed_ms": fixed_ms(), "deepspeed_per_tensor": deepspeed,
                  "fixed_load_average": os.getloadavg()[0]}
+    elif args.attention_only:
+        torch.set_num_threads(1)
+        table = {**json.loads(args.out.read_text()), **attention_rows()}
     else:
         table = json.loads(args.out.read_text()) if args.print else measure()
     if not args.print:
         args.out.write_text(json.dumps(table, indent=1) + "\n")
     print(f"probe: {table['probe']['gemm_gflops']} GFLOP/s per thread, copy {table['probe']['copy_gb_s']:.1f} GB/s, "
           f"load {table['load_average']:.1f}")
-    print(f"| d | span | N | dropout | fwd ms | bwd ms |  ({TOKENS} tokens x {HEADS} heads)\n|---|---|---|---|---|---|")
+    print(f"| d | span | N | dropout | inputs | fwd ms | bwd ms |  ({TOKENS} tokens x {HEADS} heads)\n"
+          "|---|---|---|---|---|---|---|")
     for r in table["attention"]:
-        print(f"| {r['head_dim']} | {r['span']} | {r['n']} | {r['dropout']:g} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} |")
+        print(f"| {r['head_dim']} | {r['span']} | {r['n']} | {r['dropout']:g} | {r['precision']} | "
+              f"{r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} |")
     for dtype, costs in table["elementwise_ns"].items():
         print(dtype, {k: round(v, 2) for k, v in costs.items()})
     print("layer rest ns/token:", [(r["hidden"], r["n"], r["dropout"], round(r["ns_per_token"])) for r in table["layer_rest"]])

@@ -103,3 +103,39 @@ def test_a_small_step_keeps_the_per_call_floor_and_the_per_tensor_work(monkeypat
                                                                                                        Assumptions())
     table = cpu_time.cpu_table()["deepspeed_per_tensor"][str(min(s.zero, 2))]["step"]
     assert per_tensor == pytest.approx(table * s.param_tensors * 1e-9 * cpu_time._core_ratio(kind))
+
+
+@pytest.mark.unit
+def test_half_precision_attention_reads_its_own_measured_rows_up_to_512_tokens():
+    """Issue 50: the attention rows are measured to 512 tokens on fp32 and bf16 inputs (a bf16 call makes float32
+    copies of its inputs), and the plan reads the rows of the run's precision, scaled by the probe the rows were
+    measured with; at 512 tokens nothing is extrapolated."""
+    from distaff.train.model.flops import layer_applications
+    from distaff.train.plan import cpu_time
+
+    cfg = load_config("tiny-cpu", ["model.max_position_embeddings=512"]).model_config()
+    kind = devices("1xcpu", parse_spec(SPEC))[1]
+    rows = [r for r in cpu_time.cpu_table()["attention"] if r["head_dim"] == cfg.head_dim and r["n"] == 512
+            and r["span"] == cfg.att_span and r["dropout"] == cfg.attention_probs_dropout_prob]
+    measured = {r["precision"]: r["fwd_ms"] + r["bwd_ms"] for r in rows}
+    assert set(measured) == {"fp32", "bf16"}
+    planned = {p: cpu_time.attention_seconds(cfg, kind, 512, 4096, p).seconds for p in ("fp32", "bf16", "fp16")}
+    assert planned["bf16"] / planned["fp32"] == pytest.approx(measured["bf16"] / measured["fp32"])
+    assert planned["fp16"] == planned["bf16"]
+    per_row = measured["fp32"] / (rows[0]["tokens"] * rows[0]["heads"]) * 1e-3
+    ratio = (cpu_time._table_rate(cfg.head_dim, "fp32", "attention_probe")
+             / gemm_rate(kind.gemm_curve, cfg.head_dim, "fp32"))
+    applications = layer_applications(cfg) if cfg.emd else cfg.num_hidden_layers
+    assert planned["fp32"] == pytest.approx(per_row * ratio * 4096 * cfg.num_attention_heads * applications)
+
+
+@pytest.mark.unit
+def test_the_ops_around_the_gemms_cost_the_same_per_token_beyond_the_longest_measured_layer():
+    """Issue 50: LayerNorms, GELU, dropout and residuals are per-token work: past the table's longest layer row the
+    plan keeps that row's cost per token instead of growing it with the sequence (which planned 4 x 512 high)."""
+    from distaff.train.plan import cpu_time
+
+    cfg = load_config("tiny-cpu", ["model.max_position_embeddings=512"]).model_config()
+    longest = max(r["n"] for r in cpu_time.cpu_table()["layer_rest"])
+    assert cpu_time.layer_rest_ns(cfg, 4 * longest) == cpu_time.layer_rest_ns(cfg, longest) > 0
+    assert cpu_time.layer_rest_ns(cfg, longest) != cpu_time.layer_rest_ns(cfg, longest // 2)   # read between rows

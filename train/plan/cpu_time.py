@@ -5,8 +5,10 @@ A CPU rank runs the PyTorch reference kernels, one op at a time, on ``threads`` 
 - GEMMs: the model's matrix-multiply FLOPs (as on GPUs) at the probed GEMM rate for the model's hidden size
   (the rate of a CPU GEMM depends on its inner size far more than a GPU's does);
 - attention: the reference kernels' measured forward and backward per token per head (``cpu_table.json``) at
-  the model's head size, position span, sequence length and dropout, scaled by the ratio of the table's fp32
-  GEMM rate to this machine's (half-precision attention is computed in float32 there);
+  the model's head size, position span, sequence length (64-512; beyond, in proportion to it), dropout and
+  inputs (fp32, or bf16 for half precision: computed in float32 there, but through float32 copies of its
+  inputs), scaled by the ratio of the fp32 GEMM rate of the cores they were measured on (``attention_probe``)
+  to this machine's;
 - the ops around the GEMMs (on a GPU, the fused ops): each layer application's (its LayerNorms, GELU,
   dropouts, relayouts, residual adds and the framework's work per op: the table's measured layers less their
   GEMMs and attention), the embeddings' LayerNorm and dropout, the MLM head's and its loss per logit, the tied
@@ -58,8 +60,10 @@ def gemm_rate(curve: tuple, k: int, precision: str) -> float:
     return points[-1][1] * 1e9
 
 
-def _table_rate(k: int, precision: str) -> float:
-    return gemm_rate(tuple(map(tuple, cpu_table()["probe"]["gemm_gflops"])), k, precision)
+def _table_rate(k: int, precision: str, probe: str = "probe") -> float:
+    """The table's GEMM rate at inner size ``k``: of the probe taken with its ``probe`` section (the attention rows
+    are measured on their own, with their own probe; the rest of the table with ``probe``)."""
+    return gemm_rate(tuple(map(tuple, cpu_table()[probe]["gemm_gflops"])), k, precision)
 
 
 def _nearest(rows: list[dict], key: str, value: float) -> list[dict]:
@@ -67,19 +71,23 @@ def _nearest(rows: list[dict], key: str, value: float) -> list[dict]:
     return [r for r in rows if r[key] == best]
 
 
-def attention_seconds(cfg: ModelConfig, gpu: GpuKind, seq_len: int, tokens: int) -> AttentionTime:
-    """The reference attention of ``tokens`` tokens through every layer application, from the measured table."""
-    rows = cpu_table()["attention"]
+def attention_seconds(cfg: ModelConfig, gpu: GpuKind, seq_len: int, tokens: int,
+                      precision: str = "fp32") -> AttentionTime:
+    """The reference attention of ``tokens`` tokens through every layer application, from the measured table's
+    rows for ``precision``'s inputs (fp16 reads bf16's: both are cast to float32)."""
+    inputs = "fp32" if precision == "fp32" else "bf16"
+    rows = [r for r in cpu_table()["attention"] if r["precision"] == inputs]
     for key, value in (("head_dim", cfg.head_dim), ("span", cfg.att_span if cfg.relative_attention else 0),
                        ("dropout", cfg.attention_probs_dropout_prob)):
         rows = _nearest(rows, key, value)
     rows = sorted(rows, key=lambda r: r["n"])
-    ratio = _table_rate(cfg.head_dim, "fp32") / gemm_rate(gpu.gemm_curve, cfg.head_dim, "fp32")
+    ratio = _table_rate(cfg.head_dim, "fp32", "attention_probe") / gemm_rate(gpu.gemm_curve, cfg.head_dim, "fp32")
     applications = layer_applications(cfg) if cfg.emd else cfg.num_hidden_layers
     scale = ratio * cfg.head_dim / rows[0]["head_dim"] * tokens * cfg.num_attention_heads * applications / 1e3
     forward = per_token_head_ms(rows, seq_len, ("fwd_ms",)) * scale
     how = (f"the reference kernels measured on CPU (cpu_table.json: d={rows[0]['head_dim']}, span {rows[0]['span']}, "
-           f"dropout {rows[0]['dropout']:g}), times the GEMM-rate ratio {ratio:.2f}")
+           f"dropout {rows[0]['dropout']:g}, {inputs} inputs), times the GEMM-rate ratio "
+           f"{ratio:.2f}")
     return AttentionTime(per_token_head_ms(rows, seq_len) * scale, forward, how, None)
 
 
@@ -101,24 +109,29 @@ def _ns(s: Setting) -> dict[str, float]:
 
 def layer_rest_ns(cfg: ModelConfig, seq_len: int) -> float:
     """ns per token of one layer application's ops around its GEMMs and attention (the table's measured layers,
-    linear in the hidden size and the sequence length between its rows, at the nearest dropout)."""
+    linear in the hidden size and the sequence length between its rows, at the nearest dropout). Beyond the
+    longest row the cost per token stays that row's: these ops are per token (LayerNorms, GELU, dropout,
+    residuals, relayouts) and do not grow with the length (the rows fall from 64 to 128 tokens; hidden 128
+    and 384 measured flat from 128 to 512 tokens, docs/plan.md); beyond the widest, it grows with the hidden
+    size (every op is ``[tokens, hidden]``)."""
     rows = _nearest(cpu_table()["layer_rest"], "dropout", cfg.hidden_dropout_prob)
 
-    def along(points: list[tuple[float, float]], x: float) -> float:
+    def along(points: list[tuple[float, float]], x: float, beyond_grows: bool) -> float:
         points = sorted(points)
         if x <= points[0][0] or len(points) == 1:
             return points[0][1] * (x / points[0][0] if x < points[0][0] else 1.0)
         for (x0, y0), (x1, y1) in zip(points, points[1:]):
             if x <= x1:
                 return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-        return points[-1][1] * x / points[-1][0]
+        return points[-1][1] * (x / points[-1][0] if beyond_grows else 1.0)
 
     fixed = _fixed(cfg)
     per_token_fixed = fixed["layer_rest_ms"] * 1e6 / fixed["layer_rest_tokens"]      # counted by fixed_seconds
     by_hidden = {}
     for r in rows:
         by_hidden.setdefault(r["hidden"], []).append((r["n"], max(0.0, r["ns_per_token"] - per_token_fixed)))
-    return along([(hidden, along(points, seq_len)) for hidden, points in by_hidden.items()], cfg.hidden_size)
+    return along([(hidden, along(points, seq_len, False)) for hidden, points in by_hidden.items()],
+                 cfg.hidden_size, True)
 
 
 def _fixed(cfg: ModelConfig) -> dict:
@@ -154,7 +167,7 @@ def compute_seconds(s: Setting, gpu: GpuKind, a: Assumptions) -> Compute:
         labelled = s.labelled_share if index == 0 else 0.0
         gemm = train_flops_per_token(cfg, n, labelled) - attention_flops_per_token(cfg, n)
         gemm_s = gemm * tokens / gemm_rate(gpu.gemm_curve, cfg.hidden_size, s.precision)
-        attn = attention_seconds(cfg, gpu, n, tokens)
+        attn = attention_seconds(cfg, gpu, n, tokens, s.precision)
         table = cfg.vocab_size * cfg.embedding_size * _ns(s)["table_gradient"]     # its gradient, every micro-batch
         applications = layer_applications(cfg) if cfg.emd else cfg.num_hidden_layers
         per_token = (applications * layer_rest_ns(cfg, n)
