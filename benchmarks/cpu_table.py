@@ -230,14 +230,14 @@ DS_LAYERS, DS_WIDTH = 16, 1024      # the DeepSpeed probe's model: 16 linear lay
 DS_SMALL_LAYERS, DS_SMALL_WIDTH = 128, 16     # and its per-tensor probe: 256 tensors of 16 x 16 or 16 (35K parameters)
 
 
-def _deepspeed_ns(model, zero: int) -> dict[str, float]:
+def _deepspeed_ns(model, zero: int, precision: str = "fp32") -> dict[str, float]:
     """This process's CPU ns of ``model``'s gradient reduction (``engine.allreduce_gradients``) and optimizer step
-    at ZeRO ``zero`` (fp32, distaff's engine settings), the mean of three steps after a first."""
+    at ZeRO ``zero`` in ``precision`` (distaff's engine settings), the mean of three steps after a first."""
     from distaff.train.run.config import config_from_dict
     from distaff.train.run.engine import initialize
 
     cfg = config_from_dict({"model": {"preset": "tiny"}, "data": {"dir": "unused", "batch_size": 8},
-                            "train": {"precision": "fp32"}, "zero": {"stage": zero}})
+                            "train": {"precision": precision}, "zero": {"stage": zero}})
     engine = initialize(model, cfg, 2)
     spent = {"reduction": 0.0, "step": 0.0}
     reduce = engine.allreduce_gradients
@@ -248,7 +248,7 @@ def _deepspeed_ns(model, zero: int) -> dict[str, float]:
         spent["reduction"] += time.process_time() - started
 
     engine.allreduce_gradients = timed
-    x = torch.randn(8, model[0].in_features)
+    x = torch.randn(8, model[0].in_features, dtype=next(engine.module.parameters()).dtype)
     for step in range(4):
         if step == 1:
             spent.update(reduction=0.0, step=0.0)
@@ -286,6 +286,46 @@ def deepspeed_rank(rank: int, port: int) -> None:
     torch.distributed.barrier()
 
 
+def half_precision_rank(rank: int, port: int) -> None:
+    """One of two ranks timing DeepSpeed's reduction and step in bf16 beside fp32, side by side in the same
+    processes (bf16 runs DeepSpeed's FP16_UnfusedOptimizer at ZeRO 0 and fp32 master copies at ZeRO 1-2: more
+    work per parameter and per tensor): the ratio of bf16's to fp32's per parameter and per tensor, by stage."""
+    from torch import nn
+
+    from distaff.train.core.distributed import init_distributed
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    init_distributed(600)
+    ratios = {"deepspeed": {}, "deepspeed_per_tensor": {}}
+    for zero in (0, 1, 2):
+        found = {}
+        for precision in ("fp32", "bf16"):
+            large = nn.Sequential(*(nn.Linear(DS_WIDTH, DS_WIDTH) for _ in range(DS_LAYERS)))
+            small = nn.Sequential(*(nn.Linear(DS_SMALL_WIDTH, DS_SMALL_WIDTH) for _ in range(DS_SMALL_LAYERS)))
+            per_param = {key: ns / sum(p.numel() for p in large.parameters())
+                         for key, ns in _deepspeed_ns(large, zero, precision).items()}
+            params, tensors = sum(p.numel() for p in small.parameters()), len(list(small.parameters()))
+            per_tensor = {key: max(1.0, ns - per_param[key] * params) / tensors
+                          for key, ns in _deepspeed_ns(small, zero, precision).items()}
+            found[precision] = (per_param, per_tensor)
+        for index, section in enumerate(ratios.values()):
+            section[str(zero)] = {key: found["bf16"][index][key] / found["fp32"][index][key]
+                                  for key in found["fp32"][index]}
+    if rank == 0:
+        print(json.dumps(ratios))
+    torch.distributed.barrier()
+
+
+def half_precision_deepspeed(table: dict) -> dict:
+    """The table's DeepSpeed costs in bf16: its fp32 figures times the bf16 / fp32 ratios measured side by side
+    (:func:`half_precision_rank`), so both precisions stand on the machine state the fp32 figures were taken in."""
+    ratios = _two_ranks("--half-precision-rank")
+    return {f"{section}_bf16": {zero: {key: table[section][zero][key] * ratio for key, ratio in by_key.items()}
+                                for zero, by_key in ratios[section].items()} for section in ratios}
+
+
 def _two_ranks(flag: str) -> dict:
     """Run this script's ``flag`` rank program on two processes; rank 0's JSON."""
     from distaff.train.core.distributed import free_port
@@ -311,12 +351,13 @@ def measure() -> dict:
     started = time.perf_counter()
     rests = [layer_rest_row(hidden, heads, span, n, p) for hidden, heads, span in LAYERS for n in (64, 128)
              for p in DROPOUTS]
-    return {"layer_rest": rests,"source": "benchmarks/cpu_table.py on one thread: the reference kernels' costs (no GPU)",
+    table = {"layer_rest": rests, "source": "benchmarks/cpu_table.py on one thread: the reference kernels' costs (no GPU)",
             "regenerate": "python benchmarks/cpu_table.py", "probe": probe(),
             **attention_rows(), "elementwise_ns": {"fp32": elementwise_ns(torch.float32),
                                                   "bf16": elementwise_ns(torch.bfloat16)},
             **_two_ranks("--deepspeed-rank"), "fixed_ms": fixed_ms(), "load_average": os.getloadavg()[0],
             "seconds": round(time.perf_counter() - started, 1)}
+    return {**table, **half_precision_deepspeed(table)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -327,17 +368,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure only the per-call (fixed) costs into the committed table, keep the rest")
     parser.add_argument("--attention-only", action="store_true",
                         help="measure only the attention rows (and their probe) into the committed table, keep the rest")
+    parser.add_argument("--half-precision-deepspeed", action="store_true",
+                        help="add DeepSpeed's bf16 costs (measured beside fp32) to the committed table, keep the rest")
     parser.add_argument("--deepspeed-rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--half-precision-rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.deepspeed_rank is not None:
         deepspeed_rank(args.deepspeed_rank, args.port)
+        return 0
+    if args.half_precision_rank is not None:
+        half_precision_rank(args.half_precision_rank, args.port)
         return 0
     if args.fixed_only:
         torch.set_num_threads(1)
         deepspeed = _two_ranks("--deepspeed-rank")["deepspeed_per_tensor"]
         table = {**json.loads(args.out.read_text()), "fixed_ms": fixed_ms(), "deepspeed_per_tensor": deepspeed,
                  "fixed_load_average": os.getloadavg()[0]}
+    elif args.half_precision_deepspeed:
+        table = json.loads(args.out.read_text())
+        table.update(half_precision_deepspeed(table), half_precision_load_average=os.getloadavg()[0])
     elif args.attention_only:
         torch.set_num_threads(1)
         table = {**json.loads(args.out.read_text()), **attention_rows()}

@@ -139,3 +139,28 @@ def test_the_ops_around_the_gemms_cost_the_same_per_token_beyond_the_longest_mea
     longest = max(r["n"] for r in cpu_time.cpu_table()["layer_rest"])
     assert cpu_time.layer_rest_ns(cfg, 4 * longest) == cpu_time.layer_rest_ns(cfg, longest) > 0
     assert cpu_time.layer_rest_ns(cfg, longest) != cpu_time.layer_rest_ns(cfg, longest // 2)   # read between rows
+
+
+@pytest.mark.unit
+def test_half_precision_runs_read_deepspeeds_bf16_costs_measured_beside_fp32(monkeypatch):
+    """Issue 50: bf16 runs DeepSpeed's FP16_UnfusedOptimizer at ZeRO 0 (fp32 master copies, more work per tensor)
+    and reduces half the gradient bytes: the plan reads the table's bf16 figures (fp32's times the ratios measured
+    side by side), not fp32's."""
+    from dataclasses import replace
+
+    from distaff.train.plan import cpu_time
+    from distaff.train.plan.gpu_time import Assumptions
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    spec = parse_spec(SPEC)
+    plan = make_plan(load_config("tiny-cpu", ["zero.stage=0", "train.precision=bf16"]), "2xcpu", seq_len=64,
+                     gpu_spec=spec)
+    s, kind = plan.setting, devices("2xcpu", spec)[1]
+    table = cpu_time.cpu_table()
+    assert table["deepspeed_per_tensor_bf16"]["0"]["step"] > table["deepspeed_per_tensor"]["0"]["step"]
+    for precision, section in (("bf16", "_bf16"), ("fp16", "_bf16"), ("fp32", "")):
+        setting = replace(s, precision=precision)
+        per_parameter = table["deepspeed" + section]["0"]["step"] * s.params * 1e-9 * cpu_time._bandwidth_ratio(kind)
+        per_tensor = (table["deepspeed_per_tensor" + section]["0"]["step"] * s.param_tensors * 1e-9
+                      * cpu_time._core_ratio(kind))
+        assert cpu_time.optimizer_seconds(setting, kind, Assumptions()) == pytest.approx(per_parameter + per_tensor)

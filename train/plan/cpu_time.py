@@ -22,7 +22,9 @@ A CPU rank runs the PyTorch reference kernels, one op at a time, on ``threads`` 
 - optimizer and communication: DeepSpeed's optimizer step and gradient reduction on two CPU ranks, measured per
   parameter at each ZeRO stage (the table's, on a stack of linear layers): AdamW, ZeRO's copies and the weights'
   all-gather; gloo's all-reduce and the bucket's copies, none hidden (``overlap_comm`` is off on CPUs); and
-  per parameter tensor (measured on many small ones), as DeepSpeed and AdamW loop over the tensors in Python.
+  per parameter tensor (measured on many small ones), as DeepSpeed and AdamW loop over the tensors in Python;
+  half precision from its own figures (the fp32 ones times the bf16 / fp32 ratios measured side by side:
+  bf16's master copies cost more per tensor, its gradients move half the bytes).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from pathlib import Path
 from distaff.train.model.config import ModelConfig
 from distaff.train.model.flops import layer_applications, train_flops_per_token
 from distaff.train.plan.gpus import GpuKind
-from distaff.train.plan.memory import Setting, act_bytes
+from distaff.train.plan.memory import Setting
 from distaff.train.plan.gpu_time import (Assumptions, AttentionTime, Compute, attention_flops_per_token,
                                          per_token_head_ms)
 
@@ -189,22 +191,27 @@ def compute_seconds(s: Setting, gpu: GpuKind, a: Assumptions) -> Compute:
     return Compute(parts, forward, source, None)
 
 
+def _deepspeed_costs(section: str, s: Setting) -> dict[str, float]:
+    """The table's DeepSpeed ``section`` at ``s``'s ZeRO stage (ZeRO 3, which the table does not measure: ZeRO 2's)
+    and precision: fp32's, or for half precision bf16's (its FP16_UnfusedOptimizer or ZeRO's fp32 master copies,
+    and gradients of half the bytes; fp16 runs the same optimizers and reads them too)."""
+    return cpu_table()[section if s.precision == "fp32" else f"{section}_bf16"][str(min(s.zero, 2))]
+
+
 def _deepspeed(s: Setting, gpu: GpuKind, what: str) -> float:
     """Seconds of DeepSpeed's ``what`` (reduction, step) for ``s``: the table's CPU ns per parameter at the run's
-    ZeRO stage (ZeRO 3, which the table does not measure: ZeRO 2's), scaled by the copy bandwidths and, for a
-    ring over ``W`` ranks, by the bytes each rank moves (``(W-1)/W``, the table's at 2 ranks); the reduction by
-    the gradient's bytes against the table's fp32."""
-    ns = cpu_table()["deepspeed"][str(min(s.zero, 2))][what]
+    ZeRO stage and precision, scaled by the copy bandwidths and, for a ring over ``W`` ranks, by the bytes each
+    rank moves (``(W-1)/W``, the table's at 2 ranks)."""
+    ns = _deepspeed_costs("deepspeed", s)[what]
     ring = 2 * (s.ranks - 1) / s.ranks if s.ranks > 1 else 0.0
-    precision = act_bytes(s.precision) / 4 if what == "reduction" else 1.0
-    per_parameter = ns * s.params * 1e-9 * _bandwidth_ratio(gpu) * (ring if what == "reduction" else 1.0) * precision
+    per_parameter = ns * s.params * 1e-9 * _bandwidth_ratio(gpu) * (ring if what == "reduction" else 1.0)
     return per_parameter + _per_tensor(s, gpu, what)
 
 
 def _per_tensor(s: Setting, gpu: GpuKind, what: str) -> float:
     """Seconds of DeepSpeed's ``what`` that go with the count of parameter tensors, not their size (a loop in
     Python over them: the table's many small tensors less their per-parameter cost), scaled as per-call work."""
-    ns = cpu_table()["deepspeed_per_tensor"][str(min(s.zero, 2))][what]
+    ns = _deepspeed_costs("deepspeed_per_tensor", s)[what]
     return ns * s.param_tensors * 1e-9 * _core_ratio(gpu)
 
 
