@@ -260,59 +260,55 @@ def _deepspeed_ns(model, zero: int, precision: str = "fp32") -> dict[str, float]
     return {key: value / 3 * 1e9 for key, value in spent.items()}
 
 
-def deepspeed_rank(rank: int, port: int) -> None:
-    """One of two ranks timing DeepSpeed's gradient reduction and optimizer step on CPU ranks at ZeRO 0, 1 and 2:
-    CPU ns per parameter (a stack of large linear layers), and the ns per parameter tensor beyond that (a stack
-    of :data:`DS_SMALL_LAYERS` small ones: a small model's step is mostly per-tensor work, issue 50)."""
+def _deepspeed_costs(zero: int, precision: str, floor: float) -> tuple[dict[str, float], dict[str, float]]:
+    """DeepSpeed's reduction and step at ZeRO ``zero`` in ``precision``: CPU ns per parameter (a stack of large
+    linear layers), and ns per parameter tensor beyond that (a stack of :data:`DS_SMALL_LAYERS` small ones: a small
+    model's step is mostly per-tensor work, issue 50), at least ``floor``."""
     from torch import nn
 
+    large = nn.Sequential(*(nn.Linear(DS_WIDTH, DS_WIDTH) for _ in range(DS_LAYERS)))
+    small = nn.Sequential(*(nn.Linear(DS_SMALL_WIDTH, DS_SMALL_WIDTH) for _ in range(DS_SMALL_LAYERS)))
+    per_param = {key: ns / sum(p.numel() for p in large.parameters())
+                 for key, ns in _deepspeed_ns(large, zero, precision).items()}
+    params, tensors = sum(p.numel() for p in small.parameters()), len(list(small.parameters()))
+    per_tensor = {key: max(floor, ns - per_param[key] * params) / tensors
+                  for key, ns in _deepspeed_ns(small, zero, precision).items()}
+    return per_param, per_tensor
+
+
+def _start_rank(rank: int, port: int) -> None:
+    """Join the two ranks' gloo group on one thread."""
     from distaff.train.core.distributed import init_distributed
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     init_distributed(600)
+
+
+def deepspeed_rank(rank: int, port: int) -> None:
+    """One of two ranks timing DeepSpeed's gradient reduction and optimizer step on CPU ranks at ZeRO 0, 1 and 2
+    in fp32 (:func:`_deepspeed_costs`)."""
+    _start_rank(rank, port)
     per_param, per_tensor = {}, {}
     for zero in (0, 1, 2):
-        large = nn.Sequential(*(nn.Linear(DS_WIDTH, DS_WIDTH) for _ in range(DS_LAYERS)))
-        small = nn.Sequential(*(nn.Linear(DS_SMALL_WIDTH, DS_SMALL_WIDTH) for _ in range(DS_SMALL_LAYERS)))
-        found = _deepspeed_ns(large, zero)
-        per_param[str(zero)] = {key: ns / sum(p.numel() for p in large.parameters()) for key, ns in found.items()}
-        params, tensors = sum(p.numel() for p in small.parameters()), len(list(small.parameters()))
-        per_tensor[str(zero)] = {key: max(0.0, ns - per_param[str(zero)][key] * params) / tensors
-                                 for key, ns in _deepspeed_ns(small, zero).items()}
+        per_param[str(zero)], per_tensor[str(zero)] = _deepspeed_costs(zero, "fp32", 0.0)
     if rank == 0:
         print(json.dumps({"deepspeed": per_param, "deepspeed_per_tensor": per_tensor}))
     torch.distributed.barrier()
 
 
 def half_precision_rank(rank: int, port: int) -> None:
-    """One of two ranks timing DeepSpeed's reduction and step in bf16 beside fp32, side by side in the same
-    processes (bf16 runs DeepSpeed's FP16_UnfusedOptimizer at ZeRO 0 and fp32 master copies at ZeRO 1-2: more
-    work per parameter and per tensor): the ratio of bf16's to fp32's per parameter and per tensor, by stage."""
-    from torch import nn
-
-    from distaff.train.core.distributed import init_distributed
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    init_distributed(600)
+    """One of two ranks timing DeepSpeed's reduction and step in bf16 and fp32, side by side in the same processes
+    (bf16 runs DeepSpeed's FP16_UnfusedOptimizer at ZeRO 0 and fp32 master copies at ZeRO 1-2: other work per
+    parameter and per tensor): the ratio of bf16's to fp32's per parameter and per tensor, by stage."""
+    _start_rank(rank, port)
     ratios = {"deepspeed": {}, "deepspeed_per_tensor": {}}
     for zero in (0, 1, 2):
-        found = {}
-        for precision in ("fp32", "bf16"):
-            large = nn.Sequential(*(nn.Linear(DS_WIDTH, DS_WIDTH) for _ in range(DS_LAYERS)))
-            small = nn.Sequential(*(nn.Linear(DS_SMALL_WIDTH, DS_SMALL_WIDTH) for _ in range(DS_SMALL_LAYERS)))
-            per_param = {key: ns / sum(p.numel() for p in large.parameters())
-                         for key, ns in _deepspeed_ns(large, zero, precision).items()}
-            params, tensors = sum(p.numel() for p in small.parameters()), len(list(small.parameters()))
-            per_tensor = {key: max(1.0, ns - per_param[key] * params) / tensors
-                          for key, ns in _deepspeed_ns(small, zero, precision).items()}
-            found[precision] = (per_param, per_tensor)
+        # a floor of 1 ns a tensor keeps the ratio finite where noise leaves no per-tensor work
+        fp32, bf16 = (_deepspeed_costs(zero, precision, 1.0) for precision in ("fp32", "bf16"))
         for index, section in enumerate(ratios.values()):
-            section[str(zero)] = {key: found["bf16"][index][key] / found["fp32"][index][key]
-                                  for key in found["fp32"][index]}
+            section[str(zero)] = {key: bf16[index][key] / fp32[index][key] for key in fp32[index]}
     if rank == 0:
         print(json.dumps(ratios))
     torch.distributed.barrier()

@@ -47,7 +47,9 @@ keeps the float32 log-softmax of ``[M, V]``.
 A step's peak is the largest of five moments: the end of the forward (activations, the head's logits), the
 start of the backward (activations, ZeRO 1-2's bucket(s)), the word table's backward (the decoder's and the
 lookup's gradients of the tied table and their sum, alive together), the reduction at the end of the backward
-(its flat copies) and the optimizer step (the fp32 gradients and the optimizer's temporaries).
+(its flat copies) and the optimizer step (the fp32 gradients and the optimizer's temporaries). On the reference
+path the backward starts with the loss's two ``[M, V]`` float32 gradients beside the kept log-softmax, before the
+decoder's ``V x E`` gradient.
 """
 
 from __future__ import annotations
