@@ -1,19 +1,25 @@
 """The CPU costs the plan's time model reads for CPU ranks (``train/plan/cpu_table.json``), measured here.
 
-    python benchmarks/cpu_table.py            # one thread; a minute or two; writes train/plan/cpu_table.json
+    python benchmarks/cpu_table.py            # one thread; a few minutes; writes train/plan/cpu_table.json
     python benchmarks/cpu_table.py --print    # the table as markdown, from the committed file
+    python benchmarks/cpu_table.py --attention-only            # the attention rows and their probe (a minute or two)
+    python benchmarks/cpu_table.py --half-precision-deepspeed  # DeepSpeed's bf16 costs (bf16 / fp32 ratios, 20 s)
+    python benchmarks/cpu_table.py --fixed-only                # the per-call and per-tensor costs
 
 What the GPU plan reads from the attention judge's table and the datasheets, the CPU plan reads from this: the
 reference kernels' disentangled attention (forward and backward ms per token per head, by head size, position
-span, sequence length and dropout), an encoder layer's ops around its GEMMs and attention (ns per token, by
+span, sequence length, dropout and the inputs' dtype, with the probe taken beside them), an encoder layer's ops around its GEMMs and attention (ns per token, by
 hidden size, sequence length and dropout: the layer run with its GEMMs and attention taken out), the per-element cost (ns, forward + backward) of the ops of the embeddings and the MLM head (LayerNorm
 with its residual add, bias + GELU, dropout, the loss per logit, the tied word table's gradient), and
 DeepSpeed's gradient reduction (gloo's all-reduce and the copies around it) and optimizer step (AdamW, ZeRO's
 copies, the weights' all-gather) on two CPU ranks at ZeRO 0-2 (CPU ns per parameter, on a stack of linear
-layers: no DeBERTa model goes into the table). The probe's figures of this machine at the time (GEMM rates, copy
+layers: no DeBERTa model goes into the table), in fp32 and, as fp32's times their ratio measured side by side,
+bf16. The probe's figures of this machine at the time (GEMM rates, copy
 bandwidth) are stored with them: another machine's plan scales attention by the ratio of fp32 GEMM rates and
 the per-element costs by the ratio of copy bandwidths. Times are CPU time of the measuring thread, as the
-probe's, so a shared machine measures about what an idle one would; the load average is recorded.
+probe's, which a shared machine inflates far less than wall time, though not nothing (its caches and memory
+bandwidth are shared: the same rows measured at load 5 and at load 1.7 differ by up to 1.6x relative to their
+probes, docs/plan.md); the load average is recorded.
 """
 
 from __future__ import annotations
