@@ -5,6 +5,7 @@
     python benchmarks/cpu_table.py --attention-only            # the attention rows and their probe (a minute or two)
     python benchmarks/cpu_table.py --half-precision-deepspeed  # DeepSpeed's bf16 costs (bf16 / fp32 ratios, 20 s)
     python benchmarks/cpu_table.py --fixed-only                # the per-call and per-tensor costs
+    python benchmarks/cpu_table.py --drift                     # which probe figure the costs follow
 
 What the GPU plan reads from the attention judge's table and the datasheets, the CPU plan reads from this: the
 reference kernels' disentangled attention (forward and backward ms per token per head, by head size, position
@@ -16,7 +17,8 @@ copies, the weights' all-gather) on two CPU ranks at ZeRO 0-2 (CPU ns per parame
 layers: no DeBERTa model goes into the table), in fp32 and, as fp32's times their ratio measured side by side,
 bf16. The probe's figures of this machine at the time (GEMM rates, copy
 bandwidth) are stored with them: another machine's plan scales attention by the ratio of fp32 GEMM rates and
-the per-element costs by the ratio of copy bandwidths. Times are CPU time of the measuring thread, as the
+the per-element costs by the ratio of copy bandwidths and DeepSpeed's by that of the cores' small-GEMM
+rates (what each was measured to follow, ``--drift``). Times are CPU time of the measuring thread, as the
 probe's, which a shared machine inflates far less than wall time, though not nothing (its caches and memory
 bandwidth are shared: the same rows measured at load 5 and at load 1.7 differ by up to 1.6x relative to their
 probes, docs/plan.md); the load average is recorded.
@@ -362,6 +364,25 @@ def measure() -> dict:
     return {**table, **half_precision_deepspeed(table)}
 
 
+def drift(table: dict) -> dict:
+    """How the committed table's DeepSpeed per-parameter costs and elementwise rows moved since they were measured,
+    beside how the probe's figures moved: which probe figure each follows (the plan scales each by that one). The
+    ratios are the table's cost over today's, so a faster machine reads above 1."""
+    torch.set_num_threads(1)
+    before = probe()
+    elementwise = elementwise_ns(torch.float32)
+    deepspeed = _two_ranks("--deepspeed-rank")["deepspeed"]
+    after = probe()
+    small = lambda p: p["gemm_gflops"][0][1]       # noqa: E731 -- the small-GEMM rate _core_ratio reads
+    then = table["probe"]
+    return {"date": after["date"], "load_average": after["load_average"],
+            "core": (small(before) + small(after)) / 2 / small(then),
+            "copy": (before["copy_gb_s"] + after["copy_gb_s"]) / 2 / then["copy_gb_s"],
+            "elementwise": {k: table["elementwise_ns"]["fp32"][k] / v for k, v in elementwise.items()},
+            "deepspeed": {zero: {k: table["deepspeed"][zero][k] / v for k, v in costs.items()}
+                          for zero, costs in deepspeed.items()}}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--print", action="store_true", help="print the committed table, measure nothing")
@@ -372,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure only the attention rows (and their probe) into the committed table, keep the rest")
     parser.add_argument("--half-precision-deepspeed", action="store_true",
                         help="add DeepSpeed's bf16 costs (measured beside fp32) to the committed table, keep the rest")
+    parser.add_argument("--drift", action="store_true",
+                        help="remeasure the DeepSpeed and elementwise costs and print how far they and the probe moved")
     parser.add_argument("--deepspeed-rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--half-precision-rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -381,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.half_precision_rank is not None:
         half_precision_rank(args.half_precision_rank, args.port)
+        return 0
+    if args.drift:
+        print(json.dumps(drift(json.loads(args.out.read_text())), indent=1))
         return 0
     if args.fixed_only:
         torch.set_num_threads(1)

@@ -24,7 +24,11 @@ A CPU rank runs the PyTorch reference kernels, one op at a time, on ``threads`` 
   all-gather; gloo's all-reduce and the bucket's copies, none hidden (``overlap_comm`` is off on CPUs); and
   per parameter tensor (measured on many small ones), as DeepSpeed and AdamW loop over the tensors in Python;
   half precision from its own figures (the fp32 ones times the bf16 / fp32 ratios measured side by side:
-  bf16's master copies cost more per tensor, its gradients move half the bytes).
+  bf16's master copies cost more per tensor, its gradients move half the bytes). All of it is scaled by the
+  ratio of the cores' small-GEMM rates, not of copy bandwidths: remeasured on a machine whose copies ran 2.36x
+  and small GEMMs 1.32x faster than when the table was taken, DeepSpeed's per-parameter costs ran 1.35-1.51x
+  faster, the elementwise rows 1.6-4.7x (``benchmarks/cpu_table.py --drift``,
+  benchmarks/results/cpu_table_drift.json): AdamW's and gloo's loops over the parameters follow the core.
 """
 
 from __future__ import annotations
@@ -200,11 +204,12 @@ def _deepspeed_costs(section: str, s: Setting) -> dict[str, float]:
 
 def _deepspeed(s: Setting, gpu: GpuKind, what: str) -> float:
     """Seconds of DeepSpeed's ``what`` (reduction, step) for ``s``: the table's CPU ns per parameter at the run's
-    ZeRO stage and precision, scaled by the copy bandwidths and, for a ring over ``W`` ranks, by the bytes each
-    rank moves (``(W-1)/W``, the table's at 2 ranks)."""
+    ZeRO stage and precision, scaled by the cores' speeds (:func:`_core_ratio`: what these costs were measured to
+    follow, not the copy bandwidth) and, for a ring over ``W`` ranks, by the bytes each rank moves (``(W-1)/W``,
+    the table's at 2 ranks)."""
     ns = _deepspeed_costs("deepspeed", s)[what]
     ring = 2 * (s.ranks - 1) / s.ranks if s.ranks > 1 else 0.0
-    per_parameter = ns * s.params * 1e-9 * _bandwidth_ratio(gpu) * (ring if what == "reduction" else 1.0)
+    per_parameter = ns * s.params * 1e-9 * _core_ratio(gpu) * (ring if what == "reduction" else 1.0)
     return per_parameter + _per_tensor(s, gpu, what)
 
 
