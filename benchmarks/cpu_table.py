@@ -6,6 +6,7 @@
     python benchmarks/cpu_table.py --half-precision-deepspeed  # DeepSpeed's bf16 costs (bf16 / fp32 ratios, 20 s)
     python benchmarks/cpu_table.py --fixed-only                # the per-call and per-tensor costs
     python benchmarks/cpu_table.py --drift                     # which probe figure the costs follow
+    python benchmarks/cpu_table.py --sampling-only             # RTD's replacement draw per logit (seconds)
 
 What the GPU plan reads from the attention judge's table and the datasheets, the CPU plan reads from this: the
 reference kernels' disentangled attention (forward and backward ms per token per head, by head size, position
@@ -43,7 +44,7 @@ from distaff import kernels
 from distaff.kernels import reference
 from distaff.train.model.config import load_model_config
 from distaff.train.model.deberta import DebertaForMaskedLM, Encoder
-from distaff.train.model.rtd import ReplacedTokenDetection
+from distaff.train.model.rtd import ReplacedTokenDetection, ReplacementSampler
 from distaff.train.model.flops import layer_applications
 from distaff.train.plan.cpu import probe
 from distaff.train.plan.cpu_time import CPU_TABLE
@@ -57,6 +58,9 @@ ATTENTION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ELEMENTS = 1 << 20
 LAYER_REST_TOKENS = 1024   # tokens of each layer_rest row
 FIXED_TOKENS = 8           # tokens of the per-call (fixed) calibration: its cost is nearly all per-call work
+# RTD's sampling probe (512 rows x 4,000 logits), and the vocabulary of the per-call probe's RTD pair: the plan takes
+# that pair's draws out of its per-call figure with the sampling probe's vocabulary
+SAMPLE_ROWS, SAMPLE_WIDTH, SAMPLE_VOCAB = 512, 128, 4000
 
 
 def best_seconds(fn, repeat: int = 5) -> float:
@@ -157,9 +161,9 @@ def _rtd_ms(row: dict) -> dict[str, float]:
     from distaff.train.plan.planner import models_of
     from distaff.train.run.config import load_config
 
-    generator, discriminator = (replace(m, vocab_size=4000, kernel_impl="reference", attention_impl="reference")
+    generator, discriminator = (replace(m, vocab_size=SAMPLE_VOCAB, kernel_impl="reference", attention_impl="reference")
                                 for m in models_of(load_config("tiny-rtd-cpu", ["data.dir=unused"])))
-    forward, both = _few_tokens_ms(ReplacedTokenDetection(generator, discriminator), 4000)
+    forward, both = _few_tokens_ms(ReplacedTokenDetection(generator, discriminator), SAMPLE_VOCAB)
     models = {stage: sum(layer_applications(m) * row["layer_ms"][stage] + row["model_ms"][stage]
                          for m in (generator, discriminator)) for stage in ("forward", "backward")}
     return {"forward": max(0.0, forward - models["forward"]), "backward": max(0.0, both - forward - models["backward"])}
@@ -199,6 +203,22 @@ def fixed_ms() -> list[dict]:
                      "layer_rest_ms": rest_fixed_ms(dropout), "layer_rest_tokens": LAYER_REST_TOKENS})
         rows[-1]["rtd_ms"] = _rtd_ms(rows[-1])
     return rows
+
+
+def rtd_sampling() -> dict:
+    """RTD's draw of a replacement per labelled row (the generator's ``ReplacementSampler``: the rows' logits
+    again, in float32, Gumbel noise from ``exponential_``, their log and an argmax), ns per logit in fp32 and bf16
+    rows: forward-only work the loss-per-logit row does not stand for (its random numbers cost several times a
+    loss's per logit), with the probe of the cores it was measured on (the plan scales it by that one)."""
+    torch.set_num_threads(1)
+    sampler, found = ReplacementSampler(0), {"rows": SAMPLE_ROWS, "vocab": SAMPLE_VOCAB}
+    cores = probe()
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        rows = torch.randn(SAMPLE_ROWS, SAMPLE_WIDTH, dtype=dtype)
+        weight = torch.randn(SAMPLE_VOCAB, SAMPLE_WIDTH, dtype=dtype)
+        seconds = best_seconds(lambda: sampler.sample(rows, weight, None, True), 9)
+        found[f"{name}_ns_per_logit"] = seconds / (SAMPLE_ROWS * SAMPLE_VOCAB) * 1e9
+    return {"rtd_sampling": found, "rtd_sampling_probe": cores}
 
 
 def _fwd_bwd_ns(make, fn, elements: int) -> float:
@@ -359,7 +379,8 @@ def measure() -> dict:
             "regenerate": "python benchmarks/cpu_table.py", "probe": probe(),
             **attention_rows(), "elementwise_ns": {"fp32": elementwise_ns(torch.float32),
                                                   "bf16": elementwise_ns(torch.bfloat16)},
-            **_two_ranks("--deepspeed-rank"), "fixed_ms": fixed_ms(), "load_average": os.getloadavg()[0],
+            **_two_ranks("--deepspeed-rank"), "fixed_ms": fixed_ms(), **rtd_sampling(),
+            "load_average": os.getloadavg()[0],
             "seconds": round(time.perf_counter() - started, 1)}
     return {**table, **half_precision_deepspeed(table)}
 
@@ -393,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure only the attention rows (and their probe) into the committed table, keep the rest")
     parser.add_argument("--half-precision-deepspeed", action="store_true",
                         help="add DeepSpeed's bf16 costs (measured beside fp32) to the committed table, keep the rest")
+    parser.add_argument("--sampling-only", action="store_true",
+                        help="measure only RTD's sampling (and its probe) into the committed table, keep the rest")
     parser.add_argument("--drift", action="store_true",
                         help="remeasure the DeepSpeed and elementwise costs and print how far they and the probe moved")
     parser.add_argument("--deepspeed-rank", type=int, help=argparse.SUPPRESS)
@@ -416,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.half_precision_deepspeed:
         table = json.loads(args.out.read_text())
         table.update(half_precision_deepspeed(table), half_precision_load_average=os.getloadavg()[0])
+    elif args.sampling_only:
+        table = {**json.loads(args.out.read_text()), **rtd_sampling()}
     elif args.attention_only:
         torch.set_num_threads(1)
         table = {**json.loads(args.out.read_text()), **attention_rows()}

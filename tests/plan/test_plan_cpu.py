@@ -191,3 +191,30 @@ def test_deepspeeds_costs_follow_the_cores_speed_not_the_copy_bandwidth(monkeypa
     assert engine_seconds(SPEC.replace("hbm_tb_s=0.01", "hbm_tb_s=0.02")) == pytest.approx(base)
     halved = engine_seconds(SPEC.replace("tflops=0.2,fp32_tflops=0.08", "tflops=0.1,fp32_tflops=0.04"))
     assert halved == pytest.approx((2 * base[0], 2 * base[1]), rel=1e-6)
+
+
+@pytest.mark.unit
+def test_rtds_draw_of_replacements_is_forward_work_per_labelled_logit(monkeypatch):
+    """Issue 50: the RTD generator draws a replacement for every labelled token (its logits again, Gumbel noise from
+    ``exponential_``, an argmax), measured per logit (``rtd_sampling``); the plan puts it all in the forward, less
+    what the per-call figure already holds of it."""
+    from distaff.train.plan import cpu_time
+    from distaff.train.plan.gpu_time import Assumptions
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    spec = parse_spec(SPEC)
+    kind = devices("2xcpu", spec)[1]
+    table = cpu_time.cpu_table()["rtd_sampling"]
+    assert table["bf16_ns_per_logit"] > cpu_time.cpu_table()["elementwise_ns"]["bf16"]["mlm_loss_per_logit"]
+    s = make_plan(load_config("tiny-rtd-cpu", ["zero.stage=0"]), "2xcpu", seq_len=64, gpu_spec=spec).setting
+    draw = (s.tokens * s.labelled_share * s.models[0].vocab_size * table["fp32_ns_per_logit"] * 1e-9
+            * cpu_time._core_ratio(kind, "rtd_sampling_probe"))
+    assert cpu_time.sampling_seconds(s, kind) == pytest.approx(draw)
+    with_draw = cpu_time.compute_seconds(s, kind, Assumptions())
+    # the per-call figure's pair drew for its labelled half of a few tokens: taken out of it, counted once
+    counted = cpu_time.sampling_seconds(s, kind, cpu_time._fixed(s.models[-1])["tokens"] / 2 * table["vocab"])
+    monkeypatch.setattr(cpu_time, "sampling_seconds", lambda *args, **kwargs: 0.0)
+    without = cpu_time.compute_seconds(s, kind, Assumptions())
+    assert with_draw.forward - without.forward == pytest.approx(draw - counted)
+    assert sum(with_draw.parts.values()) - sum(without.parts.values()) == pytest.approx(draw - counted)
+    assert 0 < counted < draw

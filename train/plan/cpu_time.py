@@ -19,6 +19,9 @@ A CPU rank runs the PyTorch reference kernels, one op at a time, on ``threads`` 
   and loss) forward and backward, and RTD's own around its two models, measured once on tiny models at a few
   tokens (``fixed_ms``), scaled by the ratio of the cores' small-GEMM rates (not bandwidth: it is Python and
   dispatch); the layer rows' own share of it is taken out of them, so it is counted once;
+- RTD's draw of a replacement for every labelled token (the generator's logits again, Gumbel noise and an
+  argmax: forward only, measured per logit, ``rtd_sampling``, with its own probe; random numbers cost several
+  times a loss's work per logit, and at 4 x 64 the draw is a sixth of the pair's forward);
 - optimizer and communication: DeepSpeed's optimizer step and gradient reduction on two CPU ranks, measured per
   parameter at each ZeRO stage (the table's, on a stack of linear layers): AdamW, ZeRO's copies and the weights'
   all-gather; gloo's all-reduce and the bucket's copies, none hidden (``overlap_comm`` is off on CPUs); and
@@ -101,12 +104,13 @@ def _bandwidth_ratio(gpu: GpuKind) -> float:
     return cpu_table()["probe"]["copy_gb_s"] / (gpu.hbm_tb_s * 1e3)
 
 
-def _core_ratio(gpu: GpuKind) -> float:
-    """How much faster the table's core ran scalar work than this machine's: the ratio of their fp32 GEMM rates at
-    the smallest probed size (the per-call work is Python and dispatch: neither bandwidth- nor GEMM-bound, but it
-    follows the core's speed, which the small GEMM's rate tracks closest of what the probe measures)."""
-    smallest = cpu_table()["probe"]["gemm_gflops"][0][0]
-    return _table_rate(smallest, "fp32") / gemm_rate(gpu.gemm_curve, smallest, "fp32")
+def _core_ratio(gpu: GpuKind, probe: str = "probe") -> float:
+    """How much faster the table's core (as its ``probe`` section measured it) ran scalar work than this machine's:
+    the ratio of their fp32 GEMM rates at the smallest probed size (the per-call work is Python and dispatch:
+    neither bandwidth- nor GEMM-bound, but it follows the core's speed, which the small GEMM's rate tracks closest
+    of what the probe measures)."""
+    smallest = cpu_table()[probe]["gemm_gflops"][0][0]
+    return _table_rate(smallest, "fp32", probe) / gemm_rate(gpu.gemm_curve, smallest, "fp32")
 
 
 def _ns(s: Setting) -> dict[str, float]:
@@ -152,15 +156,15 @@ def fixed_seconds(cfg: ModelConfig) -> tuple[float, float]:
                  for stage in ("forward", "backward"))
 
 
-def model_ns_per_token(cfg: ModelConfig, labelled: float, generator: bool) -> float:
+def model_ns_per_token(cfg: ModelConfig, labelled: float) -> float:
     """ns per token of the embeddings' and the MLM head's ops around their GEMMs (forward + backward, one
     thread): LayerNorm and dropout of the embeddings, the head's bias-GELU and LayerNorm and its loss per logit
-    (an RTD generator also samples a replacement from every labelled row's logits)."""
+    (an RTD generator's draw of replacements is :func:`sampling_seconds`)."""
     ns = cpu_table()["elementwise_ns"]["fp32"]
     d, e = cfg.hidden_size, cfg.embedding_size
     embeddings = d * ns["layer_norm_residual"] + (d * ns["dropout"] if cfg.hidden_dropout_prob > 0 else 0)
     head = labelled * (e * (ns["bias_gelu"] + ns["layer_norm_residual"])
-                       + cfg.vocab_size * ns["mlm_loss_per_logit"] * (2 if generator else 1))
+                       + cfg.vocab_size * ns["mlm_loss_per_logit"])
     return embeddings + head
 
 
@@ -177,7 +181,7 @@ def compute_seconds(s: Setting, gpu: GpuKind, a: Assumptions) -> Compute:
         table = cfg.vocab_size * cfg.embedding_size * _ns(s)["table_gradient"]     # its gradient, every micro-batch
         applications = layer_applications(cfg) if cfg.emd else cfg.num_hidden_layers
         per_token = (applications * layer_rest_ns(cfg, n)
-                     + model_ns_per_token(cfg, labelled, index == 0 and len(s.models) == 2))
+                     + model_ns_per_token(cfg, labelled))
         elementwise = (per_token * tokens + table) * 1e-9 * _bandwidth_ratio(gpu) / threads
         # per-call work is one thread's whatever the threads (Python and dispatch do not split across cores)
         fixed_forward, fixed_backward = (seconds * _core_ratio(gpu) for seconds in fixed_seconds(cfg))
@@ -188,11 +192,28 @@ def compute_seconds(s: Setting, gpu: GpuKind, a: Assumptions) -> Compute:
         parts["fused ops"] += elementwise * recompute + fixed_forward * replays + fixed_backward
         forward += gemm_s / 3 + attn.forward + elementwise / 3 + fixed_forward
         source = attn.source
-    if len(s.models) == 2:      # RTD's own per-call work around its two models
-        rtd = _fixed(s.models[-1])["rtd_ms"]
-        parts["fused ops"] += (rtd["forward"] + rtd["backward"]) * 1e-3 * _core_ratio(gpu)
-        forward += rtd["forward"] * 1e-3 * _core_ratio(gpu)
+    if len(s.models) == 2:      # RTD's own work around its two models: its per-call work, and its draw
+        fixed = _fixed(s.models[-1])
+        rtd, sampling = fixed["rtd_ms"], sampling_seconds(s, gpu)
+        # the per-call figure's pair drew replacements for its labelled half of a few tokens (from the sampling
+        # probe's vocabulary, cpu_table.py): counted once, here
+        drawn = fixed["tokens"] / 2 * cpu_table()["rtd_sampling"]["vocab"]
+        rtd_forward = max(0.0, rtd["forward"] * 1e-3 * _core_ratio(gpu) - sampling_seconds(s, gpu, drawn))
+        parts["fused ops"] += rtd_forward + rtd["backward"] * 1e-3 * _core_ratio(gpu) + sampling
+        forward += rtd_forward + sampling
     return Compute(parts, forward, source, None)
+
+
+def sampling_seconds(s: Setting, gpu: GpuKind, logits: float | None = None) -> float:
+    """RTD's draw of a replacement for each labelled token of the micro-batch (or of ``logits`` logits): the
+    generator's logits again, Gumbel noise and an argmax per logit, forward only, as the table measured it per
+    logit (``rtd_sampling``: its random numbers cost several times a loss's per logit), scaled by the cores'
+    speeds (random numbers follow the core, as dropout's did under ``benchmarks/cpu_table.py --drift``)."""
+    found = cpu_table()["rtd_sampling"]
+    if logits is None:
+        logits = s.tokens * s.labelled_share * s.models[0].vocab_size
+    ns = found["fp32_ns_per_logit" if s.precision == "fp32" else "bf16_ns_per_logit"]
+    return logits * ns * 1e-9 * _core_ratio(gpu, "rtd_sampling_probe")
 
 
 def _deepspeed_costs(section: str, s: Setting) -> dict[str, float]:
