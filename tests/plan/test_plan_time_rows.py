@@ -65,4 +65,4 @@ def test_a_row_with_its_own_probe_is_planned_on_it_and_the_others_on_the_results
     _, probe, own = PLAN_DOC._timed_runs("own.json")
     assert own[0]["plan_step_s"] < 0.75 * plain[0]["plan_step_s"]
     assert [r["plan_step_s"] for r in own[1:]] == [r["plan_step_s"] for r in plain[1:]]
-    assert f"{own[0]['run']}: " in PLAN_DOC._probes_line(probe, own)
+    assert f"{own[0]['run']} {faster['gemm_gflops'][0][1]:.0f} GFLOP/s" in PLAN_DOC._probes_line(probe, own)
