@@ -394,7 +394,9 @@ def drift(table: dict) -> dict:
     elementwise = elementwise_ns(torch.float32)
     deepspeed = _two_ranks("--deepspeed-rank")["deepspeed"]
     after = probe()
-    small = lambda p: p["gemm_gflops"][0][1]       # noqa: E731 -- the small-GEMM rate _core_ratio reads
+    def small(figures: dict) -> float:        # the small-GEMM rate the plan's _core_ratio reads
+        return figures["gemm_gflops"][0][1]
+
     then = table["probe"]
     return {"date": after["date"], "load_average": after["load_average"],
             "core": (small(before) + small(after)) / 2 / small(then),
