@@ -4,11 +4,16 @@
     python benchmarks/plan_time.py --runs tiny-z2 --repeat 1
     python benchmarks/plan_time.py --json benchmarks/results/plan_time_cpu.json
     python benchmarks/plan_time.py --out-of-sample --repeat 1 --json benchmarks/results/plan_time_oos.json
+    python benchmarks/plan_time.py --runs tiny-z2-8x128 --update --json benchmarks/results/plan_time_cpu.json
 
 Each run is a real ``distaff pretrain`` on 1 or 2 CPU ranks (torchrun, gloo; one thread each, OMP_NUM_THREADS=1)
 over the bundled text, with its stages timed by the trainer (train/run/metrics.py StageClock, metrics.jsonl). The
-plan is ``distaff plan --gpus Nxcpu`` for the same config and the threads the run used (the probe of this machine
-is refreshed first). ``--out-of-sample`` runs :data:`OUT_OF_SAMPLE` instead: shapes none of the CPU model's
+plan is ``distaff plan --gpus Nxcpu`` for the same config and the threads the run used, on this machine as probed
+around the run: the mean of a probe just before it and one just after (:func:`bracketing_probe`). This machine's
+speed drifts with its neighbours (one thread's GEMMs at 66-118 GFLOP/s, its copies at 21-59 GB/s within two days,
+issue 50), so one probe for a quarter hour of runs plans the later ones for a machine they did not run on; each
+row carries its own probe, which also lets ``--update`` remeasure some rows of a committed result and keep the
+others. ``--out-of-sample`` runs :data:`OUT_OF_SAMPLE` instead: shapes none of the CPU model's
 tables were measured at and none of :data:`RUNS` (1 and 2 ranks, micro-batches 4-32, sequences 64-512, MLM and
 RTD, padded and packed, fp32 and bf16), each a few steps. The load average of the machine is
 recorded before and after each run: the machine may be shared, and a busy machine runs slower than planned.
@@ -29,7 +34,7 @@ from pathlib import Path
 
 from distaff.train.core.distributed import free_port
 from distaff.train.plan.compare import measured_means, rows
-from distaff.train.plan.cpu import core_kind, probed
+from distaff.train.plan.cpu import core_kind, probe as probe_machine, probed
 from distaff.train.plan.planner import make_plan
 from distaff.train.run.config import load_config
 from distaff.train.run.metrics import numbers, read_metrics
@@ -107,13 +112,24 @@ def cpu_plan(result: dict, probe: dict):
     return make_plan(cfg, f"{ranks}xcpu", seq_len=result["seq_len"], gpu_spec=cores)
 
 
-def measure(name: str, work: Path, env: dict, probe: dict) -> dict:
+def bracketing_probe(before: dict, after: dict) -> dict:
+    """The machine over a run: the mean of its figures probed just before and just after (each GEMM rate, the copy
+    bandwidth, the load), with the rest (cores, memory, version) of the later probe."""
+    curve = [(k, (fp32 + fp32_after) / 2, (bf16 + bf16_after) / 2)
+             for (k, fp32, bf16), (_, fp32_after, bf16_after) in zip(before["gemm_gflops"], after["gemm_gflops"])]
+    return {**after, "gemm_gflops": curve, "copy_gb_s": (before["copy_gb_s"] + after["copy_gb_s"]) / 2,
+            "load_average": (before["load_average"] + after["load_average"]) / 2, "date": before["date"],
+            "bracketed": True}
+
+
+def measure(name: str, work: Path, env: dict) -> dict:
     preset, overrides, seq_len, steps, ranks = (*RUNS[name], 2) if name in RUNS else OUT_OF_SAMPLE[name]
     data = prepare(work, seq_len, env)
     out = work / f"run-{name}"
     shutil.rmtree(out, ignore_errors=True)
-    load_before = os.getloadavg()[0]
+    load_before, probe_before = os.getloadavg()[0], probe_machine()
     wall, check = train(preset, overrides, data, steps, out, env, ranks)
+    machine = bracketing_probe(probe_before, probe_machine())
     measured, records = measured_means(out / "metrics.jsonl")
     measured_cpu, _ = measured_means(out / "metrics.jsonl", "_cpu")
     step_times = [r["step_time_s"] for r in read_metrics(out / "metrics.jsonl") if numbers(r, "step_time_s")][1:]
@@ -122,8 +138,9 @@ def measure(name: str, work: Path, env: dict, probe: dict) -> dict:
               "vocab_size": json.loads((data / "manifest.json").read_text())["vocab_size"],
               "measured_step_s": sum(step_times) / len(step_times), "measured_stages_s": measured,
               "measured_cpu_step_s": sum(measured_cpu.values()), "measured_cpu_stages_s": measured_cpu,
-              "load_before": load_before, "load_after": os.getloadavg()[0], "wall_s": wall, "check_line": check}
-    plan = cpu_plan(result, probe)
+              "load_before": load_before, "load_after": os.getloadavg()[0], "wall_s": wall, "check_line": check,
+              "probe": machine}
+    plan = cpu_plan(result, machine)
     return {**result, "plan_step_s": plan.time.total, "plan_stages_s": plan.time.stages}
 
 
@@ -152,8 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-of-sample", action="store_true", help="the shapes the CPU model was not built on")
     parser.add_argument("--repeat", type=int, default=2, help="measure each run this many times (the median kept)")
     parser.add_argument("--json", type=Path, help="write every measurement here")
+    parser.add_argument("--update", action="store_true",
+                        help="replace only the measured runs in --json's committed result, keep its other rows")
     parser.add_argument("--work", type=Path, help="keep the data and runs here (default: a temporary folder)")
     args = parser.parse_args(argv)
+    if args.update and not (args.json and args.json.is_file()):
+        parser.error(f"--update needs --json naming a committed result, got {args.json}")
     runs = args.runs or list(OUT_OF_SAMPLE if args.out_of_sample else RUNS)
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
@@ -167,15 +188,26 @@ def main(argv: list[str] | None = None) -> int:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         for name in runs:
-            tries = sorted((measure(name, work, env, probe) for _ in range(args.repeat)),
+            tries = sorted((measure(name, work, env) for _ in range(args.repeat)),
                            key=lambda r: r["measured_step_s"])
             kept = tries[len(tries) // 2]
             kept["repeats_step_s"] = [t["measured_step_s"] for t in tries]
             results.append(kept)
             print(row_line(kept), flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"probe": probe, "runs": results}, indent=1) + "\n")
+        recorded = {"probe": probe, "runs": results}
+        if args.update:
+            recorded = merged(json.loads(args.json.read_text()), results)
+        args.json.write_text(json.dumps(recorded, indent=1) + "\n")
     return 0
+
+
+def merged(recorded: dict, results: list[dict]) -> dict:
+    """``recorded`` (a committed result) with the rows of ``results`` in place of its rows of the same runs (new
+    runs at its end); its probe stays the one of the rows that carry none of their own."""
+    fresh = {r["run"]: r for r in results}
+    runs = [fresh.pop(r["run"], r) for r in recorded["runs"]]
+    return {**recorded, "runs": runs + list(fresh.values())}
 
 
 if __name__ == "__main__":

@@ -117,12 +117,21 @@ def _probe_line(probe: dict) -> str:
             f"fp32/bf16 by inner size {gemm}; copy {probe['copy_gb_s']:.1f} GB/s")
 
 
+def _probes_line(probe: dict, runs: list[dict]) -> str:
+    """The result's probe, and each row's own where it has one (probed around its run)."""
+    own = [f"{r['run']} {r['probe']['gemm_gflops'][0][1]:.0f} GFLOP/s, {r['probe']['copy_gb_s']:.1f} GB/s"
+           for r in runs if "probe" in r]
+    return _probe_line(probe) + ("" if not own else "; rows probed around their run (the mean of a probe before "
+                                 "and one after; fp32 GEMMs of inner size 128, copy): " + "; ".join(own))
+
+
 def _timed_runs(name: str):
-    """The runs of a committed plan_time result with their plan computed now (from the probe recorded with them)."""
+    """The runs of a committed plan_time result with their plan computed now (from the probe recorded with them:
+    their own, probed around the run, where they have one)."""
     bench = _script(REPO / "benchmarks" / "plan_time.py")
     recorded = json.loads((RESULTS / name).read_text())
     for run in recorded["runs"]:
-        plan = bench.cpu_plan(run, recorded["probe"])
+        plan = bench.cpu_plan(run, run.get("probe", recorded["probe"]))
         run["plan_step_s"], run["plan_stages_s"] = plan.time.total, plan.time.stages
     return bench, recorded["probe"], recorded["runs"]
 
@@ -130,7 +139,7 @@ def _timed_runs(name: str):
 def out_of_sample_values() -> dict[str, str]:
     bench, probe, runs = _timed_runs("plan_time_oos.json")
     return {"plan.cpu_time_oos": "\n" + "\n".join([bench.HEADER, *map(bench.row_line, runs)]) + "\n",
-            "plan.cpu_time_oos_summary": cpu_time_summary(runs), "plan.cpu_probe_oos": _probe_line(probe),
+            "plan.cpu_time_oos_summary": cpu_time_summary(runs), "plan.cpu_probe_oos": _probes_line(probe, runs),
             "plan.memory_long_packed": memory_table("plan_memory_long_packed.json")}
 
 
@@ -139,7 +148,7 @@ def cpu_time_values() -> dict[str, str]:
     return {"plan.cpu_time": "\n" + "\n".join([bench.HEADER, *map(bench.row_line, runs)]) + "\n",
             "plan.check_example": f"\n```\n{runs[0]['check_line']}\n```\n",
             "plan.cpu_time_summary": cpu_time_summary(runs),
-            "plan.cpu_probe": _probe_line(probe)}
+            "plan.cpu_probe": _probes_line(probe, runs)}
 
 
 def values() -> dict[str, str]:

@@ -37,15 +37,19 @@ of hidden ``D``, feed-forward ``I``, ``H`` heads: the layer input, Q/K/V, the at
 ``[B, N, D]`` relayout, the attention's float32 log-sum-exp, two LayerNorm inputs with float32 mean and
 1/std, the feed-forward input, the pre-GELU and post-GELU ``[T, I]`` tensors, the dropout masks (one byte per
 element) and the per-layer position tables ``Kr``/``Qr``. The PyTorch reference path (the CPU) adds the
-relative-position index, keeps the attention output in the heads' layout (no relayout copy) and computes
-half-precision attention in float32 (its Q/K/V/output copies are float32). The MLM head keeps the labelled
+relative-position index, keeps the attention output in the heads' layout (no relayout copy), computes
+half-precision attention in float32 (its Q/K/V/output copies are float32) and keeps each dropout's mask in the
+activations' dtype (torch's CPU dropout multiplies by a noise tensor of the input's dtype; only its CUDA kernel
+makes a one-byte mask). The MLM head keeps the labelled
 rows (15 %) and, fused, the float32 gradient of the ``V x E`` decoder computed in the forward; the reference
 keeps the float32 log-softmax of ``[M, V]``.
 
 A step's peak is the largest of five moments: the end of the forward (activations, the head's logits), the
 start of the backward (activations, ZeRO 1-2's bucket(s)), the word table's backward (the decoder's and the
 lookup's gradients of the tied table and their sum, alive together), the reduction at the end of the backward
-(its flat copies) and the optimizer step (the fp32 gradients and the optimizer's temporaries).
+(its flat copies) and the optimizer step (the fp32 gradients and the optimizer's temporaries). On the reference
+path the backward starts with the loss's two ``[M, V]`` float32 gradients beside the kept log-softmax, before the
+decoder's ``V x E`` gradient.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ MAX_LIVE = 1_000_000_000           # stage3_max_live_parameters default (zero/co
 LABELLED = 0.15                     # masked fraction of the collator's default
 LOGITS_CHUNK = 1 << 24              # the fused MLM loss's logits chunk (kernels/mlm_loss.py LOGITS_CHUNK_ELEMENTS)
 GIB = 1024 ** 3
+HEAD_BACKWARD = "MLM loss gradients (transient)"
 # items that make up "model states" as DeepSpeed's estimators count them (weights, gradients, optimizer states)
 MODEL_STATE_ITEMS = ("weights", "gradients", "fp32 master weights", "Adam moments", "fp32 gradients (step)",
                      "gathered weights and their gradient")
@@ -212,10 +217,16 @@ def gathered_weights(s: Setting) -> float:
     return (elements + (0 if s.fused else s.largest_param)) * act_bytes(s.precision)
 
 
+def dropout_mask_bytes(s: Setting) -> int:
+    """Bytes per element of a kept dropout mask: a bool on GPUs (the fused CUDA dropout), the activation's own dtype
+    on CPU ranks (``at::dropout`` off CUDA draws a noise tensor like its input and keeps it for the backward)."""
+    return 1 if s.fused else act_bytes(s.precision)
+
+
 def layer_activations(cfg: ModelConfig, s: Setting, tokens: int) -> float:
     """Bytes one layer application keeps for its backward."""
     a, d, i, h = act_bytes(s.precision), cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
-    mask = tokens * d if s.dropout and cfg.hidden_dropout_prob > 0 else 0
+    mask = tokens * d * dropout_mask_bytes(s) if s.dropout and cfg.hidden_dropout_prob > 0 else 0
     # the layer input (also both residuals), Q, K, V (the fused op's contiguous copies; the reference keeps
     # float32 copies), the attention output, its [B, N, D] relayout as the output projection's input (a view on
     # the reference path), the LayerNorm-1 input, attended (LN-1 out), the LayerNorm-2 input
@@ -227,6 +238,9 @@ def layer_activations(cfg: ModelConfig, s: Setting, tokens: int) -> float:
     stats = 2 * tokens * 8 + tokens * h * 4                                   # LN mean/rstd, attention lse
     terms = len(cfg.pos_att_type) if cfg.relative_attention else 0
     tables = terms * 2 * cfg.att_span * d * a * (2 if mask else 1)           # Kr/Qr (+ the dropped-out rel)
+    if not s.fused and a != 4:   # the reference's float32 copies of Kr/Qr, one per attention call: per packed sample
+        calls = s.tokens / s.mean_sample if s.packed else 1
+        tables += calls * terms * 2 * cfg.att_span * d * 4
     # the reference's relative-position index: one [N, N] of the padded batch, or one per packed sample
     span = s.attention_len
     index = 0 if s.fused or not cfg.relative_attention else (tokens * span if s.packed else span * span) * 8
@@ -256,7 +270,8 @@ def activations(s: Setting) -> dict[str, float]:
         per_layer = layer_activations(cfg, s, tokens)
         kept_inputs = layers * tokens * cfg.hidden_size * a       # a checkpointed layer keeps only its input
         found[f"{name}encoder layers"] = per_layer * layers * scale + kept_inputs * (1 - scale)
-        embed_mask = tokens * cfg.hidden_size if s.dropout and cfg.hidden_dropout_prob > 0 else 0
+        embed_mask = (tokens * cfg.hidden_size * dropout_mask_bytes(s)
+                      if s.dropout and cfg.hidden_dropout_prob > 0 else 0)
         found[f"{name}embeddings"] = tokens * cfg.embedding_size * a + embed_mask + tokens * 8
         if cfg.emd:
             found[f"{name}EMD keys/values"] = tokens * cfg.hidden_size * a
@@ -270,7 +285,10 @@ def transients(s: Setting) -> dict[str, float]:
     tokens = s.tokens
     cfg = s.models[-1]
     a = act_bytes(s.precision)
-    out = {"MLM logits (transient)": head_activations(s.models[0], s, tokens)[1]}
+    logits = head_activations(s.models[0], s, tokens)[1]
+    out = {"MLM logits (transient)": logits}
+    if not s.fused:   # the reference loss's backward: the log-softmax's input gradient beside the loss's, both
+        out[HEAD_BACKWARD] = 2 * logits      # [M, V] float32, while the kept log-softmax output is still alive
     if cfg.activation_checkpointing:
         out["recomputed layer (transient)"] = layer_activations(cfg, s, tokens)
     # dq, dk, dv and the feed-forward's input gradient; the fused attention backward adds its partial sums and
@@ -333,10 +351,12 @@ def phases(s: Setting, states: dict[str, float], acts: dict[str, float], temp: d
     # the tied table's gradients: the decoder's, the lookup's and their sum (ZeRO 3's decoder gradient is summed
     # in its own partition: two)
     table_grads = (2 if s.zero == 3 else 3) * table
+    # the reference head's backward makes the decoder's V x E gradient early (the fused loss made it in the forward:
+    # an activation), while nearly every activation is alive; just before it, the loss's two [M, V] gradients
+    others_temp = max(v for k, v in temp.items() if k != HEAD_BACKWARD)
+    backward_start = max(others_temp + (0 if s.fused else table), temp.get(HEAD_BACKWARD, 0.0))
     return {"end of forward": fixed + saved + gathered + temp["MLM logits (transient)"],
-            # the reference head's backward makes the decoder's V x E gradient first (the fused loss made it in the
-            # forward: an activation), while nearly every activation is alive
-            "start of backward": fixed + saved + gathered + bucket + max(temp.values()) + (0 if s.fused else table),
+            "start of backward": fixed + saved + gathered + bucket + backward_start,
             "word table's backward": fixed + bucket + gathered + others + table_grads,
             "reduction": fixed + bucket + gathered + reduction,
             "optimizer step": fixed + _optimizer_moment(s, buf),
