@@ -81,11 +81,12 @@ def _key_tile(K, V, mask_ptr, END, base, stat_off, stat_numel, j0, limit, seq_le
               PATH: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr,
               KEYS_AHEAD: tl.constexpr):
     """What a forward tile of key block ``j0`` reads on its key side: the padding mask's words and, on a
-    saturated run, its keys' p2c end terms and its K and V rows. A run issues these a tile ahead (two stages by
-    hand), so no tile waits on them; nothing at or past ``limit`` (the run's end, or the sequence's) is read, no
-    row at or past the sequence's end. A saturated run reads each column's mask word (:func:`_column_words`). A
-    general tile loads its K and V rows itself: a tile ahead they would be live across its window products,
-    where the registers are spent (255 on sm_80 without them), and its one scalar word pair costs fewest."""
+    saturated run, its keys' p2c end terms; with ``KEYS_AHEAD`` (``Tiles.keys_ahead``) a saturated run also its
+    K and V rows, and each column's mask word (:func:`_column_words`). A run issues these a tile ahead (two
+    stages by hand), so no tile waits on them; nothing at or past ``limit`` (the run's end, or the sequence's)
+    is read, no row at or past the sequence's end. A general tile loads its K and V rows itself: a tile ahead
+    they would be live across its window products, where the registers are spent (255 on sm_80 without them:
+    20-40 B spilled)."""
     p_end = ()
     rows = ()
     if PATH == SATURATED and KEYS_AHEAD:
