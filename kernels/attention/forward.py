@@ -63,20 +63,44 @@ def _general_blocks(i0, seq_len, top_start, bottom_end, BLOCK_M: tl.constexpr, B
 
 
 @triton.jit
-def _key_tile(mask_ptr, END, stat_off, stat_numel, j0, limit, offs_n, top, PATH: tl.constexpr,
-              HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """What a forward tile of key block ``j0`` reads on its key side apart from its rows: the padding mask's
-    words and, on a saturated run, its keys' p2c end terms. A run issues these a tile ahead (two stages by hand),
-    so no tile waits on them; nothing at or past ``limit`` (the run's end, or the sequence's) is read. The K and
-    V rows are loaded in the tile (a tile ahead, they took 61 more registers: spills with dropout)."""
-    words = _mask_words(mask_ptr, j0, limit, BLOCK_N, HAS_MASK)
+def _column_words(mask_ptr, j0, limit, offs_n, HAS_MASK: tl.constexpr):
+    """The padding-mask word of each key column ``j0 + offs_n`` as a word pair (:func:`_mask_words`' form), loaded
+    per column. The one scalar word a run carries to its next tile was moved to a uniform register as soon as
+    it was loaded (``R2UR``), so a saturated tile waited out the round trip it had issued a tile ahead (sm_80,
+    550 of its 1,960 cycles at a 600-cycle trip); a register per column is consumed only by the next tile."""
+    words = (0, 0)
+    if HAS_MASK:
+        cols = j0 + offs_n
+        column_words = tl.load(mask_ptr + cols // 32, mask=cols < limit, other=0)
+        words = (column_words, column_words)
+    return words
+
+
+@triton.jit
+def _key_tile(K, V, mask_ptr, END, base, stat_off, stat_numel, j0, limit, seq_len, stride_n, offs_n, offs_d, top,
+              PATH: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr,
+              KEYS_AHEAD: tl.constexpr):
+    """What a forward tile of key block ``j0`` reads on its key side: the padding mask's words and, on a
+    saturated run, its keys' p2c end terms; with ``KEYS_AHEAD`` (``Tiles.keys_ahead``) a saturated run also its
+    K and V rows, and each column's mask word (:func:`_column_words`). A run issues these a tile ahead (two
+    stages by hand), so no tile waits on them; nothing at or past ``limit`` (the run's end, or the sequence's)
+    is read, no row at or past the sequence's end. A general tile loads its K and V rows itself: a tile ahead
+    they would be live across its window products, where the registers are spent (255 on sm_80 without them:
+    20-40 B spilled)."""
     p_end = ()
+    rows = ()
+    if PATH == SATURATED and KEYS_AHEAD:
+        words = _column_words(mask_ptr, j0, limit, offs_n, HAS_MASK)
+        rows = (_load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len),
+                _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len))
+    else:
+        words = _mask_words(mask_ptr, j0, limit, BLOCK_N, HAS_MASK)
     if PATH == SATURATED:
         p_end = tl.zeros([BLOCK_N], tl.float32)
         if HAS_P2C:
             end = tl.where(top, 1, 0).to(tl.int64)
             p_end = _load_stat(END + (2 + end) * stat_numel + stat_off, j0, offs_n, limit, 0.0)
-    return words, p_end
+    return words, p_end, rows
 
 
 @triton.jit
@@ -101,7 +125,7 @@ def _fwd_run(acc, m_i, l_i, q, row_ok, K, V, KR, QR, TABLE, mask_ptr, END, scrat
              PATH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              WINDOW: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr,
              HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr, DROPOUT: tl.constexpr, HOIST: tl.constexpr,
-             PRECISION: tl.constexpr):
+             KEYS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
     """Online softmax over key blocks ``j_start, j_start + BN, ... < j_end``, all on path ``PATH`` (saturated at
     the top end when ``top``, or general). Each tile's mask words and end terms (:func:`_key_tile`) were loaded a
     tile before it, the query rows' visibility (``row_ok``) once per block and a saturated run's c2p end terms,
@@ -114,12 +138,12 @@ def _fwd_run(acc, m_i, l_i, q, row_ok, K, V, KR, QR, TABLE, mask_ptr, END, scrat
     buckets = ()
     if PATH == GENERAL:
         buckets = _window_buckets(TABLE, i0 - j_start - (BLOCK_N - 1), WINDOW, SPLIT)
-    ahead = _key_tile(mask_ptr, END, stat_off, stat_numel, j_start, limit, offs_n, top, PATH, HAS_P2C, HAS_MASK,
-                      BLOCK_N)
+    ahead = _key_tile(K, V, mask_ptr, END, base, stat_off, stat_numel, j_start, limit, seq_len, stride_n, offs_n,
+                      offs_d, top, PATH, HAS_P2C, HAS_MASK, BLOCK_N, KEYS_AHEAD)
     for j0 in range(j_start, j_end, BLOCK_N):
-        words, p_end = ahead
-        ahead = _key_tile(mask_ptr, END, stat_off, stat_numel, j0 + BLOCK_N, limit, offs_n, top, PATH, HAS_P2C,
-                          HAS_MASK, BLOCK_N)
+        words, p_end, rows = ahead
+        ahead = _key_tile(K, V, mask_ptr, END, base, stat_off, stat_numel, j0 + BLOCK_N, limit, seq_len, stride_n,
+                          offs_n, offs_d, top, PATH, HAS_P2C, HAS_MASK, BLOCK_N, KEYS_AHEAD)
         current = buckets
         if PATH == GENERAL and HOIST:  # the next tile's buckets, a tile ahead (the table reaches past the last)
             buckets = _window_buckets(TABLE, i0 - j0 - (2 * BLOCK_N - 1), WINDOW, SPLIT)
@@ -127,9 +151,12 @@ def _fwd_run(acc, m_i, l_i, q, row_ok, K, V, KR, QR, TABLE, mask_ptr, END, scrat
             current = _window_buckets(TABLE, i0 - j0 - (BLOCK_N - 1), WINDOW, SPLIT)
         if PATH == GENERAL:  # first: the round trip the products wait for
             krw, qrw = _window_rows(KR, QR, current, offs_d, HEAD_DIM, SPLIT, HAS_C2P, HAS_P2C, BLOCK_M < 64)
-        k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
-        if PATH == SATURATED:
-            v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
+        if PATH == SATURATED and KEYS_AHEAD:
+            k, v = rows
+        else:
+            k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
+            if PATH == SATURATED:
+                v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if PATH == GENERAL:
             # consecutive general tiles alternate two scratch buffers: a tile's stores never race the last one's loads
@@ -183,7 +210,8 @@ def _fwd_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, O, LSE, scratch, i0, seed,
                TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                WINDOW: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr,
                HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr, DROPOUT: tl.constexpr,
-               PATHS_APART: tl.constexpr, HOIST: tl.constexpr, PRECISION: tl.constexpr):
+               PATHS_APART: tl.constexpr, HOIST: tl.constexpr, KEYS_AHEAD: tl.constexpr,
+               PRECISION: tl.constexpr):
     """Output and base-2 log-sum-exp of query block ``i0``: online softmax over the key blocks. With
     ``PATHS_APART``, walked as three runs, the top-saturated tiles, the general ones and those saturated in
     bucket 0; else in one loop that reads each tile's path from the table."""
@@ -199,15 +227,15 @@ def _fwd_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, O, LSE, scratch, i0, seed,
         acc, m_i, l_i = _fwd_run(acc, m_i, l_i, q, row_ok, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0, 0, lo,
                                  seed, scale, dropout_p, n_ctx, seq_len, base, stat_off, stat_numel, stride_n, offs_m,
                                  offs_n, offs_d, True, SATURATED, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P,
-                                 HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST, PRECISION)
+                                 HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST, KEYS_AHEAD, PRECISION)
         acc, m_i, l_i = _fwd_run(acc, m_i, l_i, q, row_ok, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0, lo, hi,
                                  seed, scale, dropout_p, n_ctx, seq_len, base, stat_off, stat_numel, stride_n, offs_m,
                                  offs_n, offs_d, False, GENERAL, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P,
-                                 HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST, PRECISION)
+                                 HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST, KEYS_AHEAD, PRECISION)
         acc, m_i, l_i = _fwd_run(acc, m_i, l_i, q, row_ok, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0, hi,
                                  seq_len, seed, scale, dropout_p, n_ctx, seq_len, base, stat_off, stat_numel, stride_n,
                                  offs_m, offs_n, offs_d, False, SATURATED, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT,
-                                 HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST, PRECISION)
+                                 HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST, KEYS_AHEAD, PRECISION)
     else:
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0, seed, scale,
                                    dropout_p, n_ctx, seq_len, base, stat_off, stat_numel, stride_n, offs_m, offs_n,
@@ -233,7 +261,7 @@ def _attn_fwd(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, O, LSE, SCRATCH,
               WINDOW: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr,
               HAS_MASK: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr,
               MASK_DIAGONAL: tl.constexpr, PATHS_APART: tl.constexpr, HOIST: tl.constexpr,
-              PRECISION: tl.constexpr):
+              KEYS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
     """Program (p, head) walks a run of (sequence, query block) items of one head."""
     pid, head = tl.program_id(0), tl.program_id(1)
     scratch = SCRATCH + (head * tl.num_programs(0) + pid).to(tl.int64) * scratch_elements
@@ -247,7 +275,7 @@ def _attn_fwd(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, O, LSE, SCRATCH,
             _fwd_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, O, LSE, scratch, i0, seq_seed, seq_scale, dropout_p,
                        n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, top_start, bottom_end,
                        TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL,
-                       DROPOUT, PATHS_APART, HOIST, PRECISION)
+                       DROPOUT, PATHS_APART, HOIST, KEYS_AHEAD, PRECISION)
         tl.debug_barrier()  # the next item's first tile may reuse the scratch buffer this one read last
 
 
@@ -279,5 +307,6 @@ def attention_forward(q, k, v, pos_key, pos_query, problem: _Problem):
                    Q=q, K=k, V=v, KR=q if pos_key is None else pos_key, QR=q if pos_query is None else pos_query,
                    END=end, O=out, LSE=lse, SCRATCH=scratch, items_per_program=triton.cdiv(items, programs),
                    scratch_elements=scratch_elements, PATHS_APART=tiles.paths_apart,
+                   KEYS_AHEAD=tiles.keys_ahead and not problem.mask_diagonal,  # Tiles.keys_ahead
                    **problem.saturation_limits())
     return out, lse, end

@@ -38,6 +38,11 @@ class Tiles:
     # ... with the diagonal mask, where that differs (None: as ``hoist``). False where hoisting spilled only
     # there (sm_90's d = 64 dk/dv, 4 B), True where only not hoisting did (sm_100's d = 128 forward, 12-16 B).
     hoist_diagonal: bool | None = None
+    # The forward's saturated runs (``paths_apart``) load their next tile's K and V rows and each key column's
+    # mask word a tile ahead (``_key_tile``), except under the diagonal mask (sm_80 d = 64: 20 B spilled with
+    # dropout and per-sequence scales). Off where it spilled: 64 x 64 tiles of 4 warps (sm_90, sm_100: 4-236 B;
+    # the rows held ahead are 32 more registers a thread).
+    keys_ahead: bool = False
 
     def hoists(self, mask_diagonal: bool) -> bool:
         """Whether a launch with (or without) the diagonal mask hoists its rows (``hoist``, ``hoist_diagonal``)."""
@@ -104,7 +109,7 @@ _TILES = {
     # d = 64 forward, sm_80: 32 x 32 on 2 warps walks its paths apart (16 rows a warp) without spills (252
     # registers); 64 x 32 and 64 x 64 on 4 warps spilled 1.0-1.4 KB, and 32 x 32 on 4 warps repeats the content
     # products of a paths-apart loop, so it kept the one loop that branches per tile.
-    ("half", 64, 80): dict(fwd=_T(32, 32, 2, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
+    ("half", 64, 80): dict(fwd=_T(32, 32, 2, 1, keys_ahead=True), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
     ("half", 128, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 32, 4, 1), dkdv=_T(16, 16, 4, 1)),
     # sm_100: dk/dv rows not hoisted (hoisted, 8-96 B spilled); forward buckets not loaded ahead (20 B). d = 64
     # dk/dv 64 x 32 on 4 warps: 64 x 64 on 8 spilled 4-32 B with varlen and dropout once the mask was read as words.
@@ -125,8 +130,9 @@ _TILES = {
 
 
 # The interpreter runs programs one after another: few, larger tiles are fastest. Two warps make the forward
-# walk its paths apart, as on the GPU's 64-row tiles (tests take four warps for the one-loop forward).
-INTERPRETER_TILES = Tiles(32, 32, 2, 1)
+# walk its paths apart, as on the GPU's 64-row tiles (tests take four warps for the one-loop forward), and its
+# saturated runs load their keys ahead, as sm_80's d = 64 tiles (tests take tiles without it too).
+INTERPRETER_TILES = Tiles(32, 32, 2, 1, keys_ahead=True)
 
 
 # Compute capability the host code plans for when its tensors are not on a GPU (the compile check

@@ -194,12 +194,15 @@ def test_saturated_tiles_match_the_reference(c2p, p2c, dtype) -> None:
 
 @pytest.mark.parametrize("tiles", [attention.Tiles(16, 16, 8, 1), attention.Tiles(32, 16, 4, 1),
                                    attention.Tiles(16, 32, 4, 1, hoist=False), attention.Tiles(32, 16, 2, 1),
-                                   attention.Tiles(16, 32, 1, 1), attention.Tiles(32, 32, 2, 1, hoist=False)],
+                                   attention.Tiles(16, 32, 1, 1), attention.Tiles(32, 32, 2, 1, hoist=False),
+                                   attention.Tiles(32, 16, 2, 1, keys_ahead=True),
+                                   attention.Tiles(16, 32, 1, 1, keys_ahead=True)],
                          ids=["16x16", "32x16", "16x32-unhoisted", "32x16-apart", "16x32-apart",
-                              "32x32-apart-unhoisted"])
+                              "32x32-apart-unhoisted", "32x16-apart-keys-ahead", "16x32-apart-keys-ahead"])
 def test_saturated_gpu_and_rectangular_tiles(tiles, monkeypatch) -> None:
     """Small and rectangular tiles (windows of other widths, partly saturated windows) on both paths, with
-    the forward's paths in one loop or apart, window rows hoisted or not."""
+    the forward's paths in one loop or apart, window rows hoisted or not, a saturated run's keys loaded a tile
+    ahead or in the tile."""
     monkeypatch.setattr(attention.planning, "INTERPRETER_TILES", tiles)
     n = 80
     _saturated_tiles(n)
