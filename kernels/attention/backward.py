@@ -129,7 +129,7 @@ def _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, scale, BLOCK
 
 @triton.jit
 def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_ptr, DENSE_GRAD, scratch, FOLD, MERGE,
-              i0, seed, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo, seq, head,
+              i0, seed, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo, item,
               stride_lb, stride_lh, dense_lb, dense_lh,
               TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
@@ -138,7 +138,7 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
               PRECISION: tl.constexpr):
     """dQ of query block ``i0`` (all key blocks), and its c2p gradient added to the partial dKr, or with
     ``DENSE`` its score gradient in bucket coordinates written to its rows of the dense buffer ``DENSE_GRAD``
-    (located after the tile loop: a 64-bit pointer held across it spilled)."""
+    (located after the tile loop from the program's ``item``: a 64-bit pointer held across it spilled)."""
     offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
     band = scratch + 2 * (BLOCK_M + BLOCK_N) * WINDOW
     band_lo = tl.maximum(lo, i0 - (tl.cdiv(n_ctx, BLOCK_N) * BLOCK_N - 1))  # the block's smallest distance
@@ -190,7 +190,8 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
     if HAS_C2P:
         tl.debug_barrier()
         rows_ok = (i0 + offs_m) < seq_len
-        dense = _dense_rows(DENSE_GRAD, stat_off, seq, head, i0, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN)
+        dense = _dense_rows(DENSE_GRAD, stat_off, item // tl.cdiv(n_ctx, BLOCK_M), tl.program_id(1), i0, stride_lb,
+                            stride_lh, dense_lb, dense_lh, TWO_SPAN)
         if not DENSE:
             q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)  # reloaded: not held across the loop
         dq = _band_gradients(dq, q, band, KR + rel_off, part_ptr, dense, rows_ok, FOLD, MERGE, band_lo, lo, i0,
@@ -228,7 +229,7 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, 
         if i0 < seq_len:
             _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_ptr, DENSE_GRAD, scratch, FOLD,
                       MERGE, i0, seq_seed, seq_scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel,
-                      stride_n, lo, item // blocks, head, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN, HEAD_DIM,
+                      stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN, HEAD_DIM,
                       BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT,
                       HOIST, ENDS_AHEAD, DENSE, PRECISION)
         tl.debug_barrier()
@@ -237,7 +238,7 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, 
 @triton.jit
 def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, part_ptr, DENSE_GRAD, scratch, FOLD,
                 MERGE, j0, seed, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo,
-                seq, head, stride_lb, stride_lh, dense_lb, dense_lh,
+                item, stride_lb, stride_lh, dense_lb, dense_lh,
                 TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
                 HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
@@ -299,7 +300,8 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
     if HAS_P2C:
         tl.debug_barrier()
         rows_ok = (j0 + offs_n) < seq_len
-        dense = _dense_rows(DENSE_GRAD, stat_off, seq, head, j0, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN)
+        dense = _dense_rows(DENSE_GRAD, stat_off, item // tl.cdiv(n_ctx, BLOCK_N), tl.program_id(1), j0, stride_lb,
+                            stride_lh, dense_lb, dense_lh, TWO_SPAN)
         if not DENSE:
             k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)  # reloaded: not held across the loop
         # key b at distance dist pairs with query j0 + b + dist: band rows are keys, SIGN -1
@@ -340,8 +342,7 @@ def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA
         if j0 < seq_len:
             _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, part_ptr, DENSE_GRAD, scratch,
                         FOLD, MERGE, j0, seq_seed, seq_scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off,
-                        stat_numel, stride_n, lo, item // blocks, head, stride_lb, stride_lh, dense_lb, dense_lh,
-                        TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK,
+                        stat_numel, stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK,
                         MASK_DIAGONAL, DROPOUT, HOIST, ENDS_AHEAD, DENSE, PRECISION)
         tl.debug_barrier()
 
