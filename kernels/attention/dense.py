@@ -11,7 +11,9 @@ per head, each one batched GEMM over the heads (the sequences' rows are the GEMM
 the table gradients: no partial tables, no atomics, deterministic). The buffers are head-major, ``[H, rows, 2k]``
 (``rows`` = B x N padded, the packed tokens varlen), so every GEMM's operand is a plain strided matrix. They hold
 the input dtype, the precision the fused design rounds its merged band to before its in-kernel GEMMs (the
-interpreter tests hold both designs to the same tolerances); cuBLAS accumulates in float32.
+interpreter tests hold both designs to the same tolerances); cuBLAS accumulates in float32. dQ and dK take one
+rounding more than in the fused design: the kernel's content part and the GEMM's position part are each rounded
+to the input dtype before they are added (bf16: a relative 2^-8 per element, well inside the bf16 tolerance).
 
 Memory: two buffers of ``H x rows x 2k`` elements (at B = 32, N = 512, H = 12, 2k = 512, bf16: 201 MB each), never
 N x N. ``planning.backward_design`` decides per launch plan whether this design runs (docs/kernels.md).
