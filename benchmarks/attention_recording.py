@@ -158,11 +158,12 @@ class Workload:
 def record_distaff(w: Workload) -> dict:
     """distaff's public op planned for ``w.cc``, on fake tensors: every torch operation on them (the mask's
     cast, the end terms' and the partials' zero-fills, the partials' sums and casts) is charged as GPU work,
-    as the peers' are; the host's planning runs on real CPU tensors, once per shape, and is not."""
+    as the peers' are, its GEMMs (the dense backward's position products) at ``CUBLAS_EFFICIENCY`` as Hugging
+    Face eager's; the host's planning runs on real CPU tensors, once per shape, and is not."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     span = attention_span(BUCKETS, MAX_REL)
-    passes = {p: Recording(p) for p in PASSES}
+    passes = {p: Recording(p, gemm_efficiency=CUBLAS_EFFICIENCY.get(w.cc, 0.75)) for p in PASSES}
     planned = distaff_attention.planning.PLANNED_CAPABILITY
     distaff_attention.planning.PLANNED_CAPABILITY = w.cc
     try:

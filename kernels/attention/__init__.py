@@ -28,6 +28,10 @@ that share a bucket (the identity where they are one-to-one), then ``dQ += merge
 accumulators per block, turned into rank-1 updates once per block. A program walks a run of (sequence,
 block) items of one head and keeps one float32 ``[2k, d]`` partial of its head; ``torch.sum`` adds the
 partials in a fixed order. Programs, partials and scratch are sized to a budget (``backward.PARTIAL_BUDGET``).
+In the *dense* design (``dense``; ``planning.backward_design`` picks it per capability and length, named in the
+plan as ``_Problem.backward``) each block writes its merged chunks (and its saturated tiles' end sums) in bucket
+coordinates to a head-major ``[H, rows, 2k]`` HBM buffer instead (``dC2P`` from dq, ``dP2C`` from dk/dv), and four
+batched torch GEMMs finish the job: ``dQ += dC2P Kr``, ``dKr = dC2P^T Q``, ``dK += dP2C Qr``, ``dQr = dP2C^T K``.
 
 Optional features are ``tl.constexpr`` specialisations: ``SCALE_PER_SEQ`` (one softmax scale per
 sequence), ``MASK_DIAGONAL`` (``i != j``, tested only on tiles that meet the diagonal), ``VARLEN``.
@@ -44,8 +48,8 @@ register spills (``compile_check``); the static speed figures are read by ``stat
 
 The modules: ``planning`` (host: tiles, tables, the launch plan and its checks; its settings
 ``PLANNED_CAPABILITY`` and ``INTERPRETER_TILES`` are set there), ``scores`` (what one tile computes, shared by
-all kernels), ``forward``, ``backward`` (its budget ``PARTIAL_BUDGET`` is set there) and ``op`` (the autograd
-function and the public ops). This package re-exports the public names callers used before the split
+all kernels), ``forward``, ``backward`` (its budget ``PARTIAL_BUDGET`` is set there), ``dense`` (the dense
+backward's buffer writes and GEMMs) and ``op`` (the autograd function and the public ops). This package re-exports the public names callers used before the split
 (private ones, such as ``planning._Problem``, are named on their module); the settings are read here through
 ``__getattr__`` and must be assigned on their own module.
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from .dense import _add_buckets, _add_end_sums, _dense_rows, dense_buffer, dense_strides, position_gradients
 from .planning import DELTA_ELEMENTS, _on_device, _Problem, band_folds, band_range, programs_per_head, Tiles
 from .scores import (_dropout_keep, _ends_ahead, _item, _load_rows, _load_stat, _locate, _mask_words, _path_ends,
                      _program_items, _side_visible, _store_rows, _table_ahead, _tile_scores)
@@ -36,9 +37,10 @@ def _accumulate_row(row_ptr, offs_d, row_grad):
 
 
 @triton.jit
-def _band_gradients(acc, own, band, rel_ptr, part_ptr, fold_ptr, merge_ptr, lo, fold_lo, block0, d_lo, d_hi, first,
-                    last, offs_r, offs_d, HEAD_DIM: tl.constexpr, BAND: tl.constexpr,
-                    CHUNK: tl.constexpr, OTHER: tl.constexpr, SIGN: tl.constexpr, PRECISION: tl.constexpr):
+def _band_gradients(acc, own, band, rel_ptr, part_ptr, dense, rows_ok, fold_ptr, merge_ptr, lo, fold_lo, block0, d_lo,
+                    d_hi, first, last, offs_r, offs_d, TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BAND: tl.constexpr, CHUNK: tl.constexpr, OTHER: tl.constexpr, SIGN: tl.constexpr,
+                    DENSE: tl.constexpr, PRECISION: tl.constexpr):
     """One position term's gradients from a block's band (distances ``d_lo..d_hi`` of its general tiles):
     ``acc[r] += sum_dist band[r, dist] rel[bucket(dist)]`` and
     ``part[t] += sum_{bucket(dist) = t} band[:, dist]^T own``; the band starts at distance ``lo``.
@@ -52,6 +54,10 @@ def _band_gradients(acc, own, band, rel_ptr, part_ptr, fold_ptr, merge_ptr, lo, 
     and ``part[b..] += merged^T own``. Every load of a chunk then depends only on the loop index and the
     bucket read a chunk before, so its round trips overlap instead of following one another (bucket table,
     then gathered rows; bucket count, then one-hot; first bucket, then partials).
+
+    With ``DENSE`` the merged chunk goes to the block's rows of the dense buffer (``dense``, bucket columns;
+    ``rows_ok``: the rows inside the sequence) instead: ``dense.position_gradients`` does both products as
+    torch GEMMs after the kernel, and ``acc``, ``own``, ``rel_ptr`` and ``part_ptr`` are not touched.
     """
     offs_c = tl.arange(0, CHUNK)
     d_hi = tl.where(last >= first, d_hi, d_lo - 1)  # no general tile: nothing to read
@@ -66,18 +72,25 @@ def _band_gradients(acc, own, band, rel_ptr, part_ptr, fold_ptr, merge_ptr, lo, 
         chunk = tl.load(band + offs_r[:, None] * BAND + (dist - lo)[None, :], mask=ok, other=0.0)
         index = (c0 - fold_lo) // CHUNK
         one_hot = tl.load(merge_ptr + index * CHUNK * CHUNK + offs_c[:, None] * CHUNK + offs_c[None, :])
-        rows = b_lo + offs_c
-        rel = tl.load(rel_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=(offs_c < count)[:, None], other=0.0)
-        # the partial buffer has CHUNK rows of padding past its 2k: the rows past the chunk's buckets add zeros
-        part = part_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :]
-        old = tl.load(part)
+        b_now, count_now = b_lo, count
+        if not DENSE:
+            rows = b_now + offs_c
+            rel = tl.load(rel_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=(offs_c < count_now)[:, None],
+                          other=0.0)
+            # the partial buffer has CHUNK rows of padding past its 2k: the rows past the chunk's buckets add zeros
+            part = part_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :]
+            old = tl.load(part)
         more = c0 + CHUNK <= d_hi
         b_lo = tl.load(fold_ptr + 2 * (index + 1), mask=more, other=0)
         count = tl.load(fold_ptr + 2 * (index + 1) + 1, mask=more, other=0)
-        merged = tl.dot(chunk, one_hot, input_precision=PRECISION).to(own.dtype)
-        acc = tl.dot(merged, rel, acc, input_precision=PRECISION)
-        tl.store(part, old + tl.dot(tl.trans(merged), own, input_precision=PRECISION))
-        tl.debug_barrier()  # the next chunk's partial rows may overlap these: every warp's stores first
+        merged = tl.dot(chunk, one_hot, input_precision=PRECISION)
+        if DENSE:
+            _add_buckets(dense, merged, b_now, count_now, rows_ok, offs_r, offs_c, TWO_SPAN)
+        else:
+            merged = merged.to(own.dtype)
+            acc = tl.dot(merged, rel, acc, input_precision=PRECISION)
+            tl.store(part, old + tl.dot(tl.trans(merged), own, input_precision=PRECISION))
+            tl.debug_barrier()  # the next chunk's partial rows may overlap these: every warp's stores first
     return acc
 
 
@@ -115,13 +128,17 @@ def _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, scale, BLOCK
 
 
 @triton.jit
-def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_ptr, scratch, FOLD, MERGE, i0,
-              seed, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo,
+def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_ptr, DENSE_GRAD, scratch, FOLD, MERGE,
+              i0, seed, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo, item,
+              stride_lb, stride_lh, dense_lb, dense_lh,
               TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
               HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
-              DROPOUT: tl.constexpr, HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
-    """dQ of query block ``i0`` (all key blocks), and its c2p gradient added to the partial dKr."""
+              DROPOUT: tl.constexpr, HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr,
+              PRECISION: tl.constexpr):
+    """dQ of query block ``i0`` (all key blocks), and its c2p gradient added to the partial dKr, or with
+    ``DENSE`` its score gradient in bucket coordinates written to its rows of the dense buffer ``DENSE_GRAD``
+    (located after the tile loop from the program's ``item``: a 64-bit pointer held across it spilled)."""
     offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
     band = scratch + 2 * (BLOCK_M + BLOCK_N) * WINDOW
     band_lo = tl.maximum(lo, i0 - (tl.cdiv(n_ctx, BLOCK_N) * BLOCK_N - 1))  # the block's smallest distance
@@ -168,26 +185,37 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
                             BAND, BLOCK_N, False)
                 first = tl.minimum(first, j0)
                 last = tl.maximum(last, j0)
+    if DENSE:  # dq is complete (its position part comes after the kernel): not held across the band pass
+        _store_rows(DQ + base, i0, offs_m, offs_d, stride_n, seq_len, dq)
     if HAS_C2P:
         tl.debug_barrier()
-        q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)  # reloaded: not held across the loop
-        dq = _band_gradients(dq, q, band, KR + rel_off, part_ptr, FOLD, MERGE, band_lo, lo, i0,
-                             i0 - last - (BLOCK_N - 1), i0 - first + BLOCK_M - 1, first, last, offs_m, offs_d, HEAD_DIM,
-                             BAND, CHUNK, BLOCK_N, 1, PRECISION)
-        dq = _end_gradients(dq, q, sums_lo, sums_hi, KR + rel_off, part_ptr, offs_d, TWO_SPAN, HEAD_DIM)
-    _store_rows(DQ + base, i0, offs_m, offs_d, stride_n, seq_len, dq)
+        rows_ok = (i0 + offs_m) < seq_len
+        dense = _dense_rows(DENSE_GRAD, stat_off, item // tl.cdiv(n_ctx, BLOCK_M), tl.program_id(1), i0, stride_lb,
+                            stride_lh, dense_lb, dense_lh, TWO_SPAN)
+        if not DENSE:
+            q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)  # reloaded: not held across the loop
+        dq = _band_gradients(dq, q, band, KR + rel_off, part_ptr, dense, rows_ok, FOLD, MERGE, band_lo, lo, i0,
+                             i0 - last - (BLOCK_N - 1), i0 - first + BLOCK_M - 1, first, last, offs_m, offs_d, TWO_SPAN,
+                             HEAD_DIM, BAND, CHUNK, BLOCK_N, 1, DENSE, PRECISION)
+        if DENSE:
+            _add_end_sums(dense, sums_lo, sums_hi, rows_ok, offs_m, TWO_SPAN)
+        else:
+            dq = _end_gradients(dq, q, sums_lo, sums_hi, KR + rel_off, part_ptr, offs_d, TWO_SPAN, HEAD_DIM)
+    if not DENSE:
+        _store_rows(DQ + base, i0, offs_m, offs_d, stride_n, seq_len, dq)
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, DQ, DKR_PART, SCRATCH, FOLD, MERGE,
-                 seed, scale, dropout_p, n_ctx, n_heads, num_seqs, items_per_program, stat_numel, scratch_elements,
-                 lo, stride_b, stride_h, stride_n, stride_lb, stride_lh,
+def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, DQ, DKR_PART, DENSE_GRAD, SCRATCH,
+                 FOLD, MERGE, seed, scale, dropout_p, n_ctx, n_heads, num_seqs, items_per_program, stat_numel,
+                 scratch_elements, lo, stride_b, stride_h, stride_n, stride_lb, stride_lh, dense_lb, dense_lh,
                  TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
                  HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr,
                  DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
-                 HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (p, head) walks a run of (sequence, query block) items of one head into one partial dKr."""
+                 HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (p, head) walks a run of (sequence, query block) items of one head into one partial dKr (or,
+    ``DENSE``, into its blocks' rows of the dense buffer)."""
     pid, head = tl.program_id(0), tl.program_id(1)
     program = (head * tl.num_programs(0) + pid).to(tl.int64)
     part_ptr = DKR_PART + program * (TWO_SPAN + CHUNK) * HEAD_DIM  # padded rows: see _band_gradients
@@ -199,23 +227,25 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, 
             CU, MASK, SCALES, item, blocks, head, seed, scale, n_ctx, n_heads, stride_b, stride_h, stride_n,
             stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, BLOCK_M, VARLEN, SCALE_PER_SEQ)
         if i0 < seq_len:
-            _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_ptr, scratch, FOLD, MERGE, i0,
-                      seq_seed, seq_scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n,
-                      lo, TWO_SPAN, HEAD_DIM,
+            _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_ptr, DENSE_GRAD, scratch, FOLD,
+                      MERGE, i0, seq_seed, seq_scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel,
+                      stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN, HEAD_DIM,
                       BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT,
-                      HOIST, ENDS_AHEAD, PRECISION)
+                      HOIST, ENDS_AHEAD, DENSE, PRECISION)
         tl.debug_barrier()
 
 
 @triton.jit
-def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, part_ptr, scratch, FOLD, MERGE, j0,
-                seed, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo,
+def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, part_ptr, DENSE_GRAD, scratch, FOLD,
+                MERGE, j0, seed, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo,
+                item, stride_lb, stride_lh, dense_lb, dense_lh,
                 TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
                 HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
-                DROPOUT: tl.constexpr, HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
+                DROPOUT: tl.constexpr, HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr,
+                PRECISION: tl.constexpr):
     """dK, dV of key block ``j0`` (all query blocks; tiles held as ``[BN, BM]``), and its p2c gradient
-    added to the partial dQr."""
+    added to the partial dQr, or with ``DENSE`` written in bucket coordinates to its rows of ``DENSE_GRAD``."""
     offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
     band = scratch + 2 * (BLOCK_M + BLOCK_N) * WINDOW
     band_lo = tl.maximum(lo, -(j0 + BLOCK_N - 1))  # the block's smallest distance
@@ -264,28 +294,41 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
                             BAND, BLOCK_N, True)
                 first = tl.minimum(first, i0)
                 last = tl.maximum(last, i0)
+    if DENSE:  # dk and dv are complete (dk's position part comes after the kernel): not held across the band pass
+        _store_rows(DK + base, j0, offs_n, offs_d, stride_n, seq_len, dk)
+        _store_rows(DV + base, j0, offs_n, offs_d, stride_n, seq_len, dv)
     if HAS_P2C:
         tl.debug_barrier()
-        k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)  # reloaded: not held across the loop
+        rows_ok = (j0 + offs_n) < seq_len
+        dense = _dense_rows(DENSE_GRAD, stat_off, item // tl.cdiv(n_ctx, BLOCK_N), tl.program_id(1), j0, stride_lb,
+                            stride_lh, dense_lb, dense_lh, TWO_SPAN)
+        if not DENSE:
+            k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)  # reloaded: not held across the loop
         # key b at distance dist pairs with query j0 + b + dist: band rows are keys, SIGN -1
-        dk = _band_gradients(dk, k, band, QR + rel_off, part_ptr, FOLD, MERGE, band_lo, lo, j0,
-                             first - j0 - (BLOCK_N - 1), last + BLOCK_M - 1 - j0, first, last, offs_n, offs_d, HEAD_DIM,
-                             BAND, CHUNK, BLOCK_M, -1, PRECISION)
-        dk = _end_gradients(dk, k, sums_lo, sums_hi, QR + rel_off, part_ptr, offs_d, TWO_SPAN, HEAD_DIM)
-    _store_rows(DK + base, j0, offs_n, offs_d, stride_n, seq_len, dk)
-    _store_rows(DV + base, j0, offs_n, offs_d, stride_n, seq_len, dv)
+        dk = _band_gradients(dk, k, band, QR + rel_off, part_ptr, dense, rows_ok, FOLD, MERGE, band_lo, lo, j0,
+                             first - j0 - (BLOCK_N - 1), last + BLOCK_M - 1 - j0, first, last, offs_n, offs_d, TWO_SPAN,
+                             HEAD_DIM, BAND, CHUNK, BLOCK_M, -1, DENSE, PRECISION)
+        if DENSE:
+            _add_end_sums(dense, sums_lo, sums_hi, rows_ok, offs_n, TWO_SPAN)
+        else:
+            dk = _end_gradients(dk, k, sums_lo, sums_hi, QR + rel_off, part_ptr, offs_d, TWO_SPAN, HEAD_DIM)
+    if not DENSE:
+        _store_rows(DK + base, j0, offs_n, offs_d, stride_n, seq_len, dk)
+        _store_rows(DV + base, j0, offs_n, offs_d, stride_n, seq_len, dv)
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, DK, DV, DQR_PART, SCRATCH,
-                   FOLD, MERGE, seed, scale, dropout_p, n_ctx, n_heads, num_seqs, items_per_program, stat_numel,
-                   scratch_elements, lo, stride_b, stride_h, stride_n, stride_lb, stride_lh,
+def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, DK, DV, DQR_PART, DENSE_GRAD,
+                   SCRATCH, FOLD, MERGE, seed, scale, dropout_p, n_ctx, n_heads, num_seqs, items_per_program,
+                   stat_numel, scratch_elements, lo, stride_b, stride_h, stride_n, stride_lb, stride_lh, dense_lb,
+                   dense_lh,
                    TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
                    HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr,
                    DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
-                   HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (p, head) walks a run of (sequence, key block) items of one head into one partial dQr."""
+                   HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (p, head) walks a run of (sequence, key block) items of one head into one partial dQr (or,
+    ``DENSE``, into its blocks' rows of the dense buffer)."""
     pid, head = tl.program_id(0), tl.program_id(1)
     program = (head * tl.num_programs(0) + pid).to(tl.int64)
     part_ptr = DQR_PART + program * (TWO_SPAN + CHUNK) * HEAD_DIM  # padded rows: see _band_gradients
@@ -297,11 +340,10 @@ def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA
             CU, MASK, SCALES, item, blocks, head, seed, scale, n_ctx, n_heads, stride_b, stride_h, stride_n,
             stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, BLOCK_N, VARLEN, SCALE_PER_SEQ)
         if j0 < seq_len:
-            _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, part_ptr, scratch, FOLD, MERGE,
-                        j0, seq_seed, seq_scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel,
-                        stride_n, lo, TWO_SPAN,
-                        HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK,
-                        MASK_DIAGONAL, DROPOUT, HOIST, ENDS_AHEAD, PRECISION)
+            _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, part_ptr, DENSE_GRAD, scratch,
+                        FOLD, MERGE, j0, seq_seed, seq_scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off,
+                        stat_numel, stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK,
+                        MASK_DIAGONAL, DROPOUT, HOIST, ENDS_AHEAD, DENSE, PRECISION)
         tl.debug_barrier()
 
 
@@ -327,8 +369,9 @@ PARTIAL_BUDGET = 1.0
 @dataclass(frozen=True)
 class BackwardBuffers:
     """What one program of a backward kernel keeps in memory: its float32 partial of the kernel's position
-    table gradient (``2k`` rows plus a chunk of padding, see ``_band_gradients``) and its scratch (two
-    window-product buffers, the band), both absent without the terms they serve."""
+    table gradient (``2k`` rows plus a chunk of padding, see ``_band_gradients``; none in the dense design, whose
+    buffer is the launch's, outside this budget) and its scratch (two window-product buffers, the band), both
+    absent without the terms they serve."""
 
     partial_rows: int
     scratch_elements: int
@@ -341,18 +384,21 @@ class BackwardBuffers:
 
 
 def backward_buffers(tiles: Tiles, two_span: int, band: int, q: torch.Tensor, kernel: str, has_term: bool,
-                     has_terms: bool) -> BackwardBuffers:
+                     has_terms: bool, dense: bool = False) -> BackwardBuffers:
     """The buffers of a program of ``kernel`` ("dq" or "dkdv"); ``has_term``: it computes its own position
-    gradient (c2p for dq, p2c for dk/dv); ``has_terms``: the scores have a position term at all."""
+    gradient (c2p for dq, p2c for dk/dv); ``has_terms``: the scores have a position term at all; ``dense``: the
+    dense design (no partial table)."""
     block = tiles.block_m if kernel == "dq" else tiles.block_n
     products = 2 * (tiles.block_m + tiles.block_n) * tiles.window if has_terms else 0
-    return BackwardBuffers(two_span + tiles.chunk if has_term else 0, products + (block * band if has_term else 0),
-                           q.element_size(), q.shape[-1])
+    partial_rows = two_span + tiles.chunk if has_term and not dense else 0
+    return BackwardBuffers(partial_rows, products + (block * band if has_term else 0), q.element_size(), q.shape[-1])
 
 
 def _backward_kernel(problem: _Problem, kernel, name: str, q, has_term: bool, budget: int, part_name: str,
                      **args) -> torch.Tensor | None:
-    """Launch a backward kernel over (sequence, block) items of each head; its summed partials."""
+    """Launch a backward kernel over (sequence, block) items of each head: its summed partials, or in the dense
+    design its dense score gradient (``[H, rows, 2k]``, :mod:`.dense`); None without its position term."""
+    dense = problem.backward == "dense" and has_term
     tiles = problem.tiles(name, q)
     items = problem.num_seqs * triton.cdiv(problem.n_ctx, tiles.block_m if name == "dq" else tiles.block_n)
     lo, hi, band = band_range(problem.table, problem.n_ctx, tiles, name)
@@ -360,10 +406,12 @@ def _backward_kernel(problem: _Problem, kernel, name: str, q, has_term: bool, bu
     fold, merge = (_on_device((problem.table.key, lo, hi, tiles.chunk, q.dtype, i), t, q.device)
                    for i, t in enumerate(folds))
     has_terms = args["KR"] is not q or args["QR"] is not q
-    buffers = backward_buffers(tiles, problem.two_span, band, q, name, has_term, has_terms)
+    buffers = backward_buffers(tiles, problem.two_span, band, q, name, has_term, has_terms, dense)
     programs = programs_per_head(items, buffers.program_bytes, budget, problem.n_heads, problem.slots(tiles))
-    shape = (problem.n_heads, programs, buffers.partial_rows, q.shape[-1]) if has_term else (1,)
+    shape = (problem.n_heads, programs, buffers.partial_rows, q.shape[-1]) if buffers.partial_rows else (1,)
     partial = torch.zeros(shape, dtype=torch.float32, device=q.device)
+    d_scores = dense_buffer(problem, q) if dense else q
+    _, dense_lb, dense_lh = dense_strides(problem)
     scratch = q.new_empty(max(1, problem.n_heads * programs * buffers.scratch_elements))
     # A saturated tile's end terms come with its path ends, a tile ahead, where those are read ahead (the tiles
     # hoist) and some tile can saturate at all: elsewhere the reads (masked off) would only cost general tiles.
@@ -371,7 +419,10 @@ def _backward_kernel(problem: _Problem, kernel, name: str, q, has_term: bool, bu
     problem.launch(kernel, tiles, (programs, problem.n_heads), q, args["KR"] is not q, args["QR"] is not q,
                    ENDS_AHEAD=ends_ahead, items_per_program=triton.cdiv(items, programs),
                    scratch_elements=buffers.scratch_elements, lo=lo, FOLD=fold, MERGE=merge, BAND=band,
-                   CHUNK=tiles.chunk, SCRATCH=scratch, **{part_name: partial}, **args)
+                   CHUNK=tiles.chunk, SCRATCH=scratch, DENSE_GRAD=d_scores, dense_lb=dense_lb, dense_lh=dense_lh,
+                   DENSE=dense, **{part_name: partial}, **args)
+    if dense:
+        return d_scores
     return partial.sum(1)[:, :problem.two_span] if has_term else None  # fixed order: deterministic
 
 
@@ -386,7 +437,8 @@ def attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, end, pro
     """``dq, dk, dv, d_pos_key, d_pos_query`` (None for absent position terms).
 
     Extra memory beyond the gradients: ``delta`` and one kernel's partials and scratch at a time,
-    together at most ``PARTIAL_BUDGET`` x the bytes of ``dq + dk + dv`` (and at least one program per head).
+    together at most ``PARTIAL_BUDGET`` x the bytes of ``dq + dk + dv`` (and at least one program per head);
+    in the dense design (``problem.backward``) also one ``[H, rows, 2k]`` score-gradient buffer at a time.
     """
     grad_out = grad_out.contiguous()
     delta = row_delta(problem, out, grad_out)
@@ -398,7 +450,11 @@ def attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, end, pro
                   END=end, DO=grad_out, LSE=lse, DELTA=delta)
     d_pos_query = _backward_kernel(problem, _attn_bwd_dkdv, "dkdv", q, pos_query is not None, budget, "DQR_PART",
                                    DK=dk, DV=dv, **common)
+    if problem.backward == "dense" and d_pos_query is not None:  # its buffer freed before dq's is made
+        d_pos_query = position_gradients(d_pos_query, k, pos_query, dk)
     d_pos_key = _backward_kernel(problem, _attn_bwd_dq, "dq", q, pos_key is not None, budget, "DKR_PART", DQ=dq,
                                  **common)
+    if problem.backward == "dense" and d_pos_key is not None:
+        d_pos_key = position_gradients(d_pos_key, q, pos_key, dq)
     return (dq, dk, dv, None if d_pos_key is None else d_pos_key.to(pos_key.dtype),
             None if d_pos_query is None else d_pos_query.to(pos_query.dtype))

@@ -213,6 +213,25 @@ def tile_paths(n: int, tiles: Tiles, position_buckets: int, max_relative_positio
     return TilePaths(saturated, blocks - saturated)
 
 
+BACKWARD_DESIGNS = ("fused", "dense")
+
+
+def backward_design(cc: int, saturates: bool) -> str:
+    """Which backward computes the position gradients: "fused" (each block's band products into per-program
+    partial tables, in the kernels: ``backward``) or "dense" (the kernels write each block's score gradient in
+    bucket coordinates to HBM and four torch GEMMs do the products: ``dense``), for compute capability ``cc``
+    and whether some tile can saturate (``_Problem.saturates``: a function of N and the bucket settings).
+
+    From the judge (benchmarks/attention_judge.py, ESTIMATES: bf16, d = 64, H = 12, 16,384 tokens, dropout 0,
+    high end), fused -> dense backward: sm_90 N = 512 3.64 -> 3.79 ms (kernels 3.58 -> 3.31, the buffers'
+    fill, GEMMs and copies +0.40), N = 8192 23.84 -> 22.18; sm_80 N = 512 16.04 -> 15.79, N = 8192 132.7 ->
+    118.3 (dropout 0.1 alike: docs/kernels.md, "Dense position products"). The dense buffers cost about the same per token at any N (two ``[H, tokens, 2k]`` round trips); what
+    they save in the kernels is the band products and partial tables, worth more than the round trip on sm_80
+    at every length and on sm_90 once tiles saturate (long N), not at 512 tokens with v3's settings, where no
+    tile saturates. sm_100 is not judged: it takes sm_90's rule (the same tile shapes, tensor-core class)."""
+    return "dense" if cc < 90 or saturates else "fused"
+
+
 @dataclass(frozen=True, eq=False)
 class DistanceTable:
     """The bucket index of every distance in ``[-max_distance, max_distance]``, built once per shape on the
@@ -329,6 +348,7 @@ class _Problem:
     seed: int
     cc: int                      # compute capability the tiles are chosen for
     sms: int                     # the device's multiprocessors
+    backward: str                # the backward's design for the position gradients (``backward_design``)
 
     def slots(self, tiles: Tiles) -> int:
         """Programs of a launch with ``tiles`` the device runs at once (``WARPS_PER_SM`` warps per SM)."""
@@ -458,12 +478,14 @@ def _make_problem(call: AttentionCall, *, num_seqs: int, n_ctx: int, strides: tu
     max_distance = n_ctx + max(t.window + t.block_m + t.block_n for t in tiles)
     table = _distance_table(max_distance, call.position_buckets, call.max_relative_positions)
     device_table = _on_device(table.key, table.host, q.device)[max_distance:]  # element 0 is distance 0
-    return _Problem(num_seqs=num_seqs, n_heads=heads, n_ctx=n_ctx,
+    problem = _Problem(num_seqs=num_seqs, n_heads=heads, n_ctx=n_ctx,
                     strides=strides, stat_shape=stat_shape, stat_strides=stat_strides, table=table,
                     device_table=device_table, mask=mask, cu_seqlens=cu_seqlens, two_span=two_span,
                     scale=1.0 if call.per_sequence_scale else call.softmax_scale,
                     scales=call.softmax_scale if call.per_sequence_scale else None, mask_diagonal=call.mask_diagonal,
-                    dropout_p=call.dropout_p, seed=dropout_seed(call.dropout_p) if call.seed is None else call.seed, cc=cc, sms=multiprocessors(q.device))
+                    dropout_p=call.dropout_p, seed=dropout_seed(call.dropout_p) if call.seed is None else call.seed,
+                    cc=cc, sms=multiprocessors(q.device), backward="fused")
+    return replace(problem, backward=backward_design(cc, problem.saturates(q)))
 
 
 def _tables_in(call: AttentionCall) -> list:

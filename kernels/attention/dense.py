@@ -1,0 +1,91 @@
+"""The backward's dense position gradients: the backward kernels write each block's score gradient in bucket
+coordinates to HBM, and four torch GEMMs turn it into the position terms' gradients.
+
+``dC2P[h, row(i), t] = sum_{j: idx(i, j) = t} dS[i, j]`` (what ``_attn_bwd_dq`` merges from its band per query
+block, plus its saturated tiles' row sums at the two ends) and ``dP2C[h, row(j), t] = sum_{i: idx(i, j) = t}
+dS[i, j]`` (``_attn_bwd_dkdv``, per key block), ``dS`` with the softmax scale in it. Then
+
+    dQ += dC2P @ Kr,   dKr = dC2P^T @ Q,   dK += dP2C @ Qr,   dQr = dP2C^T @ K
+
+per head, each one batched GEMM over the heads (the sequences' rows are the GEMM's rows, or its reduction for
+the table gradients: no partial tables, no atomics, deterministic). The buffers are head-major, ``[H, rows, 2k]``
+(``rows`` = B x N padded, the packed tokens varlen), so every GEMM's operand is a plain strided matrix. They hold
+the input dtype, the precision the fused design rounds its merged band to before its in-kernel GEMMs (the
+interpreter tests hold both designs to the same tolerances); cuBLAS accumulates in float32. dQ and dK take one
+rounding more than in the fused design: the kernel's content part and the GEMM's position part are each rounded
+to the input dtype before they are added (bf16: a relative 2^-8 per element, well inside the bf16 tolerance).
+
+Memory: two buffers of ``H x rows x 2k`` elements (at B = 32, N = 512, H = 12, 2k = 512, bf16: 201 MB each), never
+N x N. ``planning.backward_design`` decides per launch plan whether this design runs (docs/kernels.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dense_rows(DENSE_GRAD, stat_off, seq, head, row0, stride_lb, stride_lh, dense_lb, dense_lh,
+                TWO_SPAN: tl.constexpr):
+    """Where a block's first row (``row0`` of sequence ``seq``, head ``head``) starts in a head-major dense
+    buffer: the row statistics' offset ``stat_off`` moved from their (sequence, head) strides to the buffer's."""
+    row = stat_off + seq.to(tl.int64) * (dense_lb - stride_lb) + head.to(tl.int64) * (dense_lh - stride_lh) + row0
+    return DENSE_GRAD + row * TWO_SPAN
+
+
+@triton.jit
+def _add_buckets(dense, merged, b_lo, count, rows_ok, offs_r, offs_c, TWO_SPAN: tl.constexpr):
+    """``dense[r, b_lo + c] += merged[r, c]`` for the chunk's ``count`` buckets and the block's real rows. A
+    chunk's first bucket may be the previous chunk's last (log buckets hold several distances): read, add,
+    write, and a barrier so every warp's stores land before the next chunk reads them."""
+    ptrs = dense + offs_r[:, None] * TWO_SPAN + (b_lo + offs_c)[None, :]
+    ok = rows_ok[:, None] & (offs_c < count)[None, :]
+    old = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(ptrs, (old + merged).to(dense.dtype.element_ty), mask=ok)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _add_end_sums(dense, sums_lo, sums_hi, rows_ok, offs_r, TWO_SPAN: tl.constexpr):
+    """The saturated tiles' ``dS`` row (or column) sums of a block into its buffer rows' buckets 0 and
+    ``2k - 1``; the band chunks may have written those buckets already."""
+    lo = dense + offs_r * TWO_SPAN
+    hi = lo + (TWO_SPAN - 1)
+    tl.store(lo, (tl.load(lo, mask=rows_ok, other=0.0).to(tl.float32) + sums_lo).to(dense.dtype.element_ty),
+             mask=rows_ok)
+    tl.store(hi, (tl.load(hi, mask=rows_ok, other=0.0).to(tl.float32) + sums_hi).to(dense.dtype.element_ty),
+             mask=rows_ok)
+
+
+def dense_strides(problem) -> tuple[int, int, int]:
+    """``(rows, sequence stride, head stride)`` of a head-major dense buffer ``[H, rows, 2k]`` for ``problem``:
+    padded, a sequence's rows follow the previous one's (``N`` apart); packed, the rows are the tokens."""
+    rows = problem.stat_numel // problem.n_heads
+    return rows, (problem.n_ctx if problem.stat_strides[0] else 0), rows
+
+
+def dense_buffer(problem, q: torch.Tensor) -> torch.Tensor:
+    """A zeroed ``[H, rows, 2k]`` score-gradient buffer in ``q``'s dtype (buckets no distance of a row reaches
+    stay 0)."""
+    rows = dense_strides(problem)[0]
+    return torch.zeros((problem.n_heads, rows, problem.two_span), dtype=q.dtype, device=q.device)
+
+
+def _by_head(x: torch.Tensor) -> torch.Tensor:
+    """``[H, rows, d]``: ``x`` padded ``[B, H, N, d]`` (a copy: the sequences' rows are not one stride apart) or
+    packed ``[total, H, d]`` (a view, each row ``H x d`` apart)."""
+    if x.dim() == 4:
+        return x.transpose(0, 1).reshape(x.shape[1], -1, x.shape[-1])
+    return x.transpose(0, 1)
+
+
+def position_gradients(d_scores: torch.Tensor, own: torch.Tensor, table: torch.Tensor,
+                       grad_own: torch.Tensor) -> torch.Tensor:
+    """One position term's gradients from its dense score gradient ``d_scores`` (``[H, rows, 2k]``): adds
+    ``d_scores @ table`` to ``grad_own`` (dQ with Kr, or dK with Qr) and returns the table's gradient
+    ``d_scores^T @ own`` (``[H, 2k, d]``, the sequences summed inside the GEMM's reduction)."""
+    grad_by_head = grad_own.transpose(0, 1)
+    grad_by_head.add_(torch.bmm(d_scores, table).view(grad_by_head.shape))
+    return torch.bmm(d_scores.transpose(1, 2), _by_head(own))
