@@ -108,6 +108,84 @@ def _end_gradients(acc, own, sums_lo, sums_hi, rel_ptr, part_ptr, offs_d, TWO_SP
 
 
 @triton.jit
+def _program_start(PART, SCRATCH, scratch_elements, n_ctx, num_seqs, items_per_program, TWO_SPAN: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (p, head) of a backward kernel: its partial table, its scratch, the blocks of a sequence
+    (``BLOCK`` tokens each) and its run ``[first, end)`` of (sequence, block) items."""
+    pid, head = tl.program_id(0), tl.program_id(1)
+    program = (head * tl.num_programs(0) + pid).to(tl.int64)
+    part_ptr = PART + program * (TWO_SPAN + CHUNK) * HEAD_DIM  # padded rows: see _band_gradients
+    scratch = SCRATCH + program * scratch_elements
+    blocks = tl.cdiv(n_ctx, BLOCK)
+    first, end = _program_items(items_per_program, num_seqs, blocks)
+    return part_ptr, scratch, blocks, first, end
+
+
+@triton.jit
+def _band_start(scratch, lo, i0, j0, n_ctx, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+                TRANSPOSED: tl.constexpr):
+    """A block's band (past the two window-product buffers of the scratch) and its smallest distance: the
+    query block ``i0`` against the last key block, or (``TRANSPOSED``) the first query block against the key
+    block ``j0``."""
+    band = scratch + 2 * (BLOCK_M + BLOCK_N) * WINDOW
+    if TRANSPOSED:
+        return band, tl.maximum(lo, -(j0 + BLOCK_N - 1))
+    return band, tl.maximum(lo, i0 - (tl.cdiv(n_ctx, BLOCK_N) * BLOCK_N - 1))
+
+
+@triton.jit
+def _tile_position(ds, saturated, top, sums_lo, sums_hi, first, last, band, band_lo, i0, j0, offs_m, offs_n,
+                   BAND: tl.constexpr, BLOCK_N: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """A tile's share of its block's position gradient: a saturated tile's ``dS`` row sums (its rows are the
+    block's side) go to the end it sits at; a general tile's ``dS`` goes to the band, and its other side's
+    block (key block ``j0``, or query block ``i0`` when ``TRANSPOSED``) widens the general range
+    ``first .. last``."""
+    if saturated:
+        row_sums = tl.sum(ds, 1)
+        sums_lo += tl.where(top, 0.0, row_sums)
+        sums_hi += tl.where(top, row_sums, 0.0)
+    else:
+        _store_band(band, ds.to(band.dtype.element_ty), i0 - j0 - (BLOCK_N - 1), band_lo, offs_m, offs_n, BAND,
+                    BLOCK_N, TRANSPOSED)
+        other = i0 if TRANSPOSED else j0
+        first = tl.minimum(first, other)
+        last = tl.maximum(last, other)
+    return sums_lo, sums_hi, first, last
+
+
+@triton.jit
+def _block_position(acc, OWN, REL, part_ptr, DENSE_GRAD, band, FOLD, MERGE, sums_lo, sums_hi, first, last, block0,
+                    band_lo, lo, item, n_ctx, seq_len, base, stat_off, stride_n, stride_lb, stride_lh, dense_lb,
+                    dense_lh, offs_r, offs_d, TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr, DENSE: tl.constexpr,
+                    PRECISION: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """A block's position gradient after its tile loop: its band's (:func:`_band_gradients`) and its saturated
+    tiles' end terms, added to ``acc`` (dQ, or dK when ``TRANSPOSED``: the block is then key block ``block0``)
+    and the partial table, or with ``DENSE`` written in bucket coordinates to the block's rows of
+    ``DENSE_GRAD`` (located here from the program's ``item``: a 64-bit pointer held across the loop spilled)."""
+    tl.debug_barrier()
+    rows_ok = (block0 + offs_r) < seq_len
+    dense = _dense_rows(DENSE_GRAD, stat_off, item // tl.cdiv(n_ctx, BLOCK_N if TRANSPOSED else BLOCK_M),
+                        tl.program_id(1), block0, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN)
+    own = OWN
+    if not DENSE:
+        own = _load_rows(OWN + base, block0, offs_r, offs_d, stride_n, seq_len)  # reloaded: not held across the loop
+    if TRANSPOSED:  # key b at distance dist pairs with query block0 + b + dist: band rows are keys, SIGN -1
+        acc = _band_gradients(acc, own, band, REL, part_ptr, dense, rows_ok, FOLD, MERGE, band_lo, lo, block0,
+                              first - block0 - (BLOCK_N - 1), last + BLOCK_M - 1 - block0, first, last, offs_r,
+                              offs_d, TWO_SPAN, HEAD_DIM, BAND, CHUNK, BLOCK_M, -1, DENSE, PRECISION)
+    else:
+        acc = _band_gradients(acc, own, band, REL, part_ptr, dense, rows_ok, FOLD, MERGE, band_lo, lo, block0,
+                              block0 - last - (BLOCK_N - 1), block0 - first + BLOCK_M - 1, first, last, offs_r,
+                              offs_d, TWO_SPAN, HEAD_DIM, BAND, CHUNK, BLOCK_N, 1, DENSE, PRECISION)
+    if DENSE:
+        _add_end_sums(dense, sums_lo, sums_hi, rows_ok, offs_r, TWO_SPAN)
+    else:
+        acc = _end_gradients(acc, own, sums_lo, sums_hi, REL, part_ptr, offs_d, TWO_SPAN, HEAD_DIM)
+    return acc
+
+
+@triton.jit
 def _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, scale, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr):
     """Recomputed (dropped) probabilities and the score gradient ``dS`` (scale included) of a tile from
@@ -140,8 +218,7 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
     ``DENSE`` its score gradient in bucket coordinates written to its rows of the dense buffer ``DENSE_GRAD``
     (located after the tile loop from the program's ``item``: a 64-bit pointer held across it spilled)."""
     offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
-    band = scratch + 2 * (BLOCK_M + BLOCK_N) * WINDOW
-    band_lo = tl.maximum(lo, i0 - (tl.cdiv(n_ctx, BLOCK_N) * BLOCK_N - 1))  # the block's smallest distance
+    band, band_lo = _band_start(scratch, lo, i0, 0, n_ctx, BLOCK_N, WINDOW, BLOCK_M, False)
     q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)
     do = _load_rows(DO + base, i0, offs_m, offs_d, stride_n, seq_len)
     lse = _load_stat(LSE + stat_off, i0, offs_m, seq_len, float("inf"))
@@ -176,31 +253,15 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
                              False)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
         if HAS_C2P:  # dQ_a += sum_b dS[a,b] Kr[idx];  dKr[t] += sum_{idx=t} dS[a,b] Q_a
-            if saturated:
-                row_sums = tl.sum(ds, 1)
-                sums_lo += tl.where(top, 0.0, row_sums)
-                sums_hi += tl.where(top, row_sums, 0.0)
-            else:
-                _store_band(band, ds.to(band.dtype.element_ty), i0 - j0 - (BLOCK_N - 1), band_lo, offs_m, offs_n,
-                            BAND, BLOCK_N, False)
-                first = tl.minimum(first, j0)
-                last = tl.maximum(last, j0)
+            sums_lo, sums_hi, first, last = _tile_position(ds, saturated, top, sums_lo, sums_hi, first, last, band,
+                                                           band_lo, i0, j0, offs_m, offs_n, BAND, BLOCK_N, False)
     if DENSE:  # dq is complete (its position part comes after the kernel): not held across the band pass
         _store_rows(DQ + base, i0, offs_m, offs_d, stride_n, seq_len, dq)
     if HAS_C2P:
-        tl.debug_barrier()
-        rows_ok = (i0 + offs_m) < seq_len
-        dense = _dense_rows(DENSE_GRAD, stat_off, item // tl.cdiv(n_ctx, BLOCK_M), tl.program_id(1), i0, stride_lb,
-                            stride_lh, dense_lb, dense_lh, TWO_SPAN)
-        if not DENSE:
-            q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)  # reloaded: not held across the loop
-        dq = _band_gradients(dq, q, band, KR + rel_off, part_ptr, dense, rows_ok, FOLD, MERGE, band_lo, lo, i0,
-                             i0 - last - (BLOCK_N - 1), i0 - first + BLOCK_M - 1, first, last, offs_m, offs_d, TWO_SPAN,
-                             HEAD_DIM, BAND, CHUNK, BLOCK_N, 1, DENSE, PRECISION)
-        if DENSE:
-            _add_end_sums(dense, sums_lo, sums_hi, rows_ok, offs_m, TWO_SPAN)
-        else:
-            dq = _end_gradients(dq, q, sums_lo, sums_hi, KR + rel_off, part_ptr, offs_d, TWO_SPAN, HEAD_DIM)
+        dq = _block_position(dq, Q, KR + rel_off, part_ptr, DENSE_GRAD, band, FOLD, MERGE, sums_lo, sums_hi, first,
+                             last, i0, band_lo, lo, item, n_ctx, seq_len, base, stat_off, stride_n, stride_lb,
+                             stride_lh, dense_lb, dense_lh, offs_m, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, BAND,
+                             CHUNK, DENSE, PRECISION, False)
     if not DENSE:
         _store_rows(DQ + base, i0, offs_m, offs_d, stride_n, seq_len, dq)
 
@@ -216,15 +277,11 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, 
                  HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr, PRECISION: tl.constexpr):
     """Program (p, head) walks a run of (sequence, query block) items of one head into one partial dKr (or,
     ``DENSE``, into its blocks' rows of the dense buffer)."""
-    pid, head = tl.program_id(0), tl.program_id(1)
-    program = (head * tl.num_programs(0) + pid).to(tl.int64)
-    part_ptr = DKR_PART + program * (TWO_SPAN + CHUNK) * HEAD_DIM  # padded rows: see _band_gradients
-    scratch = SCRATCH + program * scratch_elements
-    blocks = tl.cdiv(n_ctx, BLOCK_M)
-    first, end = _program_items(items_per_program, num_seqs, blocks)
+    part_ptr, scratch, blocks, first, end = _program_start(DKR_PART, SCRATCH, scratch_elements, n_ctx, num_seqs,
+                                                           items_per_program, TWO_SPAN, HEAD_DIM, CHUNK, BLOCK_M)
     for item in range(first, end):
         i0, seq_len, base, rel_off, stat_off, mask_ptr, seq_seed, seq_scale = _item(
-            CU, MASK, SCALES, item, blocks, head, seed, scale, n_ctx, n_heads, stride_b, stride_h, stride_n,
+            CU, MASK, SCALES, item, blocks, tl.program_id(1), seed, scale, n_ctx, n_heads, stride_b, stride_h, stride_n,
             stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, BLOCK_M, VARLEN, SCALE_PER_SEQ)
         if i0 < seq_len:
             _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_ptr, DENSE_GRAD, scratch, FOLD,
@@ -247,8 +304,7 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
     """dK, dV of key block ``j0`` (all query blocks; tiles held as ``[BN, BM]``), and its p2c gradient
     added to the partial dQr, or with ``DENSE`` written in bucket coordinates to its rows of ``DENSE_GRAD``."""
     offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
-    band = scratch + 2 * (BLOCK_M + BLOCK_N) * WINDOW
-    band_lo = tl.maximum(lo, -(j0 + BLOCK_N - 1))  # the block's smallest distance
+    band, band_lo = _band_start(scratch, lo, 0, j0, n_ctx, BLOCK_N, WINDOW, BLOCK_M, True)
     k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
     v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -285,33 +341,16 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
         dv = tl.dot(p_dropped.to(do.dtype), do, dv, input_precision=PRECISION)
         dk = tl.dot(ds.to(q.dtype), q, dk, input_precision=PRECISION)
         if HAS_P2C:  # dK_b += sum_a dS[a,b] Qr[idx];  dQr[t] += sum_{idx=t} dS[a,b] K_b
-            if saturated:
-                col_sums = tl.sum(ds, 1)
-                sums_lo += tl.where(top, 0.0, col_sums)
-                sums_hi += tl.where(top, col_sums, 0.0)
-            else:
-                _store_band(band, ds.to(band.dtype.element_ty), i0 - j0 - (BLOCK_N - 1), band_lo, offs_m, offs_n,
-                            BAND, BLOCK_N, True)
-                first = tl.minimum(first, i0)
-                last = tl.maximum(last, i0)
+            sums_lo, sums_hi, first, last = _tile_position(ds, saturated, top, sums_lo, sums_hi, first, last, band,
+                                                           band_lo, i0, j0, offs_m, offs_n, BAND, BLOCK_N, True)
     if DENSE:  # dk and dv are complete (dk's position part comes after the kernel): not held across the band pass
         _store_rows(DK + base, j0, offs_n, offs_d, stride_n, seq_len, dk)
         _store_rows(DV + base, j0, offs_n, offs_d, stride_n, seq_len, dv)
     if HAS_P2C:
-        tl.debug_barrier()
-        rows_ok = (j0 + offs_n) < seq_len
-        dense = _dense_rows(DENSE_GRAD, stat_off, item // tl.cdiv(n_ctx, BLOCK_N), tl.program_id(1), j0, stride_lb,
-                            stride_lh, dense_lb, dense_lh, TWO_SPAN)
-        if not DENSE:
-            k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)  # reloaded: not held across the loop
-        # key b at distance dist pairs with query j0 + b + dist: band rows are keys, SIGN -1
-        dk = _band_gradients(dk, k, band, QR + rel_off, part_ptr, dense, rows_ok, FOLD, MERGE, band_lo, lo, j0,
-                             first - j0 - (BLOCK_N - 1), last + BLOCK_M - 1 - j0, first, last, offs_n, offs_d, TWO_SPAN,
-                             HEAD_DIM, BAND, CHUNK, BLOCK_M, -1, DENSE, PRECISION)
-        if DENSE:
-            _add_end_sums(dense, sums_lo, sums_hi, rows_ok, offs_n, TWO_SPAN)
-        else:
-            dk = _end_gradients(dk, k, sums_lo, sums_hi, QR + rel_off, part_ptr, offs_d, TWO_SPAN, HEAD_DIM)
+        dk = _block_position(dk, K, QR + rel_off, part_ptr, DENSE_GRAD, band, FOLD, MERGE, sums_lo, sums_hi, first,
+                             last, j0, band_lo, lo, item, n_ctx, seq_len, base, stat_off, stride_n, stride_lb,
+                             stride_lh, dense_lb, dense_lh, offs_n, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, BAND,
+                             CHUNK, DENSE, PRECISION, True)
     if not DENSE:
         _store_rows(DK + base, j0, offs_n, offs_d, stride_n, seq_len, dk)
         _store_rows(DV + base, j0, offs_n, offs_d, stride_n, seq_len, dv)
@@ -329,15 +368,11 @@ def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA
                    HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr, PRECISION: tl.constexpr):
     """Program (p, head) walks a run of (sequence, key block) items of one head into one partial dQr (or,
     ``DENSE``, into its blocks' rows of the dense buffer)."""
-    pid, head = tl.program_id(0), tl.program_id(1)
-    program = (head * tl.num_programs(0) + pid).to(tl.int64)
-    part_ptr = DQR_PART + program * (TWO_SPAN + CHUNK) * HEAD_DIM  # padded rows: see _band_gradients
-    scratch = SCRATCH + program * scratch_elements
-    blocks = tl.cdiv(n_ctx, BLOCK_N)
-    first, end = _program_items(items_per_program, num_seqs, blocks)
+    part_ptr, scratch, blocks, first, end = _program_start(DQR_PART, SCRATCH, scratch_elements, n_ctx, num_seqs,
+                                                           items_per_program, TWO_SPAN, HEAD_DIM, CHUNK, BLOCK_N)
     for item in range(first, end):
         j0, seq_len, base, rel_off, stat_off, mask_ptr, seq_seed, seq_scale = _item(
-            CU, MASK, SCALES, item, blocks, head, seed, scale, n_ctx, n_heads, stride_b, stride_h, stride_n,
+            CU, MASK, SCALES, item, blocks, tl.program_id(1), seed, scale, n_ctx, n_heads, stride_b, stride_h, stride_n,
             stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, BLOCK_N, VARLEN, SCALE_PER_SEQ)
         if j0 < seq_len:
             _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, part_ptr, DENSE_GRAD, scratch,

@@ -344,13 +344,9 @@ def _visible(row_words, col_words, i0, j0, offs_m, offs_n, seq_len, BLOCK_M: tl.
     too (the backward needs no query side: a query row with nothing visible has ``lse = +inf``, so its ``P``
     and ``dS`` are 0 whatever its scores); under ``MASK_DIAGONAL`` also ``i != j``, tested only on the tiles
     whose rectangle meets the diagonal (a uniform scalar branch)."""
-    col_ok = (j0 + offs_n) < seq_len
-    if HAS_MASK:
-        col_ok &= _word_bits(col_words, j0, offs_n, BLOCK_N)
+    col_ok = _words_visible(col_words, j0, offs_n, seq_len, BLOCK_N, HAS_MASK)
     if ROWS:
-        row_ok = (i0 + offs_m) < seq_len
-        if HAS_MASK:
-            row_ok &= _word_bits(row_words, i0, offs_m, BLOCK_M)
+        row_ok = _words_visible(row_words, i0, offs_m, seq_len, BLOCK_M, HAS_MASK)
     else:
         row_ok = tl.full([BLOCK_M], 1, tl.int1)
     return _pair_visible(row_ok, col_ok, i0, j0, offs_m, offs_n, BLOCK_M, BLOCK_N, MASK_DIAGONAL, TRANSPOSED)

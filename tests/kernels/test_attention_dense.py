@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_oracle import naive_attention
-from test_attention_triton import DROP, TOL, assert_close, make_inputs, recover_keep_mask, run_with_grads
+from test_attention_triton import TOL, assert_close, dropout_against_oracle, make_inputs, run_with_grads
 
 from distaff.kernels import attention, reference
 from distaff.kernels.attention import planning
@@ -86,20 +85,9 @@ def test_varlen_matches_reference(design):
 
 
 def test_dropout_matches_the_oracle_with_the_kernels_mask(design):
-    batch, heads, n, d = 1, 2, 64, 32  # recover_keep_mask needs d = n
-    keep = recover_keep_mask(torch.device("cpu"), batch, heads, n, seed=5).double()
-    inputs = [t.double() for t in make_inputs(torch.device("cpu"), batch, heads, n, d, BUCKETS, seed=24)]
-    eye = torch.eye(n, dtype=torch.float64).expand(batch, heads, n, n)
-
-    def oracle(q, k, v, kr, qr):
-        return (naive_attention(q, k, eye, kr, qr, **KW) * keep / (1 - DROP)) @ v
-
-    def kernel(q, k, v, kr, qr):
-        torch.manual_seed(5)
-        return attention.disentangled_attention(q, k, v, kr, qr, dropout_p=DROP, **KW)
-
-    assert_close(run_with_grads(kernel, inputs, torch.float32), run_with_grads(oracle, inputs, torch.float64),
-                 TOL[torch.float32])
+    inputs = [t.double() for t in make_inputs(torch.device("cpu"), 1, 2, 64, 32, BUCKETS, seed=24)]
+    got, want = dropout_against_oracle(inputs, 5, **KW)
+    assert_close(got, want, TOL[torch.float32])
 
 
 @pytest.mark.parametrize("cc,n,want", [(80, 512, "dense"), (90, 512, "fused"), (100, 512, "fused"),

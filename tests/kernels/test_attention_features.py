@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_oracle import naive_attention
-from test_attention_triton import DROP, TOL, assert_close, make_inputs, recover_keep_mask, run_with_grads
+from test_attention_triton import TOL, assert_close, dropout_against_oracle, make_inputs, run_with_grads
 
 from distaff.kernels import attention, disentangled_attention, disentangled_attention_varlen, reference
 
@@ -225,23 +225,9 @@ def test_triton_zero_scale_of_a_one_token_sequence_is_not_nan():
 def test_triton_dropout_mask_is_unchanged_by_the_features():
     """The keep mask recovered from the kernel without the features, applied by a float64 oracle with
     them, matches the kernel with them: the features do not move the dropout stream."""
-    batch, heads, n, d = 2, 1, 64, 32  # recover_keep_mask needs d = n
-    keep = recover_keep_mask(torch.device("cpu"), batch, heads, n, seed=5).double()
-    inputs = _float64_inputs(batch, heads, n, d, seed=7)
-    scales = torch.tensor([0.2, 0.45])
-    eye = torch.eye(n, dtype=torch.float64).expand(batch, heads, n, n)
-
-    def oracle(q, k, v, kr, qr):
-        probs = naive_attention(q, k, eye, kr, qr, **KW, softmax_scale=scales, mask_diagonal=True)
-        return (probs * keep / (1 - DROP)) @ v
-
-    def kernel(q, k, v, kr, qr):
-        torch.manual_seed(5)
-        return attention.disentangled_attention(q, k, v, kr, qr, **KW, dropout_p=DROP, softmax_scale=scales,
-                                                mask_diagonal=True)
-
-    assert_close(run_with_grads(kernel, inputs, torch.float32), run_with_grads(oracle, inputs, torch.float64),
-                 TOL[torch.float32])
+    inputs = _float64_inputs(2, 1, 64, 32, seed=7)
+    got, want = dropout_against_oracle(inputs, 5, **KW, softmax_scale=torch.tensor([0.2, 0.45]), mask_diagonal=True)
+    assert_close(got, want, TOL[torch.float32])
 
 
 @pytest.mark.parametrize("layout", ["padded", "varlen"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_attention_triton import DROP, TOL, assert_close, make_inputs, recover_keep_mask, run_with_grads
+from test_attention_triton import TOL, assert_close, dropout_against_oracle, make_inputs, run_with_grads
 
 from distaff.kernels import attention, reference
 from distaff.kernels.attention.planning import _Problem
@@ -269,21 +269,8 @@ def test_saturated_tiles_with_a_shared_position_table() -> None:
 
 def test_saturated_tiles_with_dropout() -> None:
     """Dropout inside saturated tiles against an oracle that applies the kernel's own keep mask."""
-    from attention_oracle import naive_attention
-
-    batch, heads, n, d, drop = 1, 1, 128, 32, DROP
+    n = 128
     _saturated_tiles(n)
-    keep = recover_keep_mask(torch.device("cpu"), batch, heads, n, seed=9).double()
-    inputs = [t.double() for t in make_inputs(torch.device("cpu"), batch, heads, n, d, attention_span(8, 32))]
-    kw = dict(position_buckets=BUCKETS, max_relative_positions=MAX_REL)
-    eye = torch.eye(n, dtype=torch.float64).expand(batch, heads, n, n)
-
-    def oracle(q, k, v, kr, qr):
-        return (naive_attention(q, k, eye, kr, qr, **kw) * keep / (1 - drop)) @ v
-
-    def kernel(q, k, v, kr, qr):
-        torch.manual_seed(9)
-        return attention.disentangled_attention(q, k, v, kr, qr, dropout_p=drop, **kw)
-
-    assert_close(run_with_grads(kernel, inputs, torch.float32), run_with_grads(oracle, inputs, torch.float64),
-                 TOL[torch.float32])
+    inputs = [t.double() for t in make_inputs(torch.device("cpu"), 1, 1, n, 32, attention_span(8, 32))]
+    got, want = dropout_against_oracle(inputs, 9, position_buckets=BUCKETS, max_relative_positions=MAX_REL)
+    assert_close(got, want, TOL[torch.float32])

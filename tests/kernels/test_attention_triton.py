@@ -181,6 +181,25 @@ def recover_keep_mask(device, batch, heads, n, seed):
     return keep
 
 
+def dropout_against_oracle(inputs, seed, **kwargs):
+    """Output and gradients of the kernel with dropout ``DROP`` drawn from ``seed``, and of a float64 oracle
+    that applies the kernel's own keep mask for that seed (``recover_keep_mask``); ``kwargs`` go to both.
+    The pair to compare."""
+    batch, heads, n, _ = inputs[0].shape
+    device = inputs[0].device
+    keep = recover_keep_mask(device, batch, heads, n, seed).double()
+    eye = torch.eye(n, dtype=torch.float64, device=device).expand(batch, heads, n, n)
+
+    def oracle(q, k, v, kr, qr):
+        return (naive_attention(q, k, eye, kr, qr, **kwargs) * keep / (1 - DROP)) @ v
+
+    def kernel(q, k, v, kr, qr):
+        torch.manual_seed(seed)  # the kernel's seed comes from torch's global generator
+        return attention.disentangled_attention(q, k, v, kr, qr, dropout_p=DROP, **kwargs)
+
+    return run_with_grads(kernel, inputs, torch.float32), run_with_grads(oracle, inputs, torch.float64)
+
+
 def test_dropout_keep_rate_and_seeding(device):
     batch, heads, n = 2, 2, 64
     keep = recover_keep_mask(device, batch, heads, n, seed=11)
@@ -194,21 +213,7 @@ def test_dropout_keep_rate_and_seeding(device):
 
 
 def test_dropout_forward_and_backward_match_oracle_with_same_mask(device):
-    batch, heads, n, d = 1, 2, 64, 32
-    keep = recover_keep_mask(device, batch, heads, n, seed=5).double()
-    inputs = [t.double() for t in make_inputs(device, batch, heads, n, d, 8)]
-    kw = dict(position_buckets=8, max_relative_positions=32)
-    eye = torch.eye(n, dtype=torch.float64, device=device).expand(batch, heads, n, n)
-
-    def oracle(q, k, v, kr, qr):
-        probs = naive_attention(q, k, eye, kr, qr, **kw)
-        return (probs * keep / (1 - DROP)) @ v
-
-    def kernel(q, k, v, kr, qr):
-        torch.manual_seed(5)  # the kernel's seed comes from torch's global generator
-        return attention.disentangled_attention(q, k, v, kr, qr, dropout_p=DROP, **kw)
-
-    got = run_with_grads(kernel, inputs, torch.float32)
-    want = run_with_grads(oracle, inputs, torch.float64)
+    inputs = [t.double() for t in make_inputs(device, 1, 2, 64, 32, 8)]
+    got, want = dropout_against_oracle(inputs, 5, position_buckets=8, max_relative_positions=32)
     assert_close(got, want, TOL[torch.float32])
 
