@@ -265,9 +265,9 @@ def _fwd_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, O, LSE, scratch, dense, i0
         lo, hi = _general_blocks(i0, seq_len, top_start, bottom_end, BLOCK_M, BLOCK_N)
         acc, m_i, l_i = _fwd_run(acc, m_i, l_i, q, row_ok, K, V, KR, QR, TABLE, mask_ptr, END, scratch, dense, i0,
                                  0, lo, seed, scale, dropout_p, n_ctx, seq_len, base, stat_off, stat_numel,
-                                 stride_n, offs_m, offs_n, offs_d, True, SATURATED, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                 WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST, KEYS_AHEAD,
-                                 DENSE_SCORES, PRECISION)
+                                 stride_n, offs_m, offs_n, offs_d, True, SATURATED, TWO_SPAN, HEAD_DIM, BLOCK_M,
+                                 BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST,
+                                 KEYS_AHEAD, DENSE_SCORES, PRECISION)
         acc, m_i, l_i = _fwd_run(acc, m_i, l_i, q, row_ok, K, V, KR, QR, TABLE, mask_ptr, END, scratch, dense, i0,
                                  lo, hi, seed, scale, dropout_p, n_ctx, seq_len, base, stat_off, stat_numel,
                                  stride_n, offs_m, offs_n, offs_d, False, GENERAL, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N,
@@ -275,9 +275,9 @@ def _fwd_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, O, LSE, scratch, dense, i0
                                  DENSE_SCORES, PRECISION)
         acc, m_i, l_i = _fwd_run(acc, m_i, l_i, q, row_ok, K, V, KR, QR, TABLE, mask_ptr, END, scratch, dense, i0,
                                  hi, seq_len, seed, scale, dropout_p, n_ctx, seq_len, base, stat_off, stat_numel,
-                                 stride_n, offs_m, offs_n, offs_d, False, SATURATED, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                 WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST, KEYS_AHEAD,
-                                 DENSE_SCORES, PRECISION)
+                                 stride_n, offs_m, offs_n, offs_d, False, SATURATED, TWO_SPAN, HEAD_DIM, BLOCK_M,
+                                 BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST,
+                                 KEYS_AHEAD, DENSE_SCORES, PRECISION)
     else:
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0, seed, scale,
                                    dropout_p, n_ctx, seq_len, base, stat_off, stat_numel, stride_n, offs_m, offs_n,

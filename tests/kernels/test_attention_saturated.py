@@ -138,7 +138,8 @@ def test_the_backward_reads_end_terms_ahead_only_where_a_tile_can_saturate(n, bu
     assert launched == {"_attn_fwd": None, "_attn_bwd_dkdv": ahead, "_attn_bwd_dq": ahead}
 
 
-@pytest.mark.parametrize("tiles,forward", [(attention.INTERPRETER_TILES, "fused"), (attention.INTERPRETER_TILES, "dense"),
+@pytest.mark.parametrize("tiles,forward", [(attention.INTERPRETER_TILES, "fused"),
+                                           (attention.INTERPRETER_TILES, "dense"),
                                            (attention.Tiles(32, 32, 4, 1), "fused")],
                          ids=["paths-apart", "paths-apart-dense-scores", "one-loop"])
 def test_kernels_take_the_saturated_path_on_exactly_the_saturated_tiles(tiles, forward, monkeypatch) -> None:
