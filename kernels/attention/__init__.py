@@ -16,6 +16,10 @@ The distances ``i - j`` of a tile form one *window* of ``BLOCK_M + BLOCK_N - 1``
   (address ``a * (WINDOW + 1) - b + BN - 1``) and ``Y[b, a - b + BN - 1]`` (``b * (WINDOW - 1) + a + BN - 1``).
   The skew is one store and one load per element, affine addresses, no per-element index arithmetic;
   Triton's register gather (``tl.gather``) costs about 30 instructions per element here (docs/kernels.md).
+  In the forward's *dense* design (``planning.forward_design``, named in the plan as ``_Problem.forward``) two
+  torch GEMMs compute ``C2P = Q Kr^T`` and ``P2C = K Qr^T`` (``[H, rows, 2k]``, ``dense.dense_scores``) before
+  the kernel, and a general tile reads score ``(i, j)``'s terms at ``C2P[i, bucket(i - j)]`` and
+  ``P2C[j, bucket(i - j)]``: no window rows, products or scratch.
 
 Backward (no atomics, deterministic): ``_attn_bwd_delta`` (``rowsum(dO * O)``), then two kernels that
 recompute the scores: ``_attn_bwd_dq`` (query blocks: ``dQ`` and the c2p table gradient ``dKr``) and

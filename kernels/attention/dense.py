@@ -1,5 +1,10 @@
-"""The backward's dense position gradients: the backward kernels write each block's score gradient in bucket
-coordinates to HBM, and four torch GEMMs turn it into the position terms' gradients.
+"""Dense position products: the forward's position scores as two torch GEMMs, and the backward's position
+gradients, the backward kernels writing each block's score gradient in bucket coordinates to HBM and four torch
+GEMMs turning it into the position terms' gradients.
+
+Forward (``dense_scores``): ``C2P[h, row(i), t] = Q_i . Kr[t]`` and ``P2C[h, row(j), t] = K_j . Qr[t]``, one
+batched GEMM each, head-major ``[H, rows, 2k]`` in the input dtype (the rows as below); the forward's general
+tiles read score ``(i, j)``'s terms at ``C2P[row(i), bucket(i - j)]`` and ``P2C[row(j), bucket(i - j)]``.
 
 ``dC2P[h, row(i), t] = sum_{j: idx(i, j) = t} dS[i, j]`` (what ``_attn_bwd_dq`` merges from its band per query
 block, plus its saturated tiles' row sums at the two ends) and ``dP2C[h, row(j), t] = sum_{i: idx(i, j) = t}
@@ -79,6 +84,15 @@ def _by_head(x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 4:
         return x.transpose(0, 1).reshape(x.shape[1], -1, x.shape[-1])
     return x.transpose(0, 1)
+
+
+def dense_scores(problem, q: torch.Tensor, k: torch.Tensor, pos_key: torch.Tensor | None,
+                 pos_query: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(C2P, P2C)``: ``Q Kr^T`` and ``K Qr^T`` per head, ``[H, rows, 2k]`` in ``q``'s dtype (cuBLAS accumulates in
+    float32); ``q`` stands in for a term that is off (never read)."""
+    c2p = q if pos_key is None else torch.bmm(_by_head(q), pos_key.transpose(1, 2))
+    p2c = q if pos_query is None else torch.bmm(_by_head(k), pos_query.transpose(1, 2))
+    return c2p, p2c
 
 
 def position_gradients(d_scores: torch.Tensor, own: torch.Tensor, table: torch.Tensor,

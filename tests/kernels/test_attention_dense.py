@@ -1,9 +1,11 @@
-"""The backward's two designs for the position gradients (issue 47): "fused" (band products into per-program
+"""The two designs of the position terms (issue 47), in the backward: "fused" (band products into per-program
 partial tables, in the kernels) and "dense" (the kernels write the score gradient in bucket coordinates, torch
-GEMMs do the products, ``attention.dense``). Each is forced by replacing the planner's rule, run in the
-interpreter (fp32, fp16) on fresh random inputs and held to the float64 reference, values and all five
-gradients, at the suite's tolerances; the launches are checked to be the design asked for. The planner's rule
-itself is checked at the judged shapes."""
+GEMMs do the products, ``attention.dense``); in the forward: "fused" (window products in the general tiles) and
+"dense" (``C2P = Q Kr^T`` and ``P2C = K Qr^T`` by torch GEMMs, read at each score's bucket). Every pairing is
+forced by replacing the planner's rules, run in the interpreter (fp32, fp16) on fresh random inputs and held to
+the float64 reference, values and all five gradients, at the suite's tolerances (the backward recomputes the
+scores its own way, so a forward design's lse that disagreed with it would show in the gradients); the launches
+are checked to be the designs asked for. The planner's rules themselves are checked at the judged shapes."""
 
 from __future__ import annotations
 
@@ -19,19 +21,24 @@ pytestmark = pytest.mark.unit
 
 BUCKETS, MAX_REL = 8, 32
 KW = dict(position_buckets=BUCKETS, max_relative_positions=MAX_REL)
-DESIGNS = planning.BACKWARD_DESIGNS
+DESIGNS = [(forward, backward) for forward in planning.FORWARD_DESIGNS for backward in planning.BACKWARD_DESIGNS]
 
 
-@pytest.fixture(params=DESIGNS)
-def design(request, monkeypatch) -> str:
-    """Every plan takes this backward design; the test fails unless both backward kernels launched with it."""
-    monkeypatch.setattr(planning, "backward_design", lambda *args: request.param)
-    seen = []
+@pytest.fixture(params=DESIGNS, ids=[f"fwd-{f}-bwd-{b}" for f, b in DESIGNS])
+def design(request, monkeypatch) -> tuple[str, str]:
+    """Every plan takes this (forward, backward) design; the test fails unless the forward and both backward
+    kernels launched with it (the interpreter's forward walks its paths apart, so it has the dense variant)."""
+    forward, backward = request.param
+    monkeypatch.setattr(planning, "forward_design", lambda *args: forward)
+    monkeypatch.setattr(planning, "backward_design", lambda *args: backward)
+    seen, forwards = [], []
     original = _Problem.launch
 
     def recorded(self, kernel, tiles, grid, q, has_c2p, has_p2c, **kwargs):
         if "DENSE" in kwargs:
             seen.append((self.backward, kwargs["DENSE"], has_c2p, has_p2c, kernel.fn.__name__))
+        if "DENSE_SCORES" in kwargs:
+            forwards.append((self.forward, kwargs["DENSE_SCORES"], has_c2p or has_p2c))
         return original(self, kernel, tiles, grid, q, has_c2p, has_p2c, **kwargs)
 
     monkeypatch.setattr(_Problem, "launch", recorded)
@@ -39,7 +46,9 @@ def design(request, monkeypatch) -> str:
     assert {name for *_, name in seen} == {"_attn_bwd_dq", "_attn_bwd_dkdv"}
     for planned, dense, c2p, p2c, name in seen:
         own_term = c2p if name == "_attn_bwd_dq" else p2c
-        assert planned == request.param and dense == (request.param == "dense" and own_term), seen
+        assert planned == backward and dense == (backward == "dense" and own_term), seen
+    # a launch without position terms (the dropout test's mask recovery) has nothing to read densely
+    assert forwards and all(f == (forward, forward == "dense" and f[2], f[2]) for f in forwards), forwards
 
 
 def _padding_mask(batch: int, n: int) -> torch.Tensor:
@@ -115,3 +124,29 @@ def test_the_planner_picks_the_design_the_judge_found_faster(cc, n, want, monkey
     assert reads.reads == [] and {"_attn_bwd_dq", "_attn_bwd_dkdv"} <= set(launches)
     assert {planned for planned, _ in launched} == {want}
     assert [dense for _, dense in launched if dense is not None] == [want == "dense"] * 2
+
+
+@pytest.mark.parametrize("cc,n,want", [(80, 512, "fused"), (90, 512, "fused"), (100, 512, "fused"),
+                                       (80, 8192, "fused"), (90, 8192, "dense"), (100, 8192, "dense")])
+def test_the_planner_picks_the_forward_design_the_judge_found_faster(cc, n, want, monkeypatch):
+    """DeBERTa-v3's settings, bf16, d = 64, planned for ``cc`` on fake tensors: the forward launches with the
+    design the plan names, the dense one after its two GEMMs, with no host read of a device value (the rule's
+    figures: ``planning.forward_design``)."""
+    from test_no_host_sync import planned_only
+
+    monkeypatch.setattr(planning, "PLANNED_CAPABILITY", cc)
+    launched = []
+    original = _Problem.launch
+
+    def recorded(self, kernel, tiles, grid, q, has_c2p, has_p2c, **kwargs):
+        if "DENSE_SCORES" in kwargs:
+            launched.append((self.forward, kwargs["DENSE_SCORES"]))
+        return original(self, kernel, tiles, grid, q, has_c2p, has_p2c, **kwargs)
+
+    monkeypatch.setattr(_Problem, "launch", recorded)
+    with planned_only() as (launches, reads):
+        q, k, v = (torch.empty(1, 2, n, 64, dtype=torch.bfloat16) for _ in range(3))
+        kr, qr = (torch.empty(2, 512, 64, dtype=torch.bfloat16) for _ in range(2))
+        attention.disentangled_attention(q, k, v, kr, qr, position_buckets=256, max_relative_positions=512)
+    assert reads.reads == [] and "_attn_fwd" in launches
+    assert launched == [(want, want == "dense")]

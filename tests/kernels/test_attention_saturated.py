@@ -138,14 +138,18 @@ def test_the_backward_reads_end_terms_ahead_only_where_a_tile_can_saturate(n, bu
     assert launched == {"_attn_fwd": None, "_attn_bwd_dkdv": ahead, "_attn_bwd_dq": ahead}
 
 
-@pytest.mark.parametrize("tiles", [attention.INTERPRETER_TILES, attention.Tiles(32, 32, 4, 1)],
-                         ids=["paths-apart", "one-loop"])
-def test_kernels_take_the_saturated_path_on_exactly_the_saturated_tiles(tiles, monkeypatch) -> None:
+@pytest.mark.parametrize("tiles,forward", [(attention.INTERPRETER_TILES, "fused"),
+                                           (attention.INTERPRETER_TILES, "dense"),
+                                           (attention.Tiles(32, 32, 4, 1), "fused")],
+                         ids=["paths-apart", "paths-apart-dense-scores", "one-loop"])
+def test_kernels_take_the_saturated_path_on_exactly_the_saturated_tiles(tiles, forward, monkeypatch) -> None:
     """Every tile's scores come from exactly one of the two paths, in each of the three kernels: the end
-    terms on the saturated tiles, the skewed window products on the others; whether the forward walks the
-    paths in separate loops (key ranges from the host's limits) or reads each tile's path from the table."""
+    terms on the saturated tiles, the skewed window products (or, in the forward's dense design, the dense
+    products) on the others; whether the forward walks the paths in separate loops (key ranges from the host's
+    limits) or reads each tile's path from the table."""
     assert tiles.paths_apart == (tiles is attention.INTERPRETER_TILES)
     monkeypatch.setattr(attention.planning, "INTERPRETER_TILES", tiles)
+    monkeypatch.setattr(attention.planning, "forward_design", lambda *args: forward)
     calls = {"saturated": 0, "general": 0}
 
     def counted(name, fn):
@@ -161,6 +165,7 @@ def test_kernels_take_the_saturated_path_on_exactly_the_saturated_tiles(tiles, m
     for module in (attention.scores, attention.forward):
         monkeypatch.setattr(module, "_end_row_column", end_row_column)
         monkeypatch.setattr(module, "_skewed_read", skewed_read)
+    monkeypatch.setattr(attention.forward, "_dense_bias", counted("general", attention.forward._dense_bias))
     batch, heads, n = 1, 2, 130
     paths = attention.tile_paths(n, attention.INTERPRETER_TILES, BUCKETS, MAX_REL)
     assert paths.saturated > 0 and paths.general > 0, paths
