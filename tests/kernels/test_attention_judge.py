@@ -29,6 +29,7 @@ MET = {*((90, n, p, "fwd", "DisentangledFlash") for n in (512, 8192) for p in (0
        *((90, 8192, p, "bwd", "DisentangledFlash (README)") for p in (0.0, 0.1)),
        *((90, n, 0.0, pass_, "FlashDeBERTa") for n in (512, 8192) for pass_ in ("fwd", "bwd")),
        *((80, 8192, p, "fwd", "DisentangledFlash") for p in (0.0, 0.1)),
+       (80, 8192, 0.0, "fwd", "FlashDeBERTa"),
        (80, 8192, 0.1, "bwd", "DisentangledFlash (profile)")}
 GPU = {90: "H100 SXM", 80: "A100 SXM 80GB"}
 CONTENT = "FlashAttention-2 (content only)"

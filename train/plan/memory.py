@@ -67,6 +67,7 @@ LABELLED = 0.15                     # masked fraction of the collator's default
 LOGITS_CHUNK = 1 << 24              # the fused MLM loss's logits chunk (kernels/mlm_loss.py LOGITS_CHUNK_ELEMENTS)
 GIB = 1024 ** 3
 HEAD_BACKWARD = "MLM loss gradients (transient)"
+DENSE_SCORES = "dense attention scores (transient)"
 # items that make up "model states" as DeepSpeed's estimators count them (weights, gradients, optimizer states)
 MODEL_STATE_ITEMS = ("weights", "gradients", "fp32 master weights", "Adam moments", "fp32 gradients (step)",
                      "gathered weights and their gradient")
@@ -297,6 +298,15 @@ def transients(s: Setting) -> dict[str, float]:
     if not s.fused and a != 4:   # the reference computes half precision in float32: dq, dk, dv and the output's
         grads += (3 + 1) * tokens * cfg.hidden_size * 4     # gradient in float32 beside their casts
     out["layer backward (transient)"] = grads * (2 if s.fused else 1) + tokens * cfg.intermediate_size * a
+    terms = len(cfg.pos_att_type) if cfg.relative_attention else 0
+    if s.fused and terms:
+        # the dense position designs (kernels/attention/dense.py), which the kernels' planning picks per GPU and
+        # length (the backward's on an A100 at every length, both on an H100 once tiles saturate): the backward
+        # keeps one [H, tokens, 2k] score-gradient buffer and head-major copies of Q and K; the forward two
+        # [H, tokens, 2k] score buffers while a layer runs. Counted wherever they may run (an upper bound).
+        position = cfg.num_attention_heads * tokens * 2 * cfg.att_span * a
+        out["layer backward (transient)"] += position + 2 * tokens * cfg.hidden_size * a
+        out[DENSE_SCORES] = terms * position
     if not s.fused:   # the reference backward's score blocks and per-row position gradients: the padded batch's
         span, n = 2 * cfg.att_span, s.attention_len     # at once, a packed batch's one sample at a time
         rows = n if s.packed else s.micro_batch * n
@@ -353,9 +363,10 @@ def phases(s: Setting, states: dict[str, float], acts: dict[str, float], temp: d
     table_grads = (2 if s.zero == 3 else 3) * table
     # the reference head's backward makes the decoder's V x E gradient early (the fused loss made it in the forward:
     # an activation), while nearly every activation is alive; just before it, the loss's two [M, V] gradients
-    others_temp = max(v for k, v in temp.items() if k != HEAD_BACKWARD)
+    others_temp = max(v for k, v in temp.items() if k not in (HEAD_BACKWARD, DENSE_SCORES))
     backward_start = max(others_temp + (0 if s.fused else table), temp.get(HEAD_BACKWARD, 0.0))
-    return {"end of forward": fixed + saved + gathered + temp["MLM logits (transient)"],
+    forward_temp = max(temp["MLM logits (transient)"], temp.get(DENSE_SCORES, 0.0))
+    return {"end of forward": fixed + saved + gathered + forward_temp,
             "start of backward": fixed + saved + gathered + bucket + backward_start,
             "word table's backward": fixed + bucket + gathered + others + table_grads,
             "reduction": fixed + bucket + gathered + reduction,
