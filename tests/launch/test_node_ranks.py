@@ -28,7 +28,9 @@ def rank_script(tmp_path_factory: pytest.TempPathFactory) -> Path:
             if rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(60)      # torchrun ends it once rank 1 is gone
-        print(f"distaff: rank {rank}: its own line; exiting with {code}", file=sys.stderr, flush=True)
+        # one write(2) per line: the two ranks share the node's stderr, and a print's text and newline may go out
+        # as two writes (unbuffered streams), which the other rank's line can split
+        os.write(2, f"distaff: rank {rank}: its own line; exiting with {code}\\n".encode())
         sys.exit(int(code))
     """))
     return path
