@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import inspect
+import itertools
 import math
 import os
 import sys
@@ -320,10 +321,11 @@ class _LiveBytes(TorchDispatchMode):
         self.seen.discard(ptr)
 
 
-def backward_extra_mib(batch: int, n: int, design: str) -> float:
+def backward_extra_mib(batch: int, n: int, design: str, scores: str) -> float:
     """Peak bytes the backward's host code allocates beyond dq, dk, dv and the position gradients, at real
-    shapes, with every kernel launch recorded instead of run (no GPU needed), for the backward ``design``
-    (``planning.BACKWARD_DESIGNS``: the kernels' planning picks one per GPU and length)."""
+    shapes, with every kernel launch recorded instead of run (no GPU needed), for the position gradients'
+    ``design`` (``planning.BACKWARD_DESIGNS``) and the recomputed scores' (``planning.BACKWARD_SCORE_DESIGNS``):
+    the kernels' planning picks them per GPU and length."""
     import dataclasses
 
     from triton.runtime.jit import JITFunction
@@ -336,7 +338,7 @@ def backward_extra_mib(batch: int, n: int, design: str) -> float:
     problem = attention.planning._make_problem(call, num_seqs=batch, n_ctx=n, strides=q.stride()[:3],
                                       stat_shape=(batch, HEADS, n), stat_strides=(HEADS * n, n), mask=None,
                                       cu_seqlens=None)
-    problem = dataclasses.replace(problem, backward=design)
+    problem = dataclasses.replace(problem, backward=design, backward_scores=scores)
     lse = torch.zeros(batch, HEADS, n)
     run, JITFunction.run = JITFunction.run, lambda self, *a, grid, warmup, **kw: None
     try:
@@ -360,13 +362,13 @@ def previous_design_extra_mib(batch: int, n: int) -> float:
 def print_memory_table() -> None:
     print("# Attention backward: temporary memory beyond its gradients (host code at real shapes, launches "
           f"recorded, not run; H={HEADS}, d={HEAD_DIM}, bf16, c2p+p2c)\n")
-    print("| B | N | backward | dq+dk+dv MiB | previous design MiB (computed) | now MiB (measured) |")
-    print("|---|---|---|---|---|---|")
+    print("| B | N | position gradients | scores | dq+dk+dv MiB | previous design MiB (computed) | now MiB (measured) |")
+    print("|---|---|---|---|---|---|---|")
     for batch, n in ((32, 512), (2, 8192)):
         grads = 3 * batch * HEADS * n * HEAD_DIM * 2 / 2**20
-        for design in ("fused", "dense"):
-            print(f"| {batch} | {n} | {design} | {grads:.0f} | {previous_design_extra_mib(batch, n):.0f} | "
-                  f"{backward_extra_mib(batch, n, design):.0f} |", flush=True)
+        for design, scores in itertools.product(("fused", "dense"), repeat=2):
+            print(f"| {batch} | {n} | {design} | {scores} | {grads:.0f} | {previous_design_extra_mib(batch, n):.0f} | "
+                  f"{backward_extra_mib(batch, n, design, scores):.0f} |", flush=True)
 
 
 def print_tile_paths(lengths=(512, 2048, 8192), cc: int = 90) -> None:

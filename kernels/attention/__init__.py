@@ -19,7 +19,9 @@ The distances ``i - j`` of a tile form one *window* of ``BLOCK_M + BLOCK_N - 1``
   In the forward's *dense* design (``planning.forward_design``, named in the plan as ``_Problem.forward``) two
   torch GEMMs compute ``C2P = Q Kr^T`` and ``P2C = K Qr^T`` (``[H, rows, 2k]``, ``dense.dense_scores``) before
   the kernel, and a general tile reads score ``(i, j)``'s terms at ``C2P[i, bucket(i - j)]`` and
-  ``P2C[j, bucket(i - j)]``: no window rows, products or scratch.
+  ``P2C[j, bucket(i - j)]``: no window rows, products or scratch. The backward's kernels read the scores they
+  recompute the same way (``planning.backward_scores_design``, ``_Problem.backward_scores``), from two GEMMs
+  run again at the backward's start (not kept from the forward: a layer's two buffers are 403 MB at v3's batch).
 
 Backward (no atomics, deterministic): ``_attn_bwd_delta`` (``rowsum(dO * O)``), then two kernels that
 recompute the scores: ``_attn_bwd_dq`` (query blocks: ``dQ`` and the c2p table gradient ``dKr``) and
@@ -53,7 +55,7 @@ register spills (``compile_check``); the static speed figures are read by ``stat
 The modules: ``planning`` (host: tiles, tables, the launch plan and its checks; its settings
 ``PLANNED_CAPABILITY`` and ``INTERPRETER_TILES`` are set there), ``scores`` (what one tile computes, shared by
 all kernels), ``forward``, ``backward`` (its budget ``PARTIAL_BUDGET`` is set there), ``dense`` (the dense
-backward's buffer writes and GEMMs) and ``op`` (the autograd function and the public ops). This package re-exports the public names callers used before the split
+designs' GEMMs, buffer reads and writes) and ``op`` (the autograd function and the public ops). This package re-exports the public names callers used before the split
 (private ones, such as ``planning._Problem``, are named on their module); the settings are read here through
 ``__getattr__`` and must be assigned on their own module.
 

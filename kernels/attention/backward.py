@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from .dense import _add_buckets, _add_end_sums, _dense_rows, dense_buffer, dense_strides, position_gradients
+from .dense import (_add_buckets, _add_end_sums, _dense_rows, _dense_scores_at, dense_buffer, dense_scores, dense_strides,
+                    position_gradients)
 from .planning import DELTA_ELEMENTS, _on_device, _Problem, band_folds, band_range, programs_per_head, Tiles
 from .scores import (_dropout_keep, _ends_ahead, _item, _load_rows, _load_stat, _locate, _mask_words, _path_ends,
                      _program_items, _side_visible, _store_rows, _table_ahead, _tile_scores)
@@ -123,11 +124,13 @@ def _program_start(PART, SCRATCH, scratch_elements, n_ctx, num_seqs, items_per_p
 
 @triton.jit
 def _band_start(scratch, lo, i0, j0, n_ctx, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
-                TRANSPOSED: tl.constexpr):
-    """A block's band (past the two window-product buffers of the scratch) and its smallest distance: the
-    query block ``i0`` against the last key block, or (``TRANSPOSED``) the first query block against the key
-    block ``j0``."""
-    band = scratch + 2 * (BLOCK_M + BLOCK_N) * WINDOW
+                TRANSPOSED: tl.constexpr, DENSE_SCORES: tl.constexpr):
+    """A block's band (past the two window-product buffers of the scratch, which the tiles that read dense scores
+    have not) and its smallest distance: the query block ``i0`` against the last key block, or (``TRANSPOSED``)
+    the first query block against the key block ``j0``."""
+    band = scratch
+    if not DENSE_SCORES:
+        band += 2 * (BLOCK_M + BLOCK_N) * WINDOW
     if TRANSPOSED:
         return band, tl.maximum(lo, -(j0 + BLOCK_N - 1))
     return band, tl.maximum(lo, i0 - (tl.cdiv(n_ctx, BLOCK_N) * BLOCK_N - 1))
@@ -206,19 +209,20 @@ def _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, scale, BLOCK
 
 
 @triton.jit
-def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_ptr, DENSE_GRAD, scratch, FOLD, MERGE,
+def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_ptr, DENSE_GRAD, scratch, dense, FOLD,
+              MERGE,
               i0, seed, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo, item,
               stride_lb, stride_lh, dense_lb, dense_lh,
               TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
               HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
               DROPOUT: tl.constexpr, HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr,
-              PRECISION: tl.constexpr):
+              DENSE_SCORES: tl.constexpr, PRECISION: tl.constexpr):
     """dQ of query block ``i0`` (all key blocks), and its c2p gradient added to the partial dKr, or with
     ``DENSE`` its score gradient in bucket coordinates written to its rows of the dense buffer ``DENSE_GRAD``
     (located after the tile loop from the program's ``item``: a 64-bit pointer held across it spilled)."""
     offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
-    band, band_lo = _band_start(scratch, lo, i0, 0, n_ctx, BLOCK_N, WINDOW, BLOCK_M, False)
+    band, band_lo = _band_start(scratch, lo, i0, 0, n_ctx, BLOCK_N, WINDOW, BLOCK_M, False, DENSE_SCORES)
     q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)
     do = _load_rows(DO + base, i0, offs_m, offs_d, stride_n, seq_len)
     lse = _load_stat(LSE + stat_off, i0, offs_m, seq_len, float("inf"))
@@ -242,9 +246,10 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
         k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
         v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
         s, saturated, top, general = _tile_scores(
-            q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, keys, END, ends, scratch, stat_off, stat_numel,
-            i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW,
-            SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, False, HOIST, False, ENDS_AHEAD, PRECISION)
+            q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, keys, END, ends, scratch, dense, stat_off,
+            stat_numel, i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N,
+            WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, False, HOIST, False, ENDS_AHEAD, DENSE_SCORES,
+            PRECISION)
         if ENDS_AHEAD:
             ends = _ends_ahead(END, stat_off, stat_numel, i0, j0 + BLOCK_N, ahead, offs_m, offs_n, seq_len, TWO_SPAN,
                                BLOCK_M, BLOCK_N, HAS_C2P, HAS_P2C)
@@ -268,15 +273,17 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
 
 @triton.jit
 def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, DQ, DKR_PART, DENSE_GRAD, SCRATCH,
-                 FOLD, MERGE, seed, scale, dropout_p, n_ctx, n_heads, num_seqs, items_per_program, stat_numel,
+                 C2P, P2C, FOLD, MERGE, seed, scale, dropout_p, n_ctx, n_heads, num_seqs, items_per_program, stat_numel,
                  scratch_elements, lo, stride_b, stride_h, stride_n, stride_lb, stride_lh, dense_lb, dense_lh,
                  TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
                  HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr,
                  DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
-                 HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr, PRECISION: tl.constexpr):
+                 HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr, DENSE_SCORES: tl.constexpr,
+                 PRECISION: tl.constexpr):
     """Program (p, head) walks a run of (sequence, query block) items of one head into one partial dKr (or,
-    ``DENSE``, into its blocks' rows of the dense buffer)."""
+    ``DENSE``, into its blocks' rows of the dense buffer); with ``DENSE_SCORES`` its general tiles read their
+    position terms from ``C2P`` and ``P2C`` (laid out as the dense buffer)."""
     part_ptr, scratch, blocks, first, end = _program_start(DKR_PART, SCRATCH, scratch_elements, n_ctx, num_seqs,
                                                            items_per_program, TWO_SPAN, HEAD_DIM, CHUNK, BLOCK_M)
     for item in range(first, end):
@@ -284,27 +291,29 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, 
             CU, MASK, SCALES, item, blocks, tl.program_id(1), seed, scale, n_ctx, n_heads, stride_b, stride_h, stride_n,
             stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, BLOCK_M, VARLEN, SCALE_PER_SEQ)
         if i0 < seq_len:
-            _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_ptr, DENSE_GRAD, scratch, FOLD,
-                      MERGE, i0, seq_seed, seq_scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel,
+            dense = _dense_scores_at(C2P, P2C, stat_off, item // blocks, stride_lb, stride_lh, dense_lb, dense_lh,
+                                     TWO_SPAN, DENSE_SCORES)
+            _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_ptr, DENSE_GRAD, scratch, dense,
+                      FOLD, MERGE, i0, seq_seed, seq_scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel,
                       stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN, HEAD_DIM,
                       BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT,
-                      HOIST, ENDS_AHEAD, DENSE, PRECISION)
+                      HOIST, ENDS_AHEAD, DENSE, DENSE_SCORES, PRECISION)
         tl.debug_barrier()
 
 
 @triton.jit
-def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, part_ptr, DENSE_GRAD, scratch, FOLD,
-                MERGE, j0, seed, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo,
+def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, part_ptr, DENSE_GRAD, scratch,
+                dense, FOLD, MERGE, j0, seed, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo,
                 item, stride_lb, stride_lh, dense_lb, dense_lh,
                 TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
                 HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
                 DROPOUT: tl.constexpr, HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr,
-                PRECISION: tl.constexpr):
+                DENSE_SCORES: tl.constexpr, PRECISION: tl.constexpr):
     """dK, dV of key block ``j0`` (all query blocks; tiles held as ``[BN, BM]``), and its p2c gradient
     added to the partial dQr, or with ``DENSE`` written in bucket coordinates to its rows of ``DENSE_GRAD``."""
     offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
-    band, band_lo = _band_start(scratch, lo, 0, j0, n_ctx, BLOCK_N, WINDOW, BLOCK_M, True)
+    band, band_lo = _band_start(scratch, lo, 0, j0, n_ctx, BLOCK_N, WINDOW, BLOCK_M, True, DENSE_SCORES)
     k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
     v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -329,9 +338,10 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
         lse = _load_stat(LSE + stat_off, i0, offs_m, seq_len, float("inf"))
         delta = _load_stat(DELTA + stat_off, i0, offs_m, seq_len, 0.0)
         s, saturated, top, general = _tile_scores(
-            q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, keys, END, ends, scratch, stat_off, stat_numel,
-            i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW,
-            SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, True, HOIST, False, ENDS_AHEAD, PRECISION)
+            q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, keys, END, ends, scratch, dense, stat_off,
+            stat_numel, i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N,
+            WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, True, HOIST, False, ENDS_AHEAD, DENSE_SCORES,
+            PRECISION)
         if ENDS_AHEAD:
             ends = _ends_ahead(END, stat_off, stat_numel, i0 + BLOCK_M, j0, ahead, offs_m, offs_n, seq_len, TWO_SPAN,
                                BLOCK_M, BLOCK_N, HAS_C2P, HAS_P2C)
@@ -358,16 +368,17 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
 
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, DK, DV, DQR_PART, DENSE_GRAD,
-                   SCRATCH, FOLD, MERGE, seed, scale, dropout_p, n_ctx, n_heads, num_seqs, items_per_program,
+                   SCRATCH, C2P, P2C, FOLD, MERGE, seed, scale, dropout_p, n_ctx, n_heads, num_seqs, items_per_program,
                    stat_numel, scratch_elements, lo, stride_b, stride_h, stride_n, stride_lb, stride_lh, dense_lb,
                    dense_lh,
                    TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
                    HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr,
                    DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
-                   HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr, PRECISION: tl.constexpr):
+                   HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr, DENSE_SCORES: tl.constexpr,
+                   PRECISION: tl.constexpr):
     """Program (p, head) walks a run of (sequence, key block) items of one head into one partial dQr (or,
-    ``DENSE``, into its blocks' rows of the dense buffer)."""
+    ``DENSE``, into its blocks' rows of the dense buffer); with ``DENSE_SCORES`` as ``_attn_bwd_dq``."""
     part_ptr, scratch, blocks, first, end = _program_start(DQR_PART, SCRATCH, scratch_elements, n_ctx, num_seqs,
                                                            items_per_program, TWO_SPAN, HEAD_DIM, CHUNK, BLOCK_N)
     for item in range(first, end):
@@ -375,10 +386,12 @@ def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA
             CU, MASK, SCALES, item, blocks, tl.program_id(1), seed, scale, n_ctx, n_heads, stride_b, stride_h, stride_n,
             stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, BLOCK_N, VARLEN, SCALE_PER_SEQ)
         if j0 < seq_len:
+            dense = _dense_scores_at(C2P, P2C, stat_off, item // blocks, stride_lb, stride_lh, dense_lb, dense_lh,
+                                     TWO_SPAN, DENSE_SCORES)
             _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, part_ptr, DENSE_GRAD, scratch,
-                        FOLD, MERGE, j0, seq_seed, seq_scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off,
+                        dense, FOLD, MERGE, j0, seq_seed, seq_scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off,
                         stat_numel, stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK,
-                        MASK_DIAGONAL, DROPOUT, HOIST, ENDS_AHEAD, DENSE, PRECISION)
+                        MASK_DIAGONAL, DROPOUT, HOIST, ENDS_AHEAD, DENSE, DENSE_SCORES, PRECISION)
         tl.debug_barrier()
 
 
@@ -419,20 +432,22 @@ class BackwardBuffers:
 
 
 def backward_buffers(tiles: Tiles, two_span: int, band: int, q: torch.Tensor, kernel: str, has_term: bool,
-                     has_terms: bool, dense: bool = False) -> BackwardBuffers:
+                     has_terms: bool, dense: bool = False, dense_scores: bool = False) -> BackwardBuffers:
     """The buffers of a program of ``kernel`` ("dq" or "dkdv"); ``has_term``: it computes its own position
     gradient (c2p for dq, p2c for dk/dv); ``has_terms``: the scores have a position term at all; ``dense``: the
-    dense design (no partial table)."""
+    dense gradient design (no partial table); ``dense_scores``: the scores read from dense products (no window
+    products)."""
     block = tiles.block_m if kernel == "dq" else tiles.block_n
-    products = 2 * (tiles.block_m + tiles.block_n) * tiles.window if has_terms else 0
+    products = 2 * (tiles.block_m + tiles.block_n) * tiles.window if has_terms and not dense_scores else 0
     partial_rows = two_span + tiles.chunk if has_term and not dense else 0
     return BackwardBuffers(partial_rows, products + (block * band if has_term else 0), q.element_size(), q.shape[-1])
 
 
 def _backward_kernel(problem: _Problem, kernel, name: str, q, has_term: bool, budget: int, part_name: str,
-                     **args) -> torch.Tensor | None:
+                     scores: tuple, **args) -> torch.Tensor | None:
     """Launch a backward kernel over (sequence, block) items of each head: its summed partials, or in the dense
-    design its dense score gradient (``[H, rows, 2k]``, :mod:`.dense`); None without its position term."""
+    design its dense score gradient (``[H, rows, 2k]``, :mod:`.dense`); None without its position term.
+    ``scores``: the dense ``(C2P, P2C)`` its general tiles read (``_Problem.backward_scores``), or ``()``."""
     dense = problem.backward == "dense" and has_term
     tiles = problem.tiles(name, q)
     items = problem.num_seqs * triton.cdiv(problem.n_ctx, tiles.block_m if name == "dq" else tiles.block_n)
@@ -441,7 +456,7 @@ def _backward_kernel(problem: _Problem, kernel, name: str, q, has_term: bool, bu
     fold, merge = (_on_device((problem.table.key, lo, hi, tiles.chunk, q.dtype, i), t, q.device)
                    for i, t in enumerate(folds))
     has_terms = args["KR"] is not q or args["QR"] is not q
-    buffers = backward_buffers(tiles, problem.two_span, band, q, name, has_term, has_terms, dense)
+    buffers = backward_buffers(tiles, problem.two_span, band, q, name, has_term, has_terms, dense, bool(scores))
     programs = programs_per_head(items, buffers.program_bytes, budget, problem.n_heads, problem.slots(tiles))
     shape = (problem.n_heads, programs, buffers.partial_rows, q.shape[-1]) if buffers.partial_rows else (1,)
     partial = torch.zeros(shape, dtype=torch.float32, device=q.device)
@@ -455,7 +470,8 @@ def _backward_kernel(problem: _Problem, kernel, name: str, q, has_term: bool, bu
                    ENDS_AHEAD=ends_ahead, items_per_program=triton.cdiv(items, programs),
                    scratch_elements=buffers.scratch_elements, lo=lo, FOLD=fold, MERGE=merge, BAND=band,
                    CHUNK=tiles.chunk, SCRATCH=scratch, DENSE_GRAD=d_scores, dense_lb=dense_lb, dense_lh=dense_lh,
-                   DENSE=dense, **{part_name: partial}, **args)
+                   DENSE=dense, C2P=scores[0] if scores else q, P2C=scores[1] if scores else q,
+                   DENSE_SCORES=bool(scores), **{part_name: partial}, **args)
     if dense:
         return d_scores
     return partial.sum(1)[:, :problem.two_span] if has_term else None  # fixed order: deterministic
@@ -473,7 +489,9 @@ def attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, end, pro
 
     Extra memory beyond the gradients: ``delta`` and one kernel's partials and scratch at a time,
     together at most ``PARTIAL_BUDGET`` x the bytes of ``dq + dk + dv`` (and at least one program per head);
-    in the dense design (``problem.backward``) also one ``[H, rows, 2k]`` score-gradient buffer at a time.
+    in the dense design (``problem.backward``) also one ``[H, rows, 2k]`` score-gradient buffer at a time, and
+    with dense scores (``problem.backward_scores``) the two ``[H, rows, 2k]`` products, recomputed here by two
+    GEMMs (not kept from the forward: 403 MB a layer at B = 32, N = 512, H = 12, bf16).
     """
     grad_out = grad_out.contiguous()
     delta = row_delta(problem, out, grad_out)
@@ -483,6 +501,9 @@ def attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, end, pro
     budget = int(PARTIAL_BUDGET * 3 * q.numel() * q.element_size()) - others
     common = dict(Q=q, K=k, V=v, KR=q if pos_key is None else pos_key, QR=q if pos_query is None else pos_query,
                   END=end, DO=grad_out, LSE=lse, DELTA=delta)
+    has_terms = pos_key is not None or pos_query is not None
+    common["scores"] = (dense_scores(problem, q, k, pos_key, pos_query)
+                        if has_terms and problem.backward_scores == "dense" else ())
     d_pos_query = _backward_kernel(problem, _attn_bwd_dkdv, "dkdv", q, pos_query is not None, budget, "DQR_PART",
                                    DK=dk, DV=dv, **common)
     if problem.backward == "dense" and d_pos_query is not None:  # its buffer freed before dq's is made

@@ -1,10 +1,12 @@
-"""Dense position products: the forward's position scores as two torch GEMMs, and the backward's position
-gradients, the backward kernels writing each block's score gradient in bucket coordinates to HBM and four torch
-GEMMs turning it into the position terms' gradients.
+"""Dense position products: the position scores as two torch GEMMs, and the backward's position gradients, the
+backward kernels writing each block's score gradient in bucket coordinates to HBM and four torch GEMMs turning it
+into the position terms' gradients.
 
-Forward (``dense_scores``): ``C2P[h, row(i), t] = Q_i . Kr[t]`` and ``P2C[h, row(j), t] = K_j . Qr[t]``, one
-batched GEMM each, head-major ``[H, rows, 2k]`` in the input dtype (the rows as below); the forward's general
-tiles read score ``(i, j)``'s terms at ``C2P[row(i), bucket(i - j)]`` and ``P2C[row(j), bucket(i - j)]``.
+Scores (``dense_scores``): ``C2P[h, row(i), t] = Q_i . Kr[t]`` and ``P2C[h, row(j), t] = K_j . Qr[t]``, one
+batched GEMM each, head-major ``[H, rows, 2k]`` in the input dtype (the rows as below); a general tile of the
+forward (``planning.forward_design``) or of either backward kernel (``planning.backward_scores_design``, the GEMMs
+run again at the backward's start) reads score ``(i, j)``'s terms at ``C2P[row(i), bucket(i - j)]`` and
+``P2C[row(j), bucket(i - j)]`` (``_score_buckets``, ``_dense_bias``).
 
 ``dC2P[h, row(i), t] = sum_{j: idx(i, j) = t} dS[i, j]`` (what ``_attn_bwd_dq`` merges from its band per query
 block, plus its saturated tiles' row sums at the two ends) and ``dP2C[h, row(j), t] = sum_{i: idx(i, j) = t}
@@ -38,6 +40,52 @@ def _dense_rows(DENSE_GRAD, stat_off, seq, head, row0, stride_lb, stride_lh, den
     buffer: the row statistics' offset ``stat_off`` moved from their (sequence, head) strides to the buffer's."""
     row = stat_off + seq.to(tl.int64) * (dense_lb - stride_lb) + head.to(tl.int64) * (dense_lh - stride_lh) + row0
     return DENSE_GRAD + row * TWO_SPAN
+
+
+@triton.jit
+def _dense_scores_at(C2P, P2C, stat_off, seq, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN: tl.constexpr,
+                     DENSE_SCORES: tl.constexpr):
+    """``(C2P, P2C)`` at row 0 of sequence ``seq`` of this program's head (``program_id(1)``), or ``()`` without
+    ``DENSE_SCORES``."""
+    dense = ()
+    if DENSE_SCORES:
+        head = tl.program_id(1)
+        dense = (_dense_rows(C2P, stat_off, seq, head, 0, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN),
+                 _dense_rows(P2C, stat_off, seq, head, 0, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN))
+    return dense
+
+
+@triton.jit
+def _score_buckets(TABLE, d0, offs_m, offs_n, TRANSPOSED: tl.constexpr):
+    """``bucket(d0 + a - b)`` of every score ``(a, b)`` of a tile with ``i0 - j0 = d0``, from the distance table
+    (L1-resident): ``[BM, BN]``, or ``[BN, BM]`` when ``TRANSPOSED`` (a key block's tiles)."""
+    if TRANSPOSED:
+        ptrs = TABLE + d0 + offs_m[None, :] - offs_n[:, None]
+    else:
+        ptrs = TABLE + d0 + offs_m[:, None] - offs_n[None, :]
+    return tl.load(ptrs)
+
+
+@triton.jit
+def _dense_bias(C2P, P2C, buckets, i0, j0, offs_m, offs_n, seq_len, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr,
+                TWO_SPAN: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """c2p + p2c of a general tile read from the dense products (:func:`dense_scores`) at its scores' buckets
+    (:func:`_score_buckets`): ``C2P[i, bucket(i - j)] + P2C[j, bucket(i - j)]`` (``C2P``, ``P2C``: the sequence's
+    row 0), float32, laid out as ``buckets``; nothing read past the sequence."""
+    rows, cols = i0 + offs_m, j0 + offs_n
+    if TRANSPOSED:
+        ok = (cols < seq_len)[:, None] & (rows < seq_len)[None, :]
+        row_at, col_at = rows[None, :], cols[:, None]
+    else:
+        ok = (rows < seq_len)[:, None] & (cols < seq_len)[None, :]
+        row_at, col_at = rows[:, None], cols[None, :]
+    c2p = 0.0
+    p2c = 0.0
+    if HAS_C2P:
+        c2p = tl.load(C2P + row_at * TWO_SPAN + buckets, mask=ok, other=0.0).to(tl.float32)
+    if HAS_P2C:
+        p2c = tl.load(P2C + col_at * TWO_SPAN + buckets, mask=ok, other=0.0).to(tl.float32)
+    return c2p + p2c
 
 
 @triton.jit

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from .dense import _dense_rows, dense_scores, dense_strides
+from .dense import _dense_bias, _dense_scores_at, _score_buckets, dense_scores, dense_strides
 from .planning import END_ELEMENTS, _Problem, programs_per_head
 from .scores import (CONTENT, GENERAL, LOG2E, PER_TILE, SATURATED, _dropout_keep, _end_row_column, _item, _load_rows,
                      _load_stat, _locate, _mask_words, _pair_visible, _path_ends, _program_items, _side_visible,
@@ -126,27 +126,10 @@ def _general_buckets(TABLE, d0, offs_m, offs_n, BLOCK_N: tl.constexpr, WINDOW: t
     """The buckets a general tile with ``i0 - j0 = d0`` reads: with ``DENSE_SCORES`` each score's,
     ``bucket(d0 + a - b)`` (``[BM, BN]``, from the table in L1), else its window's (:func:`_window_buckets`)."""
     if DENSE_SCORES:
-        buckets = tl.load(TABLE + d0 + offs_m[:, None] - offs_n[None, :])
+        buckets = _score_buckets(TABLE, d0, offs_m, offs_n, False)
     else:
         buckets = _window_buckets(TABLE, d0 - (BLOCK_N - 1), WINDOW, SPLIT)
     return buckets
-
-
-@triton.jit
-def _dense_bias(C2P, P2C, buckets, i0, j0, offs_m, offs_n, seq_len, HAS_C2P: tl.constexpr,
-                HAS_P2C: tl.constexpr, TWO_SPAN: tl.constexpr):
-    """c2p + p2c of a general tile read from the dense products (:func:`dense.dense_scores`):
-    ``C2P[i, bucket(i - j)] + P2C[j, bucket(i - j)]`` (``C2P``, ``P2C``: the sequence's row 0), float32
-    ``[BM, BN]``; nothing read past the sequence."""
-    rows, cols = i0 + offs_m, j0 + offs_n
-    ok = (rows < seq_len)[:, None] & (cols < seq_len)[None, :]
-    c2p = 0.0
-    p2c = 0.0
-    if HAS_C2P:
-        c2p = tl.load(C2P + rows[:, None] * TWO_SPAN + buckets, mask=ok, other=0.0).to(tl.float32)
-    if HAS_P2C:
-        p2c = tl.load(P2C + cols[None, :] * TWO_SPAN + buckets, mask=ok, other=0.0).to(tl.float32)
-    return c2p + p2c
 
 
 @triton.jit
@@ -183,7 +166,7 @@ def _fwd_run(acc, m_i, l_i, q, row_ok, K, V, KR, QR, TABLE, mask_ptr, END, scrat
             current = _general_buckets(TABLE, i0 - j0, offs_m, offs_n, BLOCK_N, WINDOW, SPLIT, DENSE_SCORES)
         if PATH == GENERAL and DENSE_SCORES:  # first: the round trip the tile waits for
             position = _dense_bias(dense[0], dense[1], current, i0, j0, offs_m, offs_n, seq_len, HAS_C2P, HAS_P2C,
-                                   TWO_SPAN)
+                                   TWO_SPAN, False)
         elif PATH == GENERAL:
             krw, qrw = _window_rows(KR, QR, current, offs_d, HEAD_DIM, SPLIT, HAS_C2P, HAS_P2C, BLOCK_M < 64)
         if PATH == SATURATED and KEYS_AHEAD:
@@ -232,10 +215,10 @@ def _fwd_tiles(acc, m_i, l_i, q, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0
         if PATH == PER_TILE:
             row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), -BLOCK_N, HOIST, BLOCK_M, BLOCK_N,
                                       WINDOW, SPLIT)
-        s, _, _, general = _tile_scores(q, k, KR, QR, TABLE, row, mask_ptr, (0, 0), END, (), scratch, stat_off,
+        s, _, _, general = _tile_scores(q, k, KR, QR, TABLE, row, mask_ptr, (0, 0), END, (), scratch, (), stat_off,
                                         stat_numel, i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN,
                                         HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK,
-                                        MASK_DIAGONAL, False, HOIST, True, False, PRECISION)
+                                        MASK_DIAGONAL, False, HOIST, True, False, False, PRECISION)
         v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, seed, i0, j0, n_ctx, dropout_p, BLOCK_M, BLOCK_N,
                                       DROPOUT, PRECISION)
@@ -316,11 +299,8 @@ def _attn_fwd(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, O, LSE, SCRATCH, C2
             CU, MASK, SCALES, item, blocks, head, seed, scale, n_ctx, n_heads, stride_b, stride_h, stride_n,
             stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, BLOCK_M, VARLEN, SCALE_PER_SEQ)
         if i0 < seq_len:
-            dense = ()
-            if DENSE_SCORES:
-                seq = item // blocks
-                dense = (_dense_rows(C2P, stat_off, seq, head, 0, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN),
-                         _dense_rows(P2C, stat_off, seq, head, 0, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN))
+            dense = _dense_scores_at(C2P, P2C, stat_off, item // blocks, stride_lb, stride_lh, dense_lb, dense_lh,
+                                     TWO_SPAN, DENSE_SCORES)
             _fwd_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, O, LSE, scratch, dense, i0, seq_seed, seq_scale,
                        dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, top_start, bottom_end,
                        TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL,

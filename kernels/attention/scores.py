@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from .dense import _dense_bias, _score_buckets
 
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
@@ -108,6 +109,20 @@ def _end_row_column(c, p, TRANSPOSED: tl.constexpr):
     else:
         bias = c[:, None] + p[None, :]
     return bias
+
+
+@triton.jit
+def _end_bias(END, ends, stat_off, stat_numel, i0, j0, offs_m, offs_n, seq_len, top, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, TRANSPOSED: tl.constexpr,
+              ENDS_AHEAD: tl.constexpr):
+    """c2p + p2c of a saturated tile at its end ``top``: from ``ends``, read a tile ahead, with ``ENDS_AHEAD``,
+    else read here (:func:`_end_vectors`)."""
+    if ENDS_AHEAD:
+        c_end, p_end = ends
+    else:
+        c_end, p_end = _end_vectors(END, stat_off, stat_numel, i0, j0, offs_m, offs_n, seq_len, top, True, BLOCK_M,
+                                    BLOCK_N, HAS_C2P, HAS_P2C)
+    return _end_row_column(c_end, p_end, TRANSPOSED)
 
 
 @triton.jit
@@ -397,12 +412,13 @@ PER_TILE = tl.constexpr(3)   # any of the above, read per tile from the bucket t
 
 
 @triton.jit
-def _tile_scores(q, k, KR, QR, table_ptr, table_row, mask_ptr, keys, END, ends, scratch, stat_off, stat_numel, i0,
-                 j0, seq_len, scale, offs_m, offs_n, offs_d, general,
+def _tile_scores(q, k, KR, QR, table_ptr, table_row, mask_ptr, keys, END, ends, scratch, dense, stat_off, stat_numel,
+                 i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general,
                  TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  WINDOW: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr,
                  HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr, TRANSPOSED: tl.constexpr,
-                 HOIST: tl.constexpr, ROWS: tl.constexpr, ENDS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
+                 HOIST: tl.constexpr, ROWS: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE_SCORES: tl.constexpr,
+                 PRECISION: tl.constexpr):
     """Scores of tile ``(i0, j0)`` times ``scale * log2(e)`` (``-inf`` where not visible, whatever the scale:
     a scale of 0 must not make ``-inf * 0``), whether it is saturated and at which end (read per tile from
     the bucket table), and the count of general tiles so far (it picks the scratch buffer). ``keys``: the tile's
@@ -410,20 +426,28 @@ def _tile_scores(q, k, KR, QR, table_ptr, table_row, mask_ptr, keys, END, ends, 
     their visibility (read once per block). Query rows are tested only with ``ROWS`` (the forward; the backward
     needs no query side, :func:`_visible`), and then both sides' words are read here, after the products (read
     at the tile's start, they spilled at d = 128 on sm_90). A saturated tile's end terms are ``ends``, read a tile
-    ahead (:func:`_ends_ahead`), with ``ENDS_AHEAD``; else read here."""
+    ahead (:func:`_ends_ahead`), with ``ENDS_AHEAD``; else read here. With ``DENSE_SCORES`` a general tile reads
+    its c2p and p2c from the dense products (``dense``: the sequence's rows of ``C2P`` and ``P2C``) at each
+    score's bucket, issued before the content product: no window rows, products or scratch."""
+    saturated, top = _saturated(table_row, TWO_SPAN)
+    if DENSE_SCORES and (HAS_C2P or HAS_P2C):  # either path's terms before the content product
+        if saturated:
+            position = _end_bias(END, ends, stat_off, stat_numel, i0, j0, offs_m, offs_n, seq_len, top, BLOCK_M,
+                                 BLOCK_N, HAS_C2P, HAS_P2C, TRANSPOSED, ENDS_AHEAD)
+        else:
+            buckets = _score_buckets(table_ptr, i0 - j0, offs_m, offs_n, TRANSPOSED)
+            position = _dense_bias(dense[0], dense[1], buckets, i0, j0, offs_m, offs_n, seq_len, HAS_C2P, HAS_P2C,
+                                   TWO_SPAN, TRANSPOSED)
     if TRANSPOSED:
         s = tl.dot(k, tl.trans(q), input_precision=PRECISION)
     else:
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    saturated, top = _saturated(table_row, TWO_SPAN)
-    if HAS_C2P or HAS_P2C:
+    if DENSE_SCORES and (HAS_C2P or HAS_P2C):
+        s += position
+    elif HAS_C2P or HAS_P2C:
         if saturated:
-            if ENDS_AHEAD:
-                c_end, p_end = ends
-            else:
-                c_end, p_end = _end_vectors(END, stat_off, stat_numel, i0, j0, offs_m, offs_n, seq_len, top, True,
-                                            BLOCK_M, BLOCK_N, HAS_C2P, HAS_P2C)
-            s += _end_row_column(c_end, p_end, TRANSPOSED)
+            s += _end_bias(END, ends, stat_off, stat_numel, i0, j0, offs_m, offs_n, seq_len, top, BLOCK_M, BLOCK_N,
+                           HAS_C2P, HAS_P2C, TRANSPOSED, ENDS_AHEAD)
         else:
             buffer = scratch + (general % 2) * ((BLOCK_M + BLOCK_N) * WINDOW)
             _window_products(q, k, KR, QR, table_ptr, i0 - j0 - (BLOCK_N - 1), table_row[2], buffer, offs_m, offs_n,

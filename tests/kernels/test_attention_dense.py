@@ -21,32 +21,39 @@ pytestmark = pytest.mark.unit
 
 BUCKETS, MAX_REL = 8, 32
 KW = dict(position_buckets=BUCKETS, max_relative_positions=MAX_REL)
-DESIGNS = [(forward, backward) for forward in planning.FORWARD_DESIGNS for backward in planning.BACKWARD_DESIGNS]
+# (forward scores, backward gradients, backward scores): every forward and gradient pairing with the backward's
+# scores fused, and both gradient designs with the backward's scores dense (its scores do not meet the forward's).
+DESIGNS = [(forward, backward, "fused") for forward in planning.FORWARD_DESIGNS
+           for backward in planning.BACKWARD_DESIGNS] + [("fused", backward, "dense")
+                                                        for backward in planning.BACKWARD_DESIGNS]
 
 
-@pytest.fixture(params=DESIGNS, ids=[f"fwd-{f}-bwd-{b}" for f, b in DESIGNS])
-def design(request, monkeypatch) -> tuple[str, str]:
-    """Every plan takes this (forward, backward) design; the test fails unless the forward and both backward
-    kernels launched with it (the interpreter's forward walks its paths apart, so it has the dense variant)."""
-    forward, backward = request.param
+@pytest.fixture(params=DESIGNS, ids=[f"fwd-{f}-bwd-{b}-scores-{s}" for f, b, s in DESIGNS])
+def design(request, monkeypatch) -> tuple[str, str, str]:
+    """Every plan takes this design; the test fails unless the forward and both backward kernels launched with
+    it."""
+    forward, backward, scores = request.param
     monkeypatch.setattr(planning, "forward_design", lambda *args: forward)
     monkeypatch.setattr(planning, "backward_design", lambda *args: backward)
+    monkeypatch.setattr(planning, "backward_scores_design", lambda *args: scores)
     seen, forwards = [], []
     original = _Problem.launch
 
     def recorded(self, kernel, tiles, grid, q, has_c2p, has_p2c, **kwargs):
         if "DENSE" in kwargs:
-            seen.append((self.backward, kwargs["DENSE"], has_c2p, has_p2c, kernel.fn.__name__))
-        if "DENSE_SCORES" in kwargs:
+            seen.append((self.backward, kwargs["DENSE"], self.backward_scores, kwargs["DENSE_SCORES"], has_c2p,
+                         has_p2c, kernel.fn.__name__))
+        elif "DENSE_SCORES" in kwargs:
             forwards.append((self.forward, kwargs["DENSE_SCORES"], has_c2p or has_p2c))
         return original(self, kernel, tiles, grid, q, has_c2p, has_p2c, **kwargs)
 
     monkeypatch.setattr(_Problem, "launch", recorded)
     yield request.param
     assert {name for *_, name in seen} == {"_attn_bwd_dq", "_attn_bwd_dkdv"}
-    for planned, dense, c2p, p2c, name in seen:
+    for planned, dense, planned_scores, dense_scores, c2p, p2c, name in seen:
         own_term = c2p if name == "_attn_bwd_dq" else p2c
         assert planned == backward and dense == (backward == "dense" and own_term), seen
+        assert planned_scores == scores and dense_scores == (scores == "dense" and (c2p or p2c)), seen
     # a launch without position terms (the dropout test's mask recovery) has nothing to read densely
     assert forwards and all(f == (forward, forward == "dense" and f[2], f[2]) for f in forwards), forwards
 
@@ -126,7 +133,7 @@ def test_the_planner_picks_the_design_the_judge_found_faster(cc, n, want, monkey
     assert [dense for _, dense in launched if dense is not None] == [want == "dense"] * 2
 
 
-@pytest.mark.parametrize("cc,n,want", [(80, 512, "fused"), (90, 512, "fused"), (100, 512, "fused"),
+@pytest.mark.parametrize("cc,n,want", [(80, 512, "dense"), (90, 512, "fused"), (100, 512, "fused"),
                                        (80, 8192, "fused"), (90, 8192, "dense"), (100, 8192, "dense")])
 def test_the_planner_picks_the_forward_design_the_judge_found_faster(cc, n, want, monkeypatch):
     """DeBERTa-v3's settings, bf16, d = 64, planned for ``cc`` on fake tensors: the forward launches with the
@@ -150,3 +157,38 @@ def test_the_planner_picks_the_forward_design_the_judge_found_faster(cc, n, want
         attention.disentangled_attention(q, k, v, kr, qr, position_buckets=256, max_relative_positions=512)
     assert reads.reads == [] and "_attn_fwd" in launches
     assert launched == [(want, want == "dense")]
+
+
+@pytest.mark.parametrize("cc,n,want", [(80, 512, "dense"), (90, 512, "dense"), (100, 512, "fused"),
+                                       (80, 8192, "dense"), (90, 8192, "dense"), (100, 8192, "fused")])
+def test_the_planner_picks_the_backward_scores_the_judge_found_faster(cc, n, want, monkeypatch):
+    """DeBERTa-v3's settings, bf16, d = 64, planned for ``cc`` on fake tensors: both backward kernels read their
+    scores as the plan names, the dense ones after the two GEMMs the backward runs first, with the dense design's
+    tiles where the target has them (sm_80: sm_90's), and no host read of a device value (the rule's figures:
+    ``planning.backward_scores_design``)."""
+    from test_no_host_sync import planned_only
+
+    monkeypatch.setattr(planning, "PLANNED_CAPABILITY", cc)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the target's tiles, not the interpreter's (nothing runs)
+    launched = []
+    original = _Problem.launch
+
+    def recorded(self, kernel, tiles, grid, q, has_c2p, has_p2c, **kwargs):
+        if "DENSE" in kwargs:
+            launched.append((self.backward_scores, kwargs["DENSE_SCORES"], kernel.fn.__name__, tiles))
+        return original(self, kernel, tiles, grid, q, has_c2p, has_p2c, **kwargs)
+
+    monkeypatch.setattr(_Problem, "launch", recorded)
+    with planned_only() as (launches, reads):
+        q, k, v = (torch.empty(1, 2, n, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+        kr, qr = (torch.empty(2, 512, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+        out = attention.disentangled_attention(q, k, v, kr, qr, position_buckets=256, max_relative_positions=512)
+        torch.autograd.grad(out.float().sum(), (q, k, v, kr, qr))
+    assert reads.reads == []
+    assert sorted(name for *_, name, _ in launched) == ["_attn_bwd_dkdv", "_attn_bwd_dq"]
+    for planned, dense, name, tiles in launched:
+        kernel = "dq" if name == "_attn_bwd_dq" else "dkdv"
+        assert (planned, dense) == (want, want == "dense")
+        assert tiles == attention.tiles_for(kernel, 64, torch.bfloat16, cc, want == "dense")
+    if cc == 80:  # the larger tiles the dense scores free registers for (the fused design's are 16 x 16)
+        assert [t.block_m * t.block_n for *_, t in launched] == [64 * 32] * 2

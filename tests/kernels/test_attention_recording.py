@@ -57,25 +57,28 @@ passes = rec.record_distaff(rec.Workload(512, 32, 64, 0.0, int(sys.argv[1])))
 print(json.dumps(dict(
     gemms=[(op.bytes, op.flops) for op in passes["bwd"].outside if op.name == "bmm"],
     efficiency=passes["bwd"].gemm_efficiency, cublas=rec.CUBLAS_EFFICIENCY[int(sys.argv[1])], heads=rec.HEADS,
-    dense={kernel.__name__: kwargs.get("DENSE") for kernel, _, kwargs, _ in passes["bwd"].launches})))
+    dense={kernel.__name__: kwargs.get("DENSE") for kernel, _, kwargs, _ in passes["bwd"].launches},
+    scores={kernel.__name__: kwargs.get("DENSE_SCORES") for kernel, _, kwargs, _ in passes["bwd"].launches})))
 """
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("cc,dense", [(90, False), (80, True)])
 def test_distaff_dense_backward_records_its_gemms_at_cublas_efficiency(cc, dense) -> None:
-    """At N = 512 the planner runs the dense backward on sm_80 and the fused one on sm_90 (issue 47): the dense
-    one's four position GEMMs are recorded as outside work, priced at cuBLAS's efficiency like HF eager's, each
-    reading its whole ``[H, tokens, 2k]`` bf16 buffer; the fused one has none. Recorded as the judge records
-    (real JIT kernels, not the interpreter: in a fresh process without ``TRITON_INTERPRET``)."""
+    """At N = 512 the planner runs the dense position gradients on sm_80 and the fused ones on sm_90, and both
+    read their scores densely (issue 47): the dense gradients' four GEMMs and the dense scores' two are recorded as
+    outside work, priced at cuBLAS's efficiency like HF eager's, each reading or writing a whole
+    ``[H, tokens, 2k]`` bf16 buffer. Recorded as the judge records (real JIT kernels, not the interpreter: in a
+    fresh process without ``TRITON_INTERPRET``)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _DISTAFF_BACKWARD, str(cc)], cwd=BENCH.parent, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["dense"]["_attn_bwd_dq"] is dense and got["dense"]["_attn_bwd_dkdv"] is dense, got["dense"]
+    assert got["scores"]["_attn_bwd_dq"] is True and got["scores"]["_attn_bwd_dkdv"] is True, got["scores"]
     assert got["efficiency"] == got["cublas"]
     tokens, two_span, d = 512 * 32, 512, 64
     buffer = got["heads"] * tokens * two_span * 2
-    assert len(got["gemms"]) == (4 if dense else 0)
+    assert len(got["gemms"]) == (4 if dense else 0) + 2
     assert all(nbytes >= buffer and flops == 2 * got["heads"] * tokens * two_span * d for nbytes, flops in got["gemms"])

@@ -81,14 +81,15 @@ def test_v3_path_fractions_at_the_benchmark_lengths() -> None:
 def test_end_terms_are_planned_exactly_when_a_tile_of_some_kernel_saturates(n, buckets, max_rel, dtype, d, cc,
                                                                             monkeypatch) -> None:
     """The host skips the end-terms kernel when no tile can saturate (512 tokens at v3's settings); its
-    O(1) test agrees with the tile-by-tile enumeration for every kernel's real tiles on each target."""
+    O(1) test agrees with the tile-by-tile enumeration for every kernel's real tiles on each target (those of the
+    designs the plan picked)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the GPU tiles, not the interpreter's
     monkeypatch.setattr(attention.planning, "PLANNED_CAPABILITY", cc)
     q = torch.empty(1, 2, n, d, dtype=dtype)
     call = AttentionCall(q, q, q, q.new_empty(2, 2 * attention_span(buckets, max_rel), d), None, buckets, max_rel,
                          0.0, 0.125)
     problem = attention.plan(call)[3]
-    saturated = [attention.tile_paths(n, attention.tiles_for(kernel, d, dtype, cc), buckets, max_rel).saturated
+    saturated = [attention.tile_paths(n, problem.tiles(kernel, q), buckets, max_rel).saturated  # the plan's designs'
                  for kernel in attention.KERNELS]
     assert problem.saturates(q) == any(saturated), saturated
     if not any(saturated):  # a one-element stand-in, no launch
@@ -138,18 +139,20 @@ def test_the_backward_reads_end_terms_ahead_only_where_a_tile_can_saturate(n, bu
     assert launched == {"_attn_fwd": None, "_attn_bwd_dkdv": ahead, "_attn_bwd_dq": ahead}
 
 
-@pytest.mark.parametrize("tiles,forward", [(attention.INTERPRETER_TILES, "fused"),
-                                           (attention.INTERPRETER_TILES, "dense"),
-                                           (attention.Tiles(32, 32, 4, 1), "fused")],
-                         ids=["paths-apart", "paths-apart-dense-scores", "one-loop"])
-def test_kernels_take_the_saturated_path_on_exactly_the_saturated_tiles(tiles, forward, monkeypatch) -> None:
+@pytest.mark.parametrize("tiles,forward,scores", [(attention.INTERPRETER_TILES, "fused", "fused"),
+                                                  (attention.INTERPRETER_TILES, "dense", "dense"),
+                                                  (attention.Tiles(32, 32, 4, 1), "fused", "fused"),
+                                                  (attention.Tiles(32, 32, 4, 1), "fused", "dense")],
+                         ids=["paths-apart", "paths-apart-dense-scores", "one-loop", "one-loop-dense-backward"])
+def test_kernels_take_the_saturated_path_on_exactly_the_saturated_tiles(tiles, forward, scores, monkeypatch) -> None:
     """Every tile's scores come from exactly one of the two paths, in each of the three kernels: the end
-    terms on the saturated tiles, the skewed window products (or, in the forward's dense design, the dense
-    products) on the others; whether the forward walks the paths in separate loops (key ranges from the host's
-    limits) or reads each tile's path from the table."""
+    terms on the saturated tiles, the skewed window products (or, in the dense designs of the forward's and the
+    backward's scores, the dense products) on the others; whether the forward walks the paths in separate loops
+    (key ranges from the host's limits) or reads each tile's path from the table."""
     assert tiles.paths_apart == (tiles is attention.INTERPRETER_TILES)
     monkeypatch.setattr(attention.planning, "INTERPRETER_TILES", tiles)
     monkeypatch.setattr(attention.planning, "forward_design", lambda *args: forward)
+    monkeypatch.setattr(attention.planning, "backward_scores_design", lambda *args: scores)
     calls = {"saturated": 0, "general": 0}
 
     def counted(name, fn):
@@ -165,7 +168,9 @@ def test_kernels_take_the_saturated_path_on_exactly_the_saturated_tiles(tiles, f
     for module in (attention.scores, attention.forward):
         monkeypatch.setattr(module, "_end_row_column", end_row_column)
         monkeypatch.setattr(module, "_skewed_read", skewed_read)
-    monkeypatch.setattr(attention.forward, "_dense_bias", counted("general", attention.forward._dense_bias))
+    dense_bias = counted("general", attention.dense._dense_bias)
+    for module in (attention.scores, attention.forward):
+        monkeypatch.setattr(module, "_dense_bias", dense_bias)
     batch, heads, n = 1, 2, 130
     paths = attention.tile_paths(n, attention.INTERPRETER_TILES, BUCKETS, MAX_REL)
     assert paths.saturated > 0 and paths.general > 0, paths

@@ -301,11 +301,11 @@ def transients(s: Setting) -> dict[str, float]:
     terms = len(cfg.pos_att_type) if cfg.relative_attention else 0
     if s.fused and terms:
         # the dense position designs (kernels/attention/dense.py), which the kernels' planning picks per GPU and
-        # length (the backward's on an A100 at every length, both on an H100 once tiles saturate): the backward
-        # keeps one [H, tokens, 2k] score-gradient buffer and head-major copies of Q and K; the forward two
-        # [H, tokens, 2k] score buffers while a layer runs. Counted wherever they may run (an upper bound).
+        # length: the backward keeps one [H, tokens, 2k] score-gradient buffer and head-major copies of Q and K,
+        # and, reading its scores densely, the two [H, tokens, 2k] score buffers it recomputes; the forward the
+        # two score buffers while a layer runs. Counted wherever they may run (an upper bound).
         position = cfg.num_attention_heads * tokens * 2 * cfg.att_span * a
-        out["layer backward (transient)"] += position + 2 * tokens * cfg.hidden_size * a
+        out["layer backward (transient)"] += (1 + terms) * position + 2 * tokens * cfg.hidden_size * a
         out[DENSE_SCORES] = terms * position
     if not s.fused:   # the reference backward's score blocks and per-row position gradients: the padded batch's
         span, n = 2 * cfg.att_span, s.attention_len     # at once, a packed batch's one sample at a time
