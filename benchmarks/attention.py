@@ -362,13 +362,15 @@ def previous_design_extra_mib(batch: int, n: int) -> float:
 def print_memory_table() -> None:
     print("# Attention backward: temporary memory beyond its gradients (host code at real shapes, launches "
           f"recorded, not run; H={HEADS}, d={HEAD_DIM}, bf16, c2p+p2c)\n")
-    print("| B | N | position gradients | scores | dq+dk+dv MiB | previous design MiB (computed) | now MiB (measured) |")
+    print("| B | N | position gradients | scores | dq+dk+dv MiB | previous design MiB (computed) "
+          "| now MiB (measured) |")
     print("|---|---|---|---|---|---|---|")
     for batch, n in ((32, 512), (2, 8192)):
         grads = 3 * batch * HEADS * n * HEAD_DIM * 2 / 2**20
         for design, scores in itertools.product(("fused", "dense"), repeat=2):
-            print(f"| {batch} | {n} | {design} | {scores} | {grads:.0f} | {previous_design_extra_mib(batch, n):.0f} | "
-                  f"{backward_extra_mib(batch, n, design, scores):.0f} |", flush=True)
+            print(f"| {batch} | {n} | {design} | {scores} | {grads:.0f} | "
+                  f"{previous_design_extra_mib(batch, n):.0f} | {backward_extra_mib(batch, n, design, scores):.0f} |",
+                  flush=True)
 
 
 def print_tile_paths(lengths=(512, 2048, 8192), cc: int = 90) -> None:

@@ -55,7 +55,8 @@ register spills (``compile_check``); the static speed figures are read by ``stat
 The modules: ``planning`` (host: tiles, tables, the launch plan and its checks; its settings
 ``PLANNED_CAPABILITY`` and ``INTERPRETER_TILES`` are set there), ``scores`` (what one tile computes, shared by
 all kernels), ``forward``, ``backward`` (its budget ``PARTIAL_BUDGET`` is set there), ``dense`` (the dense
-designs' GEMMs, buffer reads and writes) and ``op`` (the autograd function and the public ops). This package re-exports the public names callers used before the split
+designs' GEMMs, buffer reads and writes) and ``op`` (the autograd function and the public ops). This package
+re-exports the public names callers used before the split
 (private ones, such as ``planning._Problem``, are named on their module); the settings are read here through
 ``__getattr__`` and must be assigned on their own module.
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from .dense import (_add_buckets, _add_end_sums, _dense_rows, _dense_scores_at, dense_buffer, dense_scores, dense_strides,
-                    position_gradients)
+from .dense import (_add_buckets, _add_end_sums, _dense_rows, _dense_scores_at, dense_buffer, dense_scores,
+                    dense_strides, position_gradients)
 from .planning import DELTA_ELEMENTS, _on_device, _Problem, band_folds, band_range, programs_per_head, Tiles
 from .scores import (_dropout_keep, _ends_ahead, _item, _load_rows, _load_stat, _locate, _mask_words, _path_ends,
                      _program_items, _side_visible, _store_rows, _table_ahead, _tile_scores)
@@ -294,8 +294,8 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, 
             dense = _dense_scores_at(C2P, P2C, stat_off, item // blocks, stride_lb, stride_lh, dense_lb, dense_lh,
                                      TWO_SPAN, DENSE_SCORES)
             _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_ptr, DENSE_GRAD, scratch, dense,
-                      FOLD, MERGE, i0, seq_seed, seq_scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel,
-                      stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN, HEAD_DIM,
+                      FOLD, MERGE, i0, seq_seed, seq_scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off,
+                      stat_numel, stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN, HEAD_DIM,
                       BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT,
                       HOIST, ENDS_AHEAD, DENSE, DENSE_SCORES, PRECISION)
         tl.debug_barrier()
@@ -303,8 +303,8 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, 
 
 @triton.jit
 def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, part_ptr, DENSE_GRAD, scratch,
-                dense, FOLD, MERGE, j0, seed, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo,
-                item, stride_lb, stride_lh, dense_lb, dense_lh,
+                dense, FOLD, MERGE, j0, seed, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel,
+                stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh,
                 TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
                 HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
@@ -390,7 +390,8 @@ def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA
                                      TWO_SPAN, DENSE_SCORES)
             _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, part_ptr, DENSE_GRAD, scratch,
                         dense, FOLD, MERGE, j0, seq_seed, seq_scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off,
-                        stat_numel, stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK,
+                        stat_numel, stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN, HEAD_DIM,
+                        BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK,
                         MASK_DIAGONAL, DROPOUT, HOIST, ENDS_AHEAD, DENSE, DENSE_SCORES, PRECISION)
         tl.debug_barrier()
 

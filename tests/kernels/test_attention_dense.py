@@ -106,89 +106,65 @@ def test_dropout_matches_the_oracle_with_the_kernels_mask(design):
     assert_close(got, want, TOL[torch.float32])
 
 
-@pytest.mark.parametrize("cc,n,want", [(80, 512, "dense"), (90, 512, "fused"), (100, 512, "fused"),
-                                       (80, 8192, "dense"), (90, 8192, "dense"), (90, 2048, "dense")])
-def test_the_planner_picks_the_design_the_judge_found_faster(cc, n, want, monkeypatch):
-    """DeBERTa-v3's settings (256 buckets, max relative 512), bf16, d = 64, planned for ``cc`` on fake tensors:
-    the plan names the design and both backward kernels launch with it, with no host read of a device value
-    (the rule's figures: ``planning.backward_design``)."""
+BACKWARD_KERNELS = ("_attn_bwd_dq", "_attn_bwd_dkdv")
+
+
+def _planned(cc: int, n: int, monkeypatch, backward: bool = True) -> list[tuple]:
+    """``(plan, kernel name, launch arguments, tiles)`` of every attention launch of one call at DeBERTa-v3's
+    settings (256 buckets, max relative 512), bf16, d = 64, planned for ``cc`` with its GPU tiles on fake tensors
+    (nothing runs), its backward too when ``backward``; the call must read no device value on the host."""
     from test_no_host_sync import planned_only
 
     monkeypatch.setattr(planning, "PLANNED_CAPABILITY", cc)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the target's tiles, not the interpreter's
     launched = []
     original = _Problem.launch
 
     def recorded(self, kernel, tiles, grid, q, has_c2p, has_p2c, **kwargs):
-        launched.append((self.backward, kwargs.get("DENSE")))
+        launched.append((self, kernel.fn.__name__, kwargs, tiles))
         return original(self, kernel, tiles, grid, q, has_c2p, has_p2c, **kwargs)
 
     monkeypatch.setattr(_Problem, "launch", recorded)
-    with planned_only() as (launches, reads):
-        q, k, v = (torch.empty(1, 2, n, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
-        kr, qr = (torch.empty(2, 512, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+    with planned_only() as (_, reads):
+        q, k, v = (torch.empty(1, 2, n, 64, dtype=torch.bfloat16).requires_grad_(backward) for _ in range(3))
+        kr, qr = (torch.empty(2, 512, 64, dtype=torch.bfloat16).requires_grad_(backward) for _ in range(2))
         out = attention.disentangled_attention(q, k, v, kr, qr, position_buckets=256, max_relative_positions=512)
-        torch.autograd.grad(out.float().sum(), (q, k, v, kr, qr))
-    assert reads.reads == [] and {"_attn_bwd_dq", "_attn_bwd_dkdv"} <= set(launches)
-    assert {planned for planned, _ in launched} == {want}
-    assert [dense for _, dense in launched if dense is not None] == [want == "dense"] * 2
+        if backward:
+            torch.autograd.grad(out.float().sum(), (q, k, v, kr, qr))
+    assert reads.reads == []
+    assert sorted(name for _, name, *_ in launched) == sorted(("_attn_fwd", *(BACKWARD_KERNELS if backward else ())))
+    return launched
+
+
+@pytest.mark.parametrize("cc,n,want", [(80, 512, "dense"), (90, 512, "fused"), (100, 512, "fused"),
+                                       (80, 8192, "dense"), (90, 8192, "dense"), (90, 2048, "dense")])
+def test_the_planner_picks_the_design_the_judge_found_faster(cc, n, want, monkeypatch):
+    """The plan names the position gradients' design and both backward kernels launch with it (the rule's
+    figures: ``planning.backward_design``)."""
+    backward = [(plan.backward, args["DENSE"]) for plan, name, args, _ in _planned(cc, n, monkeypatch)
+                if name in BACKWARD_KERNELS]
+    assert backward == [(want, want == "dense")] * 2
 
 
 @pytest.mark.parametrize("cc,n,want", [(80, 512, "dense"), (90, 512, "fused"), (100, 512, "fused"),
                                        (80, 8192, "fused"), (90, 8192, "dense"), (100, 8192, "dense")])
 def test_the_planner_picks_the_forward_design_the_judge_found_faster(cc, n, want, monkeypatch):
-    """DeBERTa-v3's settings, bf16, d = 64, planned for ``cc`` on fake tensors: the forward launches with the
-    design the plan names, the dense one after its two GEMMs, with no host read of a device value (the rule's
-    figures: ``planning.forward_design``)."""
-    from test_no_host_sync import planned_only
-
-    monkeypatch.setattr(planning, "PLANNED_CAPABILITY", cc)
-    launched = []
-    original = _Problem.launch
-
-    def recorded(self, kernel, tiles, grid, q, has_c2p, has_p2c, **kwargs):
-        if "DENSE_SCORES" in kwargs:
-            launched.append((self.forward, kwargs["DENSE_SCORES"]))
-        return original(self, kernel, tiles, grid, q, has_c2p, has_p2c, **kwargs)
-
-    monkeypatch.setattr(_Problem, "launch", recorded)
-    with planned_only() as (launches, reads):
-        q, k, v = (torch.empty(1, 2, n, 64, dtype=torch.bfloat16) for _ in range(3))
-        kr, qr = (torch.empty(2, 512, 64, dtype=torch.bfloat16) for _ in range(2))
-        attention.disentangled_attention(q, k, v, kr, qr, position_buckets=256, max_relative_positions=512)
-    assert reads.reads == [] and "_attn_fwd" in launches
-    assert launched == [(want, want == "dense")]
+    """The forward launches with the design the plan names, the dense one after its two GEMMs, on the design's
+    tiles (the rule's figures: ``planning.forward_design``)."""
+    (plan, _, args, tiles), = _planned(cc, n, monkeypatch, backward=False)
+    assert (plan.forward, args["DENSE_SCORES"]) == (want, want == "dense")
+    assert tiles == attention.tiles_for("fwd", 64, torch.bfloat16, cc, want == "dense")
 
 
 @pytest.mark.parametrize("cc,n,want", [(80, 512, "dense"), (90, 512, "dense"), (100, 512, "fused"),
                                        (80, 8192, "dense"), (90, 8192, "dense"), (100, 8192, "fused")])
 def test_the_planner_picks_the_backward_scores_the_judge_found_faster(cc, n, want, monkeypatch):
-    """DeBERTa-v3's settings, bf16, d = 64, planned for ``cc`` on fake tensors: both backward kernels read their
-    scores as the plan names, the dense ones after the two GEMMs the backward runs first, with the dense design's
-    tiles where the target has them (sm_80: sm_90's), and no host read of a device value (the rule's figures:
-    ``planning.backward_scores_design``)."""
-    from test_no_host_sync import planned_only
-
-    monkeypatch.setattr(planning, "PLANNED_CAPABILITY", cc)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the target's tiles, not the interpreter's (nothing runs)
-    launched = []
-    original = _Problem.launch
-
-    def recorded(self, kernel, tiles, grid, q, has_c2p, has_p2c, **kwargs):
-        if "DENSE" in kwargs:
-            launched.append((self.backward_scores, kwargs["DENSE_SCORES"], kernel.fn.__name__, tiles))
-        return original(self, kernel, tiles, grid, q, has_c2p, has_p2c, **kwargs)
-
-    monkeypatch.setattr(_Problem, "launch", recorded)
-    with planned_only() as (launches, reads):
-        q, k, v = (torch.empty(1, 2, n, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
-        kr, qr = (torch.empty(2, 512, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
-        out = attention.disentangled_attention(q, k, v, kr, qr, position_buckets=256, max_relative_positions=512)
-        torch.autograd.grad(out.float().sum(), (q, k, v, kr, qr))
-    assert reads.reads == []
-    assert sorted(name for *_, name, _ in launched) == ["_attn_bwd_dkdv", "_attn_bwd_dq"]
-    for planned, dense, name, tiles in launched:
-        kernel = "dq" if name == "_attn_bwd_dq" else "dkdv"
-        assert (planned, dense) == (want, want == "dense")
-        assert tiles == attention.tiles_for(kernel, 64, torch.bfloat16, cc, want == "dense")
+    """Both backward kernels read their scores as the plan names, the dense ones after the two GEMMs the backward
+    runs first, on the design's tiles (sm_80: sm_90's; the rule's figures: ``planning.backward_scores_design``)."""
+    backward = [(plan, name, args, tiles) for plan, name, args, tiles in _planned(cc, n, monkeypatch)
+                if name in BACKWARD_KERNELS]
+    for plan, name, args, tiles in backward:
+        assert (plan.backward_scores, args["DENSE_SCORES"]) == (want, want == "dense")
+        assert tiles == attention.tiles_for(name.rpartition("_")[2], 64, torch.bfloat16, cc, want == "dense")
     if cc == 80:  # the larger tiles the dense scores free registers for (the fused design's are 16 x 16)
-        assert [t.block_m * t.block_n for *_, t in launched] == [64 * 32] * 2
+        assert [t.block_m * t.block_n for *_, t in backward] == [64 * 32] * 2

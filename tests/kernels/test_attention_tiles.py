@@ -59,16 +59,22 @@ def test_gpu_and_rectangular_tiles_match_the_oracle(shape, monkeypatch) -> None:
         assert _rel_l2(a, e) < 1e-5, name
 
 
-FORWARD_TILES = sorted({row["fwd"] for row in _TILES.values()}, key=lambda t: (t.block_m, t.block_n, t.num_warps))
+# every forward tile a GPU launches, with the design it is planned for (a row's "fwd_dense" reads dense scores)
+FORWARD_TILES = sorted({(t, "dense" if kernel == "fwd_dense" else "fused") for row in _TILES.values()
+                        for kernel, t in row.items() if kernel in ("fwd", "fwd_dense")},
+                       key=lambda pair: (pair[0].block_m, pair[0].block_n, pair[0].num_warps, pair[1]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("tiles", FORWARD_TILES, ids=[f"{t.block_m}x{t.block_n}w{t.num_warps}" for t in FORWARD_TILES])
-def test_every_planned_forward_tile_with_its_warps_matches_the_oracle(tiles, dtype, monkeypatch) -> None:
+@pytest.mark.parametrize("tiles,design", FORWARD_TILES,
+                         ids=[f"{t.block_m}x{t.block_n}w{t.num_warps}-{d}" for t, d in FORWARD_TILES])
+def test_every_planned_forward_tile_with_its_warps_matches_the_oracle(tiles, design, dtype, monkeypatch) -> None:
     """Each forward tile a GPU launches, with its warps (which decide whether it walks its paths apart, as sm_80's
-    32 x 32 on 2 warps now does, or in one loop), through the interpreter on fresh random inputs: output and all
-    five gradients against the float64 oracle, across identity, log and saturated buckets and a padding mask."""
+    32 x 32 on 2 warps now does, or in one loop) and its design, through the interpreter on fresh random inputs:
+    output and all five gradients against the float64 oracle, across identity, log and saturated buckets and a
+    padding mask."""
     monkeypatch.setattr(attention.planning, "INTERPRETER_TILES", tiles)
+    monkeypatch.setattr(attention.planning, "forward_design", lambda *args: design)
     inputs = _inputs(150, 32, 16, seed=11 + tiles.block_m + tiles.block_n + tiles.num_warps)
     mask = torch.ones(1, 150, dtype=torch.long)
     mask[0, 4::9] = 0
@@ -209,6 +215,12 @@ def test_offsets_that_overflow_32_bits_are_refused_before_launch() -> None:
     with pytest.raises(ValueError, match="dropout counters"):
         attention.check_offsets_fit_int32(num_seqs=1, n_heads=1, n_ctx=50_000, token_stride=64,
                                           table_elements=512 * 64, dropout=True)
+    # Four million tokens in one sequence at d = 64 fit the token offsets, not a dense buffer's 2k = 512 columns.
+    attention.check_offsets_fit_int32(num_seqs=1, n_heads=12, n_ctx=1 << 22, token_stride=64,
+                                      table_elements=512 * 64, dropout=False)
+    with pytest.raises(ValueError, match="dense position buffers"):
+        attention.check_offsets_fit_int32(num_seqs=1, n_heads=12, n_ctx=1 << 22, token_stride=64,
+                                          table_elements=512 * 64, dropout=False, two_span=512)
 
 
 def test_compile_check_covers_every_model_preset() -> None:
