@@ -43,6 +43,11 @@ class Tiles:
     # dropout and per-sequence scales). Off where it spilled: 64 x 64 tiles of 4 warps (sm_90, sm_100: 4-236 B;
     # the rows held ahead are 32 more registers a thread).
     keys_ahead: bool = False
+    # ``.maxnreg`` for ptxas, where set: told only a launch's thread count, ptxas may hold a kernel to an
+    # occupancy step (128 or 168 registers a thread at 4 warps) and spill a few values to get there; a
+    # register ceiling makes it allocate what the kernel needs. Set only where that spilled (``_VARIANT_TILES``):
+    # set everywhere, the same ceiling moved spills into other kernels (sm_90 d = 128 forward, 4 B).
+    maxnreg: int | None = None
 
     def hoists(self, mask_diagonal: bool) -> bool:
         """Whether a launch with (or without) the diagonal mask hoists its rows (``hoist``, ``hoist_diagonal``)."""
@@ -133,6 +138,26 @@ _TILES = {
 }
 
 
+# What a launch specialises on besides the row's key: (position terms "c2p+p2c" | "c2p" | "p2c" | "none",
+# layout "padded" | "varlen", dropout), the axes of ``compile_check --full``.
+Variant = tuple[str, str, bool]
+
+
+# (inputs, head dim, target, kernel, dense, variant) -> the tile that variant takes instead of its row's: where
+# the row's tile spilled in ``compile_check --full`` for that variant alone. None of them is a judged launch
+# (benchmarks/attention_judge.py: both terms, padded). sm_90 dq with dense scores, varlen and dropout: 32 x 64
+# spilled 4 B at 255 registers (the item loop's end, reloaded once per item; 64 x 32 spilled 4-12 B, 32 x 32 and
+# 16 x 64 none, also with the per-sequence scale and the diagonal mask). sm_90 dk/dv with c2p alone, padded, and
+# sm_80's dense forward with p2c alone, varlen: ptxas held them to 128 and 168 registers and spilled 8 B; with
+# ``maxnreg`` 255 they take 198 and 212-214, no spill.
+_VARIANT_TILES = {
+    ("half", 64, 90, "dq", True, ("c2p+p2c", "varlen", True)): _T(32, 32, 4, 1),
+    ("half", 64, 90, "dkdv", True, ("c2p", "padded", False)): _T(64, 32, 4, 1, hoist_diagonal=False, maxnreg=255),
+    ("half", 64, 80, "fwd", True, ("p2c", "varlen", False)): _T(64, 32, 4, 1, maxnreg=255),
+    ("half", 64, 80, "fwd", True, ("p2c", "varlen", True)): _T(64, 32, 4, 1, maxnreg=255),
+}
+
+
 # The interpreter runs programs one after another: few, larger tiles are fastest. Two warps make the forward
 # walk its paths apart, as on the GPU's 64-row tiles (tests take four warps for the one-loop forward), and its
 # saturated runs load their keys ahead, as sm_80's d = 64 tiles (tests take tiles without it too).
@@ -173,11 +198,13 @@ def multiprocessors(device: torch.device) -> int:
     return PLANNED_SMS[PLANNED_CAPABILITY]
 
 
-def tiles_for(kernel: str, head_dim: int, dtype: torch.dtype, cc: int = 90, dense: bool = False) -> Tiles:
+def tiles_for(kernel: str, head_dim: int, dtype: torch.dtype, cc: int = 90, dense: bool = False,
+              variant: Variant | None = None) -> Tiles:
     """The launch shape of ``kernel`` ("fwd", "dkdv", "dq", or "content": the forward without position terms)
     for inputs of ``head_dim`` and ``dtype`` on compute capability ``cc``; ``dense``: its general tiles read
     their position terms from the dense products (a row's ``KERNEL_dense`` tile where it has one: without window
-    products a tile has registers for more rows)."""
+    products a tile has registers for more rows); ``variant``: the launch's terms, layout and dropout, where
+    one takes its own tile (``_VARIANT_TILES``)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return INTERPRETER_TILES.content_only() if kernel == "content" else INTERPRETER_TILES
     inputs = "fp32" if dtype == torch.float32 else "half"
@@ -185,7 +212,8 @@ def tiles_for(kernel: str, head_dim: int, dtype: torch.dtype, cc: int = 90, dens
     row = _TILES[(inputs, size, cc)]
     if kernel == "content":
         return row.get("content") or row["fwd"].content_only()
-    return row.get(f"{kernel}_dense", row[kernel]) if dense else row[kernel]
+    own = _VARIANT_TILES.get((inputs, size, cc, kernel, dense, variant))
+    return own or (row.get(f"{kernel}_dense", row[kernel]) if dense else row[kernel])
 
 
 def tile_saturation(n: int, tiles: Tiles, position_buckets: int, max_relative_positions: int) -> torch.Tensor:
@@ -401,6 +429,7 @@ class _Problem:
     backward: str                # the backward's design for the position gradients (``backward_design``)
     forward: str = "fused"       # the forward's design for the general tiles' position terms (``forward_design``)
     backward_scores: str = "fused"  # ... and the backward's, for the scores it recomputes (``backward_scores_design``)
+    terms: str = "c2p+p2c"       # the position terms present: "c2p+p2c", "c2p", "p2c" or "none"
 
     def slots(self, tiles: Tiles) -> int:
         """Programs of a launch with ``tiles`` the device runs at once (``WARPS_PER_SM`` warps per SM)."""
@@ -434,7 +463,12 @@ class _Problem:
     def tiles(self, kernel: str, q: torch.Tensor) -> Tiles:
         """``kernel``'s tiles in this plan's designs (``tiles_for``)."""
         dense = self.forward == "dense" if kernel == "fwd" else self.backward_scores == "dense"
-        return tiles_for(kernel, q.shape[-1], q.dtype, self.cc, dense and kernel != "content")
+        return tiles_for(kernel, q.shape[-1], q.dtype, self.cc, dense and kernel != "content", self.variant)
+
+    @property
+    def variant(self) -> Variant:
+        """The launch's terms, layout and dropout (``tiles_for``)."""
+        return _variant(self.terms, self.cu_seqlens, self.dropout_p)
 
     def launch(self, kernel, tiles: Tiles, grid: tuple, q: torch.Tensor, has_c2p: bool, has_p2c: bool,
                **args) -> None:
@@ -454,7 +488,8 @@ class _Problem:
             SCALE_PER_SEQ=self.scales is not None, MASK_DIAGONAL=self.mask_diagonal,
             HOIST=tiles.hoists(self.mask_diagonal),
             PRECISION="tf32",  # fp32 inputs use TF32 tensor cores (docs/kernels.md); half inputs ignore it
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages, **args)
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            **({} if tiles.maxnreg is None else {"maxnreg": tiles.maxnreg}), **args)
 
     def launch_rows(self, kernel, q: torch.Tensor, block: int, **args) -> None:
         """Launch a per-row-block kernel (delta, end terms) over (row blocks, sequences x heads)."""
@@ -522,6 +557,10 @@ def check_offsets_fit_int32(num_seqs: int, n_heads: int, n_ctx: int, token_strid
                              "split the batch")
 
 
+def _variant(terms: str, cu_seqlens: torch.Tensor | None, dropout_p: float) -> Variant:
+    return terms, "padded" if cu_seqlens is None else "varlen", dropout_p > 0
+
+
 def _make_problem(call: AttentionCall, *, num_seqs: int, n_ctx: int, strides: tuple, stat_shape: tuple,
                   stat_strides: tuple, mask, cu_seqlens) -> _Problem:
     q = call.q
@@ -530,7 +569,10 @@ def _make_problem(call: AttentionCall, *, num_seqs: int, n_ctx: int, strides: tu
     check_offsets_fit_int32(num_seqs, heads, n_ctx, strides[2], two_span * q.shape[-1], call.dropout_p > 0, two_span)
     # Tiles read the table from distance -(n_ctx + BLOCK_N) up to n_ctx + WINDOW.
     cc = capability(q.device)
-    tiles = [tiles_for(kernel, q.shape[-1], q.dtype, cc, dense) for kernel in KERNELS for dense in (False, True)]
+    terms = "+".join(t for t, table in (("c2p", call.pos_key), ("p2c", call.pos_query)) if table is not None) or "none"
+    variant = _variant(terms, cu_seqlens, call.dropout_p)
+    tiles = [tiles_for(kernel, q.shape[-1], q.dtype, cc, dense, variant)
+             for kernel in KERNELS for dense in (False, True)]
     max_distance = n_ctx + max(t.window + t.block_m + t.block_n for t in tiles)
     table = _distance_table(max_distance, call.position_buckets, call.max_relative_positions)
     device_table = _on_device(table.key, table.host, q.device)[max_distance:]  # element 0 is distance 0
@@ -540,10 +582,10 @@ def _make_problem(call: AttentionCall, *, num_seqs: int, n_ctx: int, strides: tu
                     scale=1.0 if call.per_sequence_scale else call.softmax_scale,
                     scales=call.softmax_scale if call.per_sequence_scale else None, mask_diagonal=call.mask_diagonal,
                     dropout_p=call.dropout_p, seed=dropout_seed(call.dropout_p) if call.seed is None else call.seed,
-                    cc=cc, sms=multiprocessors(q.device), backward="fused")
+                    cc=cc, sms=multiprocessors(q.device), backward="fused", terms=terms)
     saturates = problem.saturates(q)
     forward = forward_design(cc, saturates)
-    if not tiles_for("fwd", q.shape[-1], q.dtype, cc, forward == "dense").paths_apart:
+    if not tiles_for("fwd", q.shape[-1], q.dtype, cc, forward == "dense", variant).paths_apart:
         forward = "fused"  # only a forward that walks its paths apart has the dense variant
     return replace(problem, backward=backward_design(cc, saturates), forward=forward,
                    backward_scores=backward_scores_design(cc, saturates))

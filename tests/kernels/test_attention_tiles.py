@@ -14,7 +14,7 @@ import yaml
 from attention_oracle import naive_attention
 from distaff.kernels import attention
 from distaff.kernels.aot import compile_check
-from distaff.kernels.attention.planning import _TILES, _distance_table
+from distaff.kernels.attention.planning import _TILES, _VARIANT_TILES, _distance_table
 from distaff.kernels.relative_position import attention_span
 
 pytestmark = pytest.mark.unit
@@ -39,7 +39,8 @@ def _rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
 
 
-GPU_SHAPES = sorted({(t.block_m, t.block_n) for row in _TILES.values() for t in row.values()})
+GPU_SHAPES = sorted({(t.block_m, t.block_n) for row in _TILES.values() for t in row.values()}
+                    | {(t.block_m, t.block_n) for t in _VARIANT_TILES.values()})
 
 
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=[f"{m}x{n}" for m, n in GPU_SHAPES])

@@ -140,3 +140,35 @@ def test_forward_without_position_terms_keeps_a_warp_per_16_rows(tmp_path: Path)
     for terms, block_m, table_warps, warps in json.loads(run.stdout.splitlines()[-1]):
         assert table_warps > block_m // 16                # the table's tile has more warps: the cap must act
         assert warps == [block_m // 16 if terms == "none" else table_warps], (terms, block_m, table_warps, warps)
+
+
+@pytest.mark.integration
+def test_a_variant_that_spilled_on_its_rows_tile_launches_its_own() -> None:
+    """Each variant in ``planning._VARIANT_TILES`` (terms, layout, dropout where the row's tile spilled in
+    ``--full``) launches its own tile, ``maxnreg`` included, through the real host planning; the same kernel in
+    the judged variant (both terms, padded) launches the row's. Recorded as the compile check records launches;
+    that they compile without spills is the suite's check (``suite_cases`` holds two of them)."""
+    script = textwrap.dedent("""
+        import json, torch
+        from distaff.kernels.aot.compile_check import Case, record_launches
+        from distaff.kernels.attention import planning
+        names = {"fwd": "_attn_fwd", "dq": "_attn_bwd_dq", "dkdv": "_attn_bwd_dkdv"}
+        found = []
+        for (inputs, d, cc, kernel, dense, (terms, layout, dropout)), own in planning._VARIANT_TILES.items():
+            for case_terms, case_layout in ((terms, layout), ("c2p+p2c", "padded")):
+                case = Case("attention", "bfloat16", d, case_terms, case_layout, dropout)
+                launch = [kw for k, _, kw, _ in record_launches(case, cc) if k.__name__ == names[kernel]][0]
+                row = planning.tiles_for(kernel, d, torch.bfloat16, cc, dense)
+                got = [launch["BLOCK_M"], launch["BLOCK_N"], launch["num_warps"], launch.get("maxnreg")]
+                found.append([(case_terms, case_layout) == (terms, layout), got, [own.block_m, own.block_n, own.num_warps, own.maxnreg],
+                              [row.block_m, row.block_n, row.num_warps, row.maxnreg]])
+        print(json.dumps(found))
+    """)
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.splitlines()[-1])
+    assert len(found) == 8
+    for is_variant, got, own, row in found:
+        assert own != row  # each entry changes something: else it would not be needed
+        assert got == (own if is_variant else row), (is_variant, got, own, row)
