@@ -528,9 +528,11 @@ def _result_latency(instr: Instruction, lat: Latency) -> int:
 
 
 def _wait_count(instr: Instruction) -> int:
-    """``N`` of ``DEPBAR.LE SB0, N`` / ``WARPGROUP.DEPBAR.LE gsb0, N``: the groups that may stay in flight."""
+    """``N`` of ``DEPBAR.LE SB0, N`` / ``WARPGROUP.DEPBAR.LE gsb0, N``: the groups that may stay in flight.
+    ptxas may append the instruction scoreboards the wait also drains (``DEPBAR.LE SB0, 0x0, {2,1}``, sm_80
+    with two pipeline stages): results the walk already waits for where a consumer reads them."""
     _, tokens = _split_guard(instr.operands)
-    return int(tokens[-1], 0) if len(tokens) > 1 else 0
+    return int(tokens[1], 0) if len(tokens) > 1 else 0
 
 
 @dataclass

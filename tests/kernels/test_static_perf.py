@@ -208,6 +208,23 @@ def test_copy_groups_and_warpgroup_products_are_waited_for_where_the_code_waits(
 
 
 @pytest.mark.unit
+def test_a_copy_wait_with_instruction_scoreboards_waits_for_its_count() -> None:
+    """ptxas appends the instruction scoreboards a copy wait also drains (``DEPBAR.LE SB0, 0x0, {2,1}``, read from
+    sm_80's two-stage forward): the count is the operand after ``SB0``, not the last token."""
+    groups = """
+        /*0000*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR4][R2.64] ;
+        /*0010*/                   LDGDEPBAR ;
+        /*0020*/                   LDGSTS.E.BYPASS.128 [R3+0x800], desc[UR4][R2.64+0x80] ;
+        /*0030*/                   LDGDEPBAR ;
+"""
+    low = sp.LATENCIES[0]
+    for count, cycles in ((0, 300 + 2 + 1), (1, 300 + 1)):
+        plain = sp.parse_listing(groups + f"        /*0040*/                   DEPBAR.LE SB0, 0x{count} ;\n")
+        listed = sp.parse_listing(groups + f"        /*0040*/                   DEPBAR.LE SB0, 0x{count}, {{2,1}} ;\n")
+        assert sp.chain_cycles(listed, 4, low) == sp.chain_cycles(plain, 4, low) == cycles, count
+
+
+@pytest.mark.unit
 def test_chain_waits_name_the_line_that_waits() -> None:
     code = sp.parse_listing('\t//## File "/k/a.py", line 7\n' + CHAIN)
     low = sp.LATENCIES[0]
