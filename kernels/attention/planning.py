@@ -115,10 +115,13 @@ _TILES = {
     # registers); 64 x 32 and 64 x 64 on 4 warps spilled 1.0-1.4 KB, and 32 x 32 on 4 warps repeats the content
     # products of a paths-apart loop, so it kept the one loop that branches per tile.
     # With dense scores (no window products) sm_80 takes sm_90's d = 64 backward tiles, their loads pipelined two
-    # stages deep, and a 64 x 32 forward tile on 4 warps, without spills; 64 x 64 backward tiles spilled 460-824 B
-    # (4 or 8 warps), 32 x 32 on 2 warps 4-132 B, the forward's 64 x 32 in two stages 12 B.
+    # stages deep, and a 64 x 32 forward tile on 4 warps in two stages, without spills; 64 x 64 backward tiles
+    # spilled 460-824 B (4 or 8 warps), 32 x 32 on 2 warps 4-132 B. The two-stage forward spilled 12 B at 168
+    # registers until given a register ceiling (``maxnreg``), and still does in two variants (``_VARIANT_TILES``);
+    # three stages spilled 4 B, 64 x 64 and 128 x 64 on 8 warps 8 B with the ceiling.
     ("half", 64, 80): dict(fwd=_T(32, 32, 2, 1, keys_ahead=True), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1),
-                           fwd_dense=_T(64, 32, 4, 1), dq_dense=_T(32, 64, 4, 2), dkdv_dense=_T(64, 32, 4, 2)),
+                           fwd_dense=_T(64, 32, 4, 2, maxnreg=255), dq_dense=_T(32, 64, 4, 2),
+                           dkdv_dense=_T(64, 32, 4, 2)),
     ("half", 128, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 32, 4, 1), dkdv=_T(16, 16, 4, 1)),
     # sm_100: dk/dv rows not hoisted (hoisted, 8-96 B spilled); forward buckets not loaded ahead (20 B). d = 64
     # dk/dv 64 x 32 on 4 warps: 64 x 64 on 8 spilled 4-32 B with varlen and dropout once the mask was read as words.
@@ -147,14 +150,15 @@ Variant = tuple[str, str, bool]
 # the row's tile spilled in ``compile_check --full`` for that variant alone. None of them is a judged launch
 # (benchmarks/attention_judge.py: both terms, padded). sm_90 dq with dense scores, varlen and dropout: 32 x 64
 # spilled 4 B at 255 registers (the item loop's end, reloaded once per item; 64 x 32 spilled 4-12 B, 32 x 32 and
-# 16 x 64 none, also with the per-sequence scale and the diagonal mask). sm_90 dk/dv with c2p alone, padded, and
-# sm_80's dense forward with p2c alone, varlen: ptxas held them to 128 and 168 registers and spilled 8 B; with
-# ``maxnreg`` 255 they take 198 and 212-214, no spill.
+# 16 x 64 none, also with the per-sequence scale and the diagonal mask). sm_90 dk/dv with c2p alone, padded:
+# ptxas held it to 128 registers and spilled 8 B; with ``maxnreg`` 255 it takes 198, no spill. sm_80's dense
+# forward in two stages with c2p alone, padded, dropout, and p2c alone, padded: held to 168 registers even with
+# the ceiling, 12 B spilled; the one-stage tile compiles them clean.
 _VARIANT_TILES = {
     ("half", 64, 90, "dq", True, ("c2p+p2c", "varlen", True)): _T(32, 32, 4, 1),
     ("half", 64, 90, "dkdv", True, ("c2p", "padded", False)): _T(64, 32, 4, 1, hoist_diagonal=False, maxnreg=255),
-    ("half", 64, 80, "fwd", True, ("p2c", "varlen", False)): _T(64, 32, 4, 1, maxnreg=255),
-    ("half", 64, 80, "fwd", True, ("p2c", "varlen", True)): _T(64, 32, 4, 1, maxnreg=255),
+    ("half", 64, 80, "fwd", True, ("c2p", "padded", True)): _T(64, 32, 4, 1),
+    ("half", 64, 80, "fwd", True, ("p2c", "padded", False)): _T(64, 32, 4, 1),
 }
 
 
@@ -302,12 +306,12 @@ def forward_design(cc: int, saturates: bool) -> str:
     From the judge (benchmarks/attention_judge.py, ESTIMATES: bf16, d = 64, H = 12, 16,384 tokens, high end),
     fused -> dense forward, dropout 0 / 0.1: sm_90 N = 8192 3.84 -> 3.70 / 5.97 -> 5.92 ms (the general tiles
     along the diagonal 5.4k -> 4.0k cycles, for 0.17 ms of GEMMs outside); N = 512 0.61 -> 0.64 / 0.67 -> 0.80
-    (every tile general, but the same 0.17 ms outside is more than the tiles save). sm_80 the other way round: its
-    dense forward runs a 64 x 32 tile on 4 warps (``fwd_dense``; the fused one needs 32 x 32 on 2), N = 512 2.30
-    -> 1.93 / 2.58 -> 2.01, but where tiles saturate the fused forward's saturated runs load their keys a tile
-    ahead, which the larger tile cannot hold (N = 8192 11.74 -> 14.64 / 15.20 -> 17.98). sm_100 is not judged:
-    it takes sm_90's rule (docs/kernels.md, "The scores from dense products")."""
-    return "dense" if saturates == (cc >= 90) else "fused"
+    (every tile general, but the same 0.17 ms outside is more than the tiles save). sm_80 dense at every length:
+    its dense forward runs a 64 x 32 tile on 4 warps in two stages (``fwd_dense``; the fused one needs 32 x 32 on
+    2), N = 512 2.30 -> 1.59 / 2.58 -> 1.79, N = 8192 11.74 -> 10.14 / 15.20 -> 13.44 (on one stage the fused
+    forward, its saturated runs loading keys a tile ahead, was ahead there: 14.64 / 17.98). sm_100 is not
+    judged: it takes sm_90's rule (docs/kernels.md, "The scores from dense products")."""
+    return "dense" if cc < 90 or saturates else "fused"
 
 
 @dataclass(frozen=True, eq=False)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from distaff.kernels.attention import planning
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -147,7 +149,7 @@ def test_a_variant_that_spilled_on_its_rows_tile_launches_its_own() -> None:
     """Each variant in ``planning._VARIANT_TILES`` (terms, layout, dropout where the row's tile spilled in
     ``--full``) launches its own tile, ``maxnreg`` included, through the real host planning; the same kernel in
     the judged variant (both terms, padded) launches the row's. Recorded as the compile check records launches;
-    that they compile without spills is the suite's check (``suite_cases`` holds two of them)."""
+    that they compile without spills is the suite's check (``suite_cases`` holds three of them, ``--full`` all)."""
     script = textwrap.dedent("""
         import json, torch
         from distaff.kernels.aot.compile_check import Case, record_launches
@@ -159,16 +161,17 @@ def test_a_variant_that_spilled_on_its_rows_tile_launches_its_own() -> None:
                 case = Case("attention", "bfloat16", d, case_terms, case_layout, dropout)
                 launch = [kw for k, _, kw, _ in record_launches(case, cc) if k.__name__ == names[kernel]][0]
                 row = planning.tiles_for(kernel, d, torch.bfloat16, cc, dense)
-                got = [launch["BLOCK_M"], launch["BLOCK_N"], launch["num_warps"], launch.get("maxnreg")]
-                found.append([(case_terms, case_layout) == (terms, layout), got, [own.block_m, own.block_n, own.num_warps, own.maxnreg],
-                              [row.block_m, row.block_n, row.num_warps, row.maxnreg]])
+                got = [launch[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")] + [
+                    launch.get("maxnreg")]
+                want = [[t.block_m, t.block_n, t.num_warps, t.num_stages, t.maxnreg] for t in (own, row)]
+                found.append([(case_terms, case_layout) == (terms, layout), got, *want])
         print(json.dumps(found))
     """)
     run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(), capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     found = json.loads(run.stdout.splitlines()[-1])
-    assert len(found) == 8
+    assert len(found) == 2 * len(planning._VARIANT_TILES)
     for is_variant, got, own, row in found:
         assert own != row  # each entry changes something: else it would not be needed
         assert got == (own if is_variant else row), (is_variant, got, own, row)
