@@ -32,7 +32,8 @@ MET = {*((90, n, p, "fwd", "DisentangledFlash") for n in (512, 8192) for p in (0
        *((80, n, 0.0, "bwd", "FlashDeBERTa") for n in (512, 8192)),
        *((80, 8192, p, "fwd", "DisentangledFlash") for p in (0.0, 0.1)),
        (80, 8192, 0.0, "fwd", "FlashDeBERTa"),
-       *((80, 512, p, "bwd", "FlashAttention-2 (content only)") for p in (0.0, 0.1))}
+       *((80, 512, p, "bwd", "FlashAttention-2 (content only)") for p in (0.0, 0.1)),
+       (80, 512, 0.1, "fwd", "DisentangledFlash"), (80, 512, 0.0, "fwd", "FlashAttention-2 (content only)")}
 GPU = {90: "H100 SXM", 80: "A100 SXM 80GB"}
 CONTENT = "FlashAttention-2 (content only)"
 
