@@ -493,7 +493,8 @@ class _Problem:
             HOIST=tiles.hoists(self.mask_diagonal),
             PRECISION="tf32",  # fp32 inputs use TF32 tensor cores (docs/kernels.md); half inputs ignore it
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-            **({} if tiles.maxnreg is None else {"maxnreg": tiles.maxnreg}), **args)
+            # ptxas's register ceiling: an option of Triton's CUDA backend only (ROCm's has none)
+            **({} if tiles.maxnreg is None or torch.version.hip else {"maxnreg": tiles.maxnreg}), **args)
 
     def launch_rows(self, kernel, q: torch.Tensor, block: int, **args) -> None:
         """Launch a per-row-block kernel (delta, end terms) over (row blocks, sequences x heads)."""
