@@ -45,8 +45,9 @@ class Tiles:
     keys_ahead: bool = False
     # ``.maxnreg`` for ptxas, where set: told only a launch's thread count, ptxas may hold a kernel to an
     # occupancy step (128 or 168 registers a thread at 4 warps) and spill a few values to get there; a
-    # register ceiling makes it allocate what the kernel needs. Set only where that spilled (``_VARIANT_TILES``):
-    # set everywhere, the same ceiling moved spills into other kernels (sm_90 d = 128 forward, 4 B).
+    # register ceiling makes it allocate what the kernel needs (not always). Set only where that spilled (sm_80's
+    # two-stage dense forward, a ``_VARIANT_TILES`` entry): set everywhere, the same ceiling moved spills into
+    # other kernels (sm_90 d = 128 forward, 4 B).
     maxnreg: int | None = None
 
     def hoists(self, mask_diagonal: bool) -> bool:
@@ -563,6 +564,7 @@ def check_offsets_fit_int32(num_seqs: int, n_heads: int, n_ctx: int, token_strid
 
 
 def _variant(terms: str, cu_seqlens: torch.Tensor | None, dropout_p: float) -> Variant:
+    """A launch's :data:`Variant`."""
     return terms, "padded" if cu_seqlens is None else "varlen", dropout_p > 0
 
 
