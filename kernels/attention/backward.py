@@ -210,9 +210,8 @@ def _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, scale, BLOCK
 
 @triton.jit
 def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_ptr, DENSE_GRAD, scratch, dense, FOLD,
-              MERGE,
-              i0, seed, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo, item,
-              stride_lb, stride_lh, dense_lb, dense_lh,
+              MERGE, i0, seed, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo,
+              item, stride_lb, stride_lh, dense_lb, dense_lh,
               TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
               HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
@@ -503,7 +502,7 @@ def attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, end, pro
     common = dict(Q=q, K=k, V=v, KR=q if pos_key is None else pos_key, QR=q if pos_query is None else pos_query,
                   END=end, DO=grad_out, LSE=lse, DELTA=delta)
     has_terms = pos_key is not None or pos_query is not None
-    common["scores"] = (dense_scores(problem, q, k, pos_key, pos_query)
+    common["scores"] = (dense_scores(q, k, pos_key, pos_query)
                         if has_terms and problem.backward_scores == "dense" else ())
     d_pos_query = _backward_kernel(problem, _attn_bwd_dkdv, "dkdv", q, pos_query is not None, budget, "DQR_PART",
                                    DK=dk, DV=dv, **common)

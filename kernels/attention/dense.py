@@ -134,7 +134,7 @@ def _by_head(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1)
 
 
-def dense_scores(problem, q: torch.Tensor, k: torch.Tensor, pos_key: torch.Tensor | None,
+def dense_scores(q: torch.Tensor, k: torch.Tensor, pos_key: torch.Tensor | None,
                  pos_query: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(C2P, P2C)``: ``Q Kr^T`` and ``K Qr^T`` per head, ``[H, rows, 2k]`` in ``q``'s dtype (cuBLAS accumulates in
     float32); ``q`` stands in for a term that is off (never read)."""
