@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from .dense import (_add_buckets, _add_end_sums, _dense_rows, _dense_scores_at, dense_buffer, dense_scores,
-                    dense_strides, position_gradients)
+from .dense import (_add_buckets, _add_end_sums, _dense_rows, _dense_scores_at, HeadMajor, dense_buffer,
+                    dense_scores, dense_strides, position_gradients)
 from .planning import DELTA_ELEMENTS, _on_device, _Problem, band_folds, band_range, programs_per_head, Tiles
 from .scores import (_dropout_keep, _ends_ahead, _item, _load_rows, _load_stat, _locate, _mask_words, _path_ends,
                      _program_items, _side_visible, _store_rows, _table_ahead, _tile_scores)
@@ -491,7 +491,8 @@ def attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, end, pro
     together at most ``PARTIAL_BUDGET`` x the bytes of ``dq + dk + dv`` (and at least one program per head);
     in the dense design (``problem.backward``) also one ``[H, rows, 2k]`` score-gradient buffer at a time, and
     with dense scores (``problem.backward_scores``) the two ``[H, rows, 2k]`` products, recomputed here by two
-    GEMMs (not kept from the forward: 403 MB a layer at B = 32, N = 512, H = 12, bf16).
+    GEMMs (not kept from the forward: 403 MB a layer at B = 32, N = 512, H = 12, bf16); padded, with either dense
+    design, head-major copies of Q and K (``dense.HeadMajor``), made once for both.
     """
     grad_out = grad_out.contiguous()
     delta = row_delta(problem, out, grad_out)
@@ -502,15 +503,16 @@ def attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, end, pro
     common = dict(Q=q, K=k, V=v, KR=q if pos_key is None else pos_key, QR=q if pos_query is None else pos_query,
                   END=end, DO=grad_out, LSE=lse, DELTA=delta)
     has_terms = pos_key is not None or pos_query is not None
-    common["scores"] = (dense_scores(q, k, pos_key, pos_query)
+    heads = HeadMajor(q, k)  # shared by the scores' and the gradients' GEMMs
+    common["scores"] = (dense_scores(heads, pos_key, pos_query)
                         if has_terms and problem.backward_scores == "dense" else ())
     d_pos_query = _backward_kernel(problem, _attn_bwd_dkdv, "dkdv", q, pos_query is not None, budget, "DQR_PART",
                                    DK=dk, DV=dv, **common)
     if problem.backward == "dense" and d_pos_query is not None:  # its buffer freed before dq's is made
-        d_pos_query = position_gradients(d_pos_query, k, pos_query, dk)
+        d_pos_query = position_gradients(d_pos_query, heads.k, pos_query, dk)
     d_pos_key = _backward_kernel(problem, _attn_bwd_dq, "dq", q, pos_key is not None, budget, "DKR_PART", DQ=dq,
                                  **common)
     if problem.backward == "dense" and d_pos_key is not None:
-        d_pos_key = position_gradients(d_pos_key, q, pos_key, dq)
+        d_pos_key = position_gradients(d_pos_key, heads.q, pos_key, dq)
     return (dq, dk, dv, None if d_pos_key is None else d_pos_key.to(pos_key.dtype),
             None if d_pos_query is None else d_pos_query.to(pos_query.dtype))

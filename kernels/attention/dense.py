@@ -28,6 +28,8 @@ N x N. ``planning.backward_design`` decides per launch plan whether this design 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -134,12 +136,30 @@ def _by_head(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1)
 
 
-def dense_scores(q: torch.Tensor, k: torch.Tensor, pos_key: torch.Tensor | None,
+class HeadMajor:
+    """Q and K as ``[H, rows, d]`` GEMM operands, each made on first use and kept: padded, making one is a copy
+    of the whole tensor, and a backward with both dense designs reads each twice (the recomputed scores, then the
+    position gradients), so it is made once."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor):
+        self.inputs = q, k
+
+    @functools.cached_property
+    def q(self) -> torch.Tensor:
+        return _by_head(self.inputs[0])
+
+    @functools.cached_property
+    def k(self) -> torch.Tensor:
+        return _by_head(self.inputs[1])
+
+
+def dense_scores(heads: HeadMajor, pos_key: torch.Tensor | None,
                  pos_query: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(C2P, P2C)``: ``Q Kr^T`` and ``K Qr^T`` per head, ``[H, rows, 2k]`` in ``q``'s dtype (cuBLAS accumulates in
-    float32); ``q`` stands in for a term that is off (never read)."""
-    c2p = q if pos_key is None else torch.bmm(_by_head(q), pos_key.transpose(1, 2))
-    p2c = q if pos_query is None else torch.bmm(_by_head(k), pos_query.transpose(1, 2))
+    """``(C2P, P2C)``: ``Q Kr^T`` and ``K Qr^T`` per head, ``[H, rows, 2k]`` in the inputs' dtype (cuBLAS
+    accumulates in float32); the input ``q`` stands in for a term that is off (never read)."""
+    stand_in = heads.inputs[0]
+    c2p = stand_in if pos_key is None else torch.bmm(heads.q, pos_key.transpose(1, 2))
+    p2c = stand_in if pos_query is None else torch.bmm(heads.k, pos_query.transpose(1, 2))
     return c2p, p2c
 
 
@@ -147,7 +167,8 @@ def position_gradients(d_scores: torch.Tensor, own: torch.Tensor, table: torch.T
                        grad_own: torch.Tensor) -> torch.Tensor:
     """One position term's gradients from its dense score gradient ``d_scores`` (``[H, rows, 2k]``): adds
     ``d_scores @ table`` to ``grad_own`` (dQ with Kr, or dK with Qr) and returns the table's gradient
-    ``d_scores^T @ own`` (``[H, 2k, d]``, the sequences summed inside the GEMM's reduction)."""
+    ``d_scores^T @ own`` (``[H, 2k, d]``, the sequences summed inside the GEMM's reduction; ``own`` head-major,
+    :class:`HeadMajor`)."""
     grad_by_head = grad_own.transpose(0, 1)
     grad_by_head.add_(torch.bmm(d_scores, table).view(grad_by_head.shape))
-    return torch.bmm(d_scores.transpose(1, 2), _by_head(own))
+    return torch.bmm(d_scores.transpose(1, 2), own)

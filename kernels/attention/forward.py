@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from .dense import _dense_bias, _dense_scores_at, _score_buckets, dense_scores, dense_strides
+from .dense import _dense_bias, _dense_scores_at, _score_buckets, HeadMajor, dense_scores, dense_strides
 from .planning import END_ELEMENTS, _Problem, programs_per_head
 from .scores import (CONTENT, GENERAL, LOG2E, PER_TILE, SATURATED, _dropout_keep, _end_row_column, _item, _load_rows,
                      _load_stat, _locate, _mask_words, _pair_visible, _path_ends, _program_items, _side_visible,
@@ -334,7 +334,7 @@ def attention_forward(q, k, v, pos_key, pos_query, problem: _Problem):
     scratch_elements = 2 * (tiles.block_m + tiles.block_n) * tiles.window if has_terms and not dense else 0
     programs = programs_per_head(items, 0, 0, problem.n_heads, problem.slots(tiles))
     scratch = q.new_empty(max(1, problem.n_heads * programs * scratch_elements))
-    c2p, p2c = dense_scores(q, k, pos_key, pos_query) if dense else (q, q)
+    c2p, p2c = dense_scores(HeadMajor(q, k), pos_key, pos_query) if dense else (q, q)
     _, dense_lb, dense_lh = dense_strides(problem)
     problem.launch(_attn_fwd, tiles, (programs, problem.n_heads), q, pos_key is not None, pos_query is not None,
                    Q=q, K=k, V=v, KR=q if pos_key is None else pos_key, QR=q if pos_query is None else pos_query,
