@@ -344,6 +344,39 @@ def attention_stat_shapes(q: torch.Tensor, packed: bool, has_tables: bool) -> tu
     return stats, ((4, *stats) if has_tables else (1,))
 
 
+def kernel_strides(q: torch.Tensor) -> tuple[int, ...]:
+    """The strides the Triton attention reads q, k, v and writes its output and their gradients with: ``q``'s
+    own where ``q`` is dense, non-overlapping and has its head dim contiguous (a model's ``[B, N, H*d]``
+    projection viewed as ``[B, H, N, d]`` is: no copy in, and the output viewed back is no copy out), else
+    contiguous strides. The custom ops' fakes give their outputs these strides too, so a compiled graph sees
+    the strides the kernels write."""
+    dims = sorted((i for i in range(q.dim()) if q.shape[i] > 1), key=lambda i: q.stride(i))
+    expected = 1
+    for i in dims:
+        if q.stride(i) != expected:
+            return _contiguous_strides(q.shape)
+        expected *= q.shape[i]
+    if q.shape[-1] > 1 and q.stride(-1) != 1:
+        return _contiguous_strides(q.shape)
+    return tuple(q.stride())
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def in_kernel_layout(t: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+    """``t`` itself when it already has ``strides`` (:func:`kernel_strides`), else a copy with them (differentiable:
+    part of the caller's autograd graph)."""
+    if tuple(t.stride()) == tuple(strides):
+        return t
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+
+
 def check_attention_saved(grad_out: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                           end: torch.Tensor, seed: torch.Tensor, packed: bool, has_tables: bool, impl: str) -> None:
     """What ``distaff::attention_backward`` receives besides the forward's inputs: the output's gradient and the

@@ -27,7 +27,7 @@ from . import reference
 from .contract import (IGNORE_INDEX, AttentionCall, MaskedLMLoss, attention_op, attention_stat_shapes,
                        check_attention_op, check_attention_saved, check_bias_gelu_inputs, check_gradient,
                        check_layer_norm_inputs, check_masked_lm_inputs, check_masked_lm_op, check_row_statistics,
-                       dropout_seed, varlen_attention_op)
+                       dropout_seed, kernel_strides, varlen_attention_op)
 
 
 def _triton(module: str):
@@ -120,8 +120,8 @@ def _(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale, max_seqlen, 
     if impl == "reference":
         return torch.empty_like(q), _empty(q), _empty(q), seed
     stats, end = attention_stat_shapes(q, cu_seqlens is not None, pos_key is not None or pos_query is not None)
-    return (torch.empty_like(q), q.new_empty(stats, dtype=torch.float32), q.new_empty(end, dtype=torch.float32),
-            seed)
+    out = q.new_empty_strided(q.shape, kernel_strides(q))  # the layout the kernels write (planning.plan)
+    return out, q.new_empty(stats, dtype=torch.float32), q.new_empty(end, dtype=torch.float32), seed
 
 
 @torch.library.custom_op("distaff::attention_backward", mutates_args=())
@@ -155,7 +155,11 @@ def _(grad_out, q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse,
     _check_attention_backward(grad_out, q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse, end, seed,
                               scale, max_seqlen, position_buckets, max_relative_positions, dropout_p, impl,
                               values=False)
-    return tuple(_empty(q) if t is None else torch.empty_like(t) for t in (q, k, v, pos_key, pos_query))
+    if impl == "reference":
+        return tuple(_empty(q) if t is None else torch.empty_like(t) for t in (q, k, v, pos_key, pos_query))
+    strides = kernel_strides(q)  # dq, dk and dv in the kernels' layout (planning.plan)
+    return (*(t.new_empty_strided(t.shape, strides) for t in (q, k, v)),
+            *(_empty(q) if t is None else torch.empty_like(t) for t in (pos_key, pos_query)))
 
 
 def _check_attention_backward(grad_out, q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse, end, seed,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from ..contract import in_kernel_layout
 from .dense import (_add_buckets, _add_end_sums, _dense_rows, _dense_scores_at, HeadMajor, dense_buffer,
                     dense_scores, dense_strides, position_gradients)
 from .planning import DELTA_ELEMENTS, _on_device, _Problem, band_folds, band_range, programs_per_head, Tiles
@@ -494,9 +495,10 @@ def attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, end, pro
     GEMMs (not kept from the forward: 403 MB a layer at B = 32, N = 512, H = 12, bf16); padded, with either dense
     design, head-major copies of Q and K (``dense.HeadMajor``), made once for both.
     """
-    grad_out = grad_out.contiguous()
+    # One layout for q, k, v, the output and their gradients (planning.plan): copies only for a caller's odd one.
+    grad_out, out = (in_kernel_layout(t, q.stride()) for t in (grad_out, out))
     delta = row_delta(problem, out, grad_out)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = (q.new_empty_strided(q.shape, q.stride()) for _ in range(3))
     # What else is alive beside the partials: delta, the end terms and a head's summed partials before their cast.
     others = (delta.numel() + end.numel()) * 4 + 2 * problem.n_heads * problem.two_span * q.shape[-1] * 4
     budget = int(PARTIAL_BUDGET * 3 * q.numel() * q.element_size()) - others
@@ -514,5 +516,6 @@ def attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, end, pro
                                  **common)
     if problem.backward == "dense" and d_pos_key is not None:
         d_pos_key = position_gradients(d_pos_key, heads.q, pos_key, dq)
-    return (dq, dk, dv, None if d_pos_key is None else d_pos_key.to(pos_key.dtype),
-            None if d_pos_query is None else d_pos_query.to(pos_query.dtype))
+    # The tables' gradients contiguous, as the custom op's fake says (the fused design's are slices of its sums).
+    return (dq, dk, dv, None if d_pos_key is None else d_pos_key.to(pos_key.dtype).contiguous(),
+            None if d_pos_query is None else d_pos_query.to(pos_query.dtype).contiguous())

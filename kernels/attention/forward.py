@@ -324,7 +324,7 @@ def end_terms(problem: _Problem, q, k, pos_key, pos_query) -> torch.Tensor:
 def attention_forward(q, k, v, pos_key, pos_query, problem: _Problem):
     """Output, base-2 row log-sum-exp and the end terms of the fused forward; its general tiles read their
     position terms from dense GEMM products when the plan says so (``_Problem.forward``)."""
-    out = torch.empty_like(q)
+    out = q.new_empty_strided(q.shape, q.stride())  # q's layout (planning.plan): the fake's too
     lse = torch.empty(problem.stat_shape, dtype=torch.float32, device=q.device)
     end = end_terms(problem, q, k, pos_key, pos_query)
     has_terms = pos_key is not None or pos_query is not None

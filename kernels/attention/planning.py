@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from ..contract import TRITON_HEAD_DIMS, AttentionCall, dropout_seed
+from ..contract import TRITON_HEAD_DIMS, AttentionCall, dropout_seed, in_kernel_layout, kernel_strides
 from ..relative_position import attention_span, bucket_table
 
 
@@ -604,12 +604,14 @@ def _tables_in(call: AttentionCall) -> list:
 
 
 def plan(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Problem]:
-    """Contiguous ``q, k, v`` and the launch plan of a validated call, padded or packed (host work only:
-    no device value is read). The dropout seed is ``call.seed`` when given (the custom op's backward
+    """``q, k, v`` in one layout, the kernels' (``contract.kernel_strides`` of q: a model's projection layout
+    is kept, anything else made contiguous), and the launch plan of a validated call, padded or packed (host
+    work only: no device value is read). The dropout seed is ``call.seed`` when given (the custom op's backward
     replans with its forward's seed), else a fresh one."""
     _check_kernel_inputs(call.q, {"k": call.k, "v": call.v, "pos_key": call.pos_key, "pos_query": call.pos_query,
                                   "attention_mask": call.attention_mask, "cu_seqlens": call.cu_seqlens})
-    q, k, v = call.q.contiguous(), call.k.contiguous(), call.v.contiguous()
+    strides = kernel_strides(call.q)
+    q, k, v = (in_kernel_layout(t, strides) for t in (call.q, call.k, call.v))
     if call.cu_seqlens is None:
         batch, heads, n, _ = q.shape
         mask = None if call.attention_mask is None else mask_bits(call.attention_mask, n)
