@@ -109,3 +109,34 @@ def test_the_fakes_give_the_strides_the_ops_return(layout) -> None:
     assert fake[0].stride() == real[0].stride()
     for name, got, want in zip(("dq", "dk", "dv", "d_pos_key", "d_pos_query"), fake_grads, real_grads):
         assert got.shape == want.shape and got.stride() == want.stride(), name
+
+
+def test_a_model_layer_copies_no_activation_in_the_attention() -> None:
+    """Forward and backward of the op on projection-layout inputs, the output viewed back as ``[B, N, H*d]``
+    and its gradient arriving in that layout (what a model's output projection gives): no aten op copies a
+    tensor of q's size (the dense products' GEMM operands included: both dense designs forced)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.copy_, torch.ops.aten.clone, torch.ops.aten._to_copy):
+                if isinstance(out, torch.Tensor) and out.numel() == B * H * N * D:
+                    self.seen.append(str(func))
+            return out
+
+    q, k, v, kr, qr = (projection(t) if t.dim() == 4 else t for t in make_inputs("cpu", B, H, N, D, BUCKETS))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    grad = torch.randn(B, N, H * D)
+    with pytest.MonkeyPatch.context() as patch:
+        for rule in ("forward_design", "backward_design", "backward_scores_design"):
+            patch.setattr(planning, rule, lambda *args: "dense")
+        with Copies() as copies:
+            out = kernels.disentangled_attention(*leaves, kr, qr, impl="triton", **KW)
+            torch.autograd.backward(out.transpose(1, 2).flatten(2), grad)
+    assert copies.seen == [], copies.seen
+    assert all(t.grad.stride() == q.stride() for t in leaves)
