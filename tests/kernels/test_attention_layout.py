@@ -92,11 +92,12 @@ def test_mixed_layouts_meet_in_one() -> None:
     assert (got.double() - want).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("impl", ["triton", "reference"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_the_fakes_give_the_strides_the_ops_return(layout) -> None:
+def test_the_fakes_give_the_strides_the_ops_return(layout, impl) -> None:
     """``distaff::attention`` and ``distaff::attention_backward``: real and fake outputs share strides."""
     q, k, v, kr, qr = (LAYOUTS[layout](t) if t.dim() == 4 else t for t in make_inputs("cpu", B, H, N, D, BUCKETS))
-    scalars = (D ** -0.5, N, BUCKETS, MAX_REL, 0.0, False, "triton")
+    scalars = (D ** -0.5, N, BUCKETS, MAX_REL, 0.0, False, impl)
     real = torch.ops.distaff.attention(q, k, v, kr, qr, None, None, None, *scalars)
     grad_out = projection(torch.randn(B, H, N, D))
     real_grads = torch.ops.distaff.attention_backward(grad_out, q, k, v, kr, qr, None, None, None, *real, *scalars)
