@@ -289,7 +289,7 @@ def backward_scores_design(cc: int, saturates: bool) -> str:
     3.20, N = 8192 22.18 -> 21.10 / 25.96 -> 24.35; sm_80 on its 16 x 16 tiles N = 512 15.79 -> 11.83, N = 8192
     118.3 -> 108.3, and without window products sm_80 compiles sm_90's larger tiles (``dq_dense``,
     ``dkdv_dense``): N = 512 5.51 / 6.20, N = 8192 36.7 / 42.2, their loads in two stages 4.90 / 5.39 and
-    27.8 / 34.6 (docs/kernels.md). sm_100 (not judged) keeps the fused scores: with dense ones its d = 64 tiles
+    27.8 / 34.6, with Q and K made head-major once 4.84 / 5.33 and 27.7 / 34.5 (docs/kernels.md). sm_100 (not judged) keeps the fused scores: with dense ones its d = 64 tiles
     spilled 4-28 B (32 x 32 tiles did not, but are not judged). ``saturates`` does not enter the rule (the
     signature is the other design rules')."""
     return "dense" if cc < 100 else "fused"
