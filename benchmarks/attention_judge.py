@@ -179,7 +179,7 @@ class Work:
 def _tile_paths(kernel_name: str, figures) -> list[dict]:
     """The paths of a distaff attention kernel's tile loops that do not branch on the tile's kind (no position
     terms), fewest warp-instructions first."""
-    lines = {"_attn_fwd": ("for j0 in range(j_start, j_end, BLOCK_N)", "for j0 in range(0, seq_len, BLOCK_N)"),
+    lines = {"_attn_fwd": ("for j0 in tl.range(j_start, j_end, BLOCK_N", "for j0 in range(0, seq_len, BLOCK_N)"),
              "_attn_bwd_dkdv": ("for i0 in range(0, seq_len, BLOCK_M)",)}.get(kernel_name,
                                                                            ("for j0 in range(0, seq_len, BLOCK_N)",))
     for line in lines:
@@ -199,7 +199,7 @@ def _run_mixes(kernel_name: str, kwargs: dict, figures) -> dict:
     dearest path it can execute, every branch on ``saturated`` taken its way (``static_perf.tile_kinds``), not
     on the loop's cheapest and dearest instruction mixes, which take the two tests of a tile different ways."""
     if kernel_name == "_attn_fwd" and kwargs.get("PATHS_APART"):
-        loops = figures.loops_at("for j0 in range(j_start, j_end, BLOCK_N)")
+        loops = figures.loops_at("for j0 in tl.range(j_start, j_end, BLOCK_N")
         if len(loops) == 3:
             top, general, bottom = loops
             if static_perf.instructions(general["paths"][-1]) < max(

@@ -69,6 +69,17 @@ def _score_buckets(TABLE, d0, offs_m, offs_n, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
+def _mirrored_buckets(MIRROR, d0, offs_m, offs_n):
+    """:func:`_score_buckets` of a ``[BM, BN]`` tile read from the mirrored table (``MIRROR[x]`` is distance
+    ``-x``'s entry) at ``-(d0 + a - b)``: the addresses rise along a row, as the dense products' gathers and the
+    scores do, so the load takes their layout. The direct table's addresses fall along a row; its load took a
+    column-major layout, and each tile then moved the gathers' 64-bit addresses and their values between layouts
+    through shared memory (sm_80's forward: 119 -> 55 shared-memory instructions and 10 -> 6 barriers a warp and
+    tile, docs/kernels.md)."""
+    return tl.load(MIRROR - d0 - offs_m[:, None] + offs_n[None, :])
+
+
+@triton.jit
 def _dense_bias(C2P, P2C, buckets, i0, j0, offs_m, offs_n, seq_len, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr,
                 TWO_SPAN: tl.constexpr, TRANSPOSED: tl.constexpr):
     """c2p + p2c of a general tile read from the dense products (:func:`dense_scores`) at its scores' buckets

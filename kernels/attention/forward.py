@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from .dense import _dense_bias, _dense_scores_at, _score_buckets, HeadMajor, dense_scores, dense_strides
+from .dense import _dense_bias, _dense_scores_at, _mirrored_buckets, HeadMajor, dense_scores, dense_strides
 from .planning import END_ELEMENTS, _Problem, programs_per_head
 from .scores import (CONTENT, GENERAL, LOG2E, PER_TILE, SATURATED, _dropout_keep, _end_row_column, _item, _load_rows,
                      _load_stat, _locate, _mask_words, _pair_visible, _path_ends, _program_items, _side_visible,
@@ -121,49 +121,54 @@ def _softmax_step(acc, m_i, l_i, s, v, seed, i0, j0, n_ctx, dropout_p, BLOCK_M: 
 
 
 @triton.jit
-def _general_buckets(TABLE, d0, offs_m, offs_n, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-                     DENSE_SCORES: tl.constexpr):
+def _general_buckets(TABLE, MIRROR, d0, offs_m, offs_n, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+                     SPLIT: tl.constexpr, DENSE_SCORES: tl.constexpr):
     """The buckets a general tile with ``i0 - j0 = d0`` reads: with ``DENSE_SCORES`` each score's,
-    ``bucket(d0 + a - b)`` (``[BM, BN]``, from the table in L1), else its window's (:func:`_window_buckets`)."""
+    ``bucket(d0 + a - b)`` (``[BM, BN]``, from the mirrored table in L1), else its window's
+    (:func:`_window_buckets`)."""
     if DENSE_SCORES:
-        buckets = _score_buckets(TABLE, d0, offs_m, offs_n, False)
+        buckets = _mirrored_buckets(MIRROR, d0, offs_m, offs_n)
     else:
         buckets = _window_buckets(TABLE, d0 - (BLOCK_N - 1), WINDOW, SPLIT)
     return buckets
 
 
 @triton.jit
-def _fwd_run(acc, m_i, l_i, q, row_ok, K, V, KR, QR, TABLE, mask_ptr, END, scratch, dense, i0, j_start, j_end, seed,
-             scale, dropout_p, n_ctx, seq_len, base, stat_off, stat_numel, stride_n, offs_m, offs_n, offs_d, top,
-             PATH: tl.constexpr, TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+def _fwd_run(acc, m_i, l_i, q, row_ok, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, scratch, dense, i0, j_start,
+             j_end, seed, scale, dropout_p, n_ctx, seq_len, base, stat_off, stat_numel, stride_n, offs_m, offs_n,
+             offs_d, top, PATH: tl.constexpr, TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr,
              HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr, DROPOUT: tl.constexpr,
-             HOIST: tl.constexpr, KEYS_AHEAD: tl.constexpr, DENSE_SCORES: tl.constexpr, PRECISION: tl.constexpr):
+             HOIST: tl.constexpr, KEYS_AHEAD: tl.constexpr, DENSE_SCORES: tl.constexpr, PRECISION: tl.constexpr,
+             STAGES: tl.constexpr):
     """Online softmax over key blocks ``j_start, j_start + BN, ... < j_end``, all on path ``PATH`` (saturated at
     the top end when ``top``, or general). Each tile's mask words and end terms (:func:`_key_tile`) were loaded a
     tile before it, the query rows' visibility (``row_ok``) once per block and a saturated run's c2p end terms,
     one per query row, once per run; a general run's window buckets a tile ahead when it hoists, its window rows
     and K rows at the tile's start, its V rows after the window products. With ``DENSE_SCORES`` a general tile
     reads its c2p and p2c from the dense products (``dense``: the sequence's rows of ``C2P`` and ``P2C``) at the
-    buckets it loaded a tile ahead: no window rows, products or scratch."""
+    buckets it loads from the mirrored table (``MIRROR``): no window rows, products or scratch. ``STAGES``: the
+    run's pipeline stages (``Tiles.saturated_stages`` on the saturated runs; None: the launch's)."""
     limit = tl.minimum(seq_len, j_end)
     c_end = tl.zeros([BLOCK_M], tl.float32)
     if PATH == SATURATED and HAS_C2P:
         c_end = _load_stat(END + tl.where(top, 1, 0).to(tl.int64) * stat_numel + stat_off, i0, offs_m, seq_len, 0.0)
     buckets = ()
     if PATH == GENERAL and not DENSE_SCORES:
-        buckets = _general_buckets(TABLE, i0 - j_start, offs_m, offs_n, BLOCK_N, WINDOW, SPLIT, False)
+        buckets = _general_buckets(TABLE, MIRROR, i0 - j_start, offs_m, offs_n, BLOCK_N, WINDOW, SPLIT, False)
     ahead = _key_tile(K, V, mask_ptr, END, base, stat_off, stat_numel, j_start, limit, seq_len, stride_n, offs_n,
                       offs_d, top, PATH, HAS_P2C, HAS_MASK, BLOCK_N, KEYS_AHEAD)
-    for j0 in range(j_start, j_end, BLOCK_N):
+    for j0 in tl.range(j_start, j_end, BLOCK_N, num_stages=STAGES):  # STAGES None: the launch's
         words, p_end, rows = ahead
         ahead = _key_tile(K, V, mask_ptr, END, base, stat_off, stat_numel, j0 + BLOCK_N, limit, seq_len, stride_n,
                           offs_n, offs_d, top, PATH, HAS_P2C, HAS_MASK, BLOCK_N, KEYS_AHEAD)
         current = buckets
         if PATH == GENERAL and HOIST and not DENSE_SCORES:  # the next tile's, a tile ahead (the table reaches past)
-            buckets = _general_buckets(TABLE, i0 - j0 - BLOCK_N, offs_m, offs_n, BLOCK_N, WINDOW, SPLIT, False)
+            buckets = _general_buckets(TABLE, MIRROR, i0 - j0 - BLOCK_N, offs_m, offs_n, BLOCK_N, WINDOW, SPLIT,
+                                       False)
         elif PATH == GENERAL:  # a dense tile's [BM, BN] buckets held a tile ahead spilled (8-28 B)
-            current = _general_buckets(TABLE, i0 - j0, offs_m, offs_n, BLOCK_N, WINDOW, SPLIT, DENSE_SCORES)
+            current = _general_buckets(TABLE, MIRROR, i0 - j0, offs_m, offs_n, BLOCK_N, WINDOW, SPLIT,
+                                       DENSE_SCORES)
         if PATH == GENERAL and DENSE_SCORES:  # first: the round trip the tile waits for
             position = _dense_bias(dense[0], dense[1], current, i0, j0, offs_m, offs_n, seq_len, HAS_C2P, HAS_P2C,
                                    TWO_SPAN, False)
@@ -226,13 +231,13 @@ def _fwd_tiles(acc, m_i, l_i, q, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0
 
 
 @triton.jit
-def _fwd_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, O, LSE, scratch, dense, i0, seed, scale, dropout_p, n_ctx,
-               seq_len, base, rel_off, stat_off, stat_numel, stride_n, top_start, bottom_end,
+def _fwd_block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, O, LSE, scratch, dense, i0, seed, scale, dropout_p,
+               n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, top_start, bottom_end,
                TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                WINDOW: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr,
                HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr, DROPOUT: tl.constexpr,
                PATHS_APART: tl.constexpr, HOIST: tl.constexpr, KEYS_AHEAD: tl.constexpr,
-               DENSE_SCORES: tl.constexpr, PRECISION: tl.constexpr):
+               DENSE_SCORES: tl.constexpr, PRECISION: tl.constexpr, SATURATED_STAGES: tl.constexpr):
     """Output and base-2 log-sum-exp of query block ``i0``: online softmax over the key blocks. With
     ``PATHS_APART``, walked as three runs, the top-saturated tiles, the general ones and those saturated in
     bucket 0 (the general ones from the dense products ``dense`` with ``DENSE_SCORES``); else in one loop that
@@ -246,21 +251,21 @@ def _fwd_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, O, LSE, scratch, dense, i0
     if (HAS_C2P or HAS_P2C) and PATHS_APART:
         row_ok = _side_visible(mask_ptr, i0, offs_m, seq_len, BLOCK_M, HAS_MASK)  # once per block, not per tile
         lo, hi = _general_blocks(i0, seq_len, top_start, bottom_end, BLOCK_M, BLOCK_N)
-        acc, m_i, l_i = _fwd_run(acc, m_i, l_i, q, row_ok, K, V, KR, QR, TABLE, mask_ptr, END, scratch, dense, i0,
-                                 0, lo, seed, scale, dropout_p, n_ctx, seq_len, base, stat_off, stat_numel,
+        acc, m_i, l_i = _fwd_run(acc, m_i, l_i, q, row_ok, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, scratch,
+                                 dense, i0, 0, lo, seed, scale, dropout_p, n_ctx, seq_len, base, stat_off, stat_numel,
                                  stride_n, offs_m, offs_n, offs_d, True, SATURATED, TWO_SPAN, HEAD_DIM, BLOCK_M,
                                  BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST,
-                                 KEYS_AHEAD, DENSE_SCORES, PRECISION)
-        acc, m_i, l_i = _fwd_run(acc, m_i, l_i, q, row_ok, K, V, KR, QR, TABLE, mask_ptr, END, scratch, dense, i0,
-                                 lo, hi, seed, scale, dropout_p, n_ctx, seq_len, base, stat_off, stat_numel,
+                                 KEYS_AHEAD, DENSE_SCORES, PRECISION, SATURATED_STAGES)
+        acc, m_i, l_i = _fwd_run(acc, m_i, l_i, q, row_ok, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, scratch,
+                                 dense, i0, lo, hi, seed, scale, dropout_p, n_ctx, seq_len, base, stat_off, stat_numel,
                                  stride_n, offs_m, offs_n, offs_d, False, GENERAL, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N,
                                  WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST, KEYS_AHEAD,
-                                 DENSE_SCORES, PRECISION)
-        acc, m_i, l_i = _fwd_run(acc, m_i, l_i, q, row_ok, K, V, KR, QR, TABLE, mask_ptr, END, scratch, dense, i0,
-                                 hi, seq_len, seed, scale, dropout_p, n_ctx, seq_len, base, stat_off, stat_numel,
-                                 stride_n, offs_m, offs_n, offs_d, False, SATURATED, TWO_SPAN, HEAD_DIM, BLOCK_M,
-                                 BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST,
-                                 KEYS_AHEAD, DENSE_SCORES, PRECISION)
+                                 DENSE_SCORES, PRECISION, None)
+        acc, m_i, l_i = _fwd_run(acc, m_i, l_i, q, row_ok, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, scratch,
+                                 dense, i0, hi, seq_len, seed, scale, dropout_p, n_ctx, seq_len, base, stat_off,
+                                 stat_numel, stride_n, offs_m, offs_n, offs_d, False, SATURATED, TWO_SPAN, HEAD_DIM,
+                                 BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT,
+                                 HOIST, KEYS_AHEAD, DENSE_SCORES, PRECISION, SATURATED_STAGES)
     else:
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, KR, QR, TABLE, mask_ptr, END, scratch, i0, seed, scale,
                                    dropout_p, n_ctx, seq_len, base, stat_off, stat_numel, stride_n, offs_m, offs_n,
@@ -279,14 +284,15 @@ def _fwd_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, O, LSE, scratch, dense, i0
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, O, LSE, SCRATCH, C2P, P2C,
+def _attn_fwd(Q, K, V, KR, QR, TABLE, MIRROR, MASK, CU, SCALES, END, O, LSE, SCRATCH, C2P, P2C,
               seed, scale, dropout_p, n_ctx, n_heads, num_seqs, items_per_program, stat_numel, scratch_elements,
               top_start, bottom_end, stride_b, stride_h, stride_n, stride_lb, stride_lh, dense_lb, dense_lh,
               TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               WINDOW: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr,
               HAS_MASK: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr,
               MASK_DIAGONAL: tl.constexpr, PATHS_APART: tl.constexpr, HOIST: tl.constexpr,
-              KEYS_AHEAD: tl.constexpr, DENSE_SCORES: tl.constexpr, PRECISION: tl.constexpr):
+              KEYS_AHEAD: tl.constexpr, DENSE_SCORES: tl.constexpr, PRECISION: tl.constexpr,
+              SATURATED_STAGES: tl.constexpr):
     """Program (p, head) walks a run of (sequence, query block) items of one head. With ``DENSE_SCORES`` the
     general tiles read their position terms from ``C2P`` and ``P2C`` (head-major ``[H, rows, 2k]``, rows
     ``dense_lb`` apart per sequence and ``dense_lh`` per head: :func:`dense.dense_scores`)."""
@@ -301,10 +307,11 @@ def _attn_fwd(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, O, LSE, SCRATCH, C2
         if i0 < seq_len:
             dense = _dense_scores_at(C2P, P2C, stat_off, item // blocks, stride_lb, stride_lh, dense_lb, dense_lh,
                                      TWO_SPAN, DENSE_SCORES)
-            _fwd_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, O, LSE, scratch, dense, i0, seq_seed, seq_scale,
-                       dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, top_start, bottom_end,
-                       TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL,
-                       DROPOUT, PATHS_APART, HOIST, KEYS_AHEAD, DENSE_SCORES, PRECISION)
+            _fwd_block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, O, LSE, scratch, dense, i0, seq_seed,
+                       seq_scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, top_start,
+                       bottom_end, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK,
+                       MASK_DIAGONAL, DROPOUT, PATHS_APART, HOIST, KEYS_AHEAD, DENSE_SCORES, PRECISION,
+                       SATURATED_STAGES)
         tl.debug_barrier()  # the next item's first tile may reuse the scratch buffer this one read last
 
 
@@ -338,9 +345,10 @@ def attention_forward(q, k, v, pos_key, pos_query, problem: _Problem):
     _, dense_lb, dense_lh = dense_strides(problem)
     problem.launch(_attn_fwd, tiles, (programs, problem.n_heads), q, pos_key is not None, pos_query is not None,
                    Q=q, K=k, V=v, KR=q if pos_key is None else pos_key, QR=q if pos_query is None else pos_query,
-                   END=end, O=out, LSE=lse, SCRATCH=scratch, C2P=c2p, P2C=p2c, dense_lb=dense_lb, dense_lh=dense_lh,
+                   MIRROR=problem.device_mirror, END=end, O=out, LSE=lse, SCRATCH=scratch, C2P=c2p, P2C=p2c,
+                   dense_lb=dense_lb, dense_lh=dense_lh,
                    items_per_program=triton.cdiv(items, programs), scratch_elements=scratch_elements,
-                   PATHS_APART=tiles.paths_apart, DENSE_SCORES=dense,
+                   PATHS_APART=tiles.paths_apart, DENSE_SCORES=dense, SATURATED_STAGES=tiles.saturated_stages,
                    KEYS_AHEAD=tiles.keys_ahead and not problem.mask_diagonal,  # Tiles.keys_ahead
                    **problem.saturation_limits())
     return out, lse, end

@@ -49,6 +49,11 @@ class Tiles:
     # two-stage dense forward, a ``_VARIANT_TILES`` entry): set everywhere, the same ceiling moved spills into
     # other kernels (sm_90 d = 128 forward, 4 B).
     maxnreg: int | None = None
+    # Pipeline stages of the forward's saturated runs (``paths_apart``), where they differ from the general
+    # run's (None: ``num_stages``). sm_80's 64 x 64 dense forward: two stages everywhere spilled 4 B with
+    # dropout at 255 registers (the saturated runs' prefetched K and V held across their short tiles); the
+    # general run, where its speed is, keeps two.
+    saturated_stages: int | None = None
 
     def hoists(self, mask_diagonal: bool) -> bool:
         """Whether a launch with (or without) the diagonal mask hoists its rows (``hoist``, ``hoist_diagonal``)."""
@@ -103,7 +108,9 @@ _TILES = {
     ("half", 32, 100): dict(fwd=_T(32, 64, 4, 1), dq=_T(32, 32, 2, 1), dkdv=_T(32, 32, 2, 1, hoist=False)),
     # d = 64 dk/dv, sm_90: rows not hoisted under the diagonal mask (hoisted, 4-8 B spilled with the per-sequence
     # scale and dropout once the mask was read as words).
-    ("half", 64, 90): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 64, 4, 1), dkdv=_T(64, 32, 4, 1, hoist_diagonal=False)),
+    # d = 64 dense forward, sm_90: sm_80's tile (below), the general run two stages deep under the ceiling.
+    ("half", 64, 90): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 64, 4, 1), dkdv=_T(64, 32, 4, 1, hoist_diagonal=False),
+                           fwd_dense=_T(64, 64, 4, 2, maxnreg=255, saturated_stages=1)),
     # d = 128, dk/dv, sm_90 and sm_80: every tile without repeated warps spills in some configuration the
     # compile check covers (sm_90: 32 x 16 on 4 warps 8-16 B with p2c alone, 64 x 16 4-16 B, 16 x 16 on 2 8 B;
     # sm_80: 32 x 16 20-48 B, 16 x 16 on 2 88-116 B); 16 x 16 on 4 warps repeats half its products (issued /
@@ -116,18 +123,22 @@ _TILES = {
     # registers); 64 x 32 and 64 x 64 on 4 warps spilled 1.0-1.4 KB, and 32 x 32 on 4 warps repeats the content
     # products of a paths-apart loop, so it kept the one loop that branches per tile.
     # With dense scores (no window products) sm_80 takes sm_90's d = 64 backward tiles, their loads pipelined two
-    # stages deep, and a 64 x 32 forward tile on 4 warps in two stages, without spills; 64 x 64 backward tiles
-    # spilled 460-824 B (4 or 8 warps), 32 x 32 on 2 warps 4-132 B. The two-stage forward spilled 12 B at 168
-    # registers until given a register ceiling (``maxnreg``), and still does in two variants (``_VARIANT_TILES``);
-    # three stages spilled 4 B, 64 x 64 and 128 x 64 on 8 warps 8 B with the ceiling.
+    # stages deep, without spills; 64 x 64 backward tiles spilled 460-824 B (4 or 8 warps), 32 x 32 on 2 warps
+    # 4-132 B. Its dense forward runs 64 x 64 on 4 warps, the general run two stages deep under a register
+    # ceiling (``maxnreg``), the saturated runs one (two: 4 B spilled with dropout); it spilled 8 B until its
+    # buckets came from the mirrored table (``dense._mirrored_buckets``), and still does in two variants
+    # (``_VARIANT_TILES``). 64 x 32 in two stages (the tile before it) spilled 12 B at 168 registers without the
+    # ceiling; three stages 4 B; 128 x 64 on 8 warps 8 B; 32 x 64 on 2 warps 4-48 B.
     ("half", 64, 80): dict(fwd=_T(32, 32, 2, 1, keys_ahead=True), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1),
-                           fwd_dense=_T(64, 32, 4, 2, maxnreg=255), dq_dense=_T(32, 64, 4, 2),
+                           fwd_dense=_T(64, 64, 4, 2, maxnreg=255, saturated_stages=1), dq_dense=_T(32, 64, 4, 2),
                            dkdv_dense=_T(64, 32, 4, 2)),
     ("half", 128, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 32, 4, 1), dkdv=_T(16, 16, 4, 1)),
     # sm_100: dk/dv rows not hoisted (hoisted, 8-96 B spilled); forward buckets not loaded ahead (20 B). d = 64
     # dk/dv 64 x 32 on 4 warps: 64 x 64 on 8 spilled 4-32 B with varlen and dropout once the mask was read as words.
+    # d = 64 dense forward (where tiles saturate) 64 x 32: on the fused forward's 64 x 64 it spilled 8-452 B at
+    # 2,048 tokens in 12 of the 40 variants and features (found when the compile check first ran that length).
     ("half", 64, 100): dict(fwd=_T(64, 64, 4, 1, hoist=False), dq=_T(32, 64, 4, 1),
-                            dkdv=_T(64, 32, 4, 1, hoist=False)),
+                            dkdv=_T(64, 32, 4, 1, hoist=False), fwd_dense=_T(64, 32, 4, 1)),
     # d = 128 forward, sm_100: rows and path ends hoisted only under the diagonal mask (hoisted without it, 8 B
     # spilled with c2p alone, padded; not hoisted with it, 12-16 B with both terms, padded, dropout); without
     # position terms 64 x 64 on 4 warps (tcgen05, 131-166 registers): the 32-row tile on 2 warps spilled 16-32 B.
@@ -137,29 +148,32 @@ _TILES = {
     ("fp32", 128, 90): dict(fwd=_T(64, 64, 8, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
     ("fp32", 64, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
     ("fp32", 128, 80): dict(fwd=_T(32, 16, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
-    ("fp32", 64, 100): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 32, 4, 1), dkdv=_T(32, 32, 4, 1)),
+    ("fp32", 64, 100): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 32, 4, 1), dkdv=_T(32, 32, 4, 1),
+                            fwd_dense=_T(64, 32, 4, 1)),
     ("fp32", 128, 100): dict(fwd=_T(32, 16, 4, 1), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1)),
 }
 
 
 # What a launch specialises on besides the row's key: (position terms "c2p+p2c" | "c2p" | "p2c" | "none",
-# layout "padded" | "varlen", dropout), the axes of ``compile_check --full``.
-Variant = tuple[str, str, bool]
+# layout "padded" | "varlen", dropout), the axes of ``compile_check --full``, and the diagonal mask.
+Variant = tuple[str, str, bool, bool]
 
 
 # (inputs, head dim, target, kernel, dense, variant) -> the tile that variant takes instead of its row's: where
-# the row's tile spilled in ``compile_check --full`` for that variant alone. None of them is a judged launch
-# (benchmarks/attention_judge.py: both terms, padded). sm_90 dq with dense scores, varlen and dropout: 32 x 64
-# spilled 4 B at 255 registers (the item loop's end, reloaded once per item; 64 x 32 spilled 4-12 B, 32 x 32 and
-# 16 x 64 none, also with the per-sequence scale and the diagonal mask). sm_90 dk/dv with c2p alone, padded:
-# ptxas held it to 128 registers and spilled 8 B; with ``maxnreg`` 255 it takes 198, no spill. sm_80's dense
-# forward in two stages with c2p alone, padded, dropout, and p2c alone, padded: held to 168 registers even with
-# the ceiling, 12 B spilled; the one-stage tile compiles them clean.
+# the row's tile spilled in ``compile_check --full`` for that variant alone; a variant of three (terms, layout,
+# dropout) holds with and without the diagonal mask. None of them is a judged launch
+# (benchmarks/attention_judge.py: both terms, padded, no diagonal mask). sm_90 dq with dense scores, varlen and
+# dropout: 32 x 64 spilled 4 B at 255 registers (the item loop's end, reloaded once per item; 64 x 32 spilled
+# 4-12 B, 32 x 32 and 16 x 64 none, also with the per-sequence scale and the diagonal mask). sm_90 dk/dv with c2p
+# alone, padded: ptxas held it to 128 registers and spilled 8 B; with ``maxnreg`` 255 it takes 198, no spill.
+# sm_80's 64 x 64 dense forward, both terms: packed without dropout spilled 12 B (40 B with the diagonal mask),
+# padded with dropout and the diagonal mask 4 B where tiles saturate; both take the 64 x 32 tile it replaced.
+_SM80_DENSE_FORWARD = _T(64, 32, 4, 2, maxnreg=255)
 _VARIANT_TILES = {
     ("half", 64, 90, "dq", True, ("c2p+p2c", "varlen", True)): _T(32, 32, 4, 1),
     ("half", 64, 90, "dkdv", True, ("c2p", "padded", False)): _T(64, 32, 4, 1, hoist_diagonal=False, maxnreg=255),
-    ("half", 64, 80, "fwd", True, ("c2p", "padded", True)): _T(64, 32, 4, 1),
-    ("half", 64, 80, "fwd", True, ("p2c", "padded", False)): _T(64, 32, 4, 1),
+    ("half", 64, 80, "fwd", True, ("c2p+p2c", "varlen", False)): _SM80_DENSE_FORWARD,
+    ("half", 64, 80, "fwd", True, ("c2p+p2c", "padded", True, True)): _SM80_DENSE_FORWARD,
 }
 
 
@@ -208,8 +222,8 @@ def tiles_for(kernel: str, head_dim: int, dtype: torch.dtype, cc: int = 90, dens
     """The launch shape of ``kernel`` ("fwd", "dkdv", "dq", or "content": the forward without position terms)
     for inputs of ``head_dim`` and ``dtype`` on compute capability ``cc``; ``dense``: its general tiles read
     their position terms from the dense products (a row's ``KERNEL_dense`` tile where it has one: without window
-    products a tile has registers for more rows); ``variant``: the launch's terms, layout and dropout, where
-    one takes its own tile (``_VARIANT_TILES``)."""
+    products a tile has registers for more rows); ``variant``: the launch's terms, layout, dropout and diagonal
+    mask, where one takes its own tile (``_VARIANT_TILES``)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return INTERPRETER_TILES.content_only() if kernel == "content" else INTERPRETER_TILES
     inputs = "fp32" if dtype == torch.float32 else "half"
@@ -217,7 +231,8 @@ def tiles_for(kernel: str, head_dim: int, dtype: torch.dtype, cc: int = 90, dens
     row = _TILES[(inputs, size, cc)]
     if kernel == "content":
         return row.get("content") or row["fwd"].content_only()
-    own = _VARIANT_TILES.get((inputs, size, cc, kernel, dense, variant))
+    key = (inputs, size, cc, kernel, dense)
+    own = variant and (_VARIANT_TILES.get((*key, variant)) or _VARIANT_TILES.get((*key, variant[:3])))
     return own or (row.get(f"{kernel}_dense", row[kernel]) if dense else row[kernel])
 
 
@@ -289,8 +304,9 @@ def backward_scores_design(cc: int, saturates: bool) -> str:
     3.20, N = 8192 22.18 -> 21.10 / 25.96 -> 24.35; sm_80 on its 16 x 16 tiles N = 512 15.79 -> 11.83, N = 8192
     118.3 -> 108.3, and without window products sm_80 compiles sm_90's larger tiles (``dq_dense``,
     ``dkdv_dense``): N = 512 5.51 / 6.20, N = 8192 36.7 / 42.2, their loads in two stages 4.90 / 5.39 and
-    27.8 / 34.6, with Q and K made head-major once 4.84 / 5.33 and 27.7 / 34.5 (docs/kernels.md). sm_100 (not judged) keeps the fused scores: with dense ones its d = 64 tiles
-    spilled 4-28 B (32 x 32 tiles did not, but are not judged). ``saturates`` does not enter the rule (the
+    27.8 / 34.6, with Q and K made head-major once 4.84 / 5.33 and 27.7 / 34.5 (docs/kernels.md). sm_100 (not
+    judged) keeps the fused scores: with dense ones its d = 64 tiles spilled 4-28 B (32 x 32 tiles did not, but
+    are not judged). ``saturates`` does not enter the rule (the
     signature is the other design rules')."""
     return "dense" if cc < 100 else "fused"
 
@@ -305,14 +321,13 @@ def forward_design(cc: int, saturates: bool) -> str:
     tile can saturate (``_Problem.saturates``).
 
     From the judge (benchmarks/attention_judge.py, ESTIMATES: bf16, d = 64, H = 12, 16,384 tokens, high end),
-    fused -> dense forward, dropout 0 / 0.1: sm_90 N = 8192 3.84 -> 3.70 / 5.97 -> 5.92 ms (the general tiles
-    along the diagonal 5.4k -> 4.0k cycles, for 0.17 ms of GEMMs outside); N = 512 0.61 -> 0.64 / 0.67 -> 0.80
-    (every tile general, but the same 0.17 ms outside is more than the tiles save). sm_80 dense at every length:
-    its dense forward runs a 64 x 32 tile on 4 warps in two stages (``fwd_dense``; the fused one needs 32 x 32 on
-    2), N = 512 2.30 -> 1.59 / 2.58 -> 1.79, N = 8192 11.74 -> 10.14 / 15.20 -> 13.44 (on one stage the fused
-    forward, its saturated runs loading keys a tile ahead, was ahead there: 14.64 / 17.98). sm_100 is not
-    judged: it takes sm_90's rule (docs/kernels.md, "The scores from dense products")."""
-    return "dense" if cc < 90 or saturates else "fused"
+    fused -> dense forward, dropout 0 / 0.1, since the dense tiles read their buckets from the mirrored table and
+    run 64 x 64 in two stages (``fwd_dense``): sm_90 N = 512 0.61 -> 0.58 / 0.67 -> 0.59 ms, N = 8192 3.84 ->
+    3.63 / 5.97 -> 5.49; sm_80 N = 512 2.30 -> 0.99 / 2.58 -> 1.18, N = 8192 11.74 -> 8.88 / 15.20 -> 10.19.
+    Dense on both, at every length (on sm_90's one-stage 64 x 64 tile, before the mirrored table, dense lost at
+    N = 512: 0.64 / 0.80). sm_100 is not judged: dense where tiles saturate, sm_90's earlier rule
+    (docs/kernels.md, "The scores from dense products")."""
+    return "dense" if cc < 100 or saturates else "fused"
 
 
 @dataclass(frozen=True, eq=False)
@@ -322,6 +337,7 @@ class DistanceTable:
     is planned from: no device value is ever read to plan a launch (issue 30: no host syncs)."""
 
     host: torch.Tensor   # int32 [2 * max_distance + 1], on the CPU
+    mirrored: torch.Tensor  # ``host`` reversed (entry k is distance max_distance - k's): rows of tiles read it rising
     key: tuple           # (max_distance, position_buckets, max_relative_positions)
     top: int             # the largest bucket index
     bottom_end: int      # the last distance in bucket 0 (or -max_distance - 1 when none is)
@@ -358,7 +374,9 @@ def _distance_table(max_distance: int, position_buckets: int, max_relative_posit
         top = int(table[-1])
         bottom_end = int((table == 0).sum()) - 1 - max_distance
         top_start = max_distance - int((table == top).sum()) + 1 if top > 0 else max_distance + 1
-    return DistanceTable(table, (max_distance, position_buckets, max_relative_positions), top, bottom_end, top_start)
+        mirrored = table.flip(0)
+    return DistanceTable(table, mirrored, (max_distance, position_buckets, max_relative_positions), top,
+                         bottom_end, top_start)
 
 
 _DEVICE_COPIES: dict = {}  # (what the host tensor is, device) -> its device copy, reused by every later call
@@ -421,6 +439,7 @@ class _Problem:
     stat_strides: tuple     # (sequence, head) strides into them; the token stride is 1
     table: DistanceTable    # bucket index of every distance from -max_distance to +max_distance (host)
     device_table: torch.Tensor  # its device copy, from distance 0 on (what the kernels index)
+    device_mirror: torch.Tensor  # the table reversed, from distance 0 on: element x is distance -x's entry
     mask: torch.Tensor | None   # the padding mask's words (int32 [num_seqs, mask_words], ``mask_bits``), or None
     cu_seqlens: torch.Tensor | None
     two_span: int
@@ -473,7 +492,7 @@ class _Problem:
     @property
     def variant(self) -> Variant:
         """The launch's terms, layout and dropout (``tiles_for``)."""
-        return _variant(self.terms, self.cu_seqlens, self.dropout_p)
+        return _variant(self.terms, self.cu_seqlens, self.dropout_p, self.mask_diagonal)
 
     def launch(self, kernel, tiles: Tiles, grid: tuple, q: torch.Tensor, has_c2p: bool, has_p2c: bool,
                **args) -> None:
@@ -563,9 +582,9 @@ def check_offsets_fit_int32(num_seqs: int, n_heads: int, n_ctx: int, token_strid
                              "split the batch")
 
 
-def _variant(terms: str, cu_seqlens: torch.Tensor | None, dropout_p: float) -> Variant:
+def _variant(terms: str, cu_seqlens: torch.Tensor | None, dropout_p: float, mask_diagonal: bool) -> Variant:
     """A launch's :data:`Variant`."""
-    return terms, "padded" if cu_seqlens is None else "varlen", dropout_p > 0
+    return terms, "padded" if cu_seqlens is None else "varlen", dropout_p > 0, mask_diagonal
 
 
 def _make_problem(call: AttentionCall, *, num_seqs: int, n_ctx: int, strides: tuple, stat_shape: tuple,
@@ -577,15 +596,17 @@ def _make_problem(call: AttentionCall, *, num_seqs: int, n_ctx: int, strides: tu
     # Tiles read the table from distance -(n_ctx + BLOCK_N) up to n_ctx + WINDOW.
     cc = capability(q.device)
     terms = "+".join(t for t, table in (("c2p", call.pos_key), ("p2c", call.pos_query)) if table is not None) or "none"
-    variant = _variant(terms, cu_seqlens, call.dropout_p)
+    variant = _variant(terms, cu_seqlens, call.dropout_p, call.mask_diagonal)
     tiles = [tiles_for(kernel, q.shape[-1], q.dtype, cc, dense, variant)
              for kernel in KERNELS for dense in (False, True)]
     max_distance = n_ctx + max(t.window + t.block_m + t.block_n for t in tiles)
     table = _distance_table(max_distance, call.position_buckets, call.max_relative_positions)
     device_table = _on_device(table.key, table.host, q.device)[max_distance:]  # element 0 is distance 0
+    device_mirror = _on_device((*table.key, "mirrored"), table.mirrored, q.device)[max_distance:]
     problem = _Problem(num_seqs=num_seqs, n_heads=heads, n_ctx=n_ctx,
                     strides=strides, stat_shape=stat_shape, stat_strides=stat_strides, table=table,
-                    device_table=device_table, mask=mask, cu_seqlens=cu_seqlens, two_span=two_span,
+                    device_table=device_table, device_mirror=device_mirror, mask=mask, cu_seqlens=cu_seqlens,
+                    two_span=two_span,
                     scale=1.0 if call.per_sequence_scale else call.softmax_scale,
                     scales=call.softmax_scale if call.per_sequence_scale else None, mask_diagonal=call.mask_diagonal,
                     dropout_p=call.dropout_p, seed=dropout_seed(call.dropout_p) if call.seed is None else call.seed,

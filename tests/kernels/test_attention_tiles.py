@@ -14,7 +14,9 @@ import yaml
 from attention_oracle import naive_attention
 from distaff.kernels import attention
 from distaff.kernels.aot import compile_check
+from distaff.kernels.attention import planning
 from distaff.kernels.attention.planning import _TILES, _VARIANT_TILES, _distance_table
+from distaff.kernels.contract import AttentionCall
 from distaff.kernels.relative_position import attention_span
 
 pytestmark = pytest.mark.unit
@@ -201,6 +203,22 @@ def test_backward_buffers_fit_the_budget_at_deberta_v3_base_shapes() -> None:
     assert attention.programs_per_head(7, 0, 0, 12, 2 * 132) == 7  # no buffers: one program per item
     # A budget between one and two programs per SM: as many as fit (15 per head), whatever the SMs.
     assert attention.programs_per_head(4096, 1, 15 * 12, 12, 2 * 132) == 15
+
+
+def test_the_mirrored_table_reads_each_distance_where_the_table_does() -> None:
+    """The forward's dense tiles read ``bucket(d)`` at ``MIRROR[-d]`` (``dense._mirrored_buckets``): the same entry
+    as ``TABLE[d]``, for every distance either can be asked for, on both sides of the log buckets."""
+    q = torch.empty(2, 3, 40, 16)
+    call = AttentionCall(q, q, q, torch.empty(3, 16, 16), None, 8, 32, 0.0, 0.25)
+    _, _, _, problem = planning.plan(call)
+    reach = problem.table.max_distance
+    distances = torch.arange(-reach, reach + 1)
+    table, mirror = problem.device_table, problem.device_mirror
+    direct = table.as_strided((distances.numel(),), (1,), table.storage_offset() - reach)
+    mirrored = mirror.as_strided((distances.numel(),), (1,), mirror.storage_offset() - reach)
+    assert torch.equal(mirrored.flip(0), direct)
+    assert torch.equal(direct, problem.table.host)
+    assert set(direct.tolist()) == set(range(2 * attention_span(8, 32)))  # every bucket, log ones and both ends
 
 
 def test_offsets_that_overflow_32_bits_are_refused_before_launch() -> None:

@@ -146,25 +146,28 @@ def test_forward_without_position_terms_keeps_a_warp_per_16_rows(tmp_path: Path)
 
 @pytest.mark.integration
 def test_a_variant_that_spilled_on_its_rows_tile_launches_its_own() -> None:
-    """Each variant in ``planning._VARIANT_TILES`` (terms, layout, dropout where the row's tile spilled in
-    ``--full``) launches its own tile, ``maxnreg`` included, through the real host planning; the same kernel in
-    the judged variant (both terms, padded) launches the row's. Recorded as the compile check records launches;
-    that they compile without spills is the suite's check (``suite_cases`` holds three of them, ``--full`` all)."""
+    """Each variant in ``planning._VARIANT_TILES`` (terms, layout, dropout and perhaps the diagonal mask where the
+    row's tile spilled) launches its own tile, ``maxnreg`` included, through the real host planning; the same
+    kernel in the judged variant (both terms, padded, no diagonal mask) launches the row's. Recorded as the
+    compile check records launches; that they compile without spills is the suite's check (``suite_cases`` holds
+    them)."""
     script = textwrap.dedent("""
         import json, torch
         from distaff.kernels.aot.compile_check import Case, record_launches
         from distaff.kernels.attention import planning
         names = {"fwd": "_attn_fwd", "dq": "_attn_bwd_dq", "dkdv": "_attn_bwd_dkdv"}
         found = []
-        for (inputs, d, cc, kernel, dense, (terms, layout, dropout)), own in planning._VARIANT_TILES.items():
-            for case_terms, case_layout in ((terms, layout), ("c2p+p2c", "padded")):
-                case = Case("attention", "bfloat16", d, case_terms, case_layout, dropout)
+        for (inputs, d, cc, kernel, dense, variant), own in planning._VARIANT_TILES.items():
+            terms, layout, dropout = variant[:3]
+            diagonal = "diagonal" if variant[3:] == (True,) else ""
+            for case_terms, case_layout, features in ((terms, layout, diagonal), ("c2p+p2c", "padded", "")):
+                case = Case("attention", "bfloat16", d, case_terms, case_layout, dropout, features=features)
                 launch = [kw for k, _, kw, _ in record_launches(case, cc) if k.__name__ == names[kernel]][0]
                 row = planning.tiles_for(kernel, d, torch.bfloat16, cc, dense)
                 got = [launch[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")] + [
                     launch.get("maxnreg")]
                 want = [[t.block_m, t.block_n, t.num_warps, t.num_stages, t.maxnreg] for t in (own, row)]
-                found.append([(case_terms, case_layout) == (terms, layout), got, *want])
+                found.append([(case_terms, case_layout, features) == (terms, layout, diagonal), got, *want])
         print(json.dumps(found))
     """)
     run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(), capture_output=True,
