@@ -145,8 +145,11 @@ def _attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
         attention = _triton("attention")
         q, k, v, problem = attention.plan(call)
         grads = attention.attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, end, problem)
-    return tuple(_empty(q) if g is None or t is None else g.to(t.dtype)
-                 for g, t in zip(grads, (q, k, v, pos_key, pos_query)))
+    dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+    # The tables' gradients contiguous whatever the tables' layout, as the fake says (a model's tables are views).
+    d_tables = (_empty(q) if g is None or t is None else g.to(t.dtype).contiguous()
+                for g, t in zip(grads[3:], (pos_key, pos_query)))
+    return dq, dk, dv, *d_tables
 
 
 @_attention_backward_op.register_fake
@@ -156,10 +159,10 @@ def _(grad_out, q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse,
                               scale, max_seqlen, position_buckets, max_relative_positions, dropout_p, impl,
                               values=False)
     if impl == "reference":
-        return tuple(_empty(q) if t is None else torch.empty_like(t) for t in (q, k, v, pos_key, pos_query))
-    strides = kernel_strides(q)  # dq, dk and dv in the kernels' layout (planning.plan)
-    return (*(t.new_empty_strided(t.shape, strides) for t in (q, k, v)),
-            *(_empty(q) if t is None else torch.empty_like(t) for t in (pos_key, pos_query)))
+        grads = tuple(torch.empty_like(t) for t in (q, k, v))
+    else:  # dq, dk and dv in the kernels' layout (planning.plan)
+        grads = tuple(t.new_empty_strided(t.shape, kernel_strides(q)) for t in (q, k, v))
+    return *grads, *(_empty(q) if t is None else t.new_empty(t.shape) for t in (pos_key, pos_query))
 
 
 def _check_attention_backward(grad_out, q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse, end, seed,

@@ -516,6 +516,5 @@ def attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, end, pro
                                  **common)
     if problem.backward == "dense" and d_pos_key is not None:
         d_pos_key = position_gradients(d_pos_key, heads.q, pos_key, dq)
-    # The tables' gradients contiguous, as the custom op's fake says (the fused design's are slices of its sums).
-    return (dq, dk, dv, None if d_pos_key is None else d_pos_key.to(pos_key.dtype).contiguous(),
-            None if d_pos_query is None else d_pos_query.to(pos_query.dtype).contiguous())
+    return (dq, dk, dv, None if d_pos_key is None else d_pos_key.to(pos_key.dtype),
+            None if d_pos_query is None else d_pos_query.to(pos_query.dtype))

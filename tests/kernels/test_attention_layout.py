@@ -30,6 +30,11 @@ def projection(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).contiguous().flatten(2).unflatten(-1, (H, -1)).transpose(1, 2)
 
 
+def table_projection(t: torch.Tensor) -> torch.Tensor:
+    """A position table ``[H, 2k, d]`` as a model gives it: a ``[2k, H*d]`` projection viewed as ``[H, 2k, d]``."""
+    return t.transpose(0, 1).contiguous().flatten(1).unflatten(-1, (H, -1)).transpose(0, 1)
+
+
 def fused_qkv_slice(t: torch.Tensor) -> torch.Tensor:
     """``t`` as one third of a fused ``[B, N, 3, H, d]`` projection: not dense (every token skips the others)."""
     fused = torch.zeros(B, N, 3, H, D, dtype=t.dtype, device=t.device)
@@ -95,8 +100,10 @@ def test_mixed_layouts_meet_in_one() -> None:
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_fakes_give_the_strides_the_ops_return(layout, impl) -> None:
-    """``distaff::attention`` and ``distaff::attention_backward``: real and fake outputs share strides."""
-    q, k, v, kr, qr = (LAYOUTS[layout](t) if t.dim() == 4 else t for t in make_inputs("cpu", B, H, N, D, BUCKETS))
+    """``distaff::attention`` and ``distaff::attention_backward``: real and fake outputs share strides, the
+    position tables as a model gives them (``[2k, H*d]`` projections viewed as ``[H, 2k, d]``)."""
+    q, k, v, kr, qr = (LAYOUTS[layout](t) if t.dim() == 4 else table_projection(t)
+                       for t in make_inputs("cpu", B, H, N, D, BUCKETS))
     scalars = (D ** -0.5, N, BUCKETS, MAX_REL, 0.0, False, impl)
     real = torch.ops.distaff.attention(q, k, v, kr, qr, None, None, None, *scalars)
     grad_out = projection(torch.randn(B, H, N, D))
