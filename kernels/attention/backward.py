@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 from ..contract import in_kernel_layout
-from .dense import (_add_buckets, _add_end_sums, _dense_rows, _dense_scores_at, HeadMajor, dense_buffer,
-                    dense_scores, dense_strides, position_gradients)
+from .dense import (_add_buckets, _add_end_sums, _buckets_ahead, _dense_rows, _dense_scores_at, _zero_rows, HeadMajor,
+                    dense_buffer, dense_scores, dense_strides, position_gradients)
 from .planning import DELTA_ELEMENTS, _on_device, _Problem, band_folds, band_range, programs_per_head, Tiles
 from .scores import (_dropout_keep, _ends_ahead, _item, _load_rows, _load_stat, _locate, _mask_words, _path_ends,
                      _program_items, _side_visible, _store_rows, _table_ahead, _tile_scores)
@@ -110,17 +110,22 @@ def _end_gradients(acc, own, sums_lo, sums_hi, rel_ptr, part_ptr, offs_d, TWO_SP
 
 
 @triton.jit
-def _program_start(PART, SCRATCH, scratch_elements, n_ctx, num_seqs, items_per_program, TWO_SPAN: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (p, head) of a backward kernel: its partial table, its scratch, the blocks of a sequence
-    (``BLOCK`` tokens each) and its run ``[first, end)`` of (sequence, block) items."""
-    pid, head = tl.program_id(0), tl.program_id(1)
-    program = (head * tl.num_programs(0) + pid).to(tl.int64)
-    part_ptr = PART + program * (TWO_SPAN + CHUNK) * HEAD_DIM  # padded rows: see _band_gradients
-    scratch = SCRATCH + program * scratch_elements
+def _program_start(SCRATCH, scratch_elements, n_ctx, num_seqs, items_per_program, BLOCK: tl.constexpr):
+    """Program (p, head) of a backward kernel: its scratch, the blocks of a sequence (``BLOCK`` tokens each) and
+    its run ``[first, end)`` of (sequence, block) items."""
+    program = (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)).to(tl.int64)
     blocks = tl.cdiv(n_ctx, BLOCK)
     first, end = _program_items(items_per_program, num_seqs, blocks)
-    return part_ptr, scratch, blocks, first, end
+    return SCRATCH + program * scratch_elements, blocks, first, end
+
+
+@triton.jit
+def _program_partial(partial, item, TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr):
+    """The partial table of the program walking ``item`` (``partial``: the launch's ``(PART,
+    items_per_program)``), located from the item after the block's tile loop: a pointer held across it
+    spilled (sm_90's 64-row blocks)."""
+    program = (tl.program_id(1) * tl.num_programs(0) + item // partial[1]).to(tl.int64)
+    return partial[0] + program * (TWO_SPAN + CHUNK) * HEAD_DIM  # padded rows: see _band_gradients
 
 
 @triton.jit
@@ -158,7 +163,7 @@ def _tile_position(ds, saturated, top, sums_lo, sums_hi, first, last, band, band
 
 
 @triton.jit
-def _block_position(acc, OWN, REL, part_ptr, DENSE_GRAD, band, FOLD, MERGE, sums_lo, sums_hi, first, last, block0,
+def _block_position(acc, OWN, REL, partial, DENSE_GRAD, band, FOLD, MERGE, sums_lo, sums_hi, first, last, block0,
                     band_lo, lo, item, n_ctx, seq_len, base, stat_off, stride_n, stride_lb, stride_lh, dense_lb,
                     dense_lh, offs_r, offs_d, TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr, DENSE: tl.constexpr,
@@ -168,9 +173,12 @@ def _block_position(acc, OWN, REL, part_ptr, DENSE_GRAD, band, FOLD, MERGE, sums
     and the partial table, or with ``DENSE`` written in bucket coordinates to the block's rows of
     ``DENSE_GRAD`` (located here from the program's ``item``: a 64-bit pointer held across the loop spilled)."""
     tl.debug_barrier()
+    part_ptr = _program_partial(partial, item, TWO_SPAN, HEAD_DIM, CHUNK)
     rows_ok = (block0 + offs_r) < seq_len
     dense = _dense_rows(DENSE_GRAD, stat_off, item // tl.cdiv(n_ctx, BLOCK_N if TRANSPOSED else BLOCK_M),
                         tl.program_id(1), block0, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN)
+    if DENSE:
+        _zero_rows(dense, rows_ok, BLOCK_N if TRANSPOSED else BLOCK_M, TWO_SPAN, CHUNK)
     own = OWN
     if not DENSE:
         own = _load_rows(OWN + base, block0, offs_r, offs_d, stride_n, seq_len)  # reloaded: not held across the loop
@@ -190,11 +198,14 @@ def _block_position(acc, OWN, REL, part_ptr, DENSE_GRAD, band, FOLD, MERGE, sums
 
 
 @triton.jit
-def _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, scale, BLOCK_M: tl.constexpr,
+def _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, keep_scale, scale, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """Recomputed (dropped) probabilities and the score gradient ``dS`` (scale included) of a tile from
-    its scores ``s`` (base 2, as ``_tile_scores`` gives them) and ``dP = dO V^T`` (both transposed when
-    ``TRANSPOSED``)."""
+    """The kept probabilities and the score gradient ``dS`` (scale included) of a tile from its scores ``s``
+    (base 2, as ``_tile_scores`` gives them) and ``dP = dO V^T`` (both transposed when ``TRANSPOSED``).
+
+    With dropout, ``dS = P (keep dP / (1 - p) - delta) scale``, ``1 / (1 - p)`` (``keep_scale``) computed on the
+    host: a launch argument, read from the constant bank, holds no register and costs no division. The first
+    value (``keep P``) leaves it out: ``_dkdv_block`` scales dV once per block instead of every score."""
     if TRANSPOSED:
         p = tl.exp2(s - lse[None, :])
         delta = delta[None, :]
@@ -204,20 +215,20 @@ def _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, scale, BLOCK
     p_dropped = p
     if DROPOUT:
         keep = _dropout_keep(seed, i0, j0, n_ctx, dropout_p, BLOCK_M, BLOCK_N, TRANSPOSED)
-        p_dropped = tl.where(keep, p / (1.0 - dropout_p), 0.0)
-        dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
+        p_dropped = tl.where(keep, p, 0.0)
+        dp = tl.where(keep, dp * keep_scale, 0.0)
     return p_dropped, p * (dp - delta) * scale
 
 
 @triton.jit
-def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_ptr, DENSE_GRAD, scratch, dense, FOLD,
-              MERGE, i0, seed, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo,
-              item, stride_lb, stride_lh, dense_lb, dense_lh,
+def _dq_block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, DQ, partial, DENSE_GRAD, scratch, dense,
+              FOLD, MERGE, i0, seed, scale, dropout_p, keep_scale, n_ctx, seq_len, base, rel_off, stat_off, stat_numel,
+              stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh,
               TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
               HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
               DROPOUT: tl.constexpr, HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr,
-              DENSE_SCORES: tl.constexpr, PRECISION: tl.constexpr):
+              DENSE_SCORES: tl.constexpr, BUCKETS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
     """dQ of query block ``i0`` (all key blocks), and its c2p gradient added to the partial dKr, or with
     ``DENSE`` its score gradient in bucket coordinates written to its rows of the dense buffer ``DENSE_GRAD``
     (located after the tile loop from the program's ``item``: a 64-bit pointer held across it spilled)."""
@@ -239,6 +250,9 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
     if ENDS_AHEAD:  # with the path ends (HOIST), a saturated tile's end terms come a tile ahead
         ends = _ends_ahead(END, stat_off, stat_numel, i0, 0, ahead, offs_m, offs_n, seq_len, TWO_SPAN, BLOCK_M,
                            BLOCK_N, HAS_C2P, HAS_P2C)
+    buckets = ()
+    if BUCKETS_AHEAD:
+        buckets = _buckets_ahead(TABLE, MIRROR, i0, offs_m, offs_n, seq_len > 0, False)
     for j0 in range(0, seq_len, BLOCK_N):
         row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), -BLOCK_N, HOIST, BLOCK_M, BLOCK_N, WINDOW,
                                   SPLIT)
@@ -249,13 +263,15 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
             q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, keys, END, ends, scratch, dense, stat_off,
             stat_numel, i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N,
             WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, False, HOIST, False, ENDS_AHEAD, DENSE_SCORES,
-            PRECISION)
+            PRECISION, buckets, BUCKETS_AHEAD)
+        if BUCKETS_AHEAD:  # the next tile's, while this one computes (``Tiles.buckets_ahead``)
+            buckets = _buckets_ahead(TABLE, MIRROR, i0 - j0 - BLOCK_N, offs_m, offs_n, j0 + BLOCK_N < seq_len, False)
         if ENDS_AHEAD:
             ends = _ends_ahead(END, stat_off, stat_numel, i0, j0 + BLOCK_N, ahead, offs_m, offs_n, seq_len, TWO_SPAN,
                                BLOCK_M, BLOCK_N, HAS_C2P, HAS_P2C)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        _, ds = _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, scale, BLOCK_M, BLOCK_N, DROPOUT,
-                             False)
+        _, ds = _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, keep_scale, scale, BLOCK_M, BLOCK_N,
+                             DROPOUT, False)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
         if HAS_C2P:  # dQ_a += sum_b dS[a,b] Kr[idx];  dKr[t] += sum_{idx=t} dS[a,b] Q_a
             sums_lo, sums_hi, first, last = _tile_position(ds, saturated, top, sums_lo, sums_hi, first, last, band,
@@ -263,7 +279,7 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
     if DENSE:  # dq is complete (its position part comes after the kernel): not held across the band pass
         _store_rows(DQ + base, i0, offs_m, offs_d, stride_n, seq_len, dq)
     if HAS_C2P:
-        dq = _block_position(dq, Q, KR + rel_off, part_ptr, DENSE_GRAD, band, FOLD, MERGE, sums_lo, sums_hi, first,
+        dq = _block_position(dq, Q, KR + rel_off, partial, DENSE_GRAD, band, FOLD, MERGE, sums_lo, sums_hi, first,
                              last, i0, band_lo, lo, item, n_ctx, seq_len, base, stat_off, stride_n, stride_lb,
                              stride_lh, dense_lb, dense_lh, offs_m, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, BAND,
                              CHUNK, DENSE, PRECISION, False)
@@ -272,20 +288,21 @@ def _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_pt
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, DQ, DKR_PART, DENSE_GRAD, SCRATCH,
-                 C2P, P2C, FOLD, MERGE, seed, scale, dropout_p, n_ctx, n_heads, num_seqs, items_per_program, stat_numel,
-                 scratch_elements, lo, stride_b, stride_h, stride_n, stride_lb, stride_lh, dense_lb, dense_lh,
+def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MIRROR, MASK, CU, SCALES, END, DO, LSE, DELTA, DQ, DKR_PART, DENSE_GRAD,
+                 SCRATCH, C2P, P2C, FOLD, MERGE, seed, scale, dropout_p, keep_scale, n_ctx, n_heads, num_seqs,
+                 items_per_program, stat_numel, scratch_elements, lo, stride_b, stride_h, stride_n, stride_lb,
+                 stride_lh, dense_lb, dense_lh,
                  TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
                  HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr,
                  DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
                  HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr, DENSE_SCORES: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 BUCKETS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
     """Program (p, head) walks a run of (sequence, query block) items of one head into one partial dKr (or,
     ``DENSE``, into its blocks' rows of the dense buffer); with ``DENSE_SCORES`` its general tiles read their
     position terms from ``C2P`` and ``P2C`` (laid out as the dense buffer)."""
-    part_ptr, scratch, blocks, first, end = _program_start(DKR_PART, SCRATCH, scratch_elements, n_ctx, num_seqs,
-                                                           items_per_program, TWO_SPAN, HEAD_DIM, CHUNK, BLOCK_M)
+    scratch, blocks, first, end = _program_start(SCRATCH, scratch_elements, n_ctx, num_seqs, items_per_program,
+                                                 BLOCK_M)
     for item in range(first, end):
         i0, seq_len, base, rel_off, stat_off, mask_ptr, seq_seed, seq_scale = _item(
             CU, MASK, SCALES, item, blocks, tl.program_id(1), seed, scale, n_ctx, n_heads, stride_b, stride_h, stride_n,
@@ -293,23 +310,24 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, 
         if i0 < seq_len:
             dense = _dense_scores_at(C2P, P2C, stat_off, item // blocks, stride_lb, stride_lh, dense_lb, dense_lh,
                                      TWO_SPAN, DENSE_SCORES)
-            _dq_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DQ, part_ptr, DENSE_GRAD, scratch, dense,
-                      FOLD, MERGE, i0, seq_seed, seq_scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off,
-                      stat_numel, stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN, HEAD_DIM,
-                      BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT,
-                      HOIST, ENDS_AHEAD, DENSE, DENSE_SCORES, PRECISION)
+            _dq_block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, DQ, (DKR_PART, items_per_program),
+                      DENSE_GRAD, scratch, dense, FOLD, MERGE, i0, seq_seed, seq_scale, dropout_p, keep_scale, n_ctx,
+                      seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo, item, stride_lb, stride_lh,
+                      dense_lb, dense_lh, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P,
+                      HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST, ENDS_AHEAD, DENSE, DENSE_SCORES, BUCKETS_AHEAD,
+                      PRECISION)
         tl.debug_barrier()
 
 
 @triton.jit
-def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, part_ptr, DENSE_GRAD, scratch,
-                dense, FOLD, MERGE, j0, seed, scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off, stat_numel,
-                stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh,
+def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, partial, DENSE_GRAD, scratch,
+                dense, FOLD, MERGE, j0, seed, scale, dropout_p, keep_scale, n_ctx, seq_len, base, rel_off, stat_off,
+                stat_numel, stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh,
                 TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
                 HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
                 DROPOUT: tl.constexpr, HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr,
-                DENSE_SCORES: tl.constexpr, PRECISION: tl.constexpr):
+                DENSE_SCORES: tl.constexpr, BUCKETS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
     """dK, dV of key block ``j0`` (all query blocks; tiles held as ``[BN, BM]``), and its p2c gradient
     added to the partial dQr, or with ``DENSE`` written in bucket coordinates to its rows of ``DENSE_GRAD``."""
     offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
@@ -330,6 +348,9 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
         ends = _ends_ahead(END, stat_off, stat_numel, 0, j0, ahead, offs_m, offs_n, seq_len, TWO_SPAN, BLOCK_M,
                            BLOCK_N, HAS_C2P, HAS_P2C)
     keys = _side_visible(mask_ptr, j0, offs_n, seq_len, BLOCK_N, HAS_MASK)  # the block's keys: once
+    buckets = ()
+    if BUCKETS_AHEAD:
+        buckets = _buckets_ahead(TABLE, TABLE, -j0, offs_m, offs_n, seq_len > 0, True)
     for i0 in range(0, seq_len, BLOCK_M):
         row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), BLOCK_M, HOIST, BLOCK_M, BLOCK_N, WINDOW,
                                   SPLIT)
@@ -341,23 +362,27 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
             q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, keys, END, ends, scratch, dense, stat_off,
             stat_numel, i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N,
             WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, True, HOIST, False, ENDS_AHEAD, DENSE_SCORES,
-            PRECISION)
+            PRECISION, buckets, BUCKETS_AHEAD)
+        if BUCKETS_AHEAD:  # the next tile's, while this one computes (``Tiles.buckets_ahead``)
+            buckets = _buckets_ahead(TABLE, TABLE, i0 + BLOCK_M - j0, offs_m, offs_n, i0 + BLOCK_M < seq_len, True)
         if ENDS_AHEAD:
             ends = _ends_ahead(END, stat_off, stat_numel, i0 + BLOCK_M, j0, ahead, offs_m, offs_n, seq_len, TWO_SPAN,
                                BLOCK_M, BLOCK_N, HAS_C2P, HAS_P2C)
         dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        p_dropped, ds = _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, scale, BLOCK_M, BLOCK_N,
-                                     DROPOUT, True)
+        p_dropped, ds = _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, keep_scale, scale, BLOCK_M,
+                                     BLOCK_N, DROPOUT, True)
         dv = tl.dot(p_dropped.to(do.dtype), do, dv, input_precision=PRECISION)
         dk = tl.dot(ds.to(q.dtype), q, dk, input_precision=PRECISION)
         if HAS_P2C:  # dK_b += sum_a dS[a,b] Qr[idx];  dQr[t] += sum_{idx=t} dS[a,b] K_b
             sums_lo, sums_hi, first, last = _tile_position(ds, saturated, top, sums_lo, sums_hi, first, last, band,
                                                            band_lo, i0, j0, offs_m, offs_n, BAND, BLOCK_N, True)
+    if DROPOUT:  # the kept probabilities' 1 / (1 - p), left out of every score by _score_grads
+        dv = dv * keep_scale
     if DENSE:  # dk and dv are complete (dk's position part comes after the kernel): not held across the band pass
         _store_rows(DK + base, j0, offs_n, offs_d, stride_n, seq_len, dk)
         _store_rows(DV + base, j0, offs_n, offs_d, stride_n, seq_len, dv)
     if HAS_P2C:
-        dk = _block_position(dk, K, QR + rel_off, part_ptr, DENSE_GRAD, band, FOLD, MERGE, sums_lo, sums_hi, first,
+        dk = _block_position(dk, K, QR + rel_off, partial, DENSE_GRAD, band, FOLD, MERGE, sums_lo, sums_hi, first,
                              last, j0, band_lo, lo, item, n_ctx, seq_len, base, stat_off, stride_n, stride_lb,
                              stride_lh, dense_lb, dense_lh, offs_n, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, BAND,
                              CHUNK, DENSE, PRECISION, True)
@@ -368,31 +393,34 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
 
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, DK, DV, DQR_PART, DENSE_GRAD,
-                   SCRATCH, C2P, P2C, FOLD, MERGE, seed, scale, dropout_p, n_ctx, n_heads, num_seqs, items_per_program,
-                   stat_numel, scratch_elements, lo, stride_b, stride_h, stride_n, stride_lb, stride_lh, dense_lb,
-                   dense_lh,
+                   SCRATCH, C2P, P2C, FOLD, MERGE, seed, scale, dropout_p, keep_scale, n_ctx, n_heads, num_seqs,
+                   items_per_program, stat_numel, scratch_elements, lo, stride_b, stride_h, stride_n, stride_lb,
+                   stride_lh, dense_lb, dense_lh,
                    TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
                    HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr,
                    DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
                    HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr, DENSE_SCORES: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   BUCKETS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
     """Program (p, head) walks a run of (sequence, key block) items of one head into one partial dQr (or,
     ``DENSE``, into its blocks' rows of the dense buffer); with ``DENSE_SCORES`` as ``_attn_bwd_dq``."""
-    part_ptr, scratch, blocks, first, end = _program_start(DQR_PART, SCRATCH, scratch_elements, n_ctx, num_seqs,
-                                                           items_per_program, TWO_SPAN, HEAD_DIM, CHUNK, BLOCK_N)
-    for item in range(first, end):
-        j0, seq_len, base, rel_off, stat_off, mask_ptr, seq_seed, seq_scale = _item(
-            CU, MASK, SCALES, item, blocks, tl.program_id(1), seed, scale, n_ctx, n_heads, stride_b, stride_h, stride_n,
-            stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, BLOCK_N, VARLEN, SCALE_PER_SEQ)
-        if j0 < seq_len:
-            dense = _dense_scores_at(C2P, P2C, stat_off, item // blocks, stride_lb, stride_lh, dense_lb, dense_lh,
-                                     TWO_SPAN, DENSE_SCORES)
-            _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, part_ptr, DENSE_GRAD, scratch,
-                        dense, FOLD, MERGE, j0, seq_seed, seq_scale, dropout_p, n_ctx, seq_len, base, rel_off, stat_off,
-                        stat_numel, stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN, HEAD_DIM,
-                        BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK,
-                        MASK_DIAGONAL, DROPOUT, HOIST, ENDS_AHEAD, DENSE, DENSE_SCORES, PRECISION)
+    scratch, blocks, first, end = _program_start(SCRATCH, scratch_elements, n_ctx, num_seqs, items_per_program,
+                                                 BLOCK_N)
+    for step in range(0, items_per_program):  # not up to ``end``: a bound held across the tile loop spilled
+        item = first + step
+        if item < num_seqs * blocks:
+            j0, seq_len, base, rel_off, stat_off, mask_ptr, seq_seed, seq_scale = _item(
+                CU, MASK, SCALES, item, blocks, tl.program_id(1), seed, scale, n_ctx, n_heads, stride_b, stride_h,
+                stride_n, stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, BLOCK_N, VARLEN, SCALE_PER_SEQ)
+            if j0 < seq_len:
+                dense = _dense_scores_at(C2P, P2C, stat_off, item // blocks, stride_lb, stride_lh, dense_lb, dense_lh,
+                                         TWO_SPAN, DENSE_SCORES)
+                _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV,
+                            (DQR_PART, items_per_program), DENSE_GRAD, scratch, dense, FOLD, MERGE, j0, seq_seed,
+                            seq_scale, dropout_p, keep_scale, n_ctx, seq_len, base, rel_off, stat_off, stat_numel,
+                            stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN, HEAD_DIM, BLOCK_M,
+                            BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT,
+                            HOIST, ENDS_AHEAD, DENSE, DENSE_SCORES, BUCKETS_AHEAD, PRECISION)
         tl.debug_barrier()
 
 
@@ -472,7 +500,9 @@ def _backward_kernel(problem: _Problem, kernel, name: str, q, has_term: bool, bu
                    scratch_elements=buffers.scratch_elements, lo=lo, FOLD=fold, MERGE=merge, BAND=band,
                    CHUNK=tiles.chunk, SCRATCH=scratch, DENSE_GRAD=d_scores, dense_lb=dense_lb, dense_lh=dense_lh,
                    DENSE=dense, C2P=scores[0] if scores else q, P2C=scores[1] if scores else q,
-                   DENSE_SCORES=bool(scores), **{part_name: partial}, **args)
+                   DENSE_SCORES=bool(scores), BUCKETS_AHEAD=bool(scores) and tiles.buckets_ahead,
+                   keep_scale=1.0 / (1.0 - problem.dropout_p),
+                   **{part_name: partial}, **args)
     if dense:
         return d_scores
     return partial.sum(1)[:, :problem.two_span] if has_term else None  # fixed order: deterministic
@@ -513,7 +543,7 @@ def attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, end, pro
     if problem.backward == "dense" and d_pos_query is not None:  # its buffer freed before dq's is made
         d_pos_query = position_gradients(d_pos_query, heads.k, pos_query, dk)
     d_pos_key = _backward_kernel(problem, _attn_bwd_dq, "dq", q, pos_key is not None, budget, "DKR_PART", DQ=dq,
-                                 **common)
+                                 MIRROR=problem.device_mirror, **common)
     if problem.backward == "dense" and d_pos_key is not None:
         d_pos_key = position_gradients(d_pos_key, heads.q, pos_key, dq)
     return (dq, dk, dv, None if d_pos_key is None else d_pos_key.to(pos_key.dtype),

@@ -69,6 +69,20 @@ def _score_buckets(TABLE, d0, offs_m, offs_n, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
+def _buckets_ahead(TABLE, MIRROR, d0, offs_m, offs_n, needed, TRANSPOSED: tl.constexpr):
+    """The buckets of a backward tile with ``i0 - j0 = d0``, read a tile ahead: as :func:`_score_buckets`
+    (``[BN, BM]`` when ``TRANSPOSED``: the direct table's addresses rise along a row there) or, for a ``[BM, BN]``
+    tile, from the mirrored table (:func:`_mirrored_buckets`: the layout the gathers take, so no 64-bit gather
+    address changes layout). Only if ``needed`` (the tile exists: the tables do not reach a block past the
+    sequence's last), else zeros."""
+    if TRANSPOSED:
+        ptrs = TABLE + d0 + offs_m[None, :] - offs_n[:, None]
+    else:
+        ptrs = MIRROR - d0 - offs_m[:, None] + offs_n[None, :]
+    return tl.load(ptrs, mask=needed, other=0)
+
+
+@triton.jit
 def _mirrored_buckets(MIRROR, d0, offs_m, offs_n):
     """:func:`_score_buckets` of a ``[BM, BN]`` tile read from the mirrored table (``MIRROR[x]`` is distance
     ``-x``'s entry) at ``-(d0 + a - b)``: the addresses rise along a row, as the dense products' gathers and the
@@ -99,6 +113,21 @@ def _dense_bias(C2P, P2C, buckets, i0, j0, offs_m, offs_n, seq_len, HAS_C2P: tl.
     if HAS_P2C:
         p2c = tl.load(P2C + col_at * TWO_SPAN + buckets, mask=ok, other=0.0).to(tl.float32)
     return c2p + p2c
+
+
+@triton.jit
+def _zero_rows(dense, rows_ok, ROWS: tl.constexpr, TWO_SPAN: tl.constexpr, CHUNK: tl.constexpr):
+    """Zero a block's rows of a dense buffer (``dense``: its first row; ``rows_ok``: the rows in the sequence),
+    ``CHUNK`` buckets at a time, then a barrier so every warp's zeros land before the band chunks read, add and
+    write them. The buffer is ``torch.empty``: a zero-fill launch wrote all of it to HBM once more (201 MB a
+    buffer at B = 32, N = 512, bf16). Every row is some block's (a padded sequence's rows run to ``N``, its
+    padding rows included; a packed one's to its length), so every row is zeroed."""
+    offs_r, offs_c = tl.arange(0, ROWS), tl.arange(0, CHUNK)
+    zeros = tl.zeros([ROWS, CHUNK], tl.float32).to(dense.dtype.element_ty)
+    for c0 in range(0, TWO_SPAN, CHUNK):
+        tl.store(dense + offs_r[:, None] * TWO_SPAN + (c0 + offs_c)[None, :], zeros,
+                 mask=rows_ok[:, None] & ((c0 + offs_c) < TWO_SPAN)[None, :])
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -133,10 +162,10 @@ def dense_strides(problem) -> tuple[int, int, int]:
 
 
 def dense_buffer(problem, q: torch.Tensor) -> torch.Tensor:
-    """A zeroed ``[H, rows, 2k]`` score-gradient buffer in ``q``'s dtype (buckets no distance of a row reaches
-    stay 0)."""
+    """An ``[H, rows, 2k]`` score-gradient buffer in ``q``'s dtype, not zeroed: each backward block zeroes its own
+    rows (:func:`_zero_rows`), so buckets no distance of a row reaches are 0."""
     rows = dense_strides(problem)[0]
-    return torch.zeros((problem.n_heads, rows, problem.two_span), dtype=q.dtype, device=q.device)
+    return torch.empty((problem.n_heads, rows, problem.two_span), dtype=q.dtype, device=q.device)
 
 
 def _by_head(x: torch.Tensor) -> torch.Tensor:

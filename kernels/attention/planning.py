@@ -38,6 +38,11 @@ class Tiles:
     # ... with the diagonal mask, where that differs (None: as ``hoist``). False where hoisting spilled only
     # there (sm_90's d = 64 dk/dv, 4 B), True where only not hoisting did (sm_100's d = 128 forward, 12-16 B).
     hoist_diagonal: bool | None = None
+    # The backward's general tiles that read dense scores load the next tile's ``[BM, BN]`` buckets a tile
+    # ahead (``dense._score_buckets_at``), so their gathers wait one round trip, not two (sm_90 N = 512: the dq
+    # and dk/dv tiles' chains 4,043 -> 3,491 and 4,936 -> 3,972 cycles at the high end). 16 more registers a
+    # thread at 4 warps: False where that spilled.
+    buckets_ahead: bool = False
     # The forward's saturated runs (``paths_apart``) load their next tile's K and V rows and each key column's
     # mask word a tile ahead (``_key_tile``), except under the diagonal mask (sm_80 d = 64: 20 B spilled with
     # dropout and per-sequence scales). Off where it spilled: 64 x 64 tiles of 4 warps (sm_90, sm_100: 4-236 B;
@@ -106,10 +111,17 @@ _TILES = {
     ("half", 32, 90): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 32, 2, 1), dkdv=_T(32, 32, 2, 1)),
     ("half", 32, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(32, 16, 2, 1), dkdv=_T(16, 32, 2, 1)),
     ("half", 32, 100): dict(fwd=_T(32, 64, 4, 1), dq=_T(32, 32, 2, 1), dkdv=_T(32, 32, 2, 1, hoist=False)),
-    # d = 64 dk/dv, sm_90: rows not hoisted under the diagonal mask (hoisted, 4-8 B spilled with the per-sequence
-    # scale and dropout once the mask was read as words).
+    # d = 64 backward, sm_90: 64-row blocks (dq's query blocks 64 x 32, dk/dv's key blocks 32 x 64 as [64, 32]),
+    # the next tile's buckets read a tile ahead. Each block's band pass (its position gradient: the partial
+    # table read and written per 64-distance chunk) costs the same bytes whatever its rows, so 64-row blocks halve
+    # it per row, and the query/key tiles a block walks reload half as often: the N = 512 backward's L2 requests
+    # fell 10.4 -> about 6 GB and its high end 3.13 / 3.20 -> 2.20 / 2.21 ms (judge). dk/dv rows not hoisted
+    # (hoisted, 4 B spilled with dropout); dq's prefetch reads the mirrored table (the direct one's 64-bit gather
+    # addresses changed layout through shared memory: 16-24 B spilled). 64 x 32 dq / 32 x 64 dk/dv without the
+    # prefetch: 2.40 / 2.76 ms; 8 warps: 3.56 / 4.03 (one block an SM); 64 x 16 / 16 x 64: 2.60 / 2.76.
     # d = 64 dense forward, sm_90: sm_80's tile (below), the general run two stages deep under the ceiling.
-    ("half", 64, 90): dict(fwd=_T(64, 64, 4, 1), dq=_T(32, 64, 4, 1), dkdv=_T(64, 32, 4, 1, hoist_diagonal=False),
+    ("half", 64, 90): dict(fwd=_T(64, 64, 4, 1), dq=_T(64, 32, 4, 1, buckets_ahead=True),
+                           dkdv=_T(32, 64, 4, 1, hoist=False, buckets_ahead=True),
                            fwd_dense=_T(64, 64, 4, 2, maxnreg=255, saturated_stages=1)),
     # d = 128, dk/dv, sm_90 and sm_80: every tile without repeated warps spills in some configuration the
     # compile check covers (sm_90: 32 x 16 on 4 warps 8-16 B with p2c alone, 64 x 16 4-16 B, 16 x 16 on 2 8 B;
@@ -122,16 +134,19 @@ _TILES = {
     # d = 64 forward, sm_80: 32 x 32 on 2 warps walks its paths apart (16 rows a warp) without spills (252
     # registers); 64 x 32 and 64 x 64 on 4 warps spilled 1.0-1.4 KB, and 32 x 32 on 4 warps repeats the content
     # products of a paths-apart loop, so it kept the one loop that branches per tile.
-    # With dense scores (no window products) sm_80 takes sm_90's d = 64 backward tiles, their loads pipelined two
-    # stages deep, without spills; 64 x 64 backward tiles spilled 460-824 B (4 or 8 warps), 32 x 32 on 2 warps
-    # 4-132 B. Its dense forward runs 64 x 64 on 4 warps, the general run two stages deep under a register
-    # ceiling (``maxnreg``), the saturated runs one (two: 4 B spilled with dropout); it spilled 8 B until its
+    # With dense scores (no window products) sm_80 takes 32 x 64 / 64 x 32 backward tiles, their loads pipelined
+    # two stages deep and their buckets read a tile ahead (4.84 / 5.08 -> 4.29 / 4.80 ms at N = 512, judge), without
+    # spills; 64 x 64 backward tiles spilled 460-824 B (4 or 8 warps), 32 x 32 on 2 warps 4-132 B; sm_90's 64-row
+    # blocks (3.99 / 4.47 ms) spilled 8-20 B in dk/dv, and 104-144 B in one stage. Its dense forward runs 64 x 64
+    # on 4 warps, the general run two stages deep under a register ceiling (``maxnreg``), the saturated runs one
+    # (two: 4 B spilled with dropout); it spilled 8 B until its
     # buckets came from the mirrored table (``dense._mirrored_buckets``), and still does in two variants
     # (``_VARIANT_TILES``). 64 x 32 in two stages (the tile before it) spilled 12 B at 168 registers without the
     # ceiling; three stages 4 B; 128 x 64 on 8 warps 8 B; 32 x 64 on 2 warps 4-48 B.
     ("half", 64, 80): dict(fwd=_T(32, 32, 2, 1, keys_ahead=True), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1),
-                           fwd_dense=_T(64, 64, 4, 2, maxnreg=255, saturated_stages=1), dq_dense=_T(32, 64, 4, 2),
-                           dkdv_dense=_T(64, 32, 4, 2)),
+                           fwd_dense=_T(64, 64, 4, 2, maxnreg=255, saturated_stages=1),
+                           dq_dense=_T(32, 64, 4, 2, buckets_ahead=True),
+                           dkdv_dense=_T(64, 32, 4, 2, buckets_ahead=True)),
     ("half", 128, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 32, 4, 1), dkdv=_T(16, 16, 4, 1)),
     # sm_100: dk/dv rows not hoisted (hoisted, 8-96 B spilled); forward buckets not loaded ahead (20 B). d = 64
     # dk/dv 64 x 32 on 4 warps: 64 x 64 on 8 spilled 4-32 B with varlen and dropout once the mask was read as words.
@@ -161,17 +176,23 @@ Variant = tuple[str, str, bool, bool]
 
 # (inputs, head dim, target, kernel, dense, variant) -> the tile that variant takes instead of its row's: where
 # the row's tile spilled in ``compile_check --full`` for that variant alone; a variant of three (terms, layout,
-# dropout) holds with and without the diagonal mask. None of them is a judged launch
-# (benchmarks/attention_judge.py: both terms, padded, no diagonal mask). sm_90 dq with dense scores, varlen and
-# dropout: 32 x 64 spilled 4 B at 255 registers (the item loop's end, reloaded once per item; 64 x 32 spilled
-# 4-12 B, 32 x 32 and 16 x 64 none, also with the per-sequence scale and the diagonal mask). sm_90 dk/dv with c2p
-# alone, padded: ptxas held it to 128 registers and spilled 8 B; with ``maxnreg`` 255 it takes 198, no spill.
-# sm_80's 64 x 64 dense forward, both terms: packed without dropout spilled 12 B (40 B with the diagonal mask),
-# padded with dropout and the diagonal mask 4 B where tiles saturate; both take the 64 x 32 tile it replaced.
+# dropout) holds with and without the diagonal mask. One is a judged launch (benchmarks/attention_judge.py: both
+# terms, padded, no diagonal mask): sm_90's dk/dv with dropout, whose 32 x 64 key blocks spilled 4 B in one stage
+# and take two (2.21 ms at N = 512 with dropout, judge), as with p2c alone. sm_90 varlen with dropout (dq, dk/dv)
+# and p2c alone varlen without it (dk/dv) spilled 4-12 B on the row's tiles (and dk/dv 32-44 B in two stages):
+# they take 64 x 32 blocks, buckets ahead, rows not hoisted. sm_80's 64 x 64 dense forward, both terms: packed
+# without dropout spilled 12 B (40 B with the diagonal mask), padded with dropout and the diagonal mask 4 B where
+# tiles saturate; both take the 64 x 32 tile it replaced.
 _SM80_DENSE_FORWARD = _T(64, 32, 4, 2, maxnreg=255)
+_SM90_DROPOUT_KEYS = _T(32, 64, 4, 2, hoist=False, buckets_ahead=True)
+_SM90_VARLEN_BACKWARD = _T(64, 32, 4, 1, hoist=False, buckets_ahead=True)
 _VARIANT_TILES = {
-    ("half", 64, 90, "dq", True, ("c2p+p2c", "varlen", True)): _T(32, 32, 4, 1),
-    ("half", 64, 90, "dkdv", True, ("c2p", "padded", False)): _T(64, 32, 4, 1, hoist_diagonal=False, maxnreg=255),
+    ("half", 64, 90, "dq", True, ("c2p+p2c", "varlen", True)): _SM90_VARLEN_BACKWARD,
+    ("half", 64, 90, "dkdv", True, ("c2p+p2c", "padded", True)): _SM90_DROPOUT_KEYS,
+    ("half", 64, 90, "dkdv", True, ("p2c", "padded", True)): _SM90_DROPOUT_KEYS,
+    ("half", 64, 90, "dkdv", True, ("c2p+p2c", "varlen", True)): _SM90_VARLEN_BACKWARD,
+    ("half", 64, 90, "dkdv", True, ("p2c", "varlen", True)): _SM90_VARLEN_BACKWARD,
+    ("half", 64, 90, "dkdv", True, ("p2c", "varlen", False)): _SM90_VARLEN_BACKWARD,
     ("half", 64, 80, "fwd", True, ("c2p+p2c", "varlen", False)): _SM80_DENSE_FORWARD,
     ("half", 64, 80, "fwd", True, ("c2p+p2c", "padded", True, True)): _SM80_DENSE_FORWARD,
 }

@@ -390,18 +390,21 @@ def _mix32(x):
 @triton.jit
 def _dropout_keep(seed, i0, j0, n_ctx, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   TRANSPOSED: tl.constexpr):
-    """Keep bits of tile ``(i0, j0)``: ``(i, j)`` keeps iff ``mix32((i * n + j) ^ mix32(seed)) >= p * 2**32``.
+    """Keep bits of tile ``(i0, j0)``: ``(i, j)`` keeps iff ``mix32((i << 16) ^ j ^ mix32(seed)) >= p * 2**32``.
     A pure function of ``(seed, i, j)``, so forward and both backward kernels, whatever their tiles, draw
-    the same bits. ``[BM, BN]``, or ``[BN, BM]`` when ``TRANSPOSED``."""
-    rows = i0 + tl.arange(0, BLOCK_M)
-    cols = j0 + tl.arange(0, BLOCK_N)
+    the same bits; ``(i << 16) ^ j`` is distinct for every pair while ``N <= 65,536``. The row and column parts
+    meet by an xor, which the compiler cannot reassociate: ``i * N + j`` let it hoist the tile's constant part
+    ``a * N + b`` out of the tile loop as a ``[BM, BN]`` tensor held in registers (16 a thread), which spilled
+    sm_90's 64-row dk/dv blocks."""
+    rows = (i0 + tl.arange(0, BLOCK_M)).to(tl.uint32) << 16
+    cols = (j0 + tl.arange(0, BLOCK_N)).to(tl.uint32)
     if TRANSPOSED:
-        counter = cols[:, None] + rows[None, :] * n_ctx
+        counter = cols[:, None] ^ rows[None, :]
     else:
-        counter = rows[:, None] * n_ctx + cols[None, :]
+        counter = rows[:, None] ^ cols[None, :]
     key = _mix32(seed.to(tl.uint32))
     threshold = (tl.zeros([], tl.float32) + dropout_p * 4294967296.0).to(tl.uint32)
-    return _mix32(counter.to(tl.uint32) ^ key) >= threshold
+    return _mix32(counter ^ key) >= threshold
 
 
 # A tile's path: where its c2p + p2c come from (a loop that walks one path only makes it a constant).
@@ -418,7 +421,7 @@ def _tile_scores(q, k, KR, QR, table_ptr, table_row, mask_ptr, keys, END, ends, 
                  WINDOW: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr,
                  HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr, TRANSPOSED: tl.constexpr,
                  HOIST: tl.constexpr, ROWS: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE_SCORES: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 PRECISION: tl.constexpr, buckets=(), BUCKETS_AHEAD: tl.constexpr = False):
     """Scores of tile ``(i0, j0)`` times ``scale * log2(e)`` (``-inf`` where not visible, whatever the scale:
     a scale of 0 must not make ``-inf * 0``), whether it is saturated and at which end (read per tile from
     the bucket table), and the count of general tiles so far (it picks the scratch buffer). ``keys``: the tile's
@@ -428,15 +431,19 @@ def _tile_scores(q, k, KR, QR, table_ptr, table_row, mask_ptr, keys, END, ends, 
     at the tile's start, they spilled at d = 128 on sm_90). A saturated tile's end terms are ``ends``, read a tile
     ahead (:func:`_ends_ahead`), with ``ENDS_AHEAD``; else read here. With ``DENSE_SCORES`` a general tile reads
     its c2p and p2c from the dense products (``dense``: the sequence's rows of ``C2P`` and ``P2C``) at each
-    score's bucket, issued before the content product: no window rows, products or scratch."""
+    score's bucket, issued before the content product: no window rows, products or scratch; with
+    ``BUCKETS_AHEAD`` those buckets are ``buckets``, loaded a tile before (``dense._buckets_ahead``)."""
     saturated, top = _saturated(table_row, TWO_SPAN)
     if DENSE_SCORES and (HAS_C2P or HAS_P2C):  # either path's terms before the content product
         if saturated:
             position = _end_bias(END, ends, stat_off, stat_numel, i0, j0, offs_m, offs_n, seq_len, top, BLOCK_M,
                                  BLOCK_N, HAS_C2P, HAS_P2C, TRANSPOSED, ENDS_AHEAD)
         else:
-            buckets = _score_buckets(table_ptr, i0 - j0, offs_m, offs_n, TRANSPOSED)
-            position = _dense_bias(dense[0], dense[1], buckets, i0, j0, offs_m, offs_n, seq_len, HAS_C2P, HAS_P2C,
+            if BUCKETS_AHEAD:
+                tile_buckets = buckets
+            else:
+                tile_buckets = _score_buckets(table_ptr, i0 - j0, offs_m, offs_n, TRANSPOSED)
+            position = _dense_bias(dense[0], dense[1], tile_buckets, i0, j0, offs_m, offs_n, seq_len, HAS_C2P, HAS_P2C,
                                    TWO_SPAN, TRANSPOSED)
     if TRANSPOSED:
         s = tl.dot(k, tl.trans(q), input_precision=PRECISION)

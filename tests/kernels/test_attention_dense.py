@@ -9,6 +9,8 @@ are checked to be the designs asked for. The planner's rules themselves are chec
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from test_attention_triton import TOL, assert_close, dropout_against_oracle, make_inputs, run_with_grads
@@ -21,26 +23,33 @@ pytestmark = pytest.mark.unit
 
 BUCKETS, MAX_REL = 8, 32
 KW = dict(position_buckets=BUCKETS, max_relative_positions=MAX_REL)
-# (forward scores, backward gradients, backward scores): every forward and gradient pairing with the backward's
-# scores fused, and both gradient designs with the backward's scores dense (its scores do not meet the forward's).
-DESIGNS = [(forward, backward, "fused") for forward in planning.FORWARD_DESIGNS
-           for backward in planning.BACKWARD_DESIGNS] + [("fused", backward, "dense")
-                                                        for backward in planning.BACKWARD_DESIGNS]
+# (forward scores, backward gradients, backward scores, buckets ahead): every forward and gradient pairing with
+# the backward's scores fused, and both gradient designs with the backward's scores dense (its scores do not meet
+# the forward's), their buckets read in the tile that uses them and a tile ahead (``Tiles.buckets_ahead``).
+DESIGNS = [(forward, backward, "fused", False) for forward in planning.FORWARD_DESIGNS
+           for backward in planning.BACKWARD_DESIGNS] + [("fused", backward, "dense", ahead)
+                                                        for backward in planning.BACKWARD_DESIGNS
+                                                        for ahead in (False, True)]
 
 
-@pytest.fixture(params=DESIGNS, ids=[f"fwd-{f}-bwd-{b}-scores-{s}" for f, b, s in DESIGNS])
-def design(request, monkeypatch) -> tuple[str, str, str]:
+@pytest.fixture(params=DESIGNS, ids=[f"fwd-{f}-bwd-{b}-scores-{s}{'-ahead' if a else ''}" for f, b, s, a in DESIGNS])
+def design(request, monkeypatch) -> tuple[str, str, str, bool]:
     """Every plan takes this design; the test fails unless the forward and both backward kernels launched with
     it."""
-    forward, backward, scores = request.param
+    forward, backward, scores, ahead = request.param
     monkeypatch.setattr(planning, "forward_design", lambda *args: forward)
     monkeypatch.setattr(planning, "backward_design", lambda *args: backward)
     monkeypatch.setattr(planning, "backward_scores_design", lambda *args: scores)
+    monkeypatch.setattr(planning, "INTERPRETER_TILES", replace(planning.INTERPRETER_TILES, buckets_ahead=ahead))
+    # the dense buffer is not zeroed: the kernels zero each block's rows, so a row they missed would read NaN
+    poisoned = lambda problem, q: attention.dense.dense_buffer(problem, q).fill_(float("nan"))  # noqa: E731
+    monkeypatch.setattr(attention.backward, "dense_buffer", poisoned)
     seen, forwards = [], []
     original = _Problem.launch
 
     def recorded(self, kernel, tiles, grid, q, has_c2p, has_p2c, **kwargs):
         if "DENSE" in kwargs:
+            assert kwargs["BUCKETS_AHEAD"] == (ahead and kwargs["DENSE_SCORES"]), kwargs["BUCKETS_AHEAD"]
             seen.append((self.backward, kwargs["DENSE"], self.backward_scores, kwargs["DENSE_SCORES"], has_c2p,
                          has_p2c, kernel.fn.__name__))
         elif "DENSE_SCORES" in kwargs:
