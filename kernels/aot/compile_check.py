@@ -128,9 +128,11 @@ def suite_cases() -> list[Case]:
     cases += [Case("attention", "float16", d, layout="varlen", dropout=False) for d in (64, 128)]
     cases += [Case("attention", "bfloat16", 64, "c2p", "varlen"), Case("attention", "bfloat16", 64, "none", "varlen"),
               Case("attention", "bfloat16", 64, "p2c", dropout=False), TINY_PRESET]
-    # Variants that take their own tiles (planning._VARIANT_TILES; p2c alone, padded, without dropout is above):
-    # packed training with dropout, c2p alone without dropout.
-    cases += [Case("attention", "bfloat16", 64, layout="varlen"),
+    # Variants that take their own tiles (planning._VARIANT_TILES; both terms padded with dropout is the first
+    # case): packed training with dropout, p2c alone with dropout (padded, packed) and packed without it.
+    cases += [Case("attention", "bfloat16", 64, layout="varlen"), Case("attention", "bfloat16", 64, "p2c"),
+              Case("attention", "bfloat16", 64, "p2c", "varlen"),
+              Case("attention", "float16", 64, "p2c", "varlen", dropout=False),
               Case("attention", "float16", 64, "c2p", dropout=False)]
     # The optional specialisations (issue 16): per-sequence scale and diagonal mask, alone and together.
     cases += [Case("attention", "bfloat16", 64, features="scale+diagonal"),

@@ -180,7 +180,12 @@ Variant = tuple[str, str, bool, bool]
 # terms, padded, no diagonal mask): sm_90's dk/dv with dropout, whose 32 x 64 key blocks spilled 4 B in one stage
 # and take two (2.21 ms at N = 512 with dropout, judge), as with p2c alone. sm_90 varlen with dropout (dq, dk/dv)
 # and p2c alone varlen without it (dk/dv) spilled 4-12 B on the row's tiles (and dk/dv 32-44 B in two stages):
-# they take 64 x 32 blocks, buckets ahead, rows not hoisted. sm_80's 64 x 64 dense forward, both terms: packed
+# they take 64 x 32 blocks, buckets ahead, rows not hoisted; so does sm_90's dk/dv with dropout under the diagonal
+# mask (its two-stage tile spilled 8 B with the per-sequence scale at 2,048 tokens). sm_100's fused forward with
+# dropout: ptxas held it to 168 registers and spilled 16 B (since the dropout counter became ``(i << 16) ^ j``);
+# under the ceiling of 255 it takes 242, no spill. sm_90's d = 128 forward with dropout and the diagonal mask:
+# 4 B spilled on its 8-warp tile (4 B under the ceiling too, 36 B hoisted, 208 B on 64 x 64 with 4 warps); 64 x 32
+# on 4 warps, window products in 16-column slices, compiles clean. sm_80's 64 x 64 dense forward, both terms: packed
 # without dropout spilled 12 B (40 B with the diagonal mask), padded with dropout and the diagonal mask 4 B where
 # tiles saturate; both take the 64 x 32 tile it replaced.
 _SM80_DENSE_FORWARD = _T(64, 32, 4, 2, maxnreg=255)
@@ -189,10 +194,13 @@ _SM90_VARLEN_BACKWARD = _T(64, 32, 4, 1, hoist=False, buckets_ahead=True)
 _VARIANT_TILES = {
     ("half", 64, 90, "dq", True, ("c2p+p2c", "varlen", True)): _SM90_VARLEN_BACKWARD,
     ("half", 64, 90, "dkdv", True, ("c2p+p2c", "padded", True)): _SM90_DROPOUT_KEYS,
+    ("half", 64, 90, "dkdv", True, ("c2p+p2c", "padded", True, True)): _SM90_VARLEN_BACKWARD,
     ("half", 64, 90, "dkdv", True, ("p2c", "padded", True)): _SM90_DROPOUT_KEYS,
     ("half", 64, 90, "dkdv", True, ("c2p+p2c", "varlen", True)): _SM90_VARLEN_BACKWARD,
     ("half", 64, 90, "dkdv", True, ("p2c", "varlen", True)): _SM90_VARLEN_BACKWARD,
     ("half", 64, 90, "dkdv", True, ("p2c", "varlen", False)): _SM90_VARLEN_BACKWARD,
+    ("half", 64, 100, "fwd", False, ("c2p+p2c", "padded", True)): _T(64, 64, 4, 1, hoist=False, maxnreg=255),
+    ("half", 128, 90, "fwd", True, ("c2p+p2c", "padded", True, True)): _T(64, 32, 4, 1, columns=16, hoist=False),
     ("half", 64, 80, "fwd", True, ("c2p+p2c", "varlen", False)): _SM80_DENSE_FORWARD,
     ("half", 64, 80, "fwd", True, ("c2p+p2c", "padded", True, True)): _SM80_DENSE_FORWARD,
 }

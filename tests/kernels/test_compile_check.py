@@ -147,7 +147,7 @@ def test_forward_without_position_terms_keeps_a_warp_per_16_rows(tmp_path: Path)
 @pytest.mark.integration
 def test_a_variant_that_spilled_on_its_rows_tile_launches_its_own() -> None:
     """Each variant in ``planning._VARIANT_TILES`` (terms, layout, dropout and perhaps the diagonal mask where the
-    row's tile spilled) launches its own tile, ``maxnreg`` included, through the real host planning; the same
+    row's tile spilled) launches its own tile, ``maxnreg``, hoisting and buckets ahead included, through the real host planning; the same
     kernel in the judged variant (both terms, padded, no diagonal mask) launches the row's. Recorded as the
     compile check records launches; that they compile without spills is the suite's check (``suite_cases`` holds
     them)."""
@@ -165,8 +165,9 @@ def test_a_variant_that_spilled_on_its_rows_tile_launches_its_own() -> None:
                 launch = [kw for k, _, kw, _ in record_launches(case, cc) if k.__name__ == names[kernel]][0]
                 row = planning.tiles_for(kernel, d, torch.bfloat16, cc, dense)
                 got = [launch[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")] + [
-                    launch.get("maxnreg")]
-                want = [[t.block_m, t.block_n, t.num_warps, t.num_stages, t.maxnreg] for t in (own, row)]
+                    launch.get("maxnreg"), launch["HOIST"], launch.get("BUCKETS_AHEAD", False)]
+                want = [[t.block_m, t.block_n, t.num_warps, t.num_stages, t.maxnreg, t.hoists(bool(features)),
+                         t.buckets_ahead] for t in (own, row)]
                 found.append([(case_terms, case_layout, features) == (terms, layout, diagonal), got, *want])
         print(json.dumps(found))
     """)
