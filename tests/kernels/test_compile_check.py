@@ -147,10 +147,10 @@ def test_forward_without_position_terms_keeps_a_warp_per_16_rows(tmp_path: Path)
 @pytest.mark.integration
 def test_a_variant_that_spilled_on_its_rows_tile_launches_its_own() -> None:
     """Each variant in ``planning._VARIANT_TILES`` (terms, layout, dropout and perhaps the diagonal mask where the
-    row's tile spilled) launches its own tile, ``maxnreg``, hoisting and buckets ahead included, through the real host planning; the same
-    kernel in the judged variant (both terms, padded, no diagonal mask) launches the row's. Recorded as the
-    compile check records launches; that they compile without spills is the suite's check (``suite_cases`` holds
-    them)."""
+    row's tile spilled) launches its own tile, ``maxnreg``, hoisting and buckets ahead included, through the real host
+    planning; the same kernel in the judged variant (both terms, padded, no diagonal mask) launches the row's, or
+    that variant's own entry where it has one (sm_90's dk/dv with dropout). Recorded as the compile check records
+    launches; that they compile without spills is the suite's check (``suite_cases`` holds them)."""
     script = textwrap.dedent("""
         import json, torch
         from distaff.kernels.aot.compile_check import Case, record_launches
@@ -164,10 +164,12 @@ def test_a_variant_that_spilled_on_its_rows_tile_launches_its_own() -> None:
                 case = Case("attention", "bfloat16", d, case_terms, case_layout, dropout, features=features)
                 launch = [kw for k, _, kw, _ in record_launches(case, cc) if k.__name__ == names[kernel]][0]
                 row = planning.tiles_for(kernel, d, torch.bfloat16, cc, dense)
+                # the judged variant takes the row's tile, or its own entry where it has one
+                judged = planning.tiles_for(kernel, d, torch.bfloat16, cc, dense, ("c2p+p2c", "padded", dropout, False))
                 got = [launch[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")] + [
                     launch.get("maxnreg"), launch["HOIST"], launch.get("BUCKETS_AHEAD", False)]
                 want = [[t.block_m, t.block_n, t.num_warps, t.num_stages, t.maxnreg, t.hoists(bool(features)),
-                         t.buckets_ahead] for t in (own, row)]
+                         t.buckets_ahead] for t in (own, judged, row)]
                 found.append([(case_terms, case_layout, features) == (terms, layout, diagonal), got, *want])
         print(json.dumps(found))
     """)
@@ -176,6 +178,6 @@ def test_a_variant_that_spilled_on_its_rows_tile_launches_its_own() -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     found = json.loads(run.stdout.splitlines()[-1])
     assert len(found) == 2 * len(planning._VARIANT_TILES)
-    for is_variant, got, own, row in found:
+    for is_variant, got, own, judged, row in found:
         assert own != row  # each entry changes something: else it would not be needed
-        assert got == (own if is_variant else row), (is_variant, got, own, row)
+        assert got == (own if is_variant else judged), (is_variant, got, own, judged)

@@ -268,11 +268,12 @@ def test_the_time_model_is_within_1_5x_of_the_published_runs():
                  "NeoBERT sizes (AzNEOBERT) seq 1024, 8xH200, bf16"):
         assert 1 / 1.5 <= checked[name] <= 1.5, (name, checked[name])
     # The DeBERTa paper's V100 runs ran the official eager attention; the plan charges distaff's (scaled from the
-    # A100 judge), so since issue 47 made that 2.6x faster the plan is ahead of them: 1.57-1.68x (0.94-0.97 while
-    # the A100 attention was slow; 1.58-1.70 with the judge's HF-eager column instead). docs/plan.md says why and
-    # what is left open (pre-Ampere GPUs: Triton has no tensor-core path below sm_80).
+    # A100 judge), so since issue 47 made that 2.6x faster the plan is ahead of them: 1.63-1.76x (0.94-0.97 while
+    # the A100 attention was slow; 1.58-1.70 with the judge's HF-eager column instead; 1.57-1.68 before the A100
+    # backward's buckets were read a tile ahead). docs/plan.md says why and what is left open (pre-Ampere GPUs:
+    # Triton has no tensor-core path below sm_80).
     for name in ("deberta-base (v1) seq 512, 4x16xV100-32GB, fp16", "deberta-large (v1) seq 512, 6x16xV100-32GB, fp16"):
-        assert 1 / 1.5 <= checked[name] <= 1.75, (name, checked[name])
+        assert 1 / 1.5 <= checked[name] <= 1.8, (name, checked[name])
 
 
 @pytest.mark.unit
