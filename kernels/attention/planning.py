@@ -98,7 +98,8 @@ KERNELS = ("fwd", "dkdv", "dq")  # what ``tiles_for`` also plans: "content", the
 
 
 # (inputs, head dim, target) -> tiles of the three kernels: for each, the tile with the fewest estimated
-# instructions per score (benchmarks/attention_judge.py) among those that compile with no spill and no warp
+# instructions per score, or where the judge found bytes binding (sm_90's d = 64 backward) the fastest
+# (benchmarks/attention_judge.py), among those that compile with no spill and no warp
 # repeating another's products in every configuration the compile check covers (d = 16 takes d = 32's;
 # float32 inputs at d <= 64 take d = 64's). "content", where given, is the forward's tile without position
 # terms; elsewhere that forward takes its "fwd" tile with at most ``BLOCK_M / 16`` warps (``Tiles.content_only``).
