@@ -404,8 +404,8 @@ def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA
                    BUCKETS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
     """Program (p, head) walks a run of (sequence, key block) items of one head into one partial dQr (or,
     ``DENSE``, into its blocks' rows of the dense buffer); with ``DENSE_SCORES`` as ``_attn_bwd_dq``."""
-    scratch, blocks, first, end = _program_start(SCRATCH, scratch_elements, n_ctx, num_seqs, items_per_program,
-                                                 BLOCK_N)
+    scratch, blocks, first, _ = _program_start(SCRATCH, scratch_elements, n_ctx, num_seqs, items_per_program,
+                                               BLOCK_N)
     for step in range(0, items_per_program):  # not up to ``end``: a bound held across the tile loop spilled
         item = first + step
         if item < num_seqs * blocks:

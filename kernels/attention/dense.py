@@ -58,14 +58,28 @@ def _dense_scores_at(C2P, P2C, stat_off, seq, stride_lb, stride_lh, dense_lb, de
 
 
 @triton.jit
-def _score_buckets(TABLE, d0, offs_m, offs_n, TRANSPOSED: tl.constexpr):
-    """``bucket(d0 + a - b)`` of every score ``(a, b)`` of a tile with ``i0 - j0 = d0``, from the distance table
-    (L1-resident): ``[BM, BN]``, or ``[BN, BM]`` when ``TRANSPOSED`` (a key block's tiles)."""
+def _score_bucket_ptrs(TABLE, d0, offs_m, offs_n, TRANSPOSED: tl.constexpr):
+    """Where ``bucket(d0 + a - b)`` of every score ``(a, b)`` of a tile with ``i0 - j0 = d0`` sits in the distance
+    table: ``[BM, BN]``, or ``[BN, BM]`` when ``TRANSPOSED`` (a key block's tiles)."""
     if TRANSPOSED:
         ptrs = TABLE + d0 + offs_m[None, :] - offs_n[:, None]
     else:
         ptrs = TABLE + d0 + offs_m[:, None] - offs_n[None, :]
-    return tl.load(ptrs)
+    return ptrs
+
+
+@triton.jit
+def _mirrored_bucket_ptrs(MIRROR, d0, offs_m, offs_n):
+    """:func:`_score_bucket_ptrs` of a ``[BM, BN]`` tile in the mirrored table (``MIRROR[x]`` is distance ``-x``'s
+    entry), at ``-(d0 + a - b)``: the addresses rise along a row."""
+    return MIRROR - d0 - offs_m[:, None] + offs_n[None, :]
+
+
+@triton.jit
+def _score_buckets(TABLE, d0, offs_m, offs_n, TRANSPOSED: tl.constexpr):
+    """``bucket(d0 + a - b)`` of every score ``(a, b)`` of a tile with ``i0 - j0 = d0``, from the distance table
+    (L1-resident): ``[BM, BN]``, or ``[BN, BM]`` when ``TRANSPOSED`` (a key block's tiles)."""
+    return tl.load(_score_bucket_ptrs(TABLE, d0, offs_m, offs_n, TRANSPOSED))
 
 
 @triton.jit
@@ -76,21 +90,20 @@ def _buckets_ahead(TABLE, MIRROR, d0, offs_m, offs_n, needed, TRANSPOSED: tl.con
     address changes layout). Only if ``needed`` (the tile exists: the tables do not reach a block past the
     sequence's last), else zeros."""
     if TRANSPOSED:
-        ptrs = TABLE + d0 + offs_m[None, :] - offs_n[:, None]
+        ptrs = _score_bucket_ptrs(TABLE, d0, offs_m, offs_n, True)
     else:
-        ptrs = MIRROR - d0 - offs_m[:, None] + offs_n[None, :]
+        ptrs = _mirrored_bucket_ptrs(MIRROR, d0, offs_m, offs_n)
     return tl.load(ptrs, mask=needed, other=0)
 
 
 @triton.jit
 def _mirrored_buckets(MIRROR, d0, offs_m, offs_n):
-    """:func:`_score_buckets` of a ``[BM, BN]`` tile read from the mirrored table (``MIRROR[x]`` is distance
-    ``-x``'s entry) at ``-(d0 + a - b)``: the addresses rise along a row, as the dense products' gathers and the
-    scores do, so the load takes their layout. The direct table's addresses fall along a row; its load took a
-    column-major layout, and each tile then moved the gathers' 64-bit addresses and their values between layouts
-    through shared memory (sm_80's forward: 119 -> 55 shared-memory instructions and 10 -> 6 barriers a warp and
-    tile, docs/kernels.md)."""
-    return tl.load(MIRROR - d0 - offs_m[:, None] + offs_n[None, :])
+    """:func:`_score_buckets` of a ``[BM, BN]`` tile read from the mirrored table (:func:`_mirrored_bucket_ptrs`):
+    the addresses rise along a row, as the dense products' gathers and the scores do, so the load takes their
+    layout. The direct table's addresses fall along a row; its load took a column-major layout, and each tile then
+    moved the gathers' 64-bit addresses and their values between layouts through shared memory (sm_80's forward:
+    119 -> 55 shared-memory instructions and 10 -> 6 barriers a warp and tile, docs/kernels.md)."""
+    return tl.load(_mirrored_bucket_ptrs(MIRROR, d0, offs_m, offs_n))
 
 
 @triton.jit

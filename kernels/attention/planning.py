@@ -39,7 +39,7 @@ class Tiles:
     # there (sm_90's d = 64 dk/dv, 4 B), True where only not hoisting did (sm_100's d = 128 forward, 12-16 B).
     hoist_diagonal: bool | None = None
     # The backward's general tiles that read dense scores load the next tile's ``[BM, BN]`` buckets a tile
-    # ahead (``dense._score_buckets_at``), so their gathers wait one round trip, not two (sm_90 N = 512: the dq
+    # ahead (``dense._buckets_ahead``), so their gathers wait one round trip, not two (sm_90 N = 512: the dq
     # and dk/dv tiles' chains 4,043 -> 3,491 and 4,936 -> 3,972 cycles at the high end). 16 more registers a
     # thread at 4 warps: False where that spilled.
     buckets_ahead: bool = False
