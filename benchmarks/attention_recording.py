@@ -68,7 +68,8 @@ _VIEWS = {"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expan
           "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "device", "sym_size",
           "sym_stride", "sym_numel", "dim", "is_contiguous"}
 _SYNCS = {"_local_scalar_dense", "equal", "is_nonzero"}
-_GEMMS = {"mm", "bmm", "addmm", "baddbmm", "addbmm"}
+_GEMMS = {"mm", "bmm", "addmm", "baddbmm", "addbmm"}  # in place too (``baddbmm_``)
+_OVERWRITES = {"zero_", "fill_", "copy_", "uniform_", "normal_", "bernoulli_", "random_"}
 
 
 def _nbytes(value) -> float:
@@ -115,11 +116,13 @@ class _OutsideWork(TorchDispatchMode):
         if name in _VIEWS:
             return out
         flops = 0.0
-        if name in _GEMMS:
-            a, b = (args[1], args[2]) if name in ("addmm", "baddbmm", "addbmm") else (args[0], args[1])
+        if name.rstrip("_") in _GEMMS:
+            a, b = (args[1], args[2]) if name.rstrip("_") in ("addmm", "baddbmm", "addbmm") else (args[0], args[1])
             flops = 2.0 * a.numel() * b.shape[-1]
-        written = 0.0 if name.endswith("_") or "out" in (kwargs or {}) else _nbytes(out)  # in place: counted as input
-        self.sink.append(OpCost(name, flops, _nbytes(list(args)) + written))
+        # Reads its inputs, writes its output: an in-place op (``add_``) reads and writes its first argument;
+        # one that only overwrites it (``zero_``, ``copy_``'s destination) does not read it.
+        read = _nbytes(list(args[1:] if name in _OVERWRITES else args))
+        self.sink.append(OpCost(name, flops, read + _nbytes(out)))
         return out
 
 
@@ -159,7 +162,9 @@ def record_distaff(w: Workload) -> dict:
     """distaff's public op planned for ``w.cc``, on fake tensors: every torch operation on them (the mask's
     cast, the end terms' and the partials' zero-fills, the partials' sums and casts) is charged as GPU work,
     as the peers' are, its GEMMs (the dense backward's position products) at ``CUBLAS_EFFICIENCY`` as Hugging
-    Face eager's; the host's planning runs on real CPU tensors, once per shape, and is not."""
+    Face eager's; the host's planning runs on real CPU tensors, once per shape, and is not. Q, K, V and the
+    output's gradient come in the model's layout (:func:`_model_heads`), the peers' in their APIs' own
+    contiguous ``[B, H, N, d]``: each is charged what it does with what it is handed in training."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     span = attention_span(BUCKETS, MAX_REL)
@@ -168,12 +173,11 @@ def record_distaff(w: Workload) -> dict:
     distaff_attention.planning.PLANNED_CAPABILITY = w.cc
     try:
         with FakeTensorMode():
-            q, k, v = (torch.empty(w.batch, HEADS, w.n, w.head_dim, dtype=torch.bfloat16).requires_grad_()
-                       for _ in range(3))
+            q, k, v = (_model_heads(w).requires_grad_() for _ in range(3))
             kr, qr = (torch.empty(HEADS, 2 * span, w.head_dim, dtype=torch.bfloat16).requires_grad_()
                       for _ in range(2))
             mask = torch.ones(w.batch, w.n)
-            grad = torch.empty(w.batch, HEADS, w.n, w.head_dim, dtype=torch.bfloat16)
+            grad = _model_heads(w)
             with _recording(passes["fwd"]):
                 out = distaff_attention.disentangled_attention(q, k, v, kr, qr, attention_mask=mask,
                                                                position_buckets=BUCKETS,
@@ -183,6 +187,14 @@ def record_distaff(w: Workload) -> dict:
     finally:
         distaff_attention.planning.PLANNED_CAPABILITY = planned
     return passes
+
+
+def _model_heads(w: Workload) -> torch.Tensor:
+    """``[B, H, N, d]`` as distaff's model hands it to the op (``train/model/deberta.py``, ``_heads``): a view of
+    a ``[B, N, H * d]`` projection, each token's heads side by side; the output's gradient arrives in the same
+    layout (the model's ``transpose(1, 2).flatten(2)``)."""
+    projection = torch.empty(w.batch, w.n, HEADS * w.head_dim, dtype=torch.bfloat16)
+    return projection.unflatten(-1, (HEADS, -1)).transpose(1, 2)
 
 
 def _fake_like(fake_mode, tensor: torch.Tensor) -> torch.Tensor:

@@ -222,6 +222,16 @@ def position_gradients(d_scores: torch.Tensor, own: torch.Tensor, table: torch.T
     ``d_scores @ table`` to ``grad_own`` (dQ with Kr, or dK with Qr) and returns the table's gradient
     ``d_scores^T @ own`` (``[H, 2k, d]``, the sequences summed inside the GEMM's reduction; ``own`` head-major,
     :class:`HeadMajor`)."""
-    grad_by_head = grad_own.transpose(0, 1)
-    grad_by_head.add_(torch.bmm(d_scores, table).view(grad_by_head.shape))
+    by_head = grad_own.transpose(0, 1)
+    rows = d_scores.shape[1]
+    if _merges(by_head):  # the model's layouts: the GEMM accumulates into dQ (dK) itself, no separate sum pass
+        by_head.view(by_head.shape[0], rows, by_head.shape[-1]).baddbmm_(d_scores, table)
+    else:  # contiguous [B, H, N, d]: the sequences' rows are not one stride apart
+        by_head.add_(torch.bmm(d_scores, table).view(by_head.shape))
     return torch.bmm(d_scores.transpose(1, 2), own)
+
+
+def _merges(by_head: torch.Tensor) -> bool:
+    """Whether ``[H, B, N, d]`` views as ``[H, B * N, d]`` (a sequence's rows follow the previous one's, as in a
+    ``[B, N, H * d]`` projection's view); a packed ``[H, T, d]`` always does."""
+    return by_head.dim() == 3 or by_head.stride(1) == by_head.shape[2] * by_head.stride(2)

@@ -146,7 +146,7 @@ _TILES = {
     # ceiling; three stages 4 B; 128 x 64 on 8 warps 8 B; 32 x 64 on 2 warps 4-48 B.
     ("half", 64, 80): dict(fwd=_T(32, 32, 2, 1, keys_ahead=True), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1),
                            fwd_dense=_T(64, 64, 4, 2, maxnreg=255, saturated_stages=1),
-                           dq_dense=_T(32, 64, 4, 2, buckets_ahead=True),
+                           dq_dense=_T(32, 64, 4, 2, hoist=False, buckets_ahead=True),
                            dkdv_dense=_T(64, 32, 4, 2, buckets_ahead=True)),
     ("half", 128, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 32, 4, 1), dkdv=_T(16, 16, 4, 1)),
     # sm_100: dk/dv rows not hoisted (hoisted, 8-96 B spilled); forward buckets not loaded ahead (20 B). d = 64

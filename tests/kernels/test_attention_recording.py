@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -55,7 +56,7 @@ sys.path.insert(0, "benchmarks")
 import attention_recording as rec
 passes = rec.record_distaff(rec.Workload(512, 32, 64, 0.0, int(sys.argv[1])))
 print(json.dumps(dict(
-    gemms=[(op.bytes, op.flops) for op in passes["bwd"].outside if op.name == "bmm"],
+    gemms=[(op.name, op.bytes, op.flops) for op in passes["bwd"].outside if op.name in ("bmm", "baddbmm_")],
     efficiency=passes["bwd"].gemm_efficiency, cublas=rec.CUBLAS_EFFICIENCY[int(sys.argv[1])], heads=rec.HEADS,
     dense={kernel.__name__: kwargs.get("DENSE") for kernel, _, kwargs, _ in passes["bwd"].launches},
     scores={kernel.__name__: kwargs.get("DENSE_SCORES") for kernel, _, kwargs, _ in passes["bwd"].launches})))
@@ -81,4 +82,39 @@ def test_distaff_dense_backward_records_its_gemms_at_cublas_efficiency(cc, dense
     tokens, two_span, d = 512 * 32, 512, 64
     buffer = got["heads"] * tokens * two_span * 2
     assert len(got["gemms"]) == (4 if dense else 0) + 2
-    assert all(nbytes >= buffer and flops == 2 * got["heads"] * tokens * two_span * d for nbytes, flops in got["gemms"])
+    assert all(nbytes >= buffer and flops == 2 * got["heads"] * tokens * two_span * d
+               for _, nbytes, flops in got["gemms"])
+    # In the model's layout dQ and dK take their position products in place (no separate sum pass): each
+    # accumulating GEMM reads and writes its [B, H, N, d] gradient besides the buffer and the table.
+    accumulating = [nbytes for name, nbytes, _ in got["gemms"] if name == "baddbmm_"]
+    assert len(accumulating) == (2 if dense else 0)
+    grad = tokens * got["heads"] * d * 2
+    assert all(nbytes == buffer + 2 * grad + got["heads"] * two_span * d * 2 for nbytes in accumulating)
+
+
+@pytest.mark.unit
+def test_outside_work_charges_what_each_op_reads_and_writes() -> None:
+    """The recorder's byte rule on fake tensors: an op reads its inputs and writes its output; in place it reads
+    and writes its first argument (``add_``: three tensors' bytes), and an op that only overwrites it reads it
+    not (``zero_``: one; ``copy_``: two); views cost nothing; a GEMM's FLOPs count in place too."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    rec = _recording()
+    size = 1024 * 4  # one float32 [1024] tensor
+    with FakeTensorMode():
+        a, b = torch.empty(1024), torch.empty(1024)
+        m = torch.empty(4, 8, 16)
+        sink, syncs = [], []
+        with rec._OutsideWork(sink, syncs):
+            a + b
+            a.add_(b)
+            a.zero_()
+            a.copy_(b)
+            a.view(32, 32).t()
+            m.baddbmm_(torch.empty(4, 8, 2), torch.empty(4, 2, 16))
+    costs = {op.name: op for op in sink}
+    assert [op.name for op in sink] == ["add", "add_", "zero_", "copy_", "baddbmm_"] and not syncs
+    assert costs["add"].bytes == 3 * size and costs["add_"].bytes == 3 * size
+    assert costs["zero_"].bytes == size and costs["copy_"].bytes == 2 * size
+    assert costs["baddbmm_"].flops == 2 * 4 * 8 * 2 * 16
+    assert costs["baddbmm_"].bytes == 4 * (2 * m.numel() + 4 * 8 * 2 + 4 * 2 * 16)
