@@ -259,6 +259,34 @@ def test_attention_share_and_the_judges_content_only_reference_beside_it(monkeyp
 
 
 @pytest.mark.unit
+def test_the_attention_share_bar_that_is_met_stays_met():
+    """Issue 47's bar, the attention at most half of a deberta-v3-base step on 8 GPUs (the preset's ZeRO stage and
+    precision), from the committed judge table: met on 8 x A100-80GB; on 8 x H100 not yet (printed)."""
+    cfg = load_config("deberta-v3-base")
+    a100, h100 = (make_plan(cfg, gpus).time.attention_share for gpus in ("8xA100-80GB", "8xH100-SXM"))
+    print(f"attention share of a v3-base step: 8xA100-80GB {a100:.1%}, 8xH100-SXM {h100:.1%} (bar 50%)")
+    assert a100 <= 0.5
+
+
+@pytest.mark.unit
+def test_the_plan_can_charge_hf_eager_attention_instead_of_distaffs():
+    """``Assumptions(attention="hf_eager")`` reads the table's HF eager columns (the published runs' attention,
+    for checking the rest of the time model) and changes nothing but the attention; an unknown value is refused."""
+    from distaff.train.plan import gpu_time
+
+    cfg = load_config("deberta-v3-base")
+    ours = make_plan(cfg, "8xA100-80GB")
+    eager = make_plan(cfg, "8xA100-80GB", assumptions=gpu_time.Assumptions(attention="hf_eager"))
+    row = next(r for r in attention_table()["rows"] if r["cc"] == 80 and r["n"] == 512)
+    ratio = (row["hf_eager_fwd_ms"] + row["hf_eager_bwd_ms"]) / (row["fwd_ms"] + row["bwd_ms"])
+    assert eager.time.parts["attention"] == pytest.approx(ours.time.parts["attention"] * ratio)
+    assert {k: v for k, v in eager.time.parts.items() if k != "attention"} == pytest.approx(
+        {k: v for k, v in ours.time.parts.items() if k != "attention"})
+    with pytest.raises(ValueError, match="Assumptions.attention.*'eager'"):
+        make_plan(cfg, "8xA100-80GB", assumptions=gpu_time.Assumptions(attention="eager"))
+
+
+@pytest.mark.unit
 def test_the_time_model_is_within_1_5x_of_the_published_runs():
     from distaff.train.plan.anchors import bert_rows, deberta_rows, hopper_rows
 
@@ -267,13 +295,13 @@ def test_the_time_model_is_within_1_5x_of_the_published_runs():
     for name in ("BERT-large seq 128, 8xA100-80GB, fp16", "ModernBERT-base seq 1024 packed, 8xH100-SXM, bf16",
                  "NeoBERT sizes (AzNEOBERT) seq 1024, 8xH200, bf16"):
         assert 1 / 1.5 <= checked[name] <= 1.5, (name, checked[name])
-    # The DeBERTa paper's V100 runs ran the official eager attention; the plan charges distaff's (scaled from the
-    # A100 judge), so since issue 47 made that 2.6x faster the plan is ahead of them: 1.63-1.76x (0.94-0.97 while
-    # the A100 attention was slow; 1.58-1.70 with the judge's HF-eager column instead; 1.57-1.68 before the A100
-    # backward's buckets were read a tile ahead). docs/plan.md says why and what is left open (pre-Ampere GPUs:
-    # Triton has no tensor-core path below sm_80).
+    # The DeBERTa paper's V100 runs ran the official eager attention, and so does their plan here
+    # (``Assumptions(attention="hf_eager")``: the judge's HF eager column), so this check no longer moves with
+    # distaff's kernels (with distaff's attention it had drifted 0.94 -> 1.79 as issue 47 sped the kernels up).
+    # Eager, the plan is still 1.57-1.69x faster than those runs: docs/plan.md says what is left open (the 2020
+    # code's unfused elementwise ops and overheads; Triton has no tensor-core path below sm_80).
     for name in ("deberta-base (v1) seq 512, 4x16xV100-32GB, fp16", "deberta-large (v1) seq 512, 6x16xV100-32GB, fp16"):
-        assert 1 / 1.5 <= checked[name] <= 1.8, (name, checked[name])
+        assert 1 / 1.5 <= checked[name] <= 1.75, (name, checked[name])
 
 
 @pytest.mark.unit

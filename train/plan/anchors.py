@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from distaff.train.plan.gpus import kind
 from distaff.train.plan.planner import make_plan
-from distaff.train.plan.gpu_time import attention_seconds
+from distaff.train.plan.gpu_time import Assumptions, attention_seconds
 from distaff.train.run.config import config_from_dict
 
 BERT_LARGE = {"preset": "deberta-v3-large", "vocab_size": 30528, "relative_attention": False, "pos_att_type": [],
@@ -102,7 +102,8 @@ def deberta_rows() -> list[tuple[Anchor, float]]:
     for preset, nodes, micro, days in (("deberta-v3-base", 4, 32, 10), ("deberta-v3-large", 6, 21, 20)):
         run = {"model": {"preset": preset, **DEBERTA_V1}, "data": {"dir": "unused", "batch_size": micro},
                "train": {"precision": "fp16", "max_steps": 1}, "zero": {"stage": 0}}
-        plan = make_plan(config_from_dict(run), "16xV100-32GB", nodes, seq_len=512)
+        plan = make_plan(config_from_dict(run), "16xV100-32GB", nodes, seq_len=512,
+                         assumptions=Assumptions(attention="hf_eager"))  # the eager attention those runs ran
         name = preset.replace("-v3", "")
         published = 2048 * 1e6 / (days * 86400)
         rows.append((Anchor(f"{name} (v1) seq 512, {nodes}x16xV100-32GB, fp16", published, "sequences/s",

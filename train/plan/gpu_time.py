@@ -50,6 +50,10 @@ class Assumptions:
     gemm_efficiency: float = 0.65
     bandwidth_efficiency: float = 0.7
     link_efficiency: float = 0.8
+    # Whose disentangled attention the step runs: distaff's kernels, or Hugging Face's eager attention (the
+    # judge's column of it): what a run without distaff's kernels ran, as the published runs the plan is checked
+    # against (train/plan/anchors.py), so that check does not move with distaff's own kernels.
+    attention: str = "distaff"  # "distaff" | "hf_eager"
 
     def lines(self, cpu: bool = False) -> list[str]:
         if cpu:
@@ -61,7 +65,8 @@ class Assumptions:
         return [f"GEMMs at {self.gemm_efficiency:.0%} of the dense peak; fused ops and the optimizer at "
                 f"{self.bandwidth_efficiency:.0%} of HBM bandwidth; collectives at {self.link_efficiency:.0%} of "
                 f"the link",
-                "attention: the static judge's estimate (no GPU ran), see the attention row's source",
+                "attention: the static judge's estimate (no GPU ran), see the attention row's source"
+                + ("" if self.attention == "distaff" else f"; {ATTENTION_KEYS[self.attention][2]}"),
                 "ZeRO 3: prefetched gathers hidden under compute when it is long enough; its per-module hook and "
                 "gather latency is not modelled (ZeRO 3 is an upper bound on speed)",
                 "no data-loading, logging, evaluation or checkpoint time; steady state after warm-up"]
@@ -125,6 +130,10 @@ class AttentionTime:
 
 
 CONTENT_KEYS = ("content_fwd_ms", "content_bwd_ms")
+# Assumptions.attention -> the table's (forward, backward) keys for disentangled attention, and what they are.
+ATTENTION_KEYS = {"distaff": ("fwd_ms", "bwd_ms", "distaff's kernels"),
+                  "hf_eager": ("hf_eager_fwd_ms", "hf_eager_bwd_ms",
+                               "Hugging Face eager attention in place of distaff's kernels (the judge's HF eager column)")}
 
 
 def attention_seconds(cfg: ModelConfig, gpu: GpuKind, seq_len: int, tokens: int,
@@ -154,8 +163,12 @@ def attention_seconds(cfg: ModelConfig, gpu: GpuKind, seq_len: int, tokens: int,
         seconds = flops / (gpu.tflops * 1e12 * a.gemm_efficiency)
         return AttentionTime(seconds, seconds / 3, "content-only: a FlashAttention kernel's score and value "
                              f"products as GEMMs at {a.gemm_efficiency:.0%} of the dense peak", None)
-    forward = per_token_head_ms(rows, seq_len, ("fwd_ms",)) * scale
-    return AttentionTime(per_token_head_ms(rows, seq_len) * scale, forward, how, reference)
+    if a.attention not in ATTENTION_KEYS:
+        raise ValueError(f"Assumptions.attention must be one of {sorted(ATTENTION_KEYS)}, got {a.attention!r}")
+    fwd, bwd, whose = ATTENTION_KEYS[a.attention]
+    how += "" if a.attention == "distaff" else f"; {whose}"
+    forward = per_token_head_ms(rows, seq_len, (fwd,)) * scale
+    return AttentionTime(per_token_head_ms(rows, seq_len, (fwd, bwd)) * scale, forward, how, reference)
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
