@@ -182,17 +182,18 @@ def dense_buffer(problem, q: torch.Tensor) -> torch.Tensor:
 
 
 def _by_head(x: torch.Tensor) -> torch.Tensor:
-    """``[H, rows, d]``: ``x`` padded ``[B, H, N, d]`` (a copy: the sequences' rows are not one stride apart) or
-    packed ``[total, H, d]`` (a view, each row ``H x d`` apart)."""
+    """``[H, rows, d]``: ``x`` padded ``[B, H, N, d]`` (a view of a model's ``[B, N, H*d]`` projection, whose
+    sequences' rows are one stride apart; a copy of a contiguous one, whose are not) or packed ``[total, H, d]``
+    (a view, each row ``H x d`` apart)."""
     if x.dim() == 4:
         return x.transpose(0, 1).reshape(x.shape[1], -1, x.shape[-1])
     return x.transpose(0, 1)
 
 
 class HeadMajor:
-    """Q and K as ``[H, rows, d]`` GEMM operands, each made on first use and kept: padded, making one is a copy
-    of the whole tensor, and a backward with both dense designs reads each twice (the recomputed scores, then the
-    position gradients), so it is made once."""
+    """Q and K as ``[H, rows, d]`` GEMM operands, each made on first use and kept: for a caller's contiguous
+    ``[B, H, N, d]`` making one is a copy of the whole tensor, and a backward with both dense designs reads each
+    twice (the recomputed scores, then the position gradients), so it is made once."""
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor):
         self.inputs = q, k

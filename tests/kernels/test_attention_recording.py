@@ -118,3 +118,33 @@ def test_outside_work_charges_what_each_op_reads_and_writes() -> None:
     assert costs["zero_"].bytes == size and costs["copy_"].bytes == 2 * size
     assert costs["baddbmm_"].flops == 2 * 4 * 8 * 2 * 16
     assert costs["baddbmm_"].bytes == 4 * (2 * m.numel() + 4 * 8 * 2 + 4 * 2 * 16)
+
+
+@pytest.mark.unit
+def test_the_judge_hands_distaff_the_layout_the_model_does(monkeypatch) -> None:
+    """The judge charges distaff for the q, k, v and output gradient a model layer gives the op: read off a real
+    layer (``train/model/deberta.py``) on CPU, the strides the op sees equal ``_model_heads``' at the same shape."""
+    from distaff.train.model import deberta
+    from distaff.train.model.config import ModelConfig
+
+    rec = _recording()
+    heads, d, batch, n = rec.HEADS, 8, 2, 16
+    cfg = ModelConfig(vocab_size=97, hidden_size=heads * d, num_hidden_layers=1, num_attention_heads=heads,
+                      intermediate_size=64, max_position_embeddings=64, position_buckets=8, max_relative_positions=16,
+                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    seen = {}
+    attend = deberta.kernels.disentangled_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen["qkv"] = [t.stride() for t in (q, k, v)]
+        out = attend(q, k, v, *args, **kwargs)
+        out.register_hook(lambda grad: seen.update(grad=grad.stride()))  # None: the gradient unchanged
+        return out
+
+    monkeypatch.setattr(deberta.kernels, "disentangled_attention", spy)
+    layer = deberta.Layer(cfg).train()
+    hidden = torch.randn(batch, n, cfg.hidden_size, requires_grad=True)
+    out, _ = layer(hidden, torch.ones(batch, n, dtype=torch.long), torch.randn(2 * cfg.att_span, cfg.hidden_size))
+    out.sum().backward()
+    want = rec._model_heads(rec.Workload(n, batch, d, 0.0, 90)).stride()
+    assert seen["qkv"] == [want] * 3 and seen["grad"] == want
