@@ -252,8 +252,26 @@ def test_the_mirrored_table_reads_each_distance_where_the_table_does() -> None:
     direct = table.as_strided((distances.numel(),), (1,), table.storage_offset() - reach)
     mirrored = mirror.as_strided((distances.numel(),), (1,), mirror.storage_offset() - reach)
     assert torch.equal(mirrored.flip(0), direct)
-    assert torch.equal(direct, problem.table.host)
+    assert direct.dtype == torch.int16 and torch.equal(direct.int(), problem.table.host)  # half-width buckets
     assert set(direct.tolist()) == set(range(2 * attention_span(8, 32)))  # every bucket, log ones and both ends
+
+
+@pytest.mark.parametrize("backward_scores", ["fused", "dense"])
+def test_a_table_whose_top_bucket_passes_16_bits_is_read_as_int32(backward_scores, monkeypatch) -> None:
+    """The kernels read 16-bit buckets where the top one fits; with 32,800 position buckets a short sequence's
+    distances sit at buckets 32,760-32,840 (the table is centred on the span), past 16 bits, so that table is
+    int32, and the kernels read it right: the five gradients against the float64 oracle."""
+    monkeypatch.setattr(attention.planning, "backward_scores_design", lambda *args: backward_scores)
+    buckets, max_rel = 32_800, 65_536
+    assert _distance_table(40, 256, 512).narrow.dtype == torch.int16
+    wide = _distance_table(40, buckets, max_rel)
+    assert wide.top >= 2 ** 15 and wide.narrow.dtype == torch.int32 and torch.equal(wide.narrow, wide.host)
+    inputs = _inputs(24, 16, attention_span(buckets, max_rel), seed=11)
+    kw = dict(position_buckets=buckets, max_relative_positions=max_rel)
+    got = _out_and_grads(attention.disentangled_attention, inputs, torch.float32, **kw)
+    want = _out_and_grads(naive_attention, inputs, torch.float64, **kw)
+    for name, a, e in zip(("out", "dq", "dk", "dv", "dkr", "dqr"), got, want):
+        assert _rel_l2(a, e) < 1e-5, name
 
 
 def test_offsets_that_overflow_32_bits_are_refused_before_launch() -> None:
