@@ -22,7 +22,7 @@ from distaff.train.data.manifest import MAX_SEQ_LEN, MIN_SEQ_LEN
 from distaff.train.plan import gpus as gpu_kinds
 from distaff.train.plan.memory import GIB
 from distaff.train.plan.planner import Plan, make_plan, parse_tokens, summary
-from distaff.train.plan.gpu_time import Assumptions
+from distaff.train.plan.gpu_time import ATTENTION_KEYS, Assumptions
 
 PROG = "distaff plan"
 
@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
                                            "intra_gb_s=..,inter_gb_s=..[,like=KIND]")
     parser.add_argument("--gemm-efficiency", type=float_arg("--gemm-efficiency", low=0, low_open=True, high=1),
                         default=Assumptions.gemm_efficiency)
+    parser.add_argument("--attention", choices=sorted(ATTENTION_KEYS), default=Assumptions.attention,
+                        help="whose disentangled attention the step's time charges: distaff's kernels, or Hugging "
+                             "Face's eager attention (both the static judge's estimates); the memory stays distaff's")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     parser.add_argument("--explain", action="store_true", help="the same run on every GPU kind: each part's share of "
                                                                "the step and its speed-up over A100-80GB")
@@ -207,7 +210,8 @@ def _body(argv: list[str]) -> int:
     spec = gpu_kinds.parse_spec(args.gpu_spec) if args.gpu_spec else None
     def plan_on(gpus: str) -> Plan:
         return make_plan(cfg, gpus, args.nodes, micro_batch=args.micro_batch, zero=args.zero, offload=args.offload,
-                         seq_len=args.seq_len, gpu_spec=spec, assumptions=Assumptions(gemm_efficiency=args.gemm_efficiency),
+                         seq_len=args.seq_len, gpu_spec=spec,
+                         assumptions=Assumptions(gemm_efficiency=args.gemm_efficiency, attention=args.attention),
                          tokens=parse_tokens(args.tokens) if args.tokens else None)
 
     plan = plan_on(args.gpus)
