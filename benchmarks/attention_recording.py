@@ -68,7 +68,7 @@ _VIEWS = {"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expan
           "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "device", "sym_size",
           "sym_stride", "sym_numel", "dim", "is_contiguous"}
 _SYNCS = {"_local_scalar_dense", "equal", "is_nonzero"}
-_GEMMS = {"mm", "bmm", "addmm", "baddbmm", "addbmm"}  # in place too (``baddbmm_``)
+_GEMMS = {"mm", "bmm", "addmm", "baddbmm", "addbmm"}
 _OVERWRITES = {"zero_", "fill_", "copy_", "uniform_", "normal_", "bernoulli_", "random_"}
 
 
@@ -116,8 +116,9 @@ class _OutsideWork(TorchDispatchMode):
         if name in _VIEWS:
             return out
         flops = 0.0
-        if name.rstrip("_") in _GEMMS:
-            a, b = (args[1], args[2]) if name.rstrip("_") in ("addmm", "baddbmm", "addbmm") else (args[0], args[1])
+        gemm = name.rstrip("_")  # in place or not
+        if gemm in _GEMMS:
+            a, b = (args[1], args[2]) if gemm in ("addmm", "baddbmm", "addbmm") else (args[0], args[1])
             flops = 2.0 * a.numel() * b.shape[-1]
         # Reads its inputs, writes its output: an in-place op (``add_``) reads and writes its first argument;
         # one that only overwrites it (``zero_``, ``copy_``'s destination) does not read it.

@@ -195,20 +195,19 @@ Variant = tuple[str, str, bool, bool]
 # 2.68 -> 2.38, 8,192 8.01 -> 7.45); without dropout hoisting wins at 8,192 tokens (6.21 against 6.93), where
 # 87% of the tiles saturate and read their path ends a tile ahead, and about ties at 512 to 2,048.
 _SM80_DENSE_FORWARD = _T(64, 32, 4, 2, maxnreg=255)
-_SM80_DROPOUT_QUERIES = _T(32, 64, 4, 2, hoist=False, buckets_ahead=True)
-_SM90_DROPOUT_KEYS = _T(32, 64, 4, 2, hoist=False, buckets_ahead=True)
+_DROPOUT_BACKWARD = _T(32, 64, 4, 2, hoist=False, buckets_ahead=True)  # sm_90's dk/dv and sm_80's dq, with dropout
 _SM90_VARLEN_BACKWARD = _T(64, 32, 4, 1, hoist=False, buckets_ahead=True)
 _VARIANT_TILES = {
     ("half", 64, 90, "dq", True, ("c2p+p2c", "varlen", True)): _SM90_VARLEN_BACKWARD,
-    ("half", 64, 90, "dkdv", True, ("c2p+p2c", "padded", True)): _SM90_DROPOUT_KEYS,
+    ("half", 64, 90, "dkdv", True, ("c2p+p2c", "padded", True)): _DROPOUT_BACKWARD,
     ("half", 64, 90, "dkdv", True, ("c2p+p2c", "padded", True, True)): _SM90_VARLEN_BACKWARD,
-    ("half", 64, 90, "dkdv", True, ("p2c", "padded", True)): _SM90_DROPOUT_KEYS,
+    ("half", 64, 90, "dkdv", True, ("p2c", "padded", True)): _DROPOUT_BACKWARD,
     ("half", 64, 90, "dkdv", True, ("c2p+p2c", "varlen", True)): _SM90_VARLEN_BACKWARD,
     ("half", 64, 90, "dkdv", True, ("p2c", "varlen", True)): _SM90_VARLEN_BACKWARD,
     ("half", 64, 90, "dkdv", True, ("p2c", "varlen", False)): _SM90_VARLEN_BACKWARD,
     ("half", 64, 100, "fwd", False, ("c2p+p2c", "padded", True)): _T(64, 64, 4, 1, hoist=False, maxnreg=255),
     ("half", 128, 90, "fwd", True, ("c2p+p2c", "padded", True, True)): _T(64, 32, 4, 1, columns=16, hoist=False),
-    ("half", 64, 80, "dq", True, ("c2p+p2c", "padded", True)): _SM80_DROPOUT_QUERIES,
+    ("half", 64, 80, "dq", True, ("c2p+p2c", "padded", True)): _DROPOUT_BACKWARD,
     ("half", 64, 80, "fwd", True, ("c2p+p2c", "varlen", False)): _SM80_DENSE_FORWARD,
     ("half", 64, 80, "fwd", True, ("c2p+p2c", "padded", True, True)): _SM80_DENSE_FORWARD,
 }
