@@ -121,8 +121,13 @@ def _losses(out_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in records if "loss" in r]
 
 
+def _log_files(log_dir: Path) -> list[Path]:
+    """The job's logs, each once: ``<job>-<id>-rank0.out`` is a link to the node log that holds rank 0's lines."""
+    return [p for p in sorted(log_dir.glob("*.out")) if not p.is_symlink()]
+
+
 def _logs(log_dir: Path) -> str:
-    return "\n".join(f"=== {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in sorted(log_dir.glob("*.out")))
+    return "\n".join(f"=== {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in _log_files(log_dir))
 
 
 NOISE = ("Traceback", "ChildFailedError", "death signal", "Exited with exit code", "stack dumps: ;")
@@ -132,7 +137,9 @@ def _assert_quiet(log_dir: Path, victims: int = 0) -> None:
     """The logs of attempts that ended with 75 or 76 hold distaff's lines, not torchrun's or srun's; but for the
     traceback of each of ``victims`` frozen ranks (SIGCONT and SIGTERM from Slurm as it ends the step wake it in a
     collective whose peer is gone)."""
-    logs = "".join(p.read_text(errors="replace") for p in sorted(log_dir.glob("*.out")))
+    links = [p for p in log_dir.glob("*.out") if p.is_symlink()]
+    assert all(link.resolve() in _log_files(log_dir) for link in links), links   # counted once, as its node's log
+    logs = "".join(p.read_text(errors="replace") for p in _log_files(log_dir))
     assert not [noise for noise in NOISE[1:] if noise in logs] and logs.count("Traceback") <= victims, logs
 
 

@@ -121,8 +121,9 @@ def test_a_second_ctrl_c_ends_the_run_at_once(sample_data, tmp_path_factory):
 
 @pytest.mark.timeout(200)
 def test_a_stalled_rank_ends_distaff_launch_with_exit_76_and_its_stacks(sample_data, tmp_path_factory):
-    """The rank's reads stop coming back (its DataLoader worker is stopped): its watchdog dumps the stacks and exits
-    76, which the deepspeed launcher and ``distaff launch`` pass on, quietly."""
+    """The rank's reads stop coming back (its DataLoader worker is stopped): its watchdog dumps the stacks, ends the
+    worker (a worker left behind is an orphan, and one caught mid-handover prints a traceback into the log) and
+    exits 76, which the deepspeed launcher and ``distaff launch`` pass on, quietly."""
     data = prepare_data(tmp_path_factory.getbasetemp(), sample_data)
     tmp = tmp_path_factory.mktemp("stalled")
     run_dir = tmp / "run"
@@ -140,11 +141,12 @@ def test_a_stalled_rank_ends_distaff_launch_with_exit_76_and_its_stacks(sample_d
         deadline = time.monotonic() + 60
         while not (run_dir / "stacks-rank0.txt").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
-        worker.kill()
         code, out = finished(proc, tmp, "launch.log", timeout=60)
+        left_behind = worker.is_running()
     finally:
         if worker is not None and worker.is_running():
             worker.kill()
+    assert not left_behind, f"the stalled rank left its DataLoader worker {worker.pid} running"
     assert code == EXIT_STALLED, out[-4000:]
     assert out.count("distaff: rank 0: stalled: no step progress for 4 s") == 1, out[-4000:]
     assert "Traceback" not in out and library_lines(out) == [], out[-4000:]

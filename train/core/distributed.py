@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from distaff.train.core.errors import MAX_PORT, ConfigError, env_int
+from distaff.train.core.exit_codes import leave_now
 from distaff.train.core.verbosity import quiet_torch_warnings
 
 
@@ -212,8 +213,8 @@ def exit_process(code: int) -> NoReturn:
     without an active exception", exit -6: a finished run reported as a crash). Everything a run writes
     is closed before this point, so skipping the teardown loses nothing.
     """
+    if _had_process_group:
+        leave_now(code)
     sys.stdout.flush()
     sys.stderr.flush()
-    if _had_process_group:
-        os._exit(code)
     sys.exit(code)

@@ -4,9 +4,10 @@ The process-group timeout bounds our own collectives, but not every wait: a stal
 swapping, deadlocked) peer leaves the others blocked inside DeepSpeed's gloo calls for far longer.
 A daemon thread notices that the loop has not been fed for ``timeout_s``, appends every Python
 thread's stack to ``<out_dir>/stacks-rank<N>.txt`` (under a line with the time and the Slurm job and attempt,
-so a requeued job keeps each attempt's dumps) and ends the process with ``EXIT_STALLED``
-(``os._exit``: the main thread is stuck and would never reach a clean exit). The Slurm script requeues on
-that status (up to ``--max-requeues``) and the next attempt resumes from the last checkpoint.
+so a requeued job keeps each attempt's dumps) and ends the process with ``EXIT_STALLED`` through
+``exit_codes.leave_now`` (its DataLoader workers first: the main thread is stuck and would never reach a clean
+exit). The Slurm script requeues on that status (up to ``--max-requeues``) and the next attempt resumes from the
+last checkpoint.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from distaff.train.core.exit_codes import EXIT_STALLED
+from distaff.train.core.exit_codes import EXIT_STALLED, claim_exit, leave_now
 
 __all__ = ["Watchdog", "stack_file"]
 
@@ -65,6 +66,7 @@ class Watchdog:
                 self._fire()
 
     def _fire(self) -> None:
+        claim_exit()    # from here the stall is the rank's story: its main thread, woken by the exit, stays quiet
         job = os.environ.get("SLURM_JOB_ID")
         attempt = f", Slurm job {job} attempt {os.environ.get('SLURM_RESTART_COUNT', '0')}" if job else ""
         with open(self.path, "a") as handle:
@@ -75,4 +77,4 @@ class Watchdog:
         print(f"distaff: rank {self.rank}: stalled: no step progress for {self.timeout_s} s (a slow filesystem, "
               f"or a peer rank stalled or dead); stacks appended to {self.path}; exiting with {EXIT_STALLED} "
               "(run again to resume from the latest checkpoint)", file=sys.stderr, flush=True)
-        os._exit(EXIT_STALLED)
+        leave_now(EXIT_STALLED)

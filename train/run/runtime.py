@@ -31,7 +31,7 @@ import torch
 from distaff.train.core import distributed as dist_utils
 from distaff.train.core import presets
 from distaff.train.core.errors import DEBUG_FLAG, MAX_COUNT, RunFailure, int_arg, report, take_debug_flag
-from distaff.train.core.exit_codes import EXIT_BAD_CONFIG, EXIT_PREEMPTED
+from distaff.train.core.exit_codes import EXIT_BAD_CONFIG, EXIT_PREEMPTED, claim_exit, leave_now
 from distaff.train.core.runlock import DirLock
 from distaff.train.core.threads import configure_threads
 from distaff.train.core.verbosity import VERBOSE_FLAG, take_verbose_flag
@@ -484,6 +484,8 @@ def _rank_failed(prog: str, err: Exception, layout: dist_utils.DistEnv, timeout_
             and not isinstance(err, RunFailure):
         hint = (f"if a collective failed: another rank probably died, or a collective waited longer than "
                 f"distributed.timeout_s={timeout_s}")
+    if dist_utils.torch_distributed_initialized() and not isinstance(err, ConfigError):
+        claim_exit()    # unless its watchdog is already ending the rank (a broken collective is then its doing)
     code = report(prog, err, where, hint)
     if isinstance(err, ConfigError):
         # every rank refuses together, so no collective is pending: a live process group left to the
@@ -493,7 +495,5 @@ def _rank_failed(prog: str, err: Exception, layout: dist_utils.DistEnv, timeout_
     # its peers may be gone or mid-collective, so the process group can be neither destroyed (that
     # may wait) nor left to the interpreter's teardown (gloo's threads abort it with -6): leave now
     if dist_utils.torch_distributed_initialized():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        leave_now(code)
     return code
