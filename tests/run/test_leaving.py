@@ -61,3 +61,18 @@ def test_leaving_ends_the_dataloader_workers_first():
     assert result.returncode == EXIT_STALLED, result.stderr
     worker = int(result.stdout)
     assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE, worker
+
+
+def test_a_watchdog_that_cannot_write_its_stacks_still_ends_the_rank():
+    """It holds the exit from its first step: were it to die on a full or read-only disk, the rank would hang."""
+    result = _run("""
+        import time
+        from distaff.train.core.watchdog import Watchdog
+
+        Watchdog(0.2, "/nonexistent/run", rank=3)
+        time.sleep(60)
+    """)
+    assert result.returncode == EXIT_STALLED, result.stderr
+    assert "distaff: rank 3: stalled: no step progress for 0.2 s" in result.stderr, result.stderr
+    assert "its stacks could not be appended to /nonexistent/run/stacks-rank3.txt" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr

@@ -58,7 +58,9 @@ def leave_now(code: int) -> NoReturn:
     node's log as the rank vanishes mid-handshake. The workers only read shards: nothing of theirs needs saving.
     """
     claim_exit()
-    end_children()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    try:
+        end_children()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:    # a closed pipe or a child that will not die must not keep the rank, holding the exit, alive
+        os._exit(code)

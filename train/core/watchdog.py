@@ -67,6 +67,16 @@ class Watchdog:
 
     def _fire(self) -> None:
         claim_exit()    # from here the stall is the rank's story: its main thread, woken by the exit, stays quiet
+        try:
+            stacks = self._append_stacks()
+        except OSError as err:  # a full or read-only disk must not keep a stalled rank (holding the exit) alive
+            stacks = f"its stacks could not be appended to {self.path} ({err})"
+        print(f"distaff: rank {self.rank}: stalled: no step progress for {self.timeout_s} s (a slow filesystem, "
+              f"or a peer rank stalled or dead); {stacks}; exiting with {EXIT_STALLED} "
+              "(run again to resume from the latest checkpoint)", file=sys.stderr, flush=True)
+        leave_now(EXIT_STALLED)
+
+    def _append_stacks(self) -> str:
         job = os.environ.get("SLURM_JOB_ID")
         attempt = f", Slurm job {job} attempt {os.environ.get('SLURM_RESTART_COUNT', '0')}" if job else ""
         with open(self.path, "a") as handle:
@@ -74,7 +84,4 @@ class Watchdog:
                          f"no step progress for {self.timeout_s} s\n")
             handle.flush()
             faulthandler.dump_traceback(file=handle, all_threads=True)
-        print(f"distaff: rank {self.rank}: stalled: no step progress for {self.timeout_s} s (a slow filesystem, "
-              f"or a peer rank stalled or dead); stacks appended to {self.path}; exiting with {EXIT_STALLED} "
-              "(run again to resume from the latest checkpoint)", file=sys.stderr, flush=True)
-        leave_now(EXIT_STALLED)
+        return f"stacks appended to {self.path}"
