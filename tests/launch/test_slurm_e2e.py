@@ -17,6 +17,7 @@ them).
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import re
@@ -353,13 +354,16 @@ def test_a_stalled_run_requeues_resumes_and_finishes_and_stops_past_max_requeues
     stalls = [(finishes, job, _stall(finishes, finishes / "checkpoints" / "latest", job, slurm))]
     try:
         stalls.append((stops, stopped_job, _stall(stops, stops / "metrics.jsonl", stopped_job, slurm)))
-        for out_dir, job_id, worker in stalls:   # each rank's watchdog dumps its stacks and exits 76
+        for out_dir, job_id, worker in stalls:   # each rank's watchdog dumps its stacks, ends its worker, exits 76
             _wait_for_file(out_dir / "stacks-rank0.txt", job_id, slurm, timeout=60)
-            worker.kill()
+            try:
+                worker.wait(timeout=30)
+            except psutil.TimeoutExpired:
+                raise AssertionError(f"the stalled rank of {out_dir} left its DataLoader worker {worker.pid}") from None
         states = [slurm.wait_for(job_id, {"COMPLETED"}, timeout=240) for job_id in (job, stopped_job)]
     finally:
         for _, _, worker in stalls:
-            if worker.is_running():
+            with contextlib.suppress(psutil.NoSuchProcess):
                 worker.kill()
     logs = _logs(finishes / "slurm") + _logs(stops / "slurm")
     assert states == ["COMPLETED", "FAILED"], f"{states}\n{logs}\n{slurm.log_tail()}"
