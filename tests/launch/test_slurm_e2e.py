@@ -138,9 +138,10 @@ def _assert_quiet(log_dir: Path, victims: int = 0) -> None:
     """The logs of attempts that ended with 75 or 76 hold distaff's lines, not torchrun's or srun's; but for the
     traceback of each of ``victims`` frozen ranks (SIGCONT and SIGTERM from Slurm as it ends the step wake it in a
     collective whose peer is gone)."""
-    links = [p for p in log_dir.glob("*.out") if p.is_symlink()]
-    assert all(link.resolve() in _log_files(log_dir) for link in links), links   # counted once, as its node's log
-    logs = "".join(p.read_text(errors="replace") for p in _log_files(log_dir))
+    files, links = _log_files(log_dir), [p for p in log_dir.glob("*.out") if p.is_symlink()]
+    targets = {p.resolve() for p in files}
+    assert all(link.resolve() in targets for link in links), links   # each counted once, as its node's log
+    logs = "".join(p.read_text(errors="replace") for p in files)
     assert not [noise for noise in NOISE[1:] if noise in logs] and logs.count("Traceback") <= victims, logs
 
 

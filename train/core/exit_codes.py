@@ -35,7 +35,7 @@ def claim_exit() -> None:
         threading.Event().wait()
 
 
-def end_children() -> None:
+def _end_children() -> None:
     """SIGKILL this process's multiprocessing children (a rank's DataLoader workers) and reap them."""
     if threading.current_thread() is threading.main_thread():
         # torch's DataLoader handler would raise "worker killed by signal" here, out of the exit; a watchdog
@@ -59,7 +59,7 @@ def leave_now(code: int) -> NoReturn:
     """
     claim_exit()
     try:
-        end_children()
+        _end_children()
         sys.stdout.flush()
         sys.stderr.flush()
     finally:    # a closed pipe or a child that will not die must not keep the rank, holding the exit, alive

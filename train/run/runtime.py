@@ -484,16 +484,16 @@ def _rank_failed(prog: str, err: Exception, layout: dist_utils.DistEnv, timeout_
             and not isinstance(err, RunFailure):
         hint = (f"if a collective failed: another rank probably died, or a collective waited longer than "
                 f"distributed.timeout_s={timeout_s}")
-    if dist_utils.torch_distributed_initialized() and not isinstance(err, ConfigError):
+    # its peers may be gone or mid-collective, so the process group can be neither destroyed (that
+    # may wait) nor left to the interpreter's teardown (gloo's threads abort it with -6): it leaves now
+    leaving = dist_utils.torch_distributed_initialized() and not isinstance(err, ConfigError)
+    if leaving:
         claim_exit()    # unless its watchdog is already ending the rank (a broken collective is then its doing)
     code = report(prog, err, where, hint)
+    if leaving:
+        leave_now(code)
     if isinstance(err, ConfigError):
         # every rank refuses together, so no collective is pending: a live process group left to the
         # interpreter's exit aborts the process ("terminate called without an active exception")
         dist_utils.shutdown()
-        return code
-    # its peers may be gone or mid-collective, so the process group can be neither destroyed (that
-    # may wait) nor left to the interpreter's teardown (gloo's threads abort it with -6): leave now
-    if dist_utils.torch_distributed_initialized():
-        leave_now(code)
     return code
