@@ -328,6 +328,7 @@ def backward_extra_mib(batch: int, n: int, design: str, scores: str) -> float:
     the kernels' planning picks them per GPU and length."""
     import dataclasses
 
+    from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     from distaff.kernels import attention
@@ -340,13 +341,17 @@ def backward_extra_mib(batch: int, n: int, design: str, scores: str) -> float:
                                       cu_seqlens=None)
     problem = dataclasses.replace(problem, backward=design, backward_scores=scores)
     lse = torch.zeros(batch, HEADS, n)
-    run, JITFunction.run = JITFunction.run, lambda self, *a, grid, warmup, **kw: None
+    kernels = (JITFunction, InterpretedFunction)  # the latter: kernels defined under TRITON_INTERPRET=1
+    runs = [kernel.run for kernel in kernels]
+    for kernel in kernels:
+        kernel.run = lambda self, *a, grid, warmup, **kw: None
     try:
         end = attention.end_terms(problem, q, k, kr, qr)  # saved by the forward
         with _LiveBytes() as tracker:
             grads = attention.attention_backward(grad_out, q, k, v, kr, qr, out, lse, end, problem)
     finally:
-        JITFunction.run = run
+        for kernel, run in zip(kernels, runs):
+            kernel.run = run
     kept = sum(g.numel() * g.element_size() for g in grads)
     return (tracker.peak - kept) / 2**20
 

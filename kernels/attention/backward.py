@@ -15,7 +15,7 @@ from .dense import (_add_buckets, _add_end_sums, _buckets_ahead, _dense_rows, _d
                     dense_buffer, dense_scores, dense_strides, position_gradients)
 from .planning import DELTA_ELEMENTS, _on_device, _Problem, band_folds, band_range, programs_per_head, Tiles
 from .scores import (_dropout_keep, _ends_ahead, _item, _load_rows, _load_stat, _locate, _mask_words, _path_ends,
-                     _program_items, _side_visible, _store_rows, _table_ahead, _tile_scores)
+                     _program_items, _recomputed, _side_visible, _store_rows, _table_ahead, _tile_scores)
 
 
 @triton.jit
@@ -228,7 +228,8 @@ def _dq_block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, DQ,
               WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
               HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
               DROPOUT: tl.constexpr, HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr,
-              DENSE_SCORES: tl.constexpr, BUCKETS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
+              DENSE_SCORES: tl.constexpr, BUCKETS_AHEAD: tl.constexpr, PRECISION: tl.constexpr,
+              PER_ITEM: tl.constexpr):
     """dQ of query block ``i0`` (all key blocks), and its c2p gradient added to the partial dKr, or with
     ``DENSE`` its score gradient in bucket coordinates written to its rows of the dense buffer ``DENSE_GRAD``
     (located after the tile loop from the program's ``item``: a 64-bit pointer held across it spilled)."""
@@ -276,15 +277,18 @@ def _dq_block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, DQ,
         if HAS_C2P:  # dQ_a += sum_b dS[a,b] Kr[idx];  dKr[t] += sum_{idx=t} dS[a,b] Q_a
             sums_lo, sums_hi, first, last = _tile_position(ds, saturated, top, sums_lo, sums_hi, first, last, band,
                                                            band_lo, i0, j0, offs_m, offs_n, BAND, BLOCK_N, False)
+    i_out = i0  # the block's rows for the stores after the loop, recomputed there with a program per item (as dk/dv's)
+    if PER_ITEM:
+        i_out = _recomputed(i0, offs_m)
     if DENSE:  # dq is complete (its position part comes after the kernel): not held across the band pass
-        _store_rows(DQ + base, i0, offs_m, offs_d, stride_n, seq_len, dq)
+        _store_rows(DQ + base, i_out, offs_m, offs_d, stride_n, seq_len, dq)
     if HAS_C2P:
         dq = _block_position(dq, Q, KR + rel_off, partial, DENSE_GRAD, band, FOLD, MERGE, sums_lo, sums_hi, first,
-                             last, i0, band_lo, lo, item, n_ctx, seq_len, base, stat_off, stride_n, stride_lb,
+                             last, i_out, band_lo, lo, item, n_ctx, seq_len, base, stat_off, stride_n, stride_lb,
                              stride_lh, dense_lb, dense_lh, offs_m, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, BAND,
                              CHUNK, DENSE, PRECISION, False)
     if not DENSE:
-        _store_rows(DQ + base, i0, offs_m, offs_d, stride_n, seq_len, dq)
+        _store_rows(DQ + base, i_out, offs_m, offs_d, stride_n, seq_len, dq)
 
 
 @triton.jit
@@ -297,10 +301,11 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MIRROR, MASK, CU, SCALES, END, DO, LSE,
                  HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr,
                  DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
                  HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr, DENSE_SCORES: tl.constexpr,
-                 BUCKETS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
+                 BUCKETS_AHEAD: tl.constexpr, PRECISION: tl.constexpr, PER_ITEM: tl.constexpr):
     """Program (p, head) walks a run of (sequence, query block) items of one head into one partial dKr (or,
     ``DENSE``, into its blocks' rows of the dense buffer); with ``DENSE_SCORES`` its general tiles read their
-    position terms from ``C2P`` and ``P2C`` (laid out as the dense buffer)."""
+    position terms from ``C2P`` and ``P2C`` (laid out as the dense buffer); ``PER_ITEM``: one item a program
+    (``one_item_per_program``)."""
     scratch, blocks, first, end = _program_start(SCRATCH, scratch_elements, n_ctx, num_seqs, items_per_program,
                                                  BLOCK_M)
     for item in range(first, end):
@@ -315,7 +320,7 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MIRROR, MASK, CU, SCALES, END, DO, LSE,
                       seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo, item, stride_lb, stride_lh,
                       dense_lb, dense_lh, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P,
                       HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST, ENDS_AHEAD, DENSE, DENSE_SCORES, BUCKETS_AHEAD,
-                      PRECISION)
+                      PRECISION, PER_ITEM)
         tl.debug_barrier()
 
 
@@ -327,7 +332,8 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
                 WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
                 HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
                 DROPOUT: tl.constexpr, HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr,
-                DENSE_SCORES: tl.constexpr, BUCKETS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
+                DENSE_SCORES: tl.constexpr, BUCKETS_AHEAD: tl.constexpr, PRECISION: tl.constexpr,
+                PER_ITEM: tl.constexpr):
     """dK, dV of key block ``j0`` (all query blocks; tiles held as ``[BN, BM]``), and its p2c gradient
     added to the partial dQr, or with ``DENSE`` written in bucket coordinates to its rows of ``DENSE_GRAD``."""
     offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
@@ -378,17 +384,20 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
                                                            band_lo, i0, j0, offs_m, offs_n, BAND, BLOCK_N, True)
     if DROPOUT:  # the kept probabilities' 1 / (1 - p), left out of every score by _score_grads
         dv = dv * keep_scale
+    j_out = j0  # the block's rows for the stores after the loop, recomputed there with a program per item (sm_80's
+    if PER_ITEM:  # 64-key blocks spilled 20 B without; the fused design's persistent ones spilled 4-132 B with it)
+        j_out = _recomputed(j0, offs_n)
     if DENSE:  # dk and dv are complete (dk's position part comes after the kernel): not held across the band pass
-        _store_rows(DK + base, j0, offs_n, offs_d, stride_n, seq_len, dk)
-        _store_rows(DV + base, j0, offs_n, offs_d, stride_n, seq_len, dv)
+        _store_rows(DK + base, j_out, offs_n, offs_d, stride_n, seq_len, dk)
+        _store_rows(DV + base, j_out, offs_n, offs_d, stride_n, seq_len, dv)
     if HAS_P2C:
         dk = _block_position(dk, K, QR + rel_off, partial, DENSE_GRAD, band, FOLD, MERGE, sums_lo, sums_hi, first,
-                             last, j0, band_lo, lo, item, n_ctx, seq_len, base, stat_off, stride_n, stride_lb,
+                             last, j_out, band_lo, lo, item, n_ctx, seq_len, base, stat_off, stride_n, stride_lb,
                              stride_lh, dense_lb, dense_lh, offs_n, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, BAND,
                              CHUNK, DENSE, PRECISION, True)
     if not DENSE:
-        _store_rows(DK + base, j0, offs_n, offs_d, stride_n, seq_len, dk)
-        _store_rows(DV + base, j0, offs_n, offs_d, stride_n, seq_len, dv)
+        _store_rows(DK + base, j_out, offs_n, offs_d, stride_n, seq_len, dk)
+        _store_rows(DV + base, j_out, offs_n, offs_d, stride_n, seq_len, dv)
 
 
 @triton.jit
@@ -401,9 +410,10 @@ def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA
                    HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr,
                    DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
                    HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr, DENSE_SCORES: tl.constexpr,
-                   BUCKETS_AHEAD: tl.constexpr, PRECISION: tl.constexpr):
+                   BUCKETS_AHEAD: tl.constexpr, PRECISION: tl.constexpr, PER_ITEM: tl.constexpr):
     """Program (p, head) walks a run of (sequence, key block) items of one head into one partial dQr (or,
-    ``DENSE``, into its blocks' rows of the dense buffer); with ``DENSE_SCORES`` as ``_attn_bwd_dq``."""
+    ``DENSE``, into its blocks' rows of the dense buffer); with ``DENSE_SCORES`` as ``_attn_bwd_dq``; ``PER_ITEM``:
+    one item a program (``one_item_per_program``)."""
     scratch, blocks, first, _ = _program_start(SCRATCH, scratch_elements, n_ctx, num_seqs, items_per_program,
                                                BLOCK_N)
     for step in range(0, items_per_program):  # not up to ``end``: a bound held across the tile loop spilled
@@ -420,7 +430,7 @@ def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA
                             seq_scale, dropout_p, keep_scale, n_ctx, seq_len, base, rel_off, stat_off, stat_numel,
                             stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN, HEAD_DIM, BLOCK_M,
                             BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT,
-                            HOIST, ENDS_AHEAD, DENSE, DENSE_SCORES, BUCKETS_AHEAD, PRECISION)
+                            HOIST, ENDS_AHEAD, DENSE, DENSE_SCORES, BUCKETS_AHEAD, PRECISION, PER_ITEM)
         tl.debug_barrier()
 
 
@@ -438,8 +448,9 @@ def _attn_bwd_delta(O, DO, CU, DELTA, n_ctx, n_heads, stride_b, stride_h, stride
     tl.store(DELTA + stat_off + i0 + offs_r, tl.sum(o * do, 1), mask=(i0 + offs_r) < seq_len)
 
 
-# The backward's partial position gradients, scratch buffers and delta may take at most this
-# fraction of the bytes of dq + dk + dv; it caps the programs per head.
+# The fused backward's partial position gradients, scratch buffers and delta may take at most this
+# fraction of the bytes of dq + dk + dv; it caps the programs per head (the dense designs run a program per
+# item: ``one_item_per_program``).
 PARTIAL_BUDGET = 1.0
 
 
@@ -472,6 +483,16 @@ def backward_buffers(tiles: Tiles, two_span: int, band: int, q: torch.Tensor, ke
     return BackwardBuffers(partial_rows, products + (block * band if has_term else 0), q.element_size(), q.shape[-1])
 
 
+def one_item_per_program(problem: _Problem, scores: tuple) -> bool:
+    """Whether a backward kernel runs a program per (sequence, block) item: in the dense designs (dense score
+    gradients read from dense scores) a program keeps no partial table to share across items, and with one item
+    Triton compiles the item loop away (``items_per_program`` is specialised at 1): the registers its state held
+    across the tile loop go to the tiles (sm_80's 64-key dk/dv spilled 4-8 B walking several items, none with
+    one). Each program then has its own band scratch: ``H x tokens x band`` elements (``band_range``; at most
+    about ``2 max_relative_positions + BM + BN`` a row), counted by the memory plan (train/plan/memory.py)."""
+    return problem.backward == "dense" and bool(scores)
+
+
 def _backward_kernel(problem: _Problem, kernel, name: str, q, has_term: bool, budget: int, part_name: str,
                      scores: tuple, **args) -> torch.Tensor | None:
     """Launch a backward kernel over (sequence, block) items of each head: its summed partials, or in the dense
@@ -486,7 +507,9 @@ def _backward_kernel(problem: _Problem, kernel, name: str, q, has_term: bool, bu
                    for i, t in enumerate(folds))
     has_terms = args["KR"] is not q or args["QR"] is not q
     buffers = backward_buffers(tiles, problem.two_span, band, q, name, has_term, has_terms, dense, bool(scores))
-    programs = programs_per_head(items, buffers.program_bytes, budget, problem.n_heads, problem.slots(tiles))
+    per_item = one_item_per_program(problem, scores)
+    programs = (items if per_item else
+                programs_per_head(items, buffers.program_bytes, budget, problem.n_heads, problem.slots(tiles)))
     shape = (problem.n_heads, programs, buffers.partial_rows, q.shape[-1]) if buffers.partial_rows else (1,)
     partial = torch.zeros(shape, dtype=torch.float32, device=q.device)
     d_scores = dense_buffer(problem, q) if dense else q
@@ -500,7 +523,7 @@ def _backward_kernel(problem: _Problem, kernel, name: str, q, has_term: bool, bu
                    scratch_elements=buffers.scratch_elements, lo=lo, FOLD=fold, MERGE=merge, BAND=band,
                    CHUNK=tiles.chunk, SCRATCH=scratch, DENSE_GRAD=d_scores, dense_lb=dense_lb, dense_lh=dense_lh,
                    DENSE=dense, C2P=scores[0] if scores else q, P2C=scores[1] if scores else q,
-                   DENSE_SCORES=bool(scores), BUCKETS_AHEAD=bool(scores) and tiles.buckets_ahead,
+                   DENSE_SCORES=bool(scores), BUCKETS_AHEAD=bool(scores) and tiles.buckets_ahead, PER_ITEM=per_item,
                    keep_scale=1.0 / (1.0 - problem.dropout_p),
                    **{part_name: partial}, **args)
     if dense:

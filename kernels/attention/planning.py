@@ -135,10 +135,13 @@ _TILES = {
     # d = 64 forward, sm_80: 32 x 32 on 2 warps walks its paths apart (16 rows a warp) without spills (252
     # registers); 64 x 32 and 64 x 64 on 4 warps spilled 1.0-1.4 KB, and 32 x 32 on 4 warps repeats the content
     # products of a paths-apart loop, so it kept the one loop that branches per tile.
-    # With dense scores (no window products) sm_80 takes 32 x 64 / 64 x 32 backward tiles, their loads pipelined
-    # two stages deep and their buckets read a tile ahead (4.84 / 5.08 -> 4.29 / 4.80 ms at N = 512, judge), without
-    # spills; 64 x 64 backward tiles spilled 460-824 B (4 or 8 warps), 32 x 32 on 2 warps 4-132 B; sm_90's 64-row
-    # blocks (3.99 / 4.47 ms) spilled 8-20 B in dk/dv, and 104-144 B in one stage. Its dense forward runs 64 x 64
+    # With dense scores (no window products) sm_80's backward tiles have their loads pipelined two stages deep and
+    # their buckets read a tile ahead; with a program per item (``backward.one_item_per_program``) dq takes 64-row
+    # query blocks and dk/dv 64-key blocks, which halve the Q / dO (K / V) rows each block re-reads: N = 512 backward
+    # 3.97 -> 3.50 ms, N = 8192 29.08 -> 26.41 (dropout 0, judge; 0.1: 4.32 -> 3.83, 35.58 -> 33.45, dq keeping its
+    # 32 x 64 dropout tile). Walking several items a program they spilled 4-8 B (the item loop's registers);
+    # 16 x 64 dk/dv does not, but waits on twice the tiles (4.50 ms); 64 x 64 backward tiles spilled 460-824 B
+    # (4 or 8 warps), 32 x 32 on 2 warps 4-132 B; in one stage 104-144 B. Its dense forward runs 64 x 64
     # on 4 warps, the general run two stages deep under a register ceiling (``maxnreg``), the saturated runs one
     # (two: 4 B spilled with dropout); it spilled 8 B until its
     # buckets came from the mirrored table (``dense._mirrored_buckets``), and still does in two variants
@@ -146,8 +149,8 @@ _TILES = {
     # ceiling; three stages 4 B; 128 x 64 on 8 warps 8 B; 32 x 64 on 2 warps 4-48 B.
     ("half", 64, 80): dict(fwd=_T(32, 32, 2, 1, keys_ahead=True), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1),
                            fwd_dense=_T(64, 64, 4, 2, maxnreg=255, saturated_stages=1),
-                           dq_dense=_T(32, 64, 4, 2, buckets_ahead=True),
-                           dkdv_dense=_T(64, 32, 4, 2, buckets_ahead=True)),
+                           dq_dense=_T(64, 32, 4, 2, buckets_ahead=True),
+                           dkdv_dense=_T(32, 64, 4, 2, buckets_ahead=True)),
     ("half", 128, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 32, 4, 1), dkdv=_T(16, 16, 4, 1)),
     # sm_100: dk/dv rows not hoisted (hoisted, 8-96 B spilled); forward buckets not loaded ahead (20 B). d = 64
     # dk/dv 64 x 32 on 4 warps: 64 x 64 on 8 spilled 4-32 B with varlen and dropout once the mask was read as words.

@@ -60,6 +60,15 @@ def _load_rows(ptr, row0, offs_r, offs_d, stride_n, seq_len):
 
 
 @triton.jit
+def _recomputed(value, offs):
+    """The scalar ``value``, as the maximum of ``value`` over ``offs``' lanes: a value the compiler cannot prove
+    equal to ``value`` (a few shuffles, once). A block's output rows stored after its tile loop are addressed
+    from it, so their offsets are computed there instead of reused from the block's input loads before the loop
+    and held, live or spilled, across it (20 B spilled at 255 registers in sm_80's 64-key dk/dv tiles)."""
+    return tl.max(value + offs * 0, 0)
+
+
+@triton.jit
 def _store_rows(ptr, row0, offs_r, offs_d, stride_n, seq_len, value):
     """Store ``value`` as rows ``row0 + offs_r`` of one sequence (rows past its end are dropped)."""
     rows = row0 + offs_r

@@ -177,3 +177,14 @@ def test_the_planner_picks_the_backward_scores_the_judge_found_faster(cc, n, wan
         assert tiles == attention.tiles_for(name.rpartition("_")[2], 64, torch.bfloat16, cc, want == "dense")
     if cc == 80:  # the larger tiles the dense scores free registers for (the fused design's are 16 x 16)
         assert [t.block_m * t.block_n for *_, t in backward] == [64 * 32] * 2
+
+
+@pytest.mark.parametrize("cc,n,one_item", [(80, 512, True), (80, 8192, True), (90, 8192, True), (90, 512, False)])
+def test_the_dense_designs_run_a_program_per_item(cc, n, one_item, monkeypatch):
+    """Dense score gradients read from dense scores keep no partial table: a program per (sequence, block) item,
+    so Triton compiles the item loop away (``items_per_program`` is 1); the fused design (sm_90 at 512 tokens)
+    shares one partial across a run of items (``programs_per_head``)."""
+    runs = {name: args["items_per_program"] for _, name, args, _ in _planned(cc, n, monkeypatch)
+            if name in BACKWARD_KERNELS}
+    assert sorted(runs) == sorted(BACKWARD_KERNELS)
+    assert all((run == 1) == one_item for run in runs.values()), runs

@@ -126,3 +126,34 @@ def test_model_states_are_within_ten_percent_of_deepspeeds_estimators(preset, gp
             theirs = estimate_zero3_model_states_mem_needs(s.params, s.largest_param, gpus, nodes, cpu_offload=False,
                                                            cpu_offload_params=False)[1]
         assert abs(model_states_bytes(s) / theirs - 1) <= TOLERANCE, (zero, model_states_bytes(s), theirs)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("cc", [80, 90])
+def test_the_layer_backward_plans_what_the_attention_backward_allocates(cc, monkeypatch):
+    """A GPU plan's layer-backward transient holds what the fused attention backward allocates beside its own
+    gradients at the same shape, in the dense designs (sm_80's at every length): measured, not modelled, by
+    benchmarks/attention.py, which runs the op's host code on real tensors with the kernel launches recorded and
+    counts the bytes alive, the band scratch of a program per item included."""
+    import importlib.util
+    from dataclasses import replace
+    from pathlib import Path
+
+    from distaff.kernels.attention import planning
+    from distaff.train.plan.memory import transients
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "attention.py"
+    spec = importlib.util.spec_from_file_location("attention_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(planning, "PLANNED_CAPABILITY", cc)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the target's tiles, not the interpreter's
+    batch, n = 4, 512
+    measured = bench.backward_extra_mib(batch, n, "dense", "dense") * MIB
+    s = replace(cpu_run_setting(config_from_dict(run_values("deberta-v3-base", 0, batch, "bf16")), 2, n), fused=True)
+    cfg = s.models[-1]
+    assert (cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads) == (bench.HEADS, bench.HEAD_DIM)
+    # the plan's share for the position terms: its layer backward less that of the same model without them
+    plain = replace(s, models=type(s.models)(m.replace(relative_attention=False) for m in s.models))
+    planned = (transients(s)["layer backward (transient)"] - transients(plain)["layer backward (transient)"])
+    assert measured <= planned <= 1.2 * measured, (planned / MIB, measured / MIB)

@@ -306,6 +306,11 @@ def transients(s: Setting) -> dict[str, float]:
         # two score buffers while a layer runs. Counted wherever they may run (an upper bound).
         position = cfg.num_attention_heads * tokens * 2 * cfg.att_span * a
         out["layer backward (transient)"] += (1 + terms) * position + 2 * tokens * cfg.hidden_size * a
+        # and, a program per item (kernels/attention/backward.py, one_item_per_program), each block's band of
+        # score gradients in distance coordinates: a row meets at most the sequence's distances and the unsaturated
+        # middle of the table plus two tile lengths (attention.band_range), one kernel's at a time
+        band = min(s.attention_len + 63, 2 * cfg.resolved_max_relative_positions + 2 * 127)
+        out["layer backward (transient)"] += cfg.num_attention_heads * tokens * band * a
         out[DENSE_SCORES] = terms * position
     if not s.fused:   # the reference backward's score blocks and per-row position gradients: the padded batch's
         span, n = 2 * cfg.att_span, s.attention_len     # at once, a packed batch's one sample at a time
