@@ -138,8 +138,10 @@ _TILES = {
     # With dense scores (no window products) sm_80's backward tiles have their loads pipelined two stages deep and
     # their buckets read a tile ahead; with a program per item (``backward.one_item_per_program``) dq takes 64-row
     # query blocks and dk/dv 64-key blocks, which halve the Q / dO (K / V) rows each block re-reads: N = 512 backward
-    # 3.97 -> 3.50 ms, N = 8192 29.08 -> 26.41 (dropout 0, judge; 0.1: 4.32 -> 3.83, 35.58 -> 33.45, dq keeping its
-    # 32 x 64 dropout tile). Walking several items a program they spilled 4-8 B (the item loop's registers);
+    # 3.97 -> 3.50 ms, N = 8192 29.08 -> 26.41 (dropout 0, judge; 0.1: 4.32 -> 3.83, 35.58 -> 32.05, dq with
+    # dropout on the same tile: its own unhoisted 32 x 64 one, kept before, judged 3.83 / 6.74 / 10.78 / 33.45 ms at
+    # 512 / 1,024 / 2,048 / 8,192 tokens against 3.83 / 6.85 / 10.71 / 32.05). Walking several items a program
+    # they spilled 4-8 B (the item loop's registers);
     # 16 x 64 dk/dv does not, but waits on twice the tiles (4.50 ms); 64 x 64 backward tiles spilled 460-824 B
     # (4 or 8 warps), 32 x 32 on 2 warps 4-132 B; in one stage 104-144 B. Its dense forward runs 64 x 64
     # on 4 warps, the general run two stages deep under a register ceiling (``maxnreg``), the saturated runs one
@@ -180,9 +182,8 @@ Variant = tuple[str, str, bool, bool]
 
 # (inputs, head dim, target, kernel, dense, variant) -> the tile that variant takes instead of its row's: where
 # the row's tile spilled in ``compile_check --full`` for that variant alone; a variant of three (terms, layout,
-# dropout) holds with and without the diagonal mask. Two are judged launches (benchmarks/attention_judge.py: both
-# terms, padded, no diagonal mask), chosen by the judge, not for spills: sm_80's dq with dropout (below) and
-# sm_90's dk/dv with dropout, whose 32 x 64 key blocks spilled 4 B in one stage
+# dropout) holds with and without the diagonal mask. One is a judged launch (benchmarks/attention_judge.py: both
+# terms, padded, no diagonal mask): sm_90's dk/dv with dropout, whose 32 x 64 key blocks spilled 4 B in one stage
 # and take two (2.21 ms at N = 512 with dropout, judge), as with p2c alone. sm_90 varlen with dropout (dq, dk/dv)
 # and p2c alone varlen without it (dk/dv) spilled 4-12 B on the row's tiles (and dk/dv 32-44 B in two stages):
 # they take 64 x 32 blocks, buckets ahead, rows not hoisted; so does sm_90's dk/dv with dropout under the diagonal
@@ -192,13 +193,10 @@ Variant = tuple[str, str, bool, bool]
 # 4 B spilled on its 8-warp tile (4 B under the ceiling too, 36 B hoisted, 208 B on 64 x 64 with 4 warps); 64 x 32
 # on 4 warps, window products in 16-column slices, compiles clean. sm_80's 64 x 64 dense forward, both terms: packed
 # without dropout spilled 12 B (40 B with the diagonal mask), padded with dropout and the diagonal mask 4 B where
-# tiles saturate; both take the 64 x 32 tile it replaced. sm_80's dq with dropout (the second judged launch) does
-# not hoist its path ends: the registers they held serve the dropout's hash (judge, high end, dropout 0.1: the
-# backward pass at N = 512 4.52 -> 4.45 ms; the dq kernel alone, uncalibrated, N = 1024 1.60 -> 1.40, 2,048
-# 2.68 -> 2.38, 8,192 8.01 -> 7.45); without dropout hoisting wins at 8,192 tokens (6.21 against 6.93), where
-# 87% of the tiles saturate and read their path ends a tile ahead, and about ties at 512 to 2,048.
+# tiles saturate; both take the 64 x 32 tile it replaced. sm_80's dq with dropout had its own tile (32 x 64, path
+# ends not hoisted) until a program per item let it take the row's 64 x 32 (``("half", 64, 80)`` above).
 _SM80_DENSE_FORWARD = _T(64, 32, 4, 2, maxnreg=255)
-_DROPOUT_BACKWARD = _T(32, 64, 4, 2, hoist=False, buckets_ahead=True)  # sm_90's dk/dv and sm_80's dq, with dropout
+_DROPOUT_BACKWARD = _T(32, 64, 4, 2, hoist=False, buckets_ahead=True)  # sm_90's dk/dv with dropout
 _SM90_VARLEN_BACKWARD = _T(64, 32, 4, 1, hoist=False, buckets_ahead=True)
 _VARIANT_TILES = {
     ("half", 64, 90, "dq", True, ("c2p+p2c", "varlen", True)): _SM90_VARLEN_BACKWARD,
@@ -210,7 +208,6 @@ _VARIANT_TILES = {
     ("half", 64, 90, "dkdv", True, ("p2c", "varlen", False)): _SM90_VARLEN_BACKWARD,
     ("half", 64, 100, "fwd", False, ("c2p+p2c", "padded", True)): _T(64, 64, 4, 1, hoist=False, maxnreg=255),
     ("half", 128, 90, "fwd", True, ("c2p+p2c", "padded", True, True)): _T(64, 32, 4, 1, columns=16, hoist=False),
-    ("half", 64, 80, "dq", True, ("c2p+p2c", "padded", True)): _DROPOUT_BACKWARD,
     ("half", 64, 80, "fwd", True, ("c2p+p2c", "varlen", False)): _SM80_DENSE_FORWARD,
     ("half", 64, 80, "fwd", True, ("c2p+p2c", "padded", True, True)): _SM80_DENSE_FORWARD,
 }
