@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from distaff.train.plan.memory import attention_band
+
 pytestmark = pytest.mark.integration
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -53,7 +55,7 @@ def test_attention_backward_memory_stays_within_its_gradients():
         buffer, copies = (heads * tokens * two_span * 2) / 2**20, 2 / 3 * float(grads)
         bound = float(grads) + (buffer if design == "dense" else 0.0) + (2 * buffer if scores == "dense" else 0.0)
         bound += copies if "dense" in (design, scores) else 0.0
-        band = min(int(n) + 63, 2 * 512 + 2 * 127)                      # max relative 512, tiles up to 64 x 64
+        band = attention_band(int(n), 256, 512)                          # the benchmark's buckets and max relative
         bound += heads * tokens * band * 2 / 2**20 if design == scores == "dense" else 0.0
         assert 0 < float(now) <= bound and float(grads) < float(previous), (batch, n, design, scores, now, bound)
 

@@ -15,7 +15,7 @@ from .dense import (_add_buckets, _add_end_sums, _buckets_ahead, _dense_rows, _d
                     dense_buffer, dense_scores, dense_strides, position_gradients)
 from .planning import DELTA_ELEMENTS, _on_device, _Problem, band_folds, band_range, programs_per_head, Tiles
 from .scores import (_dropout_keep, _ends_ahead, _item, _load_rows, _load_stat, _locate, _mask_words, _path_ends,
-                     _program_items, _recomputed, _side_visible, _store_rows, _table_ahead, _tile_scores)
+                     _program_items, _rows_after_loop, _side_visible, _store_rows, _table_ahead, _tile_scores)
 
 
 @triton.jit
@@ -277,9 +277,7 @@ def _dq_block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, DQ,
         if HAS_C2P:  # dQ_a += sum_b dS[a,b] Kr[idx];  dKr[t] += sum_{idx=t} dS[a,b] Q_a
             sums_lo, sums_hi, first, last = _tile_position(ds, saturated, top, sums_lo, sums_hi, first, last, band,
                                                            band_lo, i0, j0, offs_m, offs_n, BAND, BLOCK_N, False)
-    i_out = i0  # the block's rows for the stores after the loop, recomputed there with a program per item (as dk/dv's)
-    if PER_ITEM:
-        i_out = _recomputed(i0, offs_m)
+    i_out = _rows_after_loop(i0, offs_m, PER_ITEM)  # recomputed with a program per item, as dk/dv's
     if DENSE:  # dq is complete (its position part comes after the kernel): not held across the band pass
         _store_rows(DQ + base, i_out, offs_m, offs_d, stride_n, seq_len, dq)
     if HAS_C2P:
@@ -384,9 +382,9 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
                                                            band_lo, i0, j0, offs_m, offs_n, BAND, BLOCK_N, True)
     if DROPOUT:  # the kept probabilities' 1 / (1 - p), left out of every score by _score_grads
         dv = dv * keep_scale
-    j_out = j0  # the block's rows for the stores after the loop, recomputed there with a program per item (sm_80's
-    if PER_ITEM:  # 64-key blocks spilled 20 B without; the fused design's persistent ones spilled 4-132 B with it)
-        j_out = _recomputed(j0, offs_n)
+    # recomputed with a program per item (sm_80's 64-key blocks spilled 20 B without; the fused design's persistent
+    # ones spilled 4-132 B with it)
+    j_out = _rows_after_loop(j0, offs_n, PER_ITEM)
     if DENSE:  # dk and dv are complete (dk's position part comes after the kernel): not held across the band pass
         _store_rows(DK + base, j_out, offs_n, offs_d, stride_n, seq_len, dk)
         _store_rows(DV + base, j_out, offs_n, offs_d, stride_n, seq_len, dv)

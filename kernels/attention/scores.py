@@ -60,12 +60,14 @@ def _load_rows(ptr, row0, offs_r, offs_d, stride_n, seq_len):
 
 
 @triton.jit
-def _recomputed(value, offs):
-    """The scalar ``value``, as the maximum of ``value`` over ``offs``' lanes: a value the compiler cannot prove
-    equal to ``value`` (a few shuffles, once). A block's output rows stored after its tile loop are addressed
-    from it, so their offsets are computed there instead of reused from the block's input loads before the loop
-    and held, live or spilled, across it (20 B spilled at 255 registers in sm_80's 64-key dk/dv tiles)."""
-    return tl.max(value + offs * 0, 0)
+def _rows_after_loop(row0, offs, RECOMPUTE: tl.constexpr):
+    """The first row of a block's outputs, stored after its tile loop. With ``RECOMPUTE``, ``row0`` as its maximum
+    over ``offs``' lanes (a few shuffles, once): a value the compiler cannot prove equal to ``row0``, so the
+    stores' offsets are computed there instead of reused from the block's input loads before the loop and held,
+    live or spilled, across it (20 B spilled at 255 registers in sm_80's 64-key dk/dv tiles)."""
+    if RECOMPUTE:
+        row0 = tl.max(row0 + offs * 0, 0)
+    return row0
 
 
 @triton.jit

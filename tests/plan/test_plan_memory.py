@@ -157,3 +157,20 @@ def test_the_layer_backward_plans_what_the_attention_backward_allocates(cc, monk
     plain = replace(s, models=type(s.models)(m.replace(relative_attention=False) for m in s.models))
     planned = (transients(s)["layer backward (transient)"] - transients(plain)["layer backward (transient)"])
     assert measured <= planned <= 1.2 * measured, (planned / MIB, measured / MIB)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("buckets,max_relative", [(256, 512), (0, 512), (128, 256), (256, 128), (32, 64), (16, 40),
+                                                  (100, 300)])
+def test_the_planned_band_bounds_every_band_the_kernels_plan(buckets, max_relative):
+    """The memory plan's band width (``memory.attention_band``) is at least what ``attention.band_range`` plans for
+    every backward kernel and tile shape, at lengths on and off the tiles' multiples, for bucket settings that
+    saturate within ``max_relative_positions`` and one that never saturates (more buckets than positions)."""
+    from distaff.kernels.attention import planning
+    from distaff.train.plan.memory import attention_band
+
+    tiles = [planning.Tiles(m, n, 4, 1) for m in (16, 32, 64) for n in (16, 32, 64)]
+    for length in (7, 128, 500, 513, 2048, 3000, 8192):
+        table = planning._distance_table(length + 300, buckets, max_relative)
+        widest = max(planning.band_range(table, length, t, kernel)[2] for t in tiles for kernel in ("dq", "dkdv"))
+        assert widest <= attention_band(length, buckets, max_relative), (length, widest)

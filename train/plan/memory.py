@@ -281,6 +281,16 @@ def activations(s: Setting) -> dict[str, float]:
     return found
 
 
+def attention_band(n: float, position_buckets: int, max_relative_positions: int) -> float:
+    """An upper bound on the distances one backward block of the fused attention meets (``attention.band_range``,
+    for tiles up to 64 x 64): the sequence's, rounded up to whole blocks on both sides, and, where the bucket table
+    saturates within ``max_relative_positions`` of 0 (buckets no more than that, or none), that middle and a tile
+    length on each side (tests/plan/test_plan_memory.py holds it to ``band_range``)."""
+    sequence = n + 2 * 63
+    return min(sequence, 2 * max_relative_positions + 2 * 127) if position_buckets <= max_relative_positions \
+        else sequence
+
+
 def transients(s: Setting) -> dict[str, float]:
     """The largest short-lived buffers: one recomputed layer, the head's logits, the backward of one layer."""
     tokens = s.tokens
@@ -307,9 +317,8 @@ def transients(s: Setting) -> dict[str, float]:
         position = cfg.num_attention_heads * tokens * 2 * cfg.att_span * a
         out["layer backward (transient)"] += (1 + terms) * position + 2 * tokens * cfg.hidden_size * a
         # and, a program per item (kernels/attention/backward.py, one_item_per_program), each block's band of
-        # score gradients in distance coordinates: a row meets at most the sequence's distances and the unsaturated
-        # middle of the table plus two tile lengths (attention.band_range), one kernel's at a time
-        band = min(s.attention_len + 63, 2 * cfg.resolved_max_relative_positions + 2 * 127)
+        # score gradients in distance coordinates, one kernel's at a time
+        band = attention_band(s.attention_len, cfg.position_buckets, cfg.resolved_max_relative_positions)
         out["layer backward (transient)"] += cfg.num_attention_heads * tokens * band * a
         out[DENSE_SCORES] = terms * position
     if not s.fused:   # the reference backward's score blocks and per-row position gradients: the padded batch's
