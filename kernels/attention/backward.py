@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 from ..contract import in_kernel_layout
-from .dense import (_add_buckets, _add_end_sums, _buckets_ahead, _dense_rows, _dense_scores_at, _zero_rows, HeadMajor,
-                    dense_buffer, dense_scores, dense_strides, position_gradients)
+from .dense import (_add_end_sums, _buckets_ahead, _dense_rows, _dense_scores_at, _joined_column, _store_buckets,
+                    _zero_outside, HeadMajor, dense_buffer, dense_scores, dense_strides, position_gradients)
 from .planning import DELTA_ELEMENTS, _on_device, _Problem, band_folds, band_range, programs_per_head, Tiles
 from .scores import (_dropout_keep, _ends_ahead, _item, _load_rows, _load_stat, _locate, _mask_words, _path_ends,
                      _program_items, _rows_after_loop, _side_visible, _store_rows, _table_ahead, _tile_scores)
@@ -39,7 +39,7 @@ def _accumulate_row(row_ptr, offs_d, row_grad):
 
 
 @triton.jit
-def _band_gradients(acc, own, band, rel_ptr, part_ptr, dense, rows_ok, fold_ptr, merge_ptr, lo, fold_lo, block0, d_lo,
+def _band_gradients(acc, own, band, rel_ptr, part_ptr, dense, rows_ok, folds, lo, fold_lo, block0, d_lo,
                     d_hi, first, last, offs_r, offs_d, TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BAND: tl.constexpr, CHUNK: tl.constexpr, OTHER: tl.constexpr, SIGN: tl.constexpr,
                     DENSE: tl.constexpr, PRECISION: tl.constexpr):
@@ -58,15 +58,29 @@ def _band_gradients(acc, own, band, rel_ptr, part_ptr, dense, rows_ok, fold_ptr,
     then gathered rows; bucket count, then one-hot; first bucket, then partials).
 
     With ``DENSE`` the merged chunk goes to the block's rows of the dense buffer (``dense``, bucket columns;
-    ``rows_ok``: the rows inside the sequence) instead: ``dense.position_gradients`` does both products as
-    torch GEMMs after the kernel, and ``acc``, ``own``, ``rel_ptr`` and ``part_ptr`` are not touched.
+    ``rows_ok``: the rows inside the sequence) instead, each bucket stored once (:func:`dense._store_buckets`),
+    and the buckets no chunk reaches are zeroed (:func:`dense._zero_outside`): ``dense.position_gradients`` does
+    both products as torch GEMMs after the kernel, and ``acc``, ``own``, ``rel_ptr`` and ``part_ptr`` are not
+    touched.
     """
+    fold_ptr, merge_ptr, joins_ptr = folds[0], folds[1], folds[2]
     offs_c = tl.arange(0, CHUNK)
     d_hi = tl.where(last >= first, d_hi, d_lo - 1)  # no general tile: nothing to read
     c_start = fold_lo + (d_lo - fold_lo) // CHUNK * CHUNK
     fold = fold_ptr + 2 * ((c_start - fold_lo) // CHUNK)
     b_lo = tl.load(fold, mask=c_start <= d_hi, other=0)
     count = tl.load(fold + 1, mask=c_start <= d_hi, other=0)
+    joined_at = offs_r  # DENSE: where the chunk reads back a bucket the previous one wrote, row by row
+    if DENSE:
+        joined_at = tl.load(joins_ptr + (c_start - fold_lo) // CHUNK * CHUNK + offs_r, mask=c_start <= d_hi,
+                            other=-1)
+    b_first, b_last = 0, 0  # DENSE: the buckets the chunks write (none: all zeroed after the loop)
+    if DENSE:
+        last_fold = fold_ptr + 2 * (tl.maximum(d_hi - fold_lo, 0) // CHUNK)
+        b_end = tl.load(last_fold, mask=c_start <= d_hi, other=0) + tl.load(last_fold + 1, mask=c_start <= d_hi,
+                                                                                other=0)
+        b_first = tl.where(c_start <= d_hi, b_lo, TWO_SPAN)
+        b_last = tl.where(c_start <= d_hi, b_end - 1, TWO_SPAN - 1)
     for c0 in range(c_start, d_hi + 1, CHUNK):
         dist = c0 + offs_c
         partner = (block0 + offs_r)[:, None] - SIGN * dist[None, :]
@@ -75,7 +89,9 @@ def _band_gradients(acc, own, band, rel_ptr, part_ptr, dense, rows_ok, fold_ptr,
         index = (c0 - fold_lo) // CHUNK
         one_hot = tl.load(merge_ptr + index * CHUNK * CHUNK + offs_c[:, None] * CHUNK + offs_c[None, :])
         b_now, count_now = b_lo, count
-        if not DENSE:
+        if DENSE:  # the first chunk joins none (the bucket before it is the previous chunk's, not this block's)
+            joined = _joined_column(dense, tl.where(c0 > c_start, joined_at, -1), rows_ok, offs_r, TWO_SPAN)
+        else:
             rows = b_now + offs_c
             rel = tl.load(rel_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=(offs_c < count_now)[:, None],
                           other=0.0)
@@ -85,14 +101,18 @@ def _band_gradients(acc, own, band, rel_ptr, part_ptr, dense, rows_ok, fold_ptr,
         more = c0 + CHUNK <= d_hi
         b_lo = tl.load(fold_ptr + 2 * (index + 1), mask=more, other=0)
         count = tl.load(fold_ptr + 2 * (index + 1) + 1, mask=more, other=0)
+        if DENSE:
+            joined_at = tl.load(joins_ptr + (index + 1) * CHUNK + offs_r, mask=more, other=-1)
         merged = tl.dot(chunk, one_hot, input_precision=PRECISION)
         if DENSE:
-            _add_buckets(dense, merged, b_now, count_now, rows_ok, offs_r, offs_c, TWO_SPAN)
+            _store_buckets(dense, merged, joined, b_now, count_now, rows_ok, offs_r, offs_c, TWO_SPAN)
         else:
             merged = merged.to(own.dtype)
             acc = tl.dot(merged, rel, acc, input_precision=PRECISION)
             tl.store(part, old + tl.dot(tl.trans(merged), own, input_precision=PRECISION))
             tl.debug_barrier()  # the next chunk's partial rows may overlap these: every warp's stores first
+    if DENSE:  # after the chunks, whose reads of the fold table this waited for
+        _zero_outside(dense, rows_ok, b_first, b_last, TWO_SPAN, CHUNK)
     return acc
 
 
@@ -163,7 +183,7 @@ def _tile_position(ds, saturated, top, sums_lo, sums_hi, first, last, band, band
 
 
 @triton.jit
-def _block_position(acc, OWN, REL, partial, DENSE_GRAD, band, FOLD, MERGE, sums_lo, sums_hi, first, last, block0,
+def _block_position(acc, OWN, REL, partial, DENSE_GRAD, band, folds, sums_lo, sums_hi, first, last, block0,
                     band_lo, lo, item, n_ctx, seq_len, base, stat_off, stride_n, stride_lb, stride_lh, dense_lb,
                     dense_lh, offs_r, offs_d, TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr, DENSE: tl.constexpr,
@@ -177,17 +197,15 @@ def _block_position(acc, OWN, REL, partial, DENSE_GRAD, band, FOLD, MERGE, sums_
     rows_ok = (block0 + offs_r) < seq_len
     dense = _dense_rows(DENSE_GRAD, stat_off, item // tl.cdiv(n_ctx, BLOCK_N if TRANSPOSED else BLOCK_M),
                         tl.program_id(1), block0, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN)
-    if DENSE:
-        _zero_rows(dense, rows_ok, BLOCK_N if TRANSPOSED else BLOCK_M, TWO_SPAN, CHUNK)
     own = OWN
     if not DENSE:
         own = _load_rows(OWN + base, block0, offs_r, offs_d, stride_n, seq_len)  # reloaded: not held across the loop
     if TRANSPOSED:  # key b at distance dist pairs with query block0 + b + dist: band rows are keys, SIGN -1
-        acc = _band_gradients(acc, own, band, REL, part_ptr, dense, rows_ok, FOLD, MERGE, band_lo, lo, block0,
+        acc = _band_gradients(acc, own, band, REL, part_ptr, dense, rows_ok, folds, band_lo, lo, block0,
                               first - block0 - (BLOCK_N - 1), last + BLOCK_M - 1 - block0, first, last, offs_r,
                               offs_d, TWO_SPAN, HEAD_DIM, BAND, CHUNK, BLOCK_M, -1, DENSE, PRECISION)
     else:
-        acc = _band_gradients(acc, own, band, REL, part_ptr, dense, rows_ok, FOLD, MERGE, band_lo, lo, block0,
+        acc = _band_gradients(acc, own, band, REL, part_ptr, dense, rows_ok, folds, band_lo, lo, block0,
                               block0 - last - (BLOCK_N - 1), block0 - first + BLOCK_M - 1, first, last, offs_r,
                               offs_d, TWO_SPAN, HEAD_DIM, BAND, CHUNK, BLOCK_N, 1, DENSE, PRECISION)
     if DENSE:
@@ -222,7 +240,7 @@ def _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, keep_scale, 
 
 @triton.jit
 def _dq_block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, DQ, partial, DENSE_GRAD, scratch, dense,
-              FOLD, MERGE, i0, seed, scale, dropout_p, keep_scale, n_ctx, seq_len, base, rel_off, stat_off, stat_numel,
+              folds, i0, seed, scale, dropout_p, keep_scale, n_ctx, seq_len, base, rel_off, stat_off, stat_numel,
               stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh,
               TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
@@ -281,7 +299,7 @@ def _dq_block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, DQ,
     if DENSE:  # dq is complete (its position part comes after the kernel): not held across the band pass
         _store_rows(DQ + base, i_out, offs_m, offs_d, stride_n, seq_len, dq)
     if HAS_C2P:
-        dq = _block_position(dq, Q, KR + rel_off, partial, DENSE_GRAD, band, FOLD, MERGE, sums_lo, sums_hi, first,
+        dq = _block_position(dq, Q, KR + rel_off, partial, DENSE_GRAD, band, folds, sums_lo, sums_hi, first,
                              last, i_out, band_lo, lo, item, n_ctx, seq_len, base, stat_off, stride_n, stride_lb,
                              stride_lh, dense_lb, dense_lh, offs_m, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, BAND,
                              CHUNK, DENSE, PRECISION, False)
@@ -291,7 +309,7 @@ def _dq_block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, DQ,
 
 @triton.jit
 def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MIRROR, MASK, CU, SCALES, END, DO, LSE, DELTA, DQ, DKR_PART, DENSE_GRAD,
-                 SCRATCH, C2P, P2C, FOLD, MERGE, seed, scale, dropout_p, keep_scale, n_ctx, n_heads, num_seqs,
+                 SCRATCH, C2P, P2C, FOLD, MERGE, JOINS, seed, scale, dropout_p, keep_scale, n_ctx, n_heads, num_seqs,
                  items_per_program, stat_numel, scratch_elements, lo, stride_b, stride_h, stride_n, stride_lb,
                  stride_lh, dense_lb, dense_lh,
                  TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -314,8 +332,8 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MIRROR, MASK, CU, SCALES, END, DO, LSE,
             dense = _dense_scores_at(C2P, P2C, stat_off, item // blocks, stride_lb, stride_lh, dense_lb, dense_lh,
                                      TWO_SPAN, DENSE_SCORES)
             _dq_block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, DQ, (DKR_PART, items_per_program),
-                      DENSE_GRAD, scratch, dense, FOLD, MERGE, i0, seq_seed, seq_scale, dropout_p, keep_scale, n_ctx,
-                      seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo, item, stride_lb, stride_lh,
+                      DENSE_GRAD, scratch, dense, (FOLD, MERGE, JOINS), i0, seq_seed, seq_scale, dropout_p, keep_scale,
+                      n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo, item, stride_lb, stride_lh,
                       dense_lb, dense_lh, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P,
                       HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST, ENDS_AHEAD, DENSE, DENSE_SCORES, BUCKETS_AHEAD,
                       PRECISION, PER_ITEM)
@@ -324,7 +342,7 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MIRROR, MASK, CU, SCALES, END, DO, LSE,
 
 @triton.jit
 def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, partial, DENSE_GRAD, scratch,
-                dense, FOLD, MERGE, j0, seed, scale, dropout_p, keep_scale, n_ctx, seq_len, base, rel_off, stat_off,
+                dense, folds, j0, seed, scale, dropout_p, keep_scale, n_ctx, seq_len, base, rel_off, stat_off,
                 stat_numel, stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh,
                 TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
@@ -389,7 +407,7 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
         _store_rows(DK + base, j_out, offs_n, offs_d, stride_n, seq_len, dk)
         _store_rows(DV + base, j_out, offs_n, offs_d, stride_n, seq_len, dv)
     if HAS_P2C:
-        dk = _block_position(dk, K, QR + rel_off, partial, DENSE_GRAD, band, FOLD, MERGE, sums_lo, sums_hi, first,
+        dk = _block_position(dk, K, QR + rel_off, partial, DENSE_GRAD, band, folds, sums_lo, sums_hi, first,
                              last, j_out, band_lo, lo, item, n_ctx, seq_len, base, stat_off, stride_n, stride_lb,
                              stride_lh, dense_lb, dense_lh, offs_n, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, BAND,
                              CHUNK, DENSE, PRECISION, True)
@@ -400,7 +418,7 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
 
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, DK, DV, DQR_PART, DENSE_GRAD,
-                   SCRATCH, C2P, P2C, FOLD, MERGE, seed, scale, dropout_p, keep_scale, n_ctx, n_heads, num_seqs,
+                   SCRATCH, C2P, P2C, FOLD, MERGE, JOINS, seed, scale, dropout_p, keep_scale, n_ctx, n_heads, num_seqs,
                    items_per_program, stat_numel, scratch_elements, lo, stride_b, stride_h, stride_n, stride_lb,
                    stride_lh, dense_lb, dense_lh,
                    TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -424,11 +442,12 @@ def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA
                 dense = _dense_scores_at(C2P, P2C, stat_off, item // blocks, stride_lb, stride_lh, dense_lb, dense_lh,
                                          TWO_SPAN, DENSE_SCORES)
                 _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV,
-                            (DQR_PART, items_per_program), DENSE_GRAD, scratch, dense, FOLD, MERGE, j0, seq_seed,
-                            seq_scale, dropout_p, keep_scale, n_ctx, seq_len, base, rel_off, stat_off, stat_numel,
-                            stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN, HEAD_DIM, BLOCK_M,
-                            BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT,
-                            HOIST, ENDS_AHEAD, DENSE, DENSE_SCORES, BUCKETS_AHEAD, PRECISION, PER_ITEM)
+                            (DQR_PART, items_per_program), DENSE_GRAD, scratch, dense, (FOLD, MERGE, JOINS), j0,
+                            seq_seed, seq_scale, dropout_p, keep_scale, n_ctx, seq_len, base, rel_off, stat_off,
+                            stat_numel, stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN,
+                            HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK,
+                            MASK_DIAGONAL, DROPOUT, HOIST, ENDS_AHEAD, DENSE, DENSE_SCORES, BUCKETS_AHEAD, PRECISION,
+                            PER_ITEM)
         tl.debug_barrier()
 
 
@@ -501,7 +520,7 @@ def _backward_kernel(problem: _Problem, kernel, name: str, q, has_term: bool, bu
     items = problem.num_seqs * triton.cdiv(problem.n_ctx, tiles.block_m if name == "dq" else tiles.block_n)
     lo, hi, band = band_range(problem.table, problem.n_ctx, tiles, name)
     folds = band_folds(problem.table, lo, hi, tiles.chunk, q.dtype)
-    fold, merge = (_on_device((problem.table.key, lo, hi, tiles.chunk, q.dtype, i), t, q.device)
+    fold, merge, joins = (_on_device((problem.table.key, lo, hi, tiles.chunk, q.dtype, i), t, q.device)
                    for i, t in enumerate(folds))
     has_terms = args["KR"] is not q or args["QR"] is not q
     buffers = backward_buffers(tiles, problem.two_span, band, q, name, has_term, has_terms, dense, bool(scores))
@@ -518,7 +537,7 @@ def _backward_kernel(problem: _Problem, kernel, name: str, q, has_term: bool, bu
     ends_ahead = tiles.hoists(problem.mask_diagonal) and problem.saturates(q)
     problem.launch(kernel, tiles, (programs, problem.n_heads), q, args["KR"] is not q, args["QR"] is not q,
                    ENDS_AHEAD=ends_ahead, items_per_program=triton.cdiv(items, programs),
-                   scratch_elements=buffers.scratch_elements, lo=lo, FOLD=fold, MERGE=merge, BAND=band,
+                   scratch_elements=buffers.scratch_elements, lo=lo, FOLD=fold, MERGE=merge, JOINS=joins, BAND=band,
                    CHUNK=tiles.chunk, SCRATCH=scratch, DENSE_GRAD=d_scores, dense_lb=dense_lb, dense_lh=dense_lh,
                    DENSE=dense, C2P=scores[0] if scores else q, P2C=scores[1] if scores else q,
                    DENSE_SCORES=bool(scores), BUCKETS_AHEAD=bool(scores) and tiles.buckets_ahead, PER_ITEM=per_item,

@@ -129,36 +129,47 @@ def _dense_bias(C2P, P2C, buckets, i0, j0, offs_m, offs_n, seq_len, HAS_C2P: tl.
 
 
 @triton.jit
-def _zero_rows(dense, rows_ok, ROWS: tl.constexpr, TWO_SPAN: tl.constexpr, CHUNK: tl.constexpr):
-    """Zero a block's rows of a dense buffer (``dense``: its first row; ``rows_ok``: the rows in the sequence),
-    ``CHUNK`` buckets at a time, then a barrier so every warp's zeros land before the band chunks read, add and
-    write them. The buffer is ``torch.empty``: a zero-fill launch wrote all of it to HBM once more (201 MB a
-    buffer at B = 32, N = 512, bf16). Every row is some block's (a padded sequence's rows run to ``N``, its
-    padding rows included; a packed one's to its length), so every row is zeroed."""
-    offs_r, offs_c = tl.arange(0, ROWS), tl.arange(0, CHUNK)
-    zeros = tl.zeros([ROWS, CHUNK], tl.float32).to(dense.dtype.element_ty)
-    for c0 in range(0, TWO_SPAN, CHUNK):
-        tl.store(dense + offs_r[:, None] * TWO_SPAN + (c0 + offs_c)[None, :], zeros,
-                 mask=rows_ok[:, None] & ((c0 + offs_c) < TWO_SPAN)[None, :])
-    tl.debug_barrier()
+def _zero_outside(dense, rows_ok, b_first, b_last, TWO_SPAN: tl.constexpr, CHUNK: tl.constexpr):
+    """Zero a block's rows of a dense buffer (``dense``: its first row; ``rows_ok``: the rows in the sequence) in
+    the buckets its band chunks do not write, those before ``b_first`` and after ``b_last``, ``CHUNK`` buckets at a
+    time. The buffer is ``torch.empty``: a zero-fill launch wrote all of it to HBM once more (201 MB a buffer at
+    B = 32, N = 512, bf16), and zeroing every bucket before the chunks wrote most of them twice. Every row is some
+    block's (a padded sequence's rows run to ``N``, its padding rows included; a packed one's to its length), so
+    every row is written. The chunks' buckets are disjoint from these: no barrier between them."""
+    offs_r, offs_c = tl.arange(0, rows_ok.shape[0]), tl.arange(0, CHUNK)
+    zeros = tl.zeros([rows_ok.shape[0], CHUNK], tl.float32).to(dense.dtype.element_ty)
+    written = b_last + 1 - b_first
+    for c0 in range(0, TWO_SPAN - written, CHUNK):  # the buckets outside, as one run: those past b_last moved down
+        cols = c0 + offs_c
+        cols = tl.where(cols < b_first, cols, cols + written)
+        tl.store(dense + offs_r[:, None] * TWO_SPAN + cols[None, :], zeros,
+                 mask=rows_ok[:, None] & (cols < TWO_SPAN)[None, :])
 
 
 @triton.jit
-def _add_buckets(dense, merged, b_lo, count, rows_ok, offs_r, offs_c, TWO_SPAN: tl.constexpr):
-    """``dense[r, b_lo + c] += merged[r, c]`` for the chunk's ``count`` buckets and the block's real rows. A
-    chunk's first bucket may be the previous chunk's last (log buckets hold several distances): read, add,
-    write, and a barrier so every warp's stores land before the next chunk reads them."""
-    ptrs = dense + offs_r[:, None] * TWO_SPAN + (b_lo + offs_c)[None, :]
-    ok = rows_ok[:, None] & (offs_c < count)[None, :]
-    old = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(ptrs, (old + merged).to(dense.dtype.element_ty), mask=ok)
+def _joined_column(dense, at, rows_ok, offs_r, TWO_SPAN: tl.constexpr):
+    """What the previous band chunk wrote to the block's rows in bucket ``at`` (per row, all equal), the chunk's
+    first, where it was that chunk's last (``planning.band_folds``), else (``at`` -1) zeros."""
+    return tl.load(dense + offs_r * TWO_SPAN + at, mask=rows_ok & (at >= 0), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_buckets(dense, merged, joined, b_lo, count, rows_ok, offs_r, offs_c, TWO_SPAN: tl.constexpr):
+    """Write a band chunk's merged columns (``merged[r, c]``: bucket ``b_lo + c``, ``count`` of them) to the block's
+    rows of the dense buffer, its first bucket plus what the previous chunk wrote there (``joined``,
+    :func:`_joined_column`), then a barrier (the next chunk may read that bucket). Every other bucket is written
+    once, with no read of the buffer."""
+    merged += tl.where(offs_c[None, :] == 0, joined[:, None], 0.0)
+    tl.store(dense + offs_r[:, None] * TWO_SPAN + (b_lo + offs_c)[None, :], merged.to(dense.dtype.element_ty),
+             mask=rows_ok[:, None] & (offs_c < count)[None, :])
     tl.debug_barrier()
 
 
 @triton.jit
 def _add_end_sums(dense, sums_lo, sums_hi, rows_ok, offs_r, TWO_SPAN: tl.constexpr):
     """The saturated tiles' ``dS`` row (or column) sums of a block into its buffer rows' buckets 0 and
-    ``2k - 1``; the band chunks may have written those buckets already."""
+    ``2k - 1``, after a barrier: other warps wrote those buckets (zeros or a band chunk's)."""
+    tl.debug_barrier()
     lo = dense + offs_r * TWO_SPAN
     hi = lo + (TWO_SPAN - 1)
     tl.store(lo, (tl.load(lo, mask=rows_ok, other=0.0).to(tl.float32) + sums_lo).to(dense.dtype.element_ty),
@@ -176,7 +187,7 @@ def dense_strides(problem) -> tuple[int, int, int]:
 
 def dense_buffer(problem, q: torch.Tensor) -> torch.Tensor:
     """An ``[H, rows, 2k]`` score-gradient buffer in ``q``'s dtype, not zeroed: each backward block zeroes its own
-    rows (:func:`_zero_rows`), so buckets no distance of a row reaches are 0."""
+    rows (:func:`_zero_outside`, :func:`_store_buckets`), so buckets no distance of a row reaches are 0."""
     rows = dense_strides(problem)[0]
     return torch.empty((problem.n_heads, rows, problem.two_span), dtype=q.dtype, device=q.device)
 

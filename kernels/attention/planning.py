@@ -59,6 +59,10 @@ class Tiles:
     # dropout at 255 registers (the saturated runs' prefetched K and V held across their short tiles); the
     # general run, where its speed is, keeps two.
     saturated_stages: int | None = None
+    # Pipeline stages of a backward kernel reading dense scores where no tile of the launch saturates (``_Problem.
+    # general_only``; None: ``num_stages``). sm_90's 64-row blocks: two stages at N = 512 took its backward 2.03 ->
+    # 1.88 ms (dropout 0, judge, high end), and at N = 8192, where 87% of the tiles saturate, 13.09 -> 16.44.
+    general_stages: int | None = None
 
     def hoists(self, mask_diagonal: bool) -> bool:
         """Whether a launch with (or without) the diagonal mask hoists its rows (``hoist``, ``hoist_diagonal``)."""
@@ -121,8 +125,8 @@ _TILES = {
     # addresses changed layout through shared memory: 16-24 B spilled). 64 x 32 dq / 32 x 64 dk/dv without the
     # prefetch: 2.40 / 2.76 ms; 8 warps: 3.56 / 4.03 (one block an SM); 64 x 16 / 16 x 64: 2.60 / 2.76.
     # d = 64 dense forward, sm_90: sm_80's tile (below), the general run two stages deep under the ceiling.
-    ("half", 64, 90): dict(fwd=_T(64, 64, 4, 1), dq=_T(64, 32, 4, 1, buckets_ahead=True),
-                           dkdv=_T(32, 64, 4, 1, hoist=False, buckets_ahead=True),
+    ("half", 64, 90): dict(fwd=_T(64, 64, 4, 1), dq=_T(64, 32, 4, 1, buckets_ahead=True, general_stages=2),
+                           dkdv=_T(32, 64, 4, 1, hoist=False, buckets_ahead=True, general_stages=2),
                            fwd_dense=_T(64, 64, 4, 2, maxnreg=255, saturated_stages=1)),
     # d = 128, dk/dv, sm_90 and sm_80: every tile without repeated warps spills in some configuration the
     # compile check covers (sm_90: 32 x 16 on 4 warps 8-16 B with p2c alone, 64 x 16 4-16 B, 16 x 16 on 2 8 B;
@@ -312,18 +316,17 @@ def backward_design(cc: int, saturates: bool) -> str:
     bucket coordinates to HBM and four torch GEMMs do the products: ``dense``), for compute capability ``cc``
     and whether some tile can saturate (``_Problem.saturates``: a function of N and the bucket settings).
 
-    From the judge (benchmarks/attention_judge.py, ESTIMATES: bf16, d = 64, H = 12, 16,384 tokens, dropout 0,
-    high end), fused -> dense backward: sm_90 N = 512 3.64 -> 3.79 ms (kernels 3.58 -> 3.31, the buffers'
-    fill, GEMMs and copies +0.40), N = 8192 23.84 -> 22.18; sm_80 N = 512 16.04 -> 15.79, N = 8192 132.7 ->
-    118.3 (dropout 0.1 alike: docs/kernels.md, "Dense position products"). The dense buffers cost about the same
-    per token at any N (two ``[H, tokens, 2k]`` round trips); what they save in the kernels is the band products
-    and partial tables, worth more than the round trip on sm_80 at every length and on sm_90 once tiles saturate
-    (long N), not at 512 tokens with v3's settings, where no tile saturates. Judged again with the backward's
-    dense scores (``backward_scores_design``), fused -> dense gradients: sm_90 N = 512 3.13 -> 3.22 ms (fused
-    kept), sm_80 N = 512 5.64 -> 5.51 and N = 8192 36.9 -> 36.7 at one pipeline stage (dense kept; with dropout
-    0.1 at N = 512 fused is ahead, 5.85 against 6.20). sm_100 is not judged: it takes sm_90's rule (the same
-    tile shapes, tensor-core class)."""
-    return "dense" if cc < 90 or saturates else "fused"
+    Dense on sm_80 and sm_90 at every length (benchmarks/attention_judge.py, ESTIMATES: bf16, d = 64, H = 12,
+    16,384 tokens, high end, with the backward's dense scores, ``backward_scores_design``). Fused -> dense on
+    sm_90 at N = 512, where no tile saturates: 2.03 -> 1.88 ms at dropout 0 and 2.18 -> 2.01 at 0.1, once each
+    block writes its buckets once (``dense._store_buckets``, ``dense._zero_outside``: no read-modify-write of
+    the buffer, no zero-fill of the buckets the band writes) and the kernels load two stages deep where nothing
+    saturates (``Tiles.general_stages``); before that, 2.10 / 2.21 with one stage and 1.99 / 2.16 with two. The
+    fused design's per-chunk partial-table read and write (8 KB of a chunk's 14.6 a warp) is what it loses on:
+    the kernels sit on their HBM share there. Dense was already ahead where tiles saturate (sm_90 N = 8192
+    13.32 / 15.36 ms) and on sm_80 at every length. sm_100 is not judged and keeps the earlier rule (dense only
+    where tiles saturate; it reads fused scores, ``backward_scores_design``)."""
+    return "dense" if cc < 100 or saturates else "fused"
 
 
 BACKWARD_SCORE_DESIGNS = ("fused", "dense")
@@ -454,17 +457,22 @@ def band_range(table: DistanceTable, n_ctx: int, tiles: Tiles, kernel: str) -> t
 
 @functools.lru_cache(maxsize=256)
 def band_folds(table: DistanceTable, lo: int, hi: int, chunk: int,
-               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per ``chunk``-distance chunk from ``lo`` up to ``hi``: int32 ``[first bucket, bucket count]`` and the
-    one-hot ``[distance, bucket]`` matrix in ``dtype`` that ``_band_gradients`` merges its columns with
-    (host tensors, built once per shape)."""
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per ``chunk``-distance chunk from ``lo`` up to ``hi`` (host tensors, built once per shape): int32 ``[first
+    bucket, bucket count]``; the one-hot ``[distance, bucket]`` matrix in ``dtype`` that ``_band_gradients`` merges
+    its columns with; and int32 ``[chunks, chunk]``, every entry the chunk's first bucket where it is the previous
+    chunk's last (log buckets hold several distances, so two chunks can share one), else -1: the dense design
+    reads that bucket back, one row of the block per entry (a scalar read ahead was moved to a uniform register
+    as soon as it was loaded, so the chunk waited out its round trip)."""
     with _on_host():
         offsets = torch.arange(chunk)
         starts = torch.arange(lo, hi + 1, chunk)
         buckets = table.host[starts[:, None] + offsets[None, :] + table.max_distance].long()
         first = buckets[:, :1]
         info = torch.cat([first, buckets[:, -1:] - first + 1], 1).to(torch.int32).contiguous()
-        return info, ((buckets - first)[:, :, None] == offsets[None, None, :]).to(dtype).contiguous()
+        before = table.host[(starts - 1 + table.max_distance).clamp(min=0)].long()[:, None]
+        joined = torch.where(first == before, first, -1).expand(-1, chunk).to(torch.int32).contiguous()
+        return info, ((buckets - first)[:, :, None] == offsets[None, None, :]).to(dtype).contiguous(), joined
 
 
 @dataclass(frozen=True)
@@ -493,6 +501,7 @@ class _Problem:
     backward: str                # the backward's design for the position gradients (``backward_design``)
     forward: str = "fused"       # the forward's design for the general tiles' position terms (``forward_design``)
     backward_scores: str = "fused"  # ... and the backward's, for the scores it recomputes (``backward_scores_design``)
+    general_only: bool = False   # no tile of any kernel saturates (``saturates``): ``Tiles.general_stages`` apply
     terms: str = "c2p+p2c"       # the position terms present: "c2p+p2c", "c2p", "p2c" or "none"
 
     def slots(self, tiles: Tiles) -> int:
@@ -527,7 +536,10 @@ class _Problem:
     def tiles(self, kernel: str, q: torch.Tensor) -> Tiles:
         """``kernel``'s tiles in this plan's designs (``tiles_for``)."""
         dense = self.forward == "dense" if kernel == "fwd" else self.backward_scores == "dense"
-        return tiles_for(kernel, q.shape[-1], q.dtype, self.cc, dense and kernel != "content", self.variant)
+        tiles = tiles_for(kernel, q.shape[-1], q.dtype, self.cc, dense and kernel != "content", self.variant)
+        if kernel in ("dq", "dkdv") and dense and self.general_only and tiles.general_stages:
+            tiles = replace(tiles, num_stages=tiles.general_stages)  # the same blocks: ``saturates`` holds
+        return tiles
 
     @property
     def variant(self) -> Variant:
@@ -656,7 +668,7 @@ def _make_problem(call: AttentionCall, *, num_seqs: int, n_ctx: int, strides: tu
     if not tiles_for("fwd", q.shape[-1], q.dtype, cc, forward == "dense", variant).paths_apart:
         forward = "fused"  # only a forward that walks its paths apart has the dense variant
     return replace(problem, backward=backward_design(cc, saturates), forward=forward,
-                   backward_scores=backward_scores_design(cc, saturates))
+                   backward_scores=backward_scores_design(cc, saturates), general_only=not saturates)
 
 
 def _tables_in(call: AttentionCall) -> list:
