@@ -517,11 +517,15 @@ def _backward_kernel(problem: _Problem, kernel, name: str, q, has_term: bool, bu
     ``scores``: the dense ``(C2P, P2C)`` its general tiles read (``_Problem.backward_scores``), or ``()``."""
     dense = problem.backward == "dense" and has_term
     tiles = problem.tiles(name, q)
-    items = problem.num_seqs * triton.cdiv(problem.n_ctx, tiles.block_m if name == "dq" else tiles.block_n)
+    rows = tiles.block_m if name == "dq" else tiles.block_n
+    if dense and rows > tiles.chunk:  # band_folds' read-back table has a chunk's entries a chunk: one per block row
+        raise ValueError(f"{name} tiles {tiles}: blocks of {rows} rows exceed the band chunk of {tiles.chunk} "
+                         "distances the dense design's fold tables are laid out for")
+    items = problem.num_seqs * triton.cdiv(problem.n_ctx, rows)
     lo, hi, band = band_range(problem.table, problem.n_ctx, tiles, name)
     folds = band_folds(problem.table, lo, hi, tiles.chunk, q.dtype)
     fold, merge, joins = (_on_device((problem.table.key, lo, hi, tiles.chunk, q.dtype, i), t, q.device)
-                   for i, t in enumerate(folds))
+                          for i, t in enumerate(folds))
     has_terms = args["KR"] is not q or args["QR"] is not q
     buffers = backward_buffers(tiles, problem.two_span, band, q, name, has_term, has_terms, dense, bool(scores))
     per_item = one_item_per_program(problem, scores)

@@ -61,7 +61,8 @@ class Tiles:
     saturated_stages: int | None = None
     # Pipeline stages of a backward kernel reading dense scores where no tile of the launch saturates (``_Problem.
     # general_only``; None: ``num_stages``). sm_90's 64-row blocks: two stages at N = 512 took its backward 2.03 ->
-    # 1.88 ms (dropout 0, judge, high end), and at N = 8192, where 87% of the tiles saturate, 13.09 -> 16.44.
+    # 1.91 ms (dropout 0, judge, high end), and at N = 8192, where 87% of the tiles saturate, 13.09 -> 16.44 (judged
+    # with dk/dv's rows hoisted).
     general_stages: int | None = None
 
     def hoists(self, mask_diagonal: bool) -> bool:
@@ -318,7 +319,7 @@ def backward_design(cc: int, saturates: bool) -> str:
 
     Dense on sm_80 and sm_90 at every length (benchmarks/attention_judge.py, ESTIMATES: bf16, d = 64, H = 12,
     16,384 tokens, high end, with the backward's dense scores, ``backward_scores_design``). Fused -> dense on
-    sm_90 at N = 512, where no tile saturates: 2.03 -> 1.88 ms at dropout 0 and 2.18 -> 2.01 at 0.1, once each
+    sm_90 at N = 512, where no tile saturates: 2.03 -> 1.91 ms at dropout 0 and 2.18 -> 2.01 at 0.1, once each
     block writes its buckets once (``dense._store_buckets``, ``dense._zero_outside``: no read-modify-write of
     the buffer, no zero-fill of the buckets the band writes) and the kernels load two stages deep where nothing
     saturates (``Tiles.general_stages``); before that, 2.10 / 2.21 with one stage and 1.99 / 2.16 with two. The

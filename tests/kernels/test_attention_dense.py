@@ -196,8 +196,8 @@ def test_the_dense_designs_run_a_program_per_item(cc, n, one_item, monkeypatch):
 def test_the_backward_loads_two_stages_deep_where_no_tile_saturates(n, stages, monkeypatch):
     """sm_90's backward kernels read dense scores on the same blocks at every length, two pipeline stages deep
     where no tile saturates (``Tiles.general_stages``: 512 tokens with v3's settings) and one where most do (the
-    judge: two stages at N = 8192 took its backward 13.09 -> 16.44 ms); the plan's saturation test, made with the
-    one-stage tiles, holds for both (same blocks)."""
+    judge: two stages at N = 8192 took its backward 13.09 -> 16.44 ms, rows hoisted); the plan's saturation test,
+    made with the one-stage tiles, holds for both (same blocks)."""
     backward = [(plan, name, tiles) for plan, name, _, tiles in _planned(90, n, monkeypatch)
                 if name in BACKWARD_KERNELS]
     assert len(backward) == 2
@@ -243,3 +243,20 @@ def test_the_dense_gradients_zero_the_buckets_no_distance_reaches(n, monkeypatch
     got = run_with_grads(attention.disentangled_attention, inputs, torch.float32, **kw)
     want = run_with_grads(reference.disentangled_attention, inputs, torch.float64, **kw)
     assert_close(got, want, TOL[torch.float32])
+
+
+def test_dense_gradient_blocks_wider_than_a_band_chunk_are_refused(monkeypatch):
+    """The dense design reads back a shared bucket through a fold table with a chunk's entries a chunk, one per
+    block row: a tile whose blocks have more rows than a chunk has distances would read the next chunk's entries
+    (a wrong gradient, silently). The launch refuses it with the tile named, before anything runs."""
+    monkeypatch.setattr(planning, "backward_design", lambda *args: "dense")
+    from distaff.kernels.relative_position import attention_span
+
+    wide = attention.Tiles(128, 16, 4, 1)
+    assert wide.block_m > wide.chunk
+    monkeypatch.setattr(planning, "INTERPRETER_TILES", wide)
+    q, k, v, kr, qr = make_inputs(torch.device("cpu"), 1, 1, 8, 16, attention_span(BUCKETS, MAX_REL), seed=1)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, kr, qr)]
+    out = attention.disentangled_attention(*leaves, **KW)
+    with pytest.raises(ValueError, match=r"dq tiles .* blocks of 128 rows exceed the band chunk of 64"):
+        torch.autograd.grad(out.sum(), leaves)
