@@ -321,11 +321,12 @@ class _LiveBytes(TorchDispatchMode):
         self.seen.discard(ptr)
 
 
-def backward_extra_mib(batch: int, n: int, design: str, scores: str) -> float:
+def backward_extra_mib(batch: int, n: int, design: str, scores: str, keep: bool = False) -> float:
     """Peak bytes the backward's host code allocates beyond dq, dk, dv and the position gradients, at real
     shapes, with every kernel launch recorded instead of run (no GPU needed), for the position gradients'
     ``design`` (``planning.BACKWARD_DESIGNS``) and the recomputed scores' (``planning.BACKWARD_SCORE_DESIGNS``):
-    the kernels' planning picks them per GPU and length."""
+    the kernels' planning picks them per GPU and length. ``keep``: dense scores the forward kept (made before
+    the count: activations, not the backward's) are read instead of recomputed."""
     import dataclasses
 
     from triton.runtime.interpreter import InterpretedFunction
@@ -339,7 +340,8 @@ def backward_extra_mib(batch: int, n: int, design: str, scores: str) -> float:
     problem = attention.planning._make_problem(call, num_seqs=batch, n_ctx=n, strides=q.stride()[:3],
                                       stat_shape=(batch, HEADS, n), stat_strides=(HEADS * n, n), mask=None,
                                       cu_seqlens=None)
-    problem = dataclasses.replace(problem, backward=design, backward_scores=scores)
+    problem = dataclasses.replace(problem, backward=design, backward_scores=scores,
+                                  keep_scores=keep and scores == "dense")
     lse = torch.zeros(batch, HEADS, n)
     kernels = (JITFunction, InterpretedFunction)  # the latter: kernels defined under TRITON_INTERPRET=1
     runs = [kernel.run for kernel in kernels]
@@ -347,8 +349,9 @@ def backward_extra_mib(batch: int, n: int, design: str, scores: str) -> float:
         kernel.run = lambda self, *a, grid, warmup, **kw: None
     try:
         end = attention.end_terms(problem, q, k, kr, qr)  # saved by the forward
+        kept = attention.dense.dense_scores(attention.dense.HeadMajor(q, k), kr, qr) if problem.keep_scores else ()
         with _LiveBytes() as tracker:
-            grads = attention.attention_backward(grad_out, q, k, v, kr, qr, out, lse, end, problem)
+            grads = attention.attention_backward(grad_out, q, k, v, kr, qr, out, lse, end, problem, kept)
     finally:
         for kernel, run in zip(kernels, runs):
             kernel.run = run

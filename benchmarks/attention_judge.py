@@ -40,6 +40,10 @@ check does (same cache), then:
 * work outside the kernels (torch GEMMs, copies, fills, sums) is estimated at its roofline (dense tensor peak,
   HBM bandwidth), favourable to whoever does it; HF eager's GEMMs at the efficiency cuBLAS reaches
   (``CUBLAS_EFFICIENCY``), each of its torch ops one launch;
+* distaff is judged as the presets run it, its forward's dense position scores kept for the backward (the
+  model's ``keep_position_scores``, the op's ``keep_scores``, both on by default: 2 x H x tokens x 2k elements
+  a layer); the column "distaff, scores recomputed" is the memory-saving setting, the backward recomputing them
+  with two GEMMs;
 * DisentangledFlash's backward is held to each of its two published figures (``DF_BACKWARD_FIGURES``: its
   profile's, about 83 ms, and its README's, 45.26 ms, at N = 8192 with 24 sequence-heads), and every bar of
   the issue (``BARS``, ``CONTENT_BARS``) is judged under both (``verdicts``).
@@ -67,7 +71,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attention_anchor  # noqa: E402  (sibling scripts, not a package)
 from attention_recording import (BUCKETS, CONTENT, HEADS, HF_EAGER, IMPLEMENTATIONS, MAX_REL,  # noqa: E402
-                                 PASSES, Recording, Unavailable, Workload, record_disentangled_flash)
+                                 PASSES, RECOMPUTED, Recording, Unavailable, Workload, record_disentangled_flash)
 
 from distaff.kernels import attention as distaff_attention
 from distaff.kernels.aot import compile_check, static_perf
@@ -291,13 +295,18 @@ def _tensor_bytes(args: tuple, kwargs: dict) -> float:
     return float(sum(t.numel() * t.element_size() for t in seen.values()))
 
 
+# distaff as the presets run it (its forward's dense position scores kept for the backward) and with them recomputed
+# (model.keep_position_scores=false): the same kernels, read with distaff's own program model
+DISTAFF = ("distaff", RECOMPUTED)
+
+
 def estimate_launch(impl: str, launch: tuple, w: Workload, gpu: static_perf.Gpu) -> KernelEstimate:
     """Compile one recorded launch for ``w.cc`` and estimate its issue floor, its latency-aware makespan at
     both ends and its bytes on ``gpu``."""
     kernel, args, kwargs, grid = launch
     row, figures = _figures(kernel, args, kwargs, w.cc)
     warps = kwargs.get("num_warps", 4)
-    if impl == "distaff" and kernel.__name__ in ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv"):
+    if impl in DISTAFF and kernel.__name__ in ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv"):
         works = _distaff_program_work(kernel.__name__, kwargs, grid, figures)
     else:
         works = _peer_program_work(kwargs, grid, w.n, figures)
@@ -305,7 +314,7 @@ def estimate_launch(impl: str, launch: tuple, w: Workload, gpu: static_perf.Gpu)
     bm, bn = kwargs.get("BLOCK_M", 0), kwargs.get("BLOCK_N", 0)
     paths = []
     if figures.loops and bm and bn:
-        if impl == "distaff" and kernel.__name__ in ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv"):
+        if impl in DISTAFF and kernel.__name__ in ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv"):
             runs = _run_mixes(kernel.__name__, kwargs, figures)
             picks = runs if runs["top"] is not runs["bottom"] else {"saturated": runs["top"],
                                                                     "general": runs["general"]}
@@ -512,10 +521,10 @@ def summary_rows(workloads: list[Workload], jobs: int = 1) -> tuple[list[str], d
     ``{workload: {impl: {pass: ...}}}``; workloads are estimated in ``jobs`` processes (compiles are cached
     on disk, shared between them). DisentangledFlash's backward is shown held to its profile and to its
     README figure."""
-    lines = ["| workload | target | pass | distaff ms | DisentangledFlash ms (bwd: profile / README) | FlashDeBERTa ms | "
-             "FlashAttention-2 content only ms | HF eager ms | distaff / DF profile | distaff / DF README | "
-             "distaff / FD | distaff / FA-2 content | distaff / HF eager | distaff launches / host syncs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | target | pass | distaff ms | distaff, scores recomputed ms | DisentangledFlash ms (bwd: "
+             "profile / README) | FlashDeBERTa ms | FlashAttention-2 content only ms | HF eager ms | distaff / DF "
+             "profile | distaff / DF README | distaff / FD | distaff / FA-2 content | distaff / HF eager | distaff "
+             "launches / host syncs |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     calibration()  # compiled once here, read from the cache by the workers
     # Spawned, not forked: a fork of a process that has run torch and triton can deadlock in the child.
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -529,7 +538,8 @@ def summary_rows(workloads: list[Workload], jobs: int = 1) -> tuple[list[str], d
             df = _cell(result, "DisentangledFlash", p)
             if p == "bwd" and isinstance(result["DisentangledFlash"], dict):
                 df = " / ".join(_cell(result, "DisentangledFlash", p, figure) for figure in DF_BACKWARD_FIGURES)
-            lines.append(f"| {w.name} | sm_{w.cc} | {p} | {_cell(result, 'distaff', p)} | {df} | "
+            lines.append(f"| {w.name} | sm_{w.cc} | {p} | {_cell(result, 'distaff', p)} | "
+                         f"{_cell(result, RECOMPUTED, p)} | {df} | "
                          f"{_cell(result, 'FlashDeBERTa', p)} | {_cell(result, CONTENT, p)} | "
                          f"{_cell(result, HF_EAGER, p)} | {' | '.join(ratios)} | {ours.launches} / {ours.syncs} |")
     return lines, results
@@ -589,7 +599,7 @@ def kernel_rows(results: dict) -> list[str]:
              "latency-aware ms (low-high, uncalibrated) |", "|" + "---|" * 19]
     for w, result in results.items():
         for impl, passes in result.items():
-            if not isinstance(passes, dict):
+            if not isinstance(passes, dict) or impl == RECOMPUTED:  # distaff's kernels, as read in its own rows
                 continue
             gpu = static_perf.GPUS[w.cc]
             ms = gpu.clock_ghz * 1e6

@@ -8,6 +8,7 @@ FlashDeBERTa 0.0.8 (a benchmark extra), a content-only FlashAttention-2 in the T
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import sys
 from dataclasses import dataclass, field
@@ -159,9 +160,11 @@ class Workload:
         return f"N={self.n} B={self.batch} d={self.head_dim} p={self.dropout:g}"
 
 
-def record_distaff(w: Workload) -> dict:
-    """distaff's public op planned for ``w.cc``, on fake tensors: every torch operation on them (the mask's
-    cast, the end terms' and the partials' zero-fills, the partials' sums and casts) is charged as GPU work,
+def record_distaff(w: Workload, keep_scores: bool = True) -> dict:
+    """distaff's public op planned for ``w.cc``, on fake tensors (``keep_scores``: the op's, by default the
+    forward's dense position scores kept for the backward, as the model's ``keep_position_scores`` default has
+    it): every torch operation on them (the mask's cast, the end terms' and the partials' zero-fills, the
+    partials' sums and casts) is charged as GPU work,
     as the peers' are, its GEMMs (the dense backward's position products) at ``CUBLAS_EFFICIENCY`` as Hugging
     Face eager's; the host's planning runs on real CPU tensors, once per shape, and is not. Q, K, V and the
     output's gradient come in the model's layout (:func:`_model_heads`), the peers' in their APIs' own
@@ -182,7 +185,8 @@ def record_distaff(w: Workload) -> dict:
             with _recording(passes["fwd"]):
                 out = distaff_attention.disentangled_attention(q, k, v, kr, qr, attention_mask=mask,
                                                                position_buckets=BUCKETS,
-                                                               max_relative_positions=MAX_REL, dropout_p=w.dropout)
+                                                               max_relative_positions=MAX_REL, dropout_p=w.dropout,
+                                                               keep_scores=keep_scores)
             with _recording(passes["bwd"]):
                 torch.autograd.grad(out, (q, k, v, kr, qr), grad)  # no AccumulateGrad copies: the op's own work
     finally:
@@ -471,5 +475,7 @@ def _host_scalar(build):
 
 CONTENT = "FlashAttention-2 (content only)"
 HF_EAGER = "HF eager"
-IMPLEMENTATIONS = {"distaff": record_distaff, "DisentangledFlash": record_disentangled_flash,
+RECOMPUTED = "distaff, scores recomputed"  # model.keep_position_scores=false: the memory-saving setting
+IMPLEMENTATIONS = {"distaff": record_distaff, RECOMPUTED: functools.partial(record_distaff, keep_scores=False),
+                   "DisentangledFlash": record_disentangled_flash,
                    "FlashDeBERTa": record_flashdeberta, CONTENT: record_content_reference, HF_EAGER: record_hf_eager}

@@ -170,6 +170,7 @@ class AttentionCall:
     bounds: tuple = ()  # host offsets when cu_seqlens is a CPU tensor, else () (never read from a device)
     mask_diagonal: bool = False  # query i never sees key i of its own sequence
     seed: int | None = None  # the dropout seed; None: a fresh one (dropout_seed) per call
+    keep_scores: bool = True  # the Triton forward's dense position scores kept for the backward (planning)
 
     @property
     def per_sequence_scale(self) -> bool:
@@ -192,7 +193,8 @@ def attention_op(implementation: Callable[[AttentionCall], torch.Tensor]) -> Cal
     def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_key: torch.Tensor | None = None,
            pos_query: torch.Tensor | None = None, *, position_buckets: int, max_relative_positions: int,
            attention_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-           softmax_scale: float | torch.Tensor | None = None, mask_diagonal: bool = False) -> torch.Tensor:
+           softmax_scale: float | torch.Tensor | None = None, mask_diagonal: bool = False,
+           keep_scores: bool = True) -> torch.Tensor:
         span = attention_span(position_buckets, max_relative_positions)
         check_attention_inputs(q, k, v, pos_key, pos_query, span, attention_mask, dropout_p)
         check_attention_tensors(q, k, v, pos_key, pos_query, attention_mask, None, _tensor_or_none(softmax_scale),
@@ -201,7 +203,7 @@ def attention_op(implementation: Callable[[AttentionCall], torch.Tensor]) -> Cal
         scale = resolve_scale(softmax_scale, q.shape[-1], pos_key, pos_query)
         return implementation(AttentionCall(q, k, v, pos_key, pos_query, position_buckets, max_relative_positions,
                                             float(dropout_p), scale, attention_mask=attention_mask,
-                                            mask_diagonal=bool(mask_diagonal)))
+                                            mask_diagonal=bool(mask_diagonal), keep_scores=bool(keep_scores)))
 
     return op
 
@@ -213,7 +215,8 @@ def varlen_attention_op(implementation: Callable[[AttentionCall], torch.Tensor])
     def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_key: torch.Tensor | None = None,
            pos_query: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor, max_seqlen: int,
            position_buckets: int, max_relative_positions: int, dropout_p: float = 0.0,
-           softmax_scale: float | torch.Tensor | None = None, mask_diagonal: bool = False) -> torch.Tensor:
+           softmax_scale: float | torch.Tensor | None = None, mask_diagonal: bool = False,
+           keep_scores: bool = True) -> torch.Tensor:
         check_attention_tensors(q, k, v, pos_key, pos_query, None, cu_seqlens, _tensor_or_none(softmax_scale),
                                 _float_or_none(softmax_scale))
         bounds = check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen)
@@ -226,7 +229,7 @@ def varlen_attention_op(implementation: Callable[[AttentionCall], torch.Tensor])
         return implementation(AttentionCall(q, k, v, pos_key, pos_query, position_buckets, max_relative_positions,
                                             float(dropout_p), scale, cu_seqlens=cu_seqlens,
                                             max_seqlen=int(max_seqlen), bounds=bounds,
-                                            mask_diagonal=bool(mask_diagonal)))
+                                            mask_diagonal=bool(mask_diagonal), keep_scores=bool(keep_scores)))
 
     return op
 

@@ -74,10 +74,10 @@ def _reference_grads(fn: Callable, inputs: Sequence[torch.Tensor | None], grads:
 
 
 def _call(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale, max_seqlen, position_buckets,
-          max_relative_positions, dropout_p, mask_diagonal, seed) -> AttentionCall:
+          max_relative_positions, dropout_p, mask_diagonal, keep_scores, seed) -> AttentionCall:
     return AttentionCall(q, k, v, pos_key, pos_query, position_buckets, max_relative_positions, dropout_p,
                          scale if scales is None else scales, attention_mask=mask, cu_seqlens=cu_seqlens,
-                         max_seqlen=max_seqlen, mask_diagonal=mask_diagonal, seed=seed)
+                         max_seqlen=max_seqlen, mask_diagonal=mask_diagonal, seed=seed, keep_scores=keep_scores)
 
 
 def _reference_attention(call: AttentionCall) -> torch.Tensor:
@@ -89,9 +89,11 @@ def _reference_attention(call: AttentionCall) -> torch.Tensor:
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_key: Optional[torch.Tensor],
                   pos_query: Optional[torch.Tensor], mask: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
                   scales: Optional[torch.Tensor], scale: float, max_seqlen: int, position_buckets: int,
-                  max_relative_positions: int, dropout_p: float, mask_diagonal: bool,
-                  impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(out, lse, end, seed)``: lse and end terms are the Triton backward's (empty for the reference);
+                  max_relative_positions: int, dropout_p: float, mask_diagonal: bool, keep_scores: bool,
+                  impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                      torch.Tensor]:
+    """``(out, lse, end, seed, kept_c2p, kept_p2c)``: lse, end terms and the kept position scores are the
+    Triton backward's (empty for the reference, and for scores the plan does not keep: ``_Problem.kept_shape``);
     ``seed`` is the dropout seed drawn for this call, an int64 CPU scalar the backward reuses."""
     check_attention_op(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale, max_seqlen, position_buckets,
                        max_relative_positions, dropout_p, impl, values=True)
@@ -101,27 +103,33 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_key: Op
                            "attention_probs_dropout_prob=0 or eval mode) or leave the attention outside the graph")
     seed = dropout_seed(dropout_p)
     call = _call(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale, max_seqlen, position_buckets,
-                 max_relative_positions, dropout_p, mask_diagonal, seed)
+                 max_relative_positions, dropout_p, mask_diagonal, keep_scores, seed)
     seed_tensor = torch.tensor(seed, dtype=torch.int64)
     if impl == "reference":
         with torch.no_grad():
-            return _reference_attention(call), _empty(q), _empty(q), seed_tensor
+            return _reference_attention(call), _empty(q), _empty(q), seed_tensor, _empty(q), _empty(q)
     attention = _triton("attention")
     q, k, v, problem = attention.plan(call)
-    return (*attention.attention_forward(q, k, v, pos_key, pos_query, problem), seed_tensor)
+    out, lse, end, kept_c2p, kept_p2c = attention.attention_forward(q, k, v, pos_key, pos_query, problem)
+    return out, lse, end, seed_tensor, kept_c2p, kept_p2c
 
 
 @_attention_op.register_fake
 def _(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale, max_seqlen, position_buckets,
-      max_relative_positions, dropout_p, mask_diagonal, impl):
+      max_relative_positions, dropout_p, mask_diagonal, keep_scores, impl):
     check_attention_op(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale, max_seqlen, position_buckets,
                        max_relative_positions, dropout_p, impl, values=False)
     seed = torch.empty((), dtype=torch.int64, device="cpu")
     if impl == "reference":
-        return torch.empty_like(q), _empty(q), _empty(q), seed
+        return torch.empty_like(q), _empty(q), _empty(q), seed, _empty(q), _empty(q)
     stats, end = attention_stat_shapes(q, cu_seqlens is not None, pos_key is not None or pos_query is not None)
     out = q.new_empty_strided(q.shape, kernel_strides(q))  # the layout the kernels write (planning.plan)
-    return out, q.new_empty(stats, dtype=torch.float32), q.new_empty(end, dtype=torch.float32), seed
+    # whether and what the forward keeps is the plan's (host arithmetic on the shapes: no device value is read)
+    problem = _triton("attention").plan(_call(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale,
+                                               max_seqlen, position_buckets, max_relative_positions, dropout_p,
+                                               mask_diagonal, keep_scores, 0))[-1]
+    kept = (q.new_empty(problem.kept_shape(t is not None)) for t in (pos_key, pos_query))
+    return out, q.new_empty(stats, dtype=torch.float32), q.new_empty(end, dtype=torch.float32), seed, *kept
 
 
 @torch.library.custom_op("distaff::attention_backward", mutates_args=())
@@ -129,14 +137,15 @@ def _attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
                            pos_key: Optional[torch.Tensor], pos_query: Optional[torch.Tensor],
                            mask: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
                            scales: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, end: torch.Tensor,
-                           seed: torch.Tensor, scale: float, max_seqlen: int, position_buckets: int,
-                           max_relative_positions: int, dropout_p: float, mask_diagonal: bool,
+                           seed: torch.Tensor, kept_c2p: torch.Tensor, kept_p2c: torch.Tensor, scale: float,
+                           max_seqlen: int, position_buckets: int, max_relative_positions: int, dropout_p: float,
+                           mask_diagonal: bool, keep_scores: bool,
                            impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv, d_pos_key, d_pos_query`` (empty for an absent table)."""
     _check_attention_backward(grad_out, q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse, end, seed,
                               scale, max_seqlen, position_buckets, max_relative_positions, dropout_p, impl, values=True)
     call = _call(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale, max_seqlen, position_buckets,
-                 max_relative_positions, dropout_p, mask_diagonal, int(seed))  # a CPU scalar: no device sync
+                 max_relative_positions, dropout_p, mask_diagonal, keep_scores, int(seed))  # CPU scalar: no sync
     if impl == "reference":
         grads = _reference_grads(lambda *t: _reference_attention(replace(call, q=t[0], k=t[1], v=t[2], pos_key=t[3],
                                                                          pos_query=t[4])),
@@ -144,7 +153,8 @@ def _attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
     else:
         attention = _triton("attention")
         q, k, v, problem = attention.plan(call)
-        grads = attention.attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, end, problem)
+        grads = attention.attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, end, problem,
+                                             (kept_c2p, kept_p2c))
     dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
     # The tables' gradients contiguous whatever the tables' layout, as the fake says (a model's tables are views).
     d_tables = (_empty(q) if g is None or t is None else g.to(t.dtype).contiguous()
@@ -153,8 +163,8 @@ def _attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
 
 
 @_attention_backward_op.register_fake
-def _(grad_out, q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse, end, seed, scale, max_seqlen,
-      position_buckets, max_relative_positions, dropout_p, mask_diagonal, impl):
+def _(grad_out, q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse, end, seed, kept_c2p, kept_p2c,
+      scale, max_seqlen, position_buckets, max_relative_positions, dropout_p, mask_diagonal, keep_scores, impl):
     _check_attention_backward(grad_out, q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse, end, seed,
                               scale, max_seqlen, position_buckets, max_relative_positions, dropout_p, impl,
                               values=False)
@@ -174,21 +184,16 @@ def _check_attention_backward(grad_out, q, k, v, pos_key, pos_query, mask, cu_se
                           pos_key is not None or pos_query is not None, impl)
 
 
-_ATTENTION_ARGS = ("mask", "cu_seqlens", "scales", "scale", "max_seqlen", "position_buckets",
-                   "max_relative_positions", "dropout_p", "mask_diagonal", "impl")
-
-
 def _attention_setup(ctx, inputs, output) -> None:
     q, k, v, pos_key, pos_query, mask, cu_seqlens, scales = inputs[:8]
-    out, lse, end, seed = output
-    ctx.save_for_backward(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse, end, seed)
+    ctx.save_for_backward(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, *output)
     ctx.options = inputs[8:]
 
 
-def _attention_backward(ctx, grad_out, _lse, _end, _seed):
-    q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse, end, seed = ctx.saved_tensors
+def _attention_backward(ctx, grad_out, *_others):
+    q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse, end, seed, *kept = ctx.saved_tensors
     grads = _attention_backward_op(grad_out, q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse, end,
-                                   seed, *ctx.options)
+                                   seed, *kept, *ctx.options)
     return (*(_or_none(g) for g in grads), None, None, None, *(None,) * len(ctx.options))
 
 
@@ -199,11 +204,11 @@ def _attention(impl: str) -> Callable[[AttentionCall], torch.Tensor]:
     def run(call: AttentionCall) -> torch.Tensor:
         tables = [None if t is None else t.to(call.q.dtype).contiguous() for t in (call.pos_key, call.pos_query)]
         scale = call.softmax_scale
-        out, _, _, _ = _attention_op(call.q.contiguous(), call.k.contiguous(), call.v.contiguous(), *tables,
-                                     call.attention_mask, call.cu_seqlens, scale if call.per_sequence_scale else None,
-                                     1.0 if call.per_sequence_scale else float(scale), call.max_seqlen,
-                                     call.position_buckets, call.max_relative_positions, call.dropout_p,
-                                     call.mask_diagonal, impl)
+        out = _attention_op(call.q.contiguous(), call.k.contiguous(), call.v.contiguous(), *tables,
+                            call.attention_mask, call.cu_seqlens, scale if call.per_sequence_scale else None,
+                            1.0 if call.per_sequence_scale else float(scale), call.max_seqlen, call.position_buckets,
+                            call.max_relative_positions, call.dropout_p, call.mask_diagonal, call.keep_scores,
+                            impl)[0]
         return out
 
     return run

@@ -143,7 +143,8 @@ def disentangled_attention(call: AttentionCall) -> torch.Tensor:
     ``softmax_scale``: a float or a float32 ``[B]`` tensor (one scale per sequence);
     ``mask_diagonal``: query ``i`` never attends key ``i``. Rows with no visible key (padded queries,
     a one-token sequence under ``mask_diagonal``) output zeros. Half-precision inputs are computed in
-    float32.
+    float32. ``keep_scores`` is the Triton path's (its forward's dense position scores kept for its backward
+    instead of recomputed: the same gradients, memory for time); the reference ignores it.
     """
     q = call.q
     index = relative_position_index(q.shape[2], q.shape[2], call.position_buckets, call.max_relative_positions,

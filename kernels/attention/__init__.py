@@ -20,8 +20,9 @@ The distances ``i - j`` of a tile form one *window* of ``BLOCK_M + BLOCK_N - 1``
   torch GEMMs compute ``C2P = Q Kr^T`` and ``P2C = K Qr^T`` (``[H, rows, 2k]``, ``dense.dense_scores``) before
   the kernel, and a general tile reads score ``(i, j)``'s terms at ``C2P[i, bucket(i - j)]`` and
   ``P2C[j, bucket(i - j)]``: no window rows, products or scratch. The backward's kernels read the scores they
-  recompute the same way (``planning.backward_scores_design``, ``_Problem.backward_scores``), from two GEMMs
-  run again at the backward's start (not kept from the forward: a layer's two buffers are 403 MB at v3's batch).
+  recompute the same way (``planning.backward_scores_design``, ``_Problem.backward_scores``): the forward's, kept
+  for them where both passes read dense ones (``_Problem.keep_scores``: 403 MB a layer at v3's batch), else from
+  two GEMMs run again at the backward's start.
 
 Backward (no atomics, deterministic): ``_attn_bwd_delta`` (``rowsum(dO * O)``), then two kernels that
 recompute the scores: ``_attn_bwd_dq`` (query blocks: ``dQ`` and the c2p table gradient ``dKr``) and

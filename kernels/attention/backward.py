@@ -559,15 +559,32 @@ def row_delta(problem: _Problem, out: torch.Tensor, grad_out: torch.Tensor) -> t
     return delta
 
 
-def attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, end, problem: _Problem):
-    """``dq, dk, dv, d_pos_key, d_pos_query`` (None for absent position terms).
+def _backward_scores(problem: _Problem, heads: HeadMajor, pos_key, pos_query, kept: tuple) -> tuple:
+    """``(C2P, P2C)`` for the backward's kernels: the forward's, when it kept them (``problem.keep_scores``),
+    else recomputed by two GEMMs. Kept tensors of any other shape or dtype than the plan's (a caller's own) are
+    refused by name: the kernels would read them out of bounds."""
+    if not problem.keep_scores or not kept or all(t.numel() == 0 for t in kept):
+        return dense_scores(heads, pos_key, pos_query)
+    q = heads.inputs[0]
+    for name, t, table in zip(("C2P", "P2C"), kept, (pos_key, pos_query)):
+        wanted = problem.kept_shape(table is not None)
+        if tuple(t.shape) != wanted or t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"the kept {name} must be the forward's {wanted} {q.dtype} on {q.device}, got "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    return tuple(q if table is None else t for t, table in zip(kept, (pos_key, pos_query)))
+
+
+def attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, end, problem: _Problem,
+                       kept: tuple = ()):
+    """``dq, dk, dv, d_pos_key, d_pos_query`` (None for absent position terms); ``kept``: the forward's kept
+    ``(C2P, P2C)`` (``attention_forward``), or nothing.
 
     Extra memory beyond the gradients: ``delta`` and one kernel's partials and scratch at a time,
     together at most ``PARTIAL_BUDGET`` x the bytes of ``dq + dk + dv`` (and at least one program per head);
     in the dense design (``problem.backward``) also one ``[H, rows, 2k]`` score-gradient buffer at a time, and
-    with dense scores (``problem.backward_scores``) the two ``[H, rows, 2k]`` products, recomputed here by two
-    GEMMs (not kept from the forward: 403 MB a layer at B = 32, N = 512, H = 12, bf16); padded, with either dense
-    design, head-major copies of Q and K (``dense.HeadMajor``), made once for both.
+    with dense scores (``problem.backward_scores``) the two ``[H, rows, 2k]`` products: the forward's where it
+    kept them (``problem.keep_scores``), else recomputed here by two GEMMs (:func:`_backward_scores`); padded,
+    with either dense design, head-major copies of Q and K (``dense.HeadMajor``), made once for both.
     """
     # One layout for q, k, v, the output and their gradients (planning.plan): copies only for a caller's odd one.
     grad_out, out = (in_kernel_layout(t, q.stride()) for t in (grad_out, out))
@@ -580,7 +597,7 @@ def attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, end, pro
                   END=end, DO=grad_out, LSE=lse, DELTA=delta)
     has_terms = pos_key is not None or pos_query is not None
     heads = HeadMajor(q, k)  # shared by the scores' and the gradients' GEMMs
-    common["scores"] = (dense_scores(heads, pos_key, pos_query)
+    common["scores"] = (_backward_scores(problem, heads, pos_key, pos_query, kept)
                         if has_terms and problem.backward_scores == "dense" else ())
     d_pos_query = _backward_kernel(problem, _attn_bwd_dkdv, "dkdv", q, pos_query is not None, budget, "DQR_PART",
                                    DK=dk, DV=dv, **common)

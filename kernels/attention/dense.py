@@ -4,9 +4,9 @@ into the position terms' gradients.
 
 Scores (``dense_scores``): ``C2P[h, row(i), t] = Q_i . Kr[t]`` and ``P2C[h, row(j), t] = K_j . Qr[t]``, one
 batched GEMM each, head-major ``[H, rows, 2k]`` in the input dtype (the rows as below); a general tile of the
-forward (``planning.forward_design``) or of either backward kernel (``planning.backward_scores_design``, the GEMMs
-run again at the backward's start) reads score ``(i, j)``'s terms at ``C2P[row(i), bucket(i - j)]`` and
-``P2C[row(j), bucket(i - j)]`` (``_score_buckets``, ``_dense_bias``).
+forward (``planning.forward_design``) or of either backward kernel (``planning.backward_scores_design``, the
+products kept from the forward or the GEMMs run again at the backward's start) reads score ``(i, j)``'s terms at
+``C2P[row(i), bucket(i - j)]`` and ``P2C[row(j), bucket(i - j)]`` (``_score_buckets``, ``_dense_bias``).
 
 ``dC2P[h, row(i), t] = sum_{j: idx(i, j) = t} dS[i, j]`` (what ``_attn_bwd_dq`` merges from its band per query
 block, plus its saturated tiles' row sums at the two ends) and ``dP2C[h, row(j), t] = sum_{i: idx(i, j) = t}

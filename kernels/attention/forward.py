@@ -329,8 +329,10 @@ def end_terms(problem: _Problem, q, k, pos_key, pos_query) -> torch.Tensor:
 
 
 def attention_forward(q, k, v, pos_key, pos_query, problem: _Problem):
-    """Output, base-2 row log-sum-exp and the end terms of the fused forward; its general tiles read their
-    position terms from dense GEMM products when the plan says so (``_Problem.forward``)."""
+    """Output, base-2 row log-sum-exp, the end terms and the kept ``C2P`` and ``P2C`` of the fused forward; its
+    general tiles read their position terms from dense GEMM products when the plan says so (``_Problem.forward``),
+    which it keeps for the backward with ``_Problem.keep_scores`` (else, and for an absent term, an empty
+    stand-in: ``_Problem.kept_shape``)."""
     out = q.new_empty_strided(q.shape, q.stride())  # q's layout (planning.plan): the fake's too
     lse = torch.empty(problem.stat_shape, dtype=torch.float32, device=q.device)
     end = end_terms(problem, q, k, pos_key, pos_query)
@@ -351,4 +353,6 @@ def attention_forward(q, k, v, pos_key, pos_query, problem: _Problem):
                    PATHS_APART=tiles.paths_apart, DENSE_SCORES=dense, SATURATED_STAGES=tiles.saturated_stages,
                    KEYS_AHEAD=tiles.keys_ahead and not problem.mask_diagonal,  # Tiles.keys_ahead
                    **problem.saturation_limits())
-    return out, lse, end
+    kept = (c2p if problem.keep_scores and pos_key is not None else q.new_empty((0,)),
+            p2c if problem.keep_scores and pos_query is not None else q.new_empty((0,)))
+    return out, lse, end, *kept

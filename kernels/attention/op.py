@@ -14,14 +14,15 @@ from .planning import _Problem, _tables_in, plan
 class _DisentangledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, pos_key, pos_query, problem: _Problem):
-        out, lse, end = attention_forward(q, k, v, pos_key, pos_query, problem)
-        ctx.save_for_backward(q, k, v, pos_key, pos_query, out, lse, end)
+        out, lse, end, *kept = attention_forward(q, k, v, pos_key, pos_query, problem)
+        ctx.save_for_backward(q, k, v, pos_key, pos_query, out, lse, end, *kept)
         ctx.problem = problem
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        return (*attention_backward(grad_out, *ctx.saved_tensors, ctx.problem), None)
+        *saved, kept_c2p, kept_p2c = ctx.saved_tensors
+        return (*attention_backward(grad_out, *saved, ctx.problem, (kept_c2p, kept_p2c)), None)
 
 
 def _apply(call: AttentionCall) -> torch.Tensor:

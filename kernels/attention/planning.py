@@ -503,7 +503,16 @@ class _Problem:
     forward: str = "fused"       # the forward's design for the general tiles' position terms (``forward_design``)
     backward_scores: str = "fused"  # ... and the backward's, for the scores it recomputes (``backward_scores_design``)
     general_only: bool = False   # no tile of any kernel saturates (``saturates``): ``Tiles.general_stages`` apply
+    keep_scores: bool = False    # the forward's dense scores are kept for the backward (``kept_shape``)
     terms: str = "c2p+p2c"       # the position terms present: "c2p+p2c", "c2p", "p2c" or "none"
+
+    def kept_shape(self, present: bool) -> tuple:
+        """The shape of one of the position scores the forward keeps for the backward (``C2P`` or ``P2C``,
+        ``[H, rows, 2k]``: ``dense.dense_scores``) with ``keep_scores`` and its term ``present``; else ``(0,)``
+        (an empty stand-in: nothing kept)."""
+        if not (self.keep_scores and present):
+            return (0,)
+        return (self.n_heads, self.stat_numel // self.n_heads, self.two_span)
 
     def slots(self, tiles: Tiles) -> int:
         """Programs of a launch with ``tiles`` the device runs at once (``WARPS_PER_SM`` warps per SM)."""
@@ -668,8 +677,11 @@ def _make_problem(call: AttentionCall, *, num_seqs: int, n_ctx: int, strides: tu
     forward = forward_design(cc, saturates)
     if not tiles_for("fwd", q.shape[-1], q.dtype, cc, forward == "dense", variant).paths_apart:
         forward = "fused"  # only a forward that walks its paths apart has the dense variant
+    backward_scores = backward_scores_design(cc, saturates)
+    # Kept only where both passes read dense scores: the backward then skips the two GEMMs that recompute them.
+    keep = call.keep_scores and terms != "none" and forward == backward_scores == "dense"
     return replace(problem, backward=backward_design(cc, saturates), forward=forward,
-                   backward_scores=backward_scores_design(cc, saturates), general_only=not saturates)
+                   backward_scores=backward_scores, general_only=not saturates, keep_scores=keep)
 
 
 def _tables_in(call: AttentionCall) -> list:

@@ -260,3 +260,79 @@ def test_dense_gradient_blocks_wider_than_a_band_chunk_are_refused(monkeypatch):
     out = attention.disentangled_attention(*leaves, **KW)
     with pytest.raises(ValueError, match=r"dq tiles .* blocks of 128 rows exceed the band chunk of 64"):
         torch.autograd.grad(out.sum(), leaves)
+
+
+def _both_dense(monkeypatch) -> list:
+    """Every plan reads dense scores in both passes (the sm_80 / sm_90 plans), so the forward may keep them; returns
+    the list every recomputation of the scores by the backward is appended to."""
+    for rule in ("forward_design", "backward_design", "backward_scores_design"):
+        monkeypatch.setattr(planning, rule, lambda *args: "dense")
+    recomputed, original = [], attention.backward.dense_scores
+
+    def counted(*args):
+        recomputed.append(True)
+        return original(*args)
+
+    monkeypatch.setattr(attention.backward, "dense_scores", counted)
+    return recomputed
+
+
+@pytest.mark.parametrize("packed,c2p,p2c,dropout", [(False, True, True, 0.0), (False, True, False, 0.2),
+                                                     (True, False, True, 0.0), (True, True, True, 0.2)],
+                         ids=["padded-both", "padded-c2p-dropout", "packed-p2c", "packed-both-dropout"])
+def test_kept_scores_give_the_recomputed_gradients_without_recomputing(packed, c2p, p2c, dropout, monkeypatch):
+    """``keep_scores`` (the model's ``keep_position_scores``): the backward reads the scores its forward kept
+    instead of running the two GEMMs again, and every output and gradient is bit for bit the recomputing one's
+    (the same GEMM on the same operands); both are held to the reference."""
+    recomputed = _both_dense(monkeypatch)
+    gen = torch.Generator().manual_seed(24)
+    if packed:
+        lengths = [5, 1, 40, 70]
+        kw = dict(KW, cu_seqlens=torch.tensor([0, 5, 6, 46, 116], dtype=torch.int32), max_seqlen=70)
+        inputs = [torch.randn(sum(lengths), 2, 32, generator=gen) for _ in range(3)]
+        op, oracle = attention.disentangled_attention_varlen, reference.disentangled_attention_varlen
+    else:
+        kw = dict(KW, attention_mask=_padding_mask(3, 45))
+        inputs = [torch.randn(3, 2, 45, 32, generator=gen) for _ in range(3)]
+        op, oracle = attention.disentangled_attention, reference.disentangled_attention
+    inputs += [torch.randn(2, 2 * BUCKETS, 32, generator=gen) if on else None for on in (c2p, p2c)]
+    kw["dropout_p"] = dropout
+    runs = {}
+    for keep in (True, False):
+        torch.manual_seed(5)  # the same dropout seed for both
+        recomputed.clear()
+        runs[keep] = run_with_grads(op, inputs, torch.float32, keep_scores=keep, **kw)
+        assert bool(recomputed) != keep, (keep, recomputed)
+    for name, kept, again in zip(("out", "dq", "dk", "dv", "dpos_key", "dpos_query"), runs[True], runs[False]):
+        assert (kept is None) == (again is None) and (kept is None or torch.equal(kept, again)), name
+    if dropout == 0:
+        assert_close(runs[True], run_with_grads(oracle, inputs, torch.float64, **kw), TOL[torch.float32])
+
+
+def test_the_forward_keeps_its_scores_only_where_the_backward_reads_dense_ones(monkeypatch):
+    """What the plan keeps (``_Problem.keep_scores``): both passes dense, some term present, the caller asking."""
+    q, k, v, kr, qr = make_inputs(torch.device("cpu"), 2, 2, 40, 32, BUCKETS, seed=25)
+    call = attention.AttentionCall(q, k, v, kr, None, BUCKETS, MAX_REL, 0.0, 0.1)
+    for forward, scores, asked, kept in [("dense", "dense", True, True), ("dense", "dense", False, False),
+                                         ("dense", "fused", True, False), ("fused", "dense", True, False)]:
+        monkeypatch.setattr(planning, "forward_design", lambda *args: forward)
+        monkeypatch.setattr(planning, "backward_scores_design", lambda *args: scores)
+        problem = planning.plan(replace(call, keep_scores=asked))[-1]
+        assert problem.keep_scores == kept, (forward, scores, asked)
+        assert problem.kept_shape(True) == ((2, 80, 2 * BUCKETS) if kept else (0,))
+        assert problem.kept_shape(False) == (0,)
+    monkeypatch.setattr(planning, "forward_design", lambda *args: "dense")
+    assert not planning.plan(replace(call, pos_key=None))[-1].keep_scores  # no position term: nothing to keep
+
+
+def test_the_backward_refuses_kept_scores_of_another_shape(monkeypatch):
+    """A caller's own kept tensors (``torch.ops.distaff.attention_backward`` called directly) that are not the
+    plan's are refused by name before any kernel reads them."""
+    _both_dense(monkeypatch)
+    q, k, v, kr, qr = make_inputs(torch.device("cpu"), 2, 2, 40, 32, BUCKETS, seed=26)
+    q, k, v, problem = planning.plan(attention.AttentionCall(q, k, v, kr, qr, BUCKETS, MAX_REL, 0.0, 0.1))
+    out, lse, end, c2p, p2c = attention.attention_forward(q, k, v, kr, qr, problem)
+    assert c2p.shape == p2c.shape == (2, 80, 2 * BUCKETS)
+    with pytest.raises(ValueError, match=r"the kept P2C must be the forward's \(2, 80, 16\)"):
+        attention.attention_backward(torch.ones_like(out), q, k, v, kr, qr, out, lse, end, problem,
+                                     (c2p, p2c[:, :40]))

@@ -52,7 +52,7 @@ ATTENTION_CASES = {
 
 def _op_attention(a: dict, impl: str):
     return OPS.attention(a["q"], a["k"], a["v"], a["pos_key"], a["pos_query"], a["mask"], None, None, 0.1, 0, 8, 16,
-                         0.0, False, impl)
+                         0.0, False, True, impl)
 
 
 def _public_attention(a: dict, impl: str):
@@ -94,26 +94,28 @@ def test_the_attention_backward_op_refuses_a_gradient_of_another_shape():
     for fake in (False, True):
         with _fake_or_not(fake), pytest.raises(ValueError, match="grad_out must be the shape of q"):
             a = _attention_args()
-            out, lse, end, seed = _op_attention(a, "reference")
+            out, lse, end, seed, *kept = _op_attention(a, "reference")
             OPS.attention_backward(_t(1, H, 4, D), a["q"], a["k"], a["v"], a["pos_key"], a["pos_query"], a["mask"],
-                                   None, None, out, lse, end, seed, 0.1, 0, 8, 16, 0.0, False, "reference")
+                                   None, None, out, lse, end, seed, *kept, 0.1, 0, 8, 16, 0.0, False, True,
+                                   "reference")
     a = _attention_args()
-    out, lse, end, seed = _op_attention(a, "reference")
+    out, lse, end, seed, *kept = _op_attention(a, "reference")
     with pytest.raises(ValueError, match="lse must be the forward's row statistics"):
         OPS.attention_backward(_t(1, H, N, D), a["q"], a["k"], a["v"], a["pos_key"], a["pos_query"], a["mask"],
-                               None, None, out, _t(3), _t(4, 1, H, N), seed, 0.1, 0, 8, 16, 0.0, False, "triton")
+                               None, None, out, _t(3), _t(4, 1, H, N), seed, *kept, 0.1, 0, 8, 16, 0.0, False, True,
+                               "triton")
 
 
 def test_packed_attention_refuses_a_mask_and_bad_offsets():
     q = _t(10, H, D)
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
     with pytest.raises(ValueError, match="attention_mask must be None in the packed form"):
-        OPS.attention(q, q, q, None, None, torch.ones(2, 10), cu, None, 0.1, 6, 8, 16, 0.0, False, "reference")
+        OPS.attention(q, q, q, None, None, torch.ones(2, 10), cu, None, 0.1, 6, 8, 16, 0.0, False, True, "reference")
     with pytest.raises(ValueError, match="cu_seqlens must rise from 0 to total_tokens=10"):
         OPS.attention(q, q, q, None, None, None, torch.tensor([0, 4, 12], dtype=torch.int32), None, 0.1, 8, 8, 16,
-                      0.0, False, "reference")
+                      0.0, False, True, "reference")
     with pytest.raises(ValueError, match="cu_seqlens must be a 1-D int32/int64 tensor"):
-        OPS.attention(q, q, q, None, None, None, cu.float(), None, 0.1, 6, 8, 16, 0.0, False, "triton")
+        OPS.attention(q, q, q, None, None, None, cu.float(), None, 0.1, 6, 8, 16, 0.0, False, True, "triton")
     with pytest.raises(ValueError, match="k must have the shape of q"):
         kernels.disentangled_attention_varlen(q, q[:9], q, cu_seqlens=cu, max_seqlen=6, impl="reference", **SPAN)
 

@@ -104,7 +104,7 @@ def test_opcheck_passes_for_every_op(impl, device) -> None:
     q, k, v, kr, qr = t(1, 2, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16), t(2, 16, 16), t(2, 16, 16)
     mask = torch.ones(1, 8, dtype=torch.long, device=device)
     cases = [
-        (torch.ops.distaff.attention, (q, k, v, kr, qr, mask, None, None, 0.1, 0, 8, 16, 0.0, False, impl)),
+        (torch.ops.distaff.attention, (q, k, v, kr, qr, mask, None, None, 0.1, 0, 8, 16, 0.0, False, True, impl)),
         (torch.ops.distaff.layer_norm, (t(3, 16), t(16), t(16), 1e-5, t(3, 16), impl)),
         (torch.ops.distaff.bias_gelu, (t(3, 16), t(16), impl)),
         (torch.ops.distaff.masked_lm_loss, (t(5, 16), t(40, 16), t(40), torch.randint(0, 40, (5,), generator=gen).to(device),
@@ -130,7 +130,7 @@ def test_a_compiled_graph_refuses_bad_inputs_to_the_ops(device) -> None:
 
     def direct(q, k):
         return torch.ops.distaff.attention(q, k, k, table, table, None, None, None, 0.1, 0, 8, 16, 0.0, False,
-                                           "reference")[0]
+                                           True, "reference")[0]
 
     def public(q, k):
         return kernels.disentangled_attention(q, k, k, table, table, position_buckets=8, max_relative_positions=16)

@@ -95,6 +95,36 @@ def test_zero_stages_offload_and_checkpointing_move_memory_the_right_way():
 
 
 @pytest.mark.unit
+def test_the_kept_position_scores_are_counted_and_timed_and_freed_when_only_that_fits():
+    """``model.keep_position_scores``: each layer application keeps its two ``[H, tokens, 2k]`` bf16 scores
+    (v3-base at 32 x 512: 13 applications, the EMD's included), its backward runs without the two GEMMs that
+    recompute them (the table's ``bwd_ms`` against ``bwd_recomputed_ms``), and the plan names the switch when a run
+    fits only with it off."""
+    cfg = load_config("deberta-v3-base")
+    off = load_config("deberta-v3-base", ["model.keep_position_scores=false"])
+    kept, freed = make_plan(cfg, "8xH100-SXM"), make_plan(off, "8xH100-SXM")
+    scores = 2 * 12 * 32 * 512 * 512 * 2
+    assert kept.memory.items["attention's kept position scores"] == 13 * scores
+    assert "attention's kept position scores" not in freed.memory.items
+    # the backward recomputes both, beside its gradient buffer, when they were not kept
+    grow = freed.memory.items["layer backward (transient)"] - kept.memory.items["layer backward (transient)"]
+    assert grow == scores
+    row = next(r for r in attention_table()["rows"] if r["cc"] == 90 and r["n"] == 512 and r["dropout"] == 0.1)
+    assert row["bwd_recomputed_ms"] > row["bwd_ms"]
+    assert freed.time.parts["attention"] == pytest.approx(
+        kept.time.parts["attention"] * (row["fwd_ms"] + row["bwd_recomputed_ms"]) / (row["fwd_ms"] + row["bwd_ms"]))
+    assert "keep_position_scores=false" in freed.time.attention_source
+    # a micro-batch that fits only with the scores freed: the plan says so; one that fits neither way: it does not
+    edge = freed.largest_micro_batch
+    assert kept.largest_micro_batch < edge
+    tight = make_plan(cfg, "8xH100-SXM", micro_batch=edge)
+    assert not tight.fits and "model.keep_position_scores=false fits" in summary(tight)
+    assert make_plan(off, "8xH100-SXM", micro_batch=edge).fits
+    assert make_plan(cfg, "8xH100-SXM", micro_batch=2 * edge).kept_scores_advice() == ""
+    assert kept.kept_scores_advice() == "" and freed.without_kept_scores is None
+
+
+@pytest.mark.unit
 def test_more_nodes_more_tokens_and_slower_links_expose_communication():
     cfg = load_config("deberta-v3-base")
     one, four = make_plan(cfg, "8xH100-SXM"), make_plan(cfg, "8xH100-SXM", nodes=4)

@@ -129,12 +129,13 @@ def test_model_states_are_within_ten_percent_of_deepspeeds_estimators(preset, gp
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("cc", [80, 90])
-def test_the_layer_backward_plans_what_the_attention_backward_allocates(cc, monkeypatch):
+@pytest.mark.parametrize("cc,keep", [(80, True), (90, True), (90, False)])
+def test_the_layer_backward_plans_what_the_attention_backward_allocates(cc, keep, monkeypatch):
     """A GPU plan's layer-backward transient holds what the fused attention backward allocates beside its own
-    gradients at the same shape, in the dense designs (sm_80's at every length): measured, not modelled, by
-    benchmarks/attention.py, which runs the op's host code on real tensors with the kernel launches recorded and
-    counts the bytes alive, the band scratch of a program per item included."""
+    gradients at the same shape, in the dense designs (sm_80's at every length), with the forward's scores kept
+    (``model.keep_position_scores``) or recomputed: measured, not modelled, by benchmarks/attention.py, which runs
+    the op's host code on real tensors with the kernel launches recorded and counts the bytes alive, the band
+    scratch of a program per item included."""
     import importlib.util
     from dataclasses import replace
     from pathlib import Path
@@ -149,8 +150,9 @@ def test_the_layer_backward_plans_what_the_attention_backward_allocates(cc, monk
     monkeypatch.setattr(planning, "PLANNED_CAPABILITY", cc)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the target's tiles, not the interpreter's
     batch, n = 4, 512
-    measured = bench.backward_extra_mib(batch, n, "dense", "dense") * MIB
+    measured = bench.backward_extra_mib(batch, n, "dense", "dense", keep) * MIB
     s = replace(cpu_run_setting(config_from_dict(run_values("deberta-v3-base", 0, batch, "bf16")), 2, n), fused=True)
+    s = replace(s, models=type(s.models)(m.replace(keep_position_scores=keep) for m in s.models))
     cfg = s.models[-1]
     assert (cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads) == (bench.HEADS, bench.HEAD_DIM)
     # the plan's share for the position terms: its layer backward less that of the same model without them

@@ -53,6 +53,9 @@ class ModelConfig:
     attention_impl: str = "auto"          # disentangled attention: auto | triton | reference
     kernel_impl: str = "auto"             # LayerNorm, bias+GELU, MLM loss: auto | triton | reference
     activation_checkpointing: bool = False
+    # The Triton attention keeps its forward's dense position scores (C2P, P2C: 2 x heads x tokens x 2k elements a
+    # layer) for the backward instead of recomputing them with two GEMMs; false frees them (docs/kernels.md).
+    keep_position_scores: bool = True
     rope: bool = False                    # rotary position embedding of q and k (RoFormer); no HF equivalent
     rope_theta: float = 10000.0           # RoPE base: plane i turns by position * rope_theta^(-2i/d)
     # Entropy-invariant softmax scale (Su, 2021): scores of a sequence of n real tokens are scaled by

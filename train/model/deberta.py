@@ -135,6 +135,7 @@ class DisentangledSelfAttention(nn.Module):
         self.position_buckets = cfg.position_buckets
         self.max_relative_positions = cfg.resolved_max_relative_positions
         self.impl = cfg.attention_impl
+        self.keep_scores = cfg.keep_position_scores
         self.rope_theta = cfg.rope_theta if cfg.rope else None
         self.entropy_scale_length = cfg.entropy_scale_length
         self.realformer = cfg.realformer
@@ -176,7 +177,7 @@ class DisentangledSelfAttention(nn.Module):
         q, k = self._rotate(q, k, positions)
         options = dict(position_buckets=self.position_buckets, max_relative_positions=self.max_relative_positions,
                        dropout_p=self.attn_dropout if self.training else 0.0, softmax_scale=self._softmax_scale(mask),
-                       mask_diagonal=self.mask_diagonal)
+                       mask_diagonal=self.mask_diagonal, keep_scores=self.keep_scores)
         if self.realformer:
             history = realformer.extend(history, q, k, pos_key, pos_query)
             out = realformer.residual_attention(history, v, self._op(mask), self.impl, **options)

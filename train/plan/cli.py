@@ -76,6 +76,7 @@ def memory_lines(plan: Plan) -> list[str]:
               f"  allocator margin ({'5%' if plan.gpu.is_cpu else '5% + 1 GiB context'})"
               f"{' ' * (19 if plan.gpu.is_cpu else 2)}{_gib(m.margin)}",
               f"  total {_gib(m.total)} of {plan.gpu.memory_gib:.1f} GiB: {'fits' if plan.fits else 'DOES NOT FIT'}",
+              *([f"  {plan.kept_scores_advice()}"] if plan.kept_scores_advice() else []),
               f"  largest micro-batch that fits: {plan.largest_micro_batch}",
               "  ZeRO stages at this micro-batch: " + ", ".join(
                   f"{stage}: {total / GIB:.1f} GiB {'fits' if total <= plan.gpu.memory_bytes else 'no'}"

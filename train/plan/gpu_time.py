@@ -82,7 +82,7 @@ def _rows_for(arch: int, head_dim: int, dropout: float) -> list[dict]:
     if not rows:   # another head dim: the nearest one, scaled by d (work per score is linear in d)
         dims = sorted({r["head_dim"] for r in attention_table()["rows"] if r["cc"] == arch},
                       key=lambda d: abs(d - head_dim))
-        rows = [{**r, "fwd_ms": r["fwd_ms"] * head_dim / dims[0], "bwd_ms": r["bwd_ms"] * head_dim / dims[0]}
+        rows = [{**r, **{key: value * head_dim / dims[0] for key, value in r.items() if key.endswith("_ms")}}
                 for r in attention_table()["rows"] if r["cc"] == arch and r["head_dim"] == dims[0]]
     chosen = min({r["dropout"] for r in rows}, key=lambda p: abs(p - dropout))
     return sorted((r for r in rows if r["dropout"] == chosen), key=lambda r: r["n"])
@@ -130,6 +130,7 @@ class AttentionTime:
 
 
 CONTENT_KEYS = ("content_fwd_ms", "content_bwd_ms")
+RECOMPUTED_KEY = "bwd_recomputed_ms"  # distaff's backward with model.keep_position_scores=false
 # Assumptions.attention -> the table's (forward, backward) keys for disentangled attention, and what they are.
 ATTENTION_KEYS = {"distaff": ("fwd_ms", "bwd_ms", "distaff's kernels"),
                   "hf_eager": ("hf_eager_fwd_ms", "hf_eager_bwd_ms",
@@ -140,7 +141,8 @@ def attention_seconds(cfg: ModelConfig, gpu: GpuKind, seq_len: int, tokens: int,
                       a: Assumptions = Assumptions()) -> AttentionTime:
     """Forward + backward attention seconds of ``tokens`` tokens through every layer application.
 
-    Disentangled attention (c2p/p2c) is the judge's estimate of distaff's kernels. Content-only attention
+    Disentangled attention (c2p/p2c) is the judge's estimate of distaff's kernels (the backward reading the scores
+    its forward kept, or with ``model.keep_position_scores`` off recomputing them). Content-only attention
     compiles those kernels without their position terms (``HAS_C2P``/``HAS_P2C`` are constexpr): a FlashAttention
     kernel, read from the table's content-only reference where the table has one, else its score and value
     products charged as GEMMs (at ``gemm_efficiency`` of the dense peak)."""
@@ -167,6 +169,9 @@ def attention_seconds(cfg: ModelConfig, gpu: GpuKind, seq_len: int, tokens: int,
         raise ValueError(f"Assumptions.attention must be one of {sorted(ATTENTION_KEYS)}, got {a.attention!r}")
     fwd, bwd, whose = ATTENTION_KEYS[a.attention]
     how += "" if a.attention == "distaff" else f"; {whose}"
+    if a.attention == "distaff" and not cfg.keep_position_scores:
+        bwd = RECOMPUTED_KEY
+        how += "; the backward recomputing its position scores (model.keep_position_scores=false)"
     forward = per_token_head_ms(rows, seq_len, (fwd,)) * scale
     return AttentionTime(per_token_head_ms(rows, seq_len, (fwd, bwd)) * scale, forward, how, reference)
 

@@ -36,13 +36,13 @@ Activations (what autograd keeps from the forward for the backward), per layer a
 of hidden ``D``, feed-forward ``I``, ``H`` heads: the layer input, Q/K/V, the attention output and its
 ``[B, N, D]`` relayout, the attention's float32 log-sum-exp, two LayerNorm inputs with float32 mean and
 1/std, the feed-forward input, the pre-GELU and post-GELU ``[T, I]`` tensors, the dropout masks (one byte per
-element) and the per-layer position tables ``Kr``/``Qr``. The PyTorch reference path (the CPU) adds the
-relative-position index, keeps the attention output in the heads' layout (no relayout copy), computes
-half-precision attention in float32 (its Q/K/V/output copies are float32) and keeps each dropout's mask in the
-activations' dtype (torch's CPU dropout multiplies by a noise tensor of the input's dtype; only its CUDA kernel
-makes a one-byte mask). The MLM head keeps the labelled
-rows (15 %) and, fused, the float32 gradient of the ``V x E`` decoder computed in the forward; the reference
-keeps the float32 log-softmax of ``[M, V]``.
+element) and the per-layer position tables ``Kr``/``Qr``; the fused attention with ``keep_position_scores`` its
+dense position scores, ``H x T x 2k`` per term (counted apart, :func:`kept_scores`). The PyTorch reference path
+(the CPU) adds the relative-position index, keeps the attention output in the heads' layout (no relayout copy),
+computes half-precision attention in float32 (its Q/K/V/output copies are float32) and keeps each dropout's mask
+in the activations' dtype (torch's CPU dropout multiplies by a noise tensor of the input's dtype; only its CUDA
+kernel makes a one-byte mask). The MLM head keeps the labelled rows (15 %) and, fused, the float32 gradient of
+the ``V x E`` decoder computed in the forward; the reference keeps the float32 log-softmax of ``[M, V]``.
 
 A step's peak is the largest of five moments: the end of the forward (activations, the head's logits), the
 start of the backward (activations, ZeRO 1-2's bucket(s)), the word table's backward (the decoder's and the
@@ -68,6 +68,7 @@ LOGITS_CHUNK = 1 << 24              # the fused MLM loss's logits chunk (kernels
 GIB = 1024 ** 3
 HEAD_BACKWARD = "MLM loss gradients (transient)"
 DENSE_SCORES = "dense attention scores (transient)"
+KEPT_SCORES = "attention's kept position scores"   # model.keep_position_scores (kept_scores)
 # items that make up "model states" as DeepSpeed's estimators count them (weights, gradients, optimizer states)
 MODEL_STATE_ITEMS = ("weights", "gradients", "fp32 master weights", "Adam moments", "fp32 gradients (step)",
                      "gathered weights and their gradient")
@@ -248,6 +249,16 @@ def layer_activations(cfg: ModelConfig, s: Setting, tokens: int) -> float:
     return hidden + ffn + stats + 2 * mask + tables + index
 
 
+def kept_scores(cfg: ModelConfig, s: Setting, tokens: int) -> float:
+    """The dense position scores (``[H, tokens, 2k]`` a term) the fused attention keeps from its forward for its
+    backward (``model.keep_position_scores``), counted wherever the dense designs may run (an upper bound, as
+    :func:`transients` counts them)."""
+    terms = len(cfg.pos_att_type) if cfg.relative_attention else 0
+    if not (s.fused and cfg.keep_position_scores):
+        return 0.0
+    return terms * cfg.num_attention_heads * tokens * 2 * cfg.att_span * act_bytes(s.precision)
+
+
 def head_activations(cfg: ModelConfig, s: Setting, tokens: int) -> tuple[float, float]:
     """The MLM head's saved bytes and its largest transient (bytes) for ``tokens`` positions."""
     a, d, e, v = act_bytes(s.precision), cfg.hidden_size, cfg.embedding_size, cfg.vocab_size
@@ -271,6 +282,8 @@ def activations(s: Setting) -> dict[str, float]:
         per_layer = layer_activations(cfg, s, tokens)
         kept_inputs = layers * tokens * cfg.hidden_size * a       # a checkpointed layer keeps only its input
         found[f"{name}encoder layers"] = per_layer * layers * scale + kept_inputs * (1 - scale)
+        if kept := kept_scores(cfg, s, tokens) * layers * scale:
+            found[f"{name}{KEPT_SCORES}"] = kept
         embed_mask = (tokens * cfg.hidden_size * dropout_mask_bytes(s)
                       if s.dropout and cfg.hidden_dropout_prob > 0 else 0)
         found[f"{name}embeddings"] = tokens * cfg.embedding_size * a + embed_mask + tokens * 8
@@ -301,7 +314,7 @@ def transients(s: Setting) -> dict[str, float]:
     if not s.fused:   # the reference loss's backward: the log-softmax's input gradient beside the loss's, both
         out[HEAD_BACKWARD] = 2 * logits      # [M, V] float32, while the kept log-softmax output is still alive
     if cfg.activation_checkpointing:
-        out["recomputed layer (transient)"] = layer_activations(cfg, s, tokens)
+        out["recomputed layer (transient)"] = layer_activations(cfg, s, tokens) + kept_scores(cfg, s, tokens)
     # dq, dk, dv and the feed-forward's input gradient; the fused attention backward adds its partial sums and
     # scratch, at most PARTIAL_BUDGET (1.0, kernels/attention/backward.py) x the bytes of dq + dk + dv
     grads = 3 * tokens * cfg.hidden_size * a
@@ -312,15 +325,19 @@ def transients(s: Setting) -> dict[str, float]:
     if s.fused and terms:
         # the dense position designs (kernels/attention/dense.py), which the kernels' planning picks per GPU and
         # length: the backward keeps one [H, tokens, 2k] score-gradient buffer and head-major copies of Q and K,
-        # and, reading its scores densely, the two [H, tokens, 2k] score buffers it recomputes; the forward the
-        # two score buffers while a layer runs. Counted wherever they may run (an upper bound).
+        # and, reading its scores densely, the two [H, tokens, 2k] score buffers it recomputes (unless the forward
+        # kept them: an activation, kept_scores); the forward the two score buffers while a layer runs (kept:
+        # already counted among the activations, unless a checkpointed layer's first forward drops them).
+        # Counted wherever they may run (an upper bound).
         position = cfg.num_attention_heads * tokens * 2 * cfg.att_span * a
-        out["layer backward (transient)"] += (1 + terms) * position + 2 * tokens * cfg.hidden_size * a
+        kept = cfg.keep_position_scores
+        recomputed = 0 if kept else terms
+        out["layer backward (transient)"] += (1 + recomputed) * position + 2 * tokens * cfg.hidden_size * a
         # and, a program per item (kernels/attention/backward.py, one_item_per_program), each block's band of
         # score gradients in distance coordinates, one kernel's at a time
         band = attention_band(s.attention_len, cfg.position_buckets, cfg.resolved_max_relative_positions)
         out["layer backward (transient)"] += cfg.num_attention_heads * tokens * band * a
-        out[DENSE_SCORES] = terms * position
+        out[DENSE_SCORES] = 0.0 if kept and not cfg.activation_checkpointing else terms * position
     if not s.fused:   # the reference backward's score blocks and per-row position gradients: the padded batch's
         span, n = 2 * cfg.att_span, s.attention_len     # at once, a packed batch's one sample at a time
         rows = n if s.packed else s.micro_batch * n

@@ -41,10 +41,19 @@ class Plan:
     assumptions: Assumptions
     token_budget: float | None = None    # --tokens: max_steps was derived from it
     sample_source: str = ""              # where the mean sample length came from (the manifest, or assumed)
+    without_kept_scores: float | None = None  # bytes per GPU with model.keep_position_scores off (when it is on)
 
     @property
     def fits(self) -> bool:
         return self.memory.total <= self.gpu.memory_bytes
+
+    def kept_scores_advice(self) -> str:
+        """When the run does not fit and only the attention's kept position scores stand in the way: how to free
+        them; else ""."""
+        if self.fits or self.without_kept_scores is None or self.without_kept_scores > self.gpu.memory_bytes:
+            return ""
+        return (f"model.keep_position_scores=false fits: {self.without_kept_scores / GIB:.1f} GiB per GPU (the "
+                "attention's backward then recomputes its position scores)")
 
     @property
     def tokens_per_step(self) -> float:
@@ -231,7 +240,9 @@ def make_plan(cfg: RunConfig, gpus: str, nodes: int = 1, *, micro_batch: int | N
     steps = cfg.train.max_steps
     if tokens is not None:
         steps = max(1, math.ceil(tokens / (s.real_tokens * cfg.train.grad_accum * s.ranks)))
-    return Plan(gpu=gpu, per_node=per_node, nodes=nodes, setting=s, memory=memory,
+    freed = tuple(replace(m, keep_position_scores=False) for m in s.models)
+    without = step_peak(replace(s, models=freed)).total if any(m.keep_position_scores for m in s.models) else None
+    return Plan(gpu=gpu, per_node=per_node, nodes=nodes, setting=s, memory=memory, without_kept_scores=without,
                 largest_micro_batch=largest_micro_batch(s, gpu), zero_fits=stages,
                 time=step_time(s, gpu, nodes, cfg.train.grad_accum, assumptions), grad_accum=cfg.train.grad_accum,
                 max_steps=steps, seq_source=source, assumptions=assumptions, token_budget=tokens,
@@ -247,6 +258,8 @@ def summary(plan: Plan) -> str:
         goal = f"{format_tokens(plan.token_budget)} tokens = {goal} ({plan.batch_line()})"
     batch = (f"packed micro-batch of {s.tokens:,} tokens" if s.packed
              else f"micro-batch {s.micro_batch} x {s.seq_len} tokens")
+    advice = plan.kept_scores_advice()
+    verdict += f" ({advice})" if advice else ""
     return (f"plan: {plan.nodes}x{plan.per_node}x{plan.gpu.name}, ZeRO {s.zero}, {batch}: {plan.memory.total / GIB:.1f} of {plan.gpu.memory_gib:.1f} GiB per GPU, {verdict} "
             f"(largest micro-batch {plan.largest_micro_batch}); estimate {plan.tokens_per_s:,.0f} tokens/s, MFU "
             f"{plan.mfu:.0%}, {plan.hours:,.1f} h = {plan.gpu_hours:,.0f} GPU-hours for {goal}")
@@ -307,4 +320,5 @@ def print_launch_summary(target, gpus_per_node: int, nodes: int, gpu_kind: str |
         print(f"{prog}: warning: the plan says micro-batch {plan.setting.micro_batch} needs "
               f"{plan.memory.total / GIB:.1f} GiB per GPU, more than a {plan.gpu.name} has (largest that fits: "
               f"{plan.largest_micro_batch}); lower data.batch_size and raise train.grad_accum, or raise zero.stage "
-              f"(distaff plan --config ... --gpus ... shows each)", file=sys.stderr)
+              f"(distaff plan --config ... --gpus ... shows each)"
+              + (f"; or set {plan.kept_scores_advice()}" if plan.kept_scores_advice() else ""), file=sys.stderr)

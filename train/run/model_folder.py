@@ -97,7 +97,7 @@ def _check_one_model(checkpoint: Path, meta: dict) -> None:
 # Fields a run may change when it starts from existing weights: they change neither the weights'
 # shapes nor what the weights compute (the EMD, absent from HF folders, starts freshly initialised).
 FREE_FIELDS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "attention_impl", "kernel_impl",
-               "activation_checkpointing", "initializer_range", "emd", "emd_layers")
+               "activation_checkpointing", "keep_position_scores", "initializer_range", "emd", "emd_layers")
 
 
 def init_model_config(path: str | Path, overrides: dict, fixed: dict) -> ModelConfig:

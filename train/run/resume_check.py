@@ -22,7 +22,7 @@ from distaff.train.run.checkpoint_files import read_meta
 
 # model fields a resumed run may change: they change neither the weights' shapes nor what they compute
 RESUME_FREE_MODEL_FIELDS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "attention_impl", "kernel_impl",
-                            "activation_checkpointing", "initializer_range")
+                            "activation_checkpointing", "keep_position_scores", "initializer_range")
 _MISSING = "(missing)"     # a run field the checkpoint's config lacks: equal to no value
 
 
