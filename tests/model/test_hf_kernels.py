@@ -111,3 +111,41 @@ def test_hugging_face_trainer_trains_a_patched_model(tmp_path) -> None:
     result = transformers.Trainer(model=model, args=args, train_dataset=rows).train()
     assert result.global_step == 3 and torch.isfinite(torch.tensor(result.training_loss))
     assert not torch.equal(model.classifier.weight, before)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_patched_attention_passes_keep_scores_to_the_op(keep: bool, monkeypatch) -> None:
+    """``apply_distaff_kernels(..., keep_scores=False)`` reaches every patched attention call (the switch that frees
+    the forward's dense position scores); the default keeps them, as distaff's own model does."""
+    from distaff.train.model import hf_kernels
+
+    seen, original = [], hf_kernels.kernels.disentangled_attention
+
+    def recorded(*args, **kwargs):
+        seen.append(kwargs["keep_scores"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(hf_kernels.kernels, "disentangled_attention", recorded)
+    model = transformers.DebertaV2ForMaskedLM(_config()).eval()
+    apply_distaff_kernels(model, impl="reference", **({} if keep else {"keep_scores": False}))
+    model(*_batch())
+    assert seen == [keep, keep]  # both layers
+
+
+@pytest.mark.unit
+def test_only_the_encoders_own_relative_positions_take_the_kernel() -> None:
+    """Hugging Face's encoder hands every layer a ``relative_pos``: the one it builds itself (from the length, the
+    kernel's ``i - j``) is marked and taken by the kernel; a caller's own, or one for queries of another length, is
+    not, and the layer falls back to Hugging Face's forward (which reads it)."""
+    model = transformers.DebertaV2ForMaskedLM(_config()).eval()
+    apply_distaff_kernels(model, impl="reference")
+    encoder, hidden = model.deberta.encoder, torch.zeros(2, 40, 64)
+    built = encoder.get_rel_pos(hidden)
+    assert getattr(built, "_distaff_standard", False) and built.shape[-1] == 40
+    given = torch.zeros(1, 40, 40, dtype=torch.long)
+    assert encoder.get_rel_pos(hidden, None, given) is given and not hasattr(given, "_distaff_standard")
+    assert not hasattr(encoder.get_rel_pos(hidden, torch.zeros(2, 10, 64)), "_distaff_standard")
+    apply_distaff_kernels(model, impl="reference")  # patching twice wraps the encoder once
+    from transformers.models.deberta_v2.modeling_deberta_v2 import DebertaV2Encoder
+    assert encoder._distaff_original_get_rel_pos.__func__ is DebertaV2Encoder.get_rel_pos

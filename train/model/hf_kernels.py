@@ -10,7 +10,9 @@
   :func:`distaff.kernels.layer_norm` with the residual add fused;
 * ``DebertaV2Intermediate`` with an erf GELU for :func:`distaff.kernels.bias_gelu`.
 
-Weights, state dicts and ``save_pretrained`` are untouched: only bound ``forward`` methods change.
+Weights, state dicts and ``save_pretrained`` are untouched: only bound methods change (and the encoder's
+``get_rel_pos``, which marks the relative positions it builds itself: Hugging Face's encoder hands every layer
+a ``relative_pos``, and only the encoder's own is what the kernel computes from the token positions).
 The patched attention falls back to the original forward for what the kernel does not compute:
 ``output_attentions=True``, caller-given ``relative_pos``, and masks that are not a padding mask.
 Padded query rows output zeros instead of Hugging Face's average over every key (their values
@@ -68,9 +70,20 @@ def _position_tables(self, rel_embeddings: torch.Tensor) -> tuple[torch.Tensor |
     return pos_key, pos_query
 
 
+def _marked_rel_pos(self, hidden_states, query_states=None, relative_pos=None):
+    """The encoder's ``get_rel_pos``, its own positions (built here from the layer's length, not given by a caller
+    or for queries of another length) marked as the kernel's: ``i - j`` bucketed with the layer's settings."""
+    built = relative_pos is None and (query_states is None or query_states.shape[-2] == hidden_states.shape[-2])
+    relative_pos = self._distaff_original_get_rel_pos(hidden_states, query_states, relative_pos)
+    if built and relative_pos is not None:
+        relative_pos._distaff_standard = True
+    return relative_pos
+
+
 def _fused_attention(self, hidden_states, attention_mask, output_attentions=False, query_states=None,
                      relative_pos=None, rel_embeddings=None):
-    mask = None if output_attentions or relative_pos is not None else _padding_mask(attention_mask)
+    standard = relative_pos is None or getattr(relative_pos, "_distaff_standard", False)
+    mask = None if output_attentions or not standard else _padding_mask(attention_mask)
     if mask is None:
         return self._distaff_original_forward(hidden_states, attention_mask, output_attentions, query_states,
                                               relative_pos, rel_embeddings)
@@ -86,7 +99,7 @@ def _fused_attention(self, hidden_states, attention_mask, output_attentions=Fals
         q, k, v, pos_key, pos_query, position_buckets=getattr(self, "position_buckets", -1),
         max_relative_positions=getattr(self, "max_relative_positions", 1), attention_mask=mask,
         dropout_p=self.dropout.p if self.training else 0.0, softmax_scale=1.0 / math.sqrt(q.shape[-1] * terms),
-        impl=self._distaff_impl)
+        keep_scores=self._distaff_keep_scores, impl=self._distaff_impl)
     return out.transpose(1, 2).flatten(2), None
 
 
@@ -107,10 +120,12 @@ def _patch(module: nn.Module, forward, impl: str) -> None:
     module.forward = types.MethodType(forward, module)
 
 
-def apply_distaff_kernels(model: nn.Module, impl: str = "auto") -> PatchReport:
+def apply_distaff_kernels(model: nn.Module, impl: str = "auto", keep_scores: bool = True) -> PatchReport:
     """Swap the attention, residual LayerNorms and GELU of a ``transformers`` DeBERTa-v2 model for
-    distaff's fused kernels, in place; ``impl`` as in :mod:`distaff.kernels`. Modules already patched
-    are left alone. Returns how many modules of each kind were switched by this call."""
+    distaff's fused kernels, in place; ``impl`` as in :mod:`distaff.kernels`, ``keep_scores`` as the attention's
+    (the forward's dense position scores kept for the backward: faster, ``2 x H x tokens x 2k`` elements a layer
+    more between the passes; ``False`` frees them). Modules already patched are left alone. Returns how many
+    modules of each kind were switched by this call."""
     from transformers.models.deberta_v2 import modeling_deberta_v2 as hf
 
     if impl not in kernels.IMPLS:
@@ -119,10 +134,14 @@ def apply_distaff_kernels(model: nn.Module, impl: str = "auto") -> PatchReport:
         raise TypeError(f"{type(model).__name__} has no DeBERTa-v2 attention to patch")
     report = PatchReport()
     for module in model.modules():
+        if isinstance(module, hf.DebertaV2Encoder) and not hasattr(module, "_distaff_original_get_rel_pos"):
+            module._distaff_original_get_rel_pos = module.get_rel_pos
+            module.get_rel_pos = types.MethodType(_marked_rel_pos, module)
         if hasattr(module, "_distaff_original_forward"):
             continue
         if isinstance(module, hf.DisentangledSelfAttention):
             _patch(module, _fused_attention, impl)
+            module._distaff_keep_scores = bool(keep_scores)
             report.attention += 1
         elif isinstance(module, (hf.DebertaV2SelfOutput, hf.DebertaV2Output)) and \
                 type(module.LayerNorm) is nn.LayerNorm and module.LayerNorm.elementwise_affine:
