@@ -4,7 +4,8 @@
 # With no arguments it runs in two phases: every test not marked `serial` under pytest-xdist, one worker per core
 # (at most 4: each integration test may start two ranks of its own), then the `serial` tests (watchdogs, stalls,
 # signals, the local Slurm cluster) alone, so their bounded waits are not measured on a machine the other phase
-# crowds. It ends with one line adding both phases up. With arguments, they go to a single pytest run unchanged
+# crowds. Each phase lists its 15 slowest tests (where the suite's time goes). It ends with one line adding both
+# phases up. With arguments, they go to a single pytest run unchanged
 # (`bash scripts/test.sh -m unit -x`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,11 +22,12 @@ trap 'rm -rf "$reports"' EXIT
 status=0
 started=$(date +%s)
 if [ "$workers" -gt 1 ]; then
-    .venv/bin/python -m pytest -m "not serial" -n "$workers" --dist worksteal --junitxml "$reports/parallel.xml" \
-        || status=$?
+    .venv/bin/python -m pytest -m "not serial" -n "$workers" --dist worksteal --durations 15 \
+        --junitxml "$reports/parallel.xml" || status=$?
 else
-    .venv/bin/python -m pytest -m "not serial" --junitxml "$reports/parallel.xml" || status=$?
+    .venv/bin/python -m pytest -m "not serial" --durations 15 --junitxml "$reports/parallel.xml" || status=$?
 fi
-.venv/bin/python -m pytest -m serial --junitxml "$reports/serial.xml" || { code=$?; [ "$status" -ne 0 ] || status=$code; }
+.venv/bin/python -m pytest -m serial --durations 15 --junitxml "$reports/serial.xml" \
+    || { code=$?; [ "$status" -ne 0 ] || status=$code; }
 .venv/bin/python scripts/test_totals.py "$reports/parallel.xml" "$reports/serial.xml" "$(( $(date +%s) - started ))"
 exit "$status"
