@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(table, indent=1) + "\n")
     for r in rows:
         print(f"sm_{r['cc']} N={r['n']} d={r['head_dim']} p={r['dropout']:g}: fwd {r['fwd_ms']:.3f} ms, "
-              f"bwd {r['bwd_ms']:.3f} ms ({r['bwd_recomputed_ms']:.3f} with the scores recomputed); content-only FlashAttention-2 fwd {r['content_fwd_ms']:.3f} ms, bwd "
+              f"bwd {r['bwd_ms']:.3f} ms ({r['bwd_recomputed_ms']:.3f} with the scores recomputed); content-only "
+              f"FlashAttention-2 fwd {r['content_fwd_ms']:.3f} ms, bwd "
               f"{r['content_bwd_ms']:.3f} ms; HF eager fwd {r['hf_eager_fwd_ms']:.3f} ms, bwd "
               f"{r['hf_eager_bwd_ms']:.3f} ms (estimates, {r['tokens']} tokens x {r['heads']} heads)")
     print(f"wrote {args.out}")
