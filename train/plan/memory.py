@@ -249,14 +249,20 @@ def layer_activations(cfg: ModelConfig, s: Setting, tokens: int) -> float:
     return hidden + ffn + stats + 2 * mask + tables + index
 
 
+def score_buffer(cfg: ModelConfig, s: Setting, tokens: int) -> float:
+    """Bytes of one dense position buffer of the fused attention, ``[H, tokens, 2k]`` in the activations' dtype
+    (a term's scores or their gradient: kernels/attention/dense.py)."""
+    return cfg.num_attention_heads * tokens * 2 * cfg.att_span * act_bytes(s.precision)
+
+
 def kept_scores(cfg: ModelConfig, s: Setting, tokens: int) -> float:
-    """The dense position scores (``[H, tokens, 2k]`` a term) the fused attention keeps from its forward for its
-    backward (``model.keep_position_scores``), counted wherever the dense designs may run (an upper bound, as
+    """The dense position scores (one :func:`score_buffer` a term) the fused attention keeps from its forward for
+    its backward (``model.keep_position_scores``), counted wherever the dense designs may run (an upper bound, as
     :func:`transients` counts them)."""
     terms = len(cfg.pos_att_type) if cfg.relative_attention else 0
     if not (s.fused and cfg.keep_position_scores):
         return 0.0
-    return terms * cfg.num_attention_heads * tokens * 2 * cfg.att_span * act_bytes(s.precision)
+    return terms * score_buffer(cfg, s, tokens)
 
 
 def head_activations(cfg: ModelConfig, s: Setting, tokens: int) -> tuple[float, float]:
@@ -329,7 +335,7 @@ def transients(s: Setting) -> dict[str, float]:
         # kept them: an activation, kept_scores); the forward the two score buffers while a layer runs (kept:
         # already counted among the activations, unless a checkpointed layer's first forward drops them).
         # Counted wherever they may run (an upper bound).
-        position = cfg.num_attention_heads * tokens * 2 * cfg.att_span * a
+        position = score_buffer(cfg, s, tokens)
         kept = cfg.keep_position_scores
         recomputed = 0 if kept else terms
         out["layer backward (transient)"] += (1 + recomputed) * position + 2 * tokens * cfg.hidden_size * a
