@@ -176,3 +176,39 @@ def test_the_planned_band_bounds_every_band_the_kernels_plan(buckets, max_relati
         table = planning._distance_table(length + 300, buckets, max_relative)
         widest = max(planning.band_range(table, length, t, kernel)[2] for t in tiles for kernel in ("dq", "dkdv"))
         assert widest <= attention_band(length, buckets, max_relative), (length, widest)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("terms", [["p2c", "c2p"], ["c2p"]])
+def test_the_kept_scores_are_what_the_attention_saves_for_its_backward(terms, monkeypatch):
+    """The plan's kept position scores (``memory.kept_scores``) against the bytes the fused attention's autograd
+    graph really saves (counted by a saved-tensors hook on the op, run by the interpreter with sm_90's dense
+    designs), kept less recomputed: the two are computed apart, the one from the config, the other from tensors."""
+    from distaff import kernels
+    from distaff.kernels.attention import planning
+    from distaff.train.model.config import ModelConfig
+    from distaff.train.plan.memory import Setting, kept_scores
+
+    monkeypatch.setattr(planning, "PLANNED_CAPABILITY", 90)
+    heads, n, batch, d, buckets = 2, 48, 3, 16, 8
+    cfg = ModelConfig(hidden_size=heads * d, num_attention_heads=heads, position_buckets=buckets,
+                      max_relative_positions=32, pos_att_type=terms)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(batch, heads, n, d, generator=gen, requires_grad=True) for _ in range(3))
+    kr, qr = (torch.randn(heads, 2 * cfg.att_span, d, generator=gen, requires_grad=True) for _ in range(2))
+
+    def saved_bytes(keep: bool) -> int:
+        seen = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            kernels.disentangled_attention(q, k, v, kr if "c2p" in terms else None, qr if "p2c" in terms else None,
+                                           position_buckets=buckets, max_relative_positions=32, impl="triton",
+                                           keep_scores=keep)
+        return sum(seen.values())
+
+    setting = Setting(models=(cfg,), params=0, seq_len=n, micro_batch=batch, precision="fp32", zero=0, ranks=1)
+    assert saved_bytes(True) - saved_bytes(False) == kept_scores(cfg, setting, batch * n) > 0
