@@ -11,8 +11,9 @@ import torch
 import triton
 import triton.language as tl
 from ..contract import in_kernel_layout
-from .dense import (_add_end_sums, _buckets_ahead, _dense_rows, _dense_scores_at, _joined_column, _store_buckets,
-                    _zero_outside, HeadMajor, dense_buffer, dense_scores, dense_strides, position_gradients)
+from .dense import (_add_end_sums, _buckets_ahead, _dense_rows, _dense_scores_at, _dense_terms, _joined_column,
+                    _store_buckets, _zero_outside, HeadMajor, dense_buffer, dense_scores, dense_strides,
+                    position_gradients)
 from .planning import DELTA_ELEMENTS, _on_device, _Problem, band_folds, band_range, programs_per_head, Tiles
 from .scores import (_dropout_keep, _ends_ahead, _item, _load_rows, _load_stat, _locate, _mask_words, _path_ends,
                      _program_items, _rows_after_loop, _side_visible, _store_rows, _table_ahead, _tile_scores)
@@ -246,8 +247,8 @@ def _dq_block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, DQ,
               WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
               HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
               DROPOUT: tl.constexpr, HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr,
-              DENSE_SCORES: tl.constexpr, BUCKETS_AHEAD: tl.constexpr, PRECISION: tl.constexpr,
-              PER_ITEM: tl.constexpr):
+              DENSE_SCORES: tl.constexpr, BUCKETS_AHEAD: tl.constexpr, VALUES_AHEAD: tl.constexpr,
+              PRECISION: tl.constexpr, PER_ITEM: tl.constexpr):
     """dQ of query block ``i0`` (all key blocks), and its c2p gradient added to the partial dKr, or with
     ``DENSE`` its score gradient in bucket coordinates written to its rows of the dense buffer ``DENSE_GRAD``
     (located after the tile loop from the program's ``item``: a 64-bit pointer held across it spilled)."""
@@ -264,7 +265,7 @@ def _dq_block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, DQ,
     first, last = seq_len, -BLOCK_N  # key blocks of the general tiles
     ahead = ()
     ends = ()
-    if HOIST:
+    if HOIST and not VALUES_AHEAD:
         ahead = _path_ends(TABLE, i0 - (BLOCK_N - 1), BLOCK_M, BLOCK_N)
     if ENDS_AHEAD:  # with the path ends (HOIST), a saturated tile's end terms come a tile ahead
         ends = _ends_ahead(END, stat_off, stat_numel, i0, 0, ahead, offs_m, offs_n, seq_len, TWO_SPAN, BLOCK_M,
@@ -272,9 +273,14 @@ def _dq_block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, DQ,
     buckets = ()
     if BUCKETS_AHEAD:
         buckets = _buckets_ahead(TABLE, MIRROR, i0, offs_m, offs_n, seq_len > 0, False)
+    values = ()
+    if VALUES_AHEAD:  # the first tile's terms now; the loop reads each next tile's at its end
+        values = _dense_terms(dense[0], dense[1], buckets, i0, 0, offs_m, offs_n, seq_len, HAS_C2P, HAS_P2C,
+                              TWO_SPAN, False)
+        buckets = _buckets_ahead(TABLE, MIRROR, i0 - BLOCK_N, offs_m, offs_n, BLOCK_N < seq_len, False)
     for j0 in range(0, seq_len, BLOCK_N):
         row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), -BLOCK_N, HOIST, BLOCK_M, BLOCK_N, WINDOW,
-                                  SPLIT)
+                                  SPLIT, VALUES_AHEAD)
         keys = _mask_words(mask_ptr, j0, seq_len, BLOCK_N, HAS_MASK)
         k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
         v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
@@ -282,8 +288,8 @@ def _dq_block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, DQ,
             q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, keys, END, ends, scratch, dense, stat_off,
             stat_numel, i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N,
             WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, False, HOIST, False, ENDS_AHEAD, DENSE_SCORES,
-            PRECISION, buckets, BUCKETS_AHEAD)
-        if BUCKETS_AHEAD:  # the next tile's, while this one computes (``Tiles.buckets_ahead``)
+            PRECISION, buckets, BUCKETS_AHEAD, values, VALUES_AHEAD)
+        if BUCKETS_AHEAD and not VALUES_AHEAD:  # the next tile's, while this one computes (``Tiles.buckets_ahead``)
             buckets = _buckets_ahead(TABLE, MIRROR, i0 - j0 - BLOCK_N, offs_m, offs_n, j0 + BLOCK_N < seq_len, False)
         if ENDS_AHEAD:
             ends = _ends_ahead(END, stat_off, stat_numel, i0, j0 + BLOCK_N, ahead, offs_m, offs_n, seq_len, TWO_SPAN,
@@ -295,6 +301,11 @@ def _dq_block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, DQ,
         if HAS_C2P:  # dQ_a += sum_b dS[a,b] Kr[idx];  dKr[t] += sum_{idx=t} dS[a,b] Q_a
             sums_lo, sums_hi, first, last = _tile_position(ds, saturated, top, sums_lo, sums_hi, first, last, band,
                                                            band_lo, i0, j0, offs_m, offs_n, BAND, BLOCK_N, False)
+        if VALUES_AHEAD:  # the next tile's terms, in flight over the back edge and the next tile's pipeline wait
+            values = _dense_terms(dense[0], dense[1], buckets, i0, j0 + BLOCK_N, offs_m, offs_n, seq_len, HAS_C2P,
+                                  HAS_P2C, TWO_SPAN, False)
+            buckets = _buckets_ahead(TABLE, MIRROR, i0 - j0 - 2 * BLOCK_N, offs_m, offs_n, j0 + 2 * BLOCK_N < seq_len,
+                                     False)
     i_out = _rows_after_loop(i0, offs_m, PER_ITEM)  # recomputed with a program per item, as dk/dv's
     if DENSE:  # dq is complete (its position part comes after the kernel): not held across the band pass
         _store_rows(DQ + base, i_out, offs_m, offs_d, stride_n, seq_len, dq)
@@ -317,7 +328,8 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MIRROR, MASK, CU, SCALES, END, DO, LSE,
                  HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr,
                  DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
                  HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr, DENSE_SCORES: tl.constexpr,
-                 BUCKETS_AHEAD: tl.constexpr, PRECISION: tl.constexpr, PER_ITEM: tl.constexpr):
+                 BUCKETS_AHEAD: tl.constexpr, VALUES_AHEAD: tl.constexpr,
+                 PRECISION: tl.constexpr, PER_ITEM: tl.constexpr):
     """Program (p, head) walks a run of (sequence, query block) items of one head into one partial dKr (or,
     ``DENSE``, into its blocks' rows of the dense buffer); with ``DENSE_SCORES`` its general tiles read their
     position terms from ``C2P`` and ``P2C`` (laid out as the dense buffer); ``PER_ITEM``: one item a program
@@ -336,7 +348,7 @@ def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MIRROR, MASK, CU, SCALES, END, DO, LSE,
                       n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo, item, stride_lb, stride_lh,
                       dense_lb, dense_lh, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P,
                       HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST, ENDS_AHEAD, DENSE, DENSE_SCORES, BUCKETS_AHEAD,
-                      PRECISION, PER_ITEM)
+                      VALUES_AHEAD, PRECISION, PER_ITEM)
         tl.debug_barrier()
 
 
@@ -348,8 +360,8 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
                 WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
                 HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
                 DROPOUT: tl.constexpr, HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr,
-                DENSE_SCORES: tl.constexpr, BUCKETS_AHEAD: tl.constexpr, PRECISION: tl.constexpr,
-                PER_ITEM: tl.constexpr):
+                DENSE_SCORES: tl.constexpr, BUCKETS_AHEAD: tl.constexpr, VALUES_AHEAD: tl.constexpr,
+                PRECISION: tl.constexpr, PER_ITEM: tl.constexpr):
     """dK, dV of key block ``j0`` (all query blocks; tiles held as ``[BN, BM]``), and its p2c gradient
     added to the partial dQr, or with ``DENSE`` written in bucket coordinates to its rows of ``DENSE_GRAD``."""
     offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
@@ -364,7 +376,7 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
     first, last = seq_len, -BLOCK_M  # query blocks of the general tiles
     ahead = ()
     ends = ()
-    if HOIST:
+    if HOIST and not VALUES_AHEAD:
         ahead = _path_ends(TABLE, -j0 - (BLOCK_N - 1), BLOCK_M, BLOCK_N)
     if ENDS_AHEAD:  # with the path ends (HOIST), a saturated tile's end terms come a tile ahead
         ends = _ends_ahead(END, stat_off, stat_numel, 0, j0, ahead, offs_m, offs_n, seq_len, TWO_SPAN, BLOCK_M,
@@ -373,9 +385,14 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
     buckets = ()
     if BUCKETS_AHEAD:
         buckets = _buckets_ahead(TABLE, TABLE, -j0, offs_m, offs_n, seq_len > 0, True)
+    values = ()
+    if VALUES_AHEAD:  # the first tile's terms now; the loop reads each next tile's at its end
+        values = _dense_terms(dense[0], dense[1], buckets, 0, j0, offs_m, offs_n, seq_len, HAS_C2P, HAS_P2C,
+                              TWO_SPAN, True)
+        buckets = _buckets_ahead(TABLE, TABLE, BLOCK_M - j0, offs_m, offs_n, BLOCK_M < seq_len, True)
     for i0 in range(0, seq_len, BLOCK_M):
         row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), BLOCK_M, HOIST, BLOCK_M, BLOCK_N, WINDOW,
-                                  SPLIT)
+                                  SPLIT, VALUES_AHEAD)
         q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)
         do = _load_rows(DO + base, i0, offs_m, offs_d, stride_n, seq_len)
         lse = _load_stat(LSE + stat_off, i0, offs_m, seq_len, float("inf"))
@@ -384,8 +401,8 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
             q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, keys, END, ends, scratch, dense, stat_off,
             stat_numel, i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N,
             WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, True, HOIST, False, ENDS_AHEAD, DENSE_SCORES,
-            PRECISION, buckets, BUCKETS_AHEAD)
-        if BUCKETS_AHEAD:  # the next tile's, while this one computes (``Tiles.buckets_ahead``)
+            PRECISION, buckets, BUCKETS_AHEAD, values, VALUES_AHEAD)
+        if BUCKETS_AHEAD and not VALUES_AHEAD:  # the next tile's, while this one computes (``Tiles.buckets_ahead``)
             buckets = _buckets_ahead(TABLE, TABLE, i0 + BLOCK_M - j0, offs_m, offs_n, i0 + BLOCK_M < seq_len, True)
         if ENDS_AHEAD:
             ends = _ends_ahead(END, stat_off, stat_numel, i0 + BLOCK_M, j0, ahead, offs_m, offs_n, seq_len, TWO_SPAN,
@@ -398,6 +415,11 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
         if HAS_P2C:  # dK_b += sum_a dS[a,b] Qr[idx];  dQr[t] += sum_{idx=t} dS[a,b] K_b
             sums_lo, sums_hi, first, last = _tile_position(ds, saturated, top, sums_lo, sums_hi, first, last, band,
                                                            band_lo, i0, j0, offs_m, offs_n, BAND, BLOCK_N, True)
+        if VALUES_AHEAD:  # the next tile's terms, in flight over the back edge and the next tile's pipeline wait
+            values = _dense_terms(dense[0], dense[1], buckets, i0 + BLOCK_M, j0, offs_m, offs_n, seq_len, HAS_C2P,
+                                  HAS_P2C, TWO_SPAN, True)
+            buckets = _buckets_ahead(TABLE, TABLE, i0 + 2 * BLOCK_M - j0, offs_m, offs_n, i0 + 2 * BLOCK_M < seq_len,
+                                     True)
     if DROPOUT:  # the kept probabilities' 1 / (1 - p), left out of every score by _score_grads
         dv = dv * keep_scale
     # recomputed with a program per item (sm_80's 64-key blocks spilled 20 B without; the fused design's persistent
@@ -426,7 +448,8 @@ def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA
                    HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr,
                    DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
                    HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr, DENSE_SCORES: tl.constexpr,
-                   BUCKETS_AHEAD: tl.constexpr, PRECISION: tl.constexpr, PER_ITEM: tl.constexpr):
+                   BUCKETS_AHEAD: tl.constexpr, VALUES_AHEAD: tl.constexpr,
+                   PRECISION: tl.constexpr, PER_ITEM: tl.constexpr):
     """Program (p, head) walks a run of (sequence, key block) items of one head into one partial dQr (or,
     ``DENSE``, into its blocks' rows of the dense buffer); with ``DENSE_SCORES`` as ``_attn_bwd_dq``; ``PER_ITEM``:
     one item a program (``one_item_per_program``)."""
@@ -446,8 +469,8 @@ def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA
                             seq_seed, seq_scale, dropout_p, keep_scale, n_ctx, seq_len, base, rel_off, stat_off,
                             stat_numel, stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN,
                             HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK,
-                            MASK_DIAGONAL, DROPOUT, HOIST, ENDS_AHEAD, DENSE, DENSE_SCORES, BUCKETS_AHEAD, PRECISION,
-                            PER_ITEM)
+                            MASK_DIAGONAL, DROPOUT, HOIST, ENDS_AHEAD, DENSE, DENSE_SCORES, BUCKETS_AHEAD,
+                            VALUES_AHEAD, PRECISION, PER_ITEM)
         tl.debug_barrier()
 
 
@@ -531,20 +554,29 @@ def _backward_kernel(problem: _Problem, kernel, name: str, q, has_term: bool, bu
     per_item = one_item_per_program(problem, scores)
     programs = (items if per_item else
                 programs_per_head(items, buffers.program_bytes, budget, problem.n_heads, problem.slots(tiles)))
-    shape = (problem.n_heads, programs, buffers.partial_rows, q.shape[-1]) if buffers.partial_rows else (1,)
-    partial = torch.zeros(shape, dtype=torch.float32, device=q.device)
+    # without partial tables (the dense design, or no term of its own) a one-element stand-in the kernel never reads:
+    # empty, not zeros (a fill launch per kernel)
+    if buffers.partial_rows:
+        partial = torch.zeros((problem.n_heads, programs, buffers.partial_rows, q.shape[-1]), dtype=torch.float32,
+                              device=q.device)
+    else:
+        partial = torch.empty((1,), dtype=torch.float32, device=q.device)
     d_scores = dense_buffer(problem, q) if dense else q
     _, dense_lb, dense_lh = dense_strides(problem)
     scratch = q.new_empty(max(1, problem.n_heads * programs * buffers.scratch_elements))
     # A saturated tile's end terms come with its path ends, a tile ahead, where those are read ahead (the tiles
     # hoist) and some tile can saturate at all: elsewhere the reads (masked off) would only cost general tiles.
     ends_ahead = tiles.hoists(problem.mask_diagonal) and problem.saturates(q)
+    # Where no tile of the launch saturates, tiles reading dense scores may gather each next tile's terms at the end
+    # of the one before (``Tiles.values_ahead``): no path test, no saturated branch.
+    values_ahead = tiles.values_ahead and problem.general_only and bool(scores)
     problem.launch(kernel, tiles, (programs, problem.n_heads), q, args["KR"] is not q, args["QR"] is not q,
                    ENDS_AHEAD=ends_ahead, items_per_program=triton.cdiv(items, programs),
                    scratch_elements=buffers.scratch_elements, lo=lo, FOLD=fold, MERGE=merge, JOINS=joins, BAND=band,
                    CHUNK=tiles.chunk, SCRATCH=scratch, DENSE_GRAD=d_scores, dense_lb=dense_lb, dense_lh=dense_lh,
                    DENSE=dense, C2P=scores[0] if scores else q, P2C=scores[1] if scores else q,
                    DENSE_SCORES=bool(scores), BUCKETS_AHEAD=bool(scores) and tiles.buckets_ahead, PER_ITEM=per_item,
+                   VALUES_AHEAD=values_ahead,
                    keep_scale=1.0 / (1.0 - problem.dropout_p),
                    **{part_name: partial}, **args)
     if dense:

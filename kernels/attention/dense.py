@@ -107,11 +107,12 @@ def _mirrored_buckets(MIRROR, d0, offs_m, offs_n):
 
 
 @triton.jit
-def _dense_bias(C2P, P2C, buckets, i0, j0, offs_m, offs_n, seq_len, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr,
-                TWO_SPAN: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """c2p + p2c of a general tile read from the dense products (:func:`dense_scores`) at its scores' buckets
-    (:func:`_score_buckets`): ``C2P[i, bucket(i - j)] + P2C[j, bucket(i - j)]`` (``C2P``, ``P2C``: the sequence's
-    row 0), float32, laid out as ``buckets``; nothing read past the sequence."""
+def _dense_terms(C2P, P2C, buckets, i0, j0, offs_m, offs_n, seq_len, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr,
+                 TWO_SPAN: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The present terms of a general tile read from the dense products (:func:`dense_scores`) at its scores'
+    buckets (:func:`_score_buckets`), as loaded (the input dtype, not yet converted: a loop may carry them to the
+    next tile, ``Tiles.values_ahead``): ``(C2P[i, bucket(i - j)],)`` and / or ``(P2C[j, bucket(i - j)],)``
+    (``C2P``, ``P2C``: the sequence's row 0), laid out as ``buckets``; nothing read past the sequence."""
     rows, cols = i0 + offs_m, j0 + offs_n
     if TRANSPOSED:
         ok = (cols < seq_len)[:, None] & (rows < seq_len)[None, :]
@@ -119,13 +120,31 @@ def _dense_bias(C2P, P2C, buckets, i0, j0, offs_m, offs_n, seq_len, HAS_C2P: tl.
     else:
         ok = (rows < seq_len)[:, None] & (cols < seq_len)[None, :]
         row_at, col_at = rows[:, None], cols[None, :]
-    c2p = 0.0
-    p2c = 0.0
+    terms = ()
     if HAS_C2P:
-        c2p = tl.load(C2P + row_at * TWO_SPAN + buckets, mask=ok, other=0.0).to(tl.float32)
+        terms = terms + (tl.load(C2P + row_at * TWO_SPAN + buckets, mask=ok, other=0.0),)
     if HAS_P2C:
-        p2c = tl.load(P2C + col_at * TWO_SPAN + buckets, mask=ok, other=0.0).to(tl.float32)
-    return c2p + p2c
+        terms = terms + (tl.load(P2C + col_at * TWO_SPAN + buckets, mask=ok, other=0.0),)
+    return terms
+
+
+@triton.jit
+def _terms_sum(terms, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr):
+    """c2p + p2c in float32 from :func:`_dense_terms`."""
+    if HAS_C2P and HAS_P2C:
+        total = terms[0].to(tl.float32) + terms[1].to(tl.float32)
+    else:
+        total = terms[0].to(tl.float32)
+    return total
+
+
+@triton.jit
+def _dense_bias(C2P, P2C, buckets, i0, j0, offs_m, offs_n, seq_len, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr,
+                TWO_SPAN: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """c2p + p2c of a general tile read from the dense products at its scores' buckets (:func:`_dense_terms`),
+    float32."""
+    return _terms_sum(_dense_terms(C2P, P2C, buckets, i0, j0, offs_m, offs_n, seq_len, HAS_C2P, HAS_P2C, TWO_SPAN,
+                                   TRANSPOSED), HAS_C2P, HAS_P2C)
 
 
 @triton.jit

@@ -43,6 +43,16 @@ class Tiles:
     # and dk/dv tiles' chains 4,043 -> 3,491 and 4,936 -> 3,972 cycles at the high end). 16 more registers a
     # thread at 4 warps: False where that spilled.
     buckets_ahead: bool = False
+    # ... and, where no tile of the launch saturates (``_Problem.general_only``), gather the next tile's c2p and p2c
+    # at the end of the tile before (``dense._dense_terms``), so they are in flight across the loop's back edge and
+    # the next tile's pipeline wait (one round trip a tile, not the wait then the gathers), with no path test or
+    # saturated branch. Judge, high end, N = 512, dropout 0 / 0.1: sm_90 dk/dv 0.75 -> 0.61 / 0.81 -> 0.67 ms, dq
+    # 0.70 -> 0.59 / 0.74 -> 0.65; sm_80 dq 1.42 -> 1.03 / 1.60 -> 1.12. The values are held across the back edge:
+    # sm_80's dk/dv spilled 40-216 B with them on 32 x 64 in one or two stages (16 x 64, clean, was slower than
+    # 32 x 64 without them), and so did the dense forward's 64 x 64 tile (56 B). Without the gathers ahead, taking
+    # the path test away alone made sm_90's tiles slower (the pipeline wait moved ahead of the gathers). Needs
+    # buckets_ahead.
+    values_ahead: bool = False
     # The forward's saturated runs (``paths_apart``) load their next tile's K and V rows and each key column's
     # mask word a tile ahead (``_key_tile``), except under the diagonal mask (sm_80 d = 64: 20 B spilled with
     # dropout and per-sequence scales). Off where it spilled: 64 x 64 tiles of 4 warps (sm_90, sm_100: 4-236 B;
@@ -64,6 +74,10 @@ class Tiles:
     # 1.91 ms (dropout 0, judge, high end), and at N = 8192, where 87% of the tiles saturate, 13.09 -> 16.44 (judged
     # with dk/dv's rows hoisted).
     general_stages: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.values_ahead and not self.buckets_ahead:
+            raise ValueError(f"{self}: values_ahead gathers with the buckets read a tile ahead (buckets_ahead)")
 
     def hoists(self, mask_diagonal: bool) -> bool:
         """Whether a launch with (or without) the diagonal mask hoists its rows (``hoist``, ``hoist_diagonal``)."""
@@ -126,8 +140,10 @@ _TILES = {
     # addresses changed layout through shared memory: 16-24 B spilled). 64 x 32 dq / 32 x 64 dk/dv without the
     # prefetch: 2.40 / 2.76 ms; 8 warps: 3.56 / 4.03 (one block an SM); 64 x 16 / 16 x 64: 2.60 / 2.76.
     # d = 64 dense forward, sm_90: sm_80's tile (below), the general run two stages deep under the ceiling.
-    ("half", 64, 90): dict(fwd=_T(64, 64, 4, 1), dq=_T(64, 32, 4, 1, buckets_ahead=True, general_stages=2),
-                           dkdv=_T(32, 64, 4, 1, hoist=False, buckets_ahead=True, general_stages=2),
+    ("half", 64, 90): dict(fwd=_T(64, 64, 4, 1),
+                           dq=_T(64, 32, 4, 1, buckets_ahead=True, general_stages=2, values_ahead=True),
+                           dkdv=_T(32, 64, 4, 1, hoist=False, buckets_ahead=True, general_stages=2,
+                                   values_ahead=True),
                            fwd_dense=_T(64, 64, 4, 2, maxnreg=255, saturated_stages=1)),
     # d = 128, dk/dv, sm_90 and sm_80: every tile without repeated warps spills in some configuration the
     # compile check covers (sm_90: 32 x 16 on 4 warps 8-16 B with p2c alone, 64 x 16 4-16 B, 16 x 16 on 2 8 B;
@@ -156,7 +172,7 @@ _TILES = {
     # ceiling; three stages 4 B; 128 x 64 on 8 warps 8 B; 32 x 64 on 2 warps 4-48 B.
     ("half", 64, 80): dict(fwd=_T(32, 32, 2, 1, keys_ahead=True), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1),
                            fwd_dense=_T(64, 64, 4, 2, maxnreg=255, saturated_stages=1),
-                           dq_dense=_T(64, 32, 4, 2, buckets_ahead=True),
+                           dq_dense=_T(64, 32, 4, 2, buckets_ahead=True, values_ahead=True),
                            dkdv_dense=_T(32, 64, 4, 2, buckets_ahead=True)),
     ("half", 128, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 32, 4, 1), dkdv=_T(16, 16, 4, 1)),
     # sm_100: dk/dv rows not hoisted (hoisted, 8-96 B spilled); forward buckets not loaded ahead (20 B). d = 64
@@ -199,10 +215,11 @@ Variant = tuple[str, str, bool, bool]
 # on 4 warps, window products in 16-column slices, compiles clean. sm_80's 64 x 64 dense forward, both terms: packed
 # without dropout spilled 12 B (40 B with the diagonal mask), padded with dropout and the diagonal mask 4 B where
 # tiles saturate; both take the 64 x 32 tile it replaced. sm_80's dq with dropout had its own tile (32 x 64, path
-# ends not hoisted) until a program per item let it take the row's 64 x 32 (``("half", 64, 80)`` above).
+# ends not hoisted) until a program per item let it take the row's 64 x 32 (``("half", 64, 80)`` above); packed
+# with dropout, that tile spilled 4 B gathering its terms ahead (``Tiles.values_ahead``) and takes them tile by tile.
 _SM80_DENSE_FORWARD = _T(64, 32, 4, 2, maxnreg=255)
-_DROPOUT_BACKWARD = _T(32, 64, 4, 2, hoist=False, buckets_ahead=True)  # sm_90's dk/dv with dropout
-_SM90_VARLEN_BACKWARD = _T(64, 32, 4, 1, hoist=False, buckets_ahead=True)
+_DROPOUT_BACKWARD = _T(32, 64, 4, 2, hoist=False, buckets_ahead=True, values_ahead=True)  # sm_90's dk/dv with dropout
+_SM90_VARLEN_BACKWARD = _T(64, 32, 4, 1, hoist=False, buckets_ahead=True, values_ahead=True)
 _VARIANT_TILES = {
     ("half", 64, 90, "dq", True, ("c2p+p2c", "varlen", True)): _SM90_VARLEN_BACKWARD,
     ("half", 64, 90, "dkdv", True, ("c2p+p2c", "padded", True)): _DROPOUT_BACKWARD,
@@ -213,6 +230,7 @@ _VARIANT_TILES = {
     ("half", 64, 90, "dkdv", True, ("p2c", "varlen", False)): _SM90_VARLEN_BACKWARD,
     ("half", 64, 100, "fwd", False, ("c2p+p2c", "padded", True)): _T(64, 64, 4, 1, hoist=False, maxnreg=255),
     ("half", 128, 90, "fwd", True, ("c2p+p2c", "padded", True, True)): _T(64, 32, 4, 1, columns=16, hoist=False),
+    ("half", 64, 80, "dq", True, ("c2p+p2c", "varlen", True)): _T(64, 32, 4, 2, buckets_ahead=True),
     ("half", 64, 80, "fwd", True, ("c2p+p2c", "varlen", False)): _SM80_DENSE_FORWARD,
     ("half", 64, 80, "fwd", True, ("c2p+p2c", "padded", True, True)): _SM80_DENSE_FORWARD,
 }

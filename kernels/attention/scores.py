@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from .dense import _dense_bias, _score_buckets
+from .dense import _dense_bias, _score_buckets, _terms_sum
 
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
@@ -169,14 +169,20 @@ def _path_ends(table_ptr, r0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _table_ahead(table_ptr, ahead, r0, step, AHEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 WINDOW: tl.constexpr, SPLIT: tl.constexpr):
+                 WINDOW: tl.constexpr, SPLIT: tl.constexpr, GENERAL_ONLY: tl.constexpr = False):
     """``((t_lo, t_hi, window buckets), what the loop carries)``: this tile's table reads in a loop whose next
     tile's window starts ``step`` further. With ``AHEAD`` the two end buckets (the path test) come from
     ``ahead`` (:func:`_path_ends`), read a tile earlier, and
     the window's buckets are read at the tile's start, so the row gathers no longer wait behind the path test
     (reading them a tile ahead too spilled); ``ahead`` gets the next tile's ends (the table reaches a tile past
-    either end). Without it the ends are read now and the products read their buckets slice by slice."""
-    if AHEAD:
+    either end). Without it the ends are read now and the products read their buckets slice by slice.
+    ``GENERAL_ONLY``: no tile of the launch saturates (``planning._Problem.general_only``), so no ends are read:
+    ``(0, 1)`` stand for them, a path test the compiler decides (general) and whose saturated branch it drops."""
+    if GENERAL_ONLY:
+        current = (0, 1, ())
+        if AHEAD:
+            current = (0, 1, _window_buckets(table_ptr, r0, WINDOW, SPLIT))
+    elif AHEAD:
         current = (ahead[0], ahead[1], _window_buckets(table_ptr, r0, WINDOW, SPLIT))
         ahead = _path_ends(table_ptr, r0 + step, BLOCK_M, BLOCK_N)
     else:  # no window buckets: the products load them slice by slice
@@ -432,7 +438,8 @@ def _tile_scores(q, k, KR, QR, table_ptr, table_row, mask_ptr, keys, END, ends, 
                  WINDOW: tl.constexpr, SPLIT: tl.constexpr, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr,
                  HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr, TRANSPOSED: tl.constexpr,
                  HOIST: tl.constexpr, ROWS: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE_SCORES: tl.constexpr,
-                 PRECISION: tl.constexpr, buckets=(), BUCKETS_AHEAD: tl.constexpr = False):
+                 PRECISION: tl.constexpr, buckets=(), BUCKETS_AHEAD: tl.constexpr = False, values=(),
+                 VALUES_AHEAD: tl.constexpr = False):
     """Scores of tile ``(i0, j0)`` times ``scale * log2(e)`` (``-inf`` where not visible, whatever the scale:
     a scale of 0 must not make ``-inf * 0``), whether it is saturated and at which end (read per tile from
     the bucket table), and the count of general tiles so far (it picks the scratch buffer). ``keys``: the tile's
@@ -443,19 +450,23 @@ def _tile_scores(q, k, KR, QR, table_ptr, table_row, mask_ptr, keys, END, ends, 
     ahead (:func:`_ends_ahead`), with ``ENDS_AHEAD``; else read here. With ``DENSE_SCORES`` a general tile reads
     its c2p and p2c from the dense products (``dense``: the sequence's rows of ``C2P`` and ``P2C``) at each
     score's bucket, issued before the content product: no window rows, products or scratch; with
-    ``BUCKETS_AHEAD`` those buckets are ``buckets``, loaded a tile before (``dense._buckets_ahead``)."""
+    ``BUCKETS_AHEAD`` those buckets are ``buckets``, loaded a tile before (``dense._buckets_ahead``); with
+    ``VALUES_AHEAD`` the terms themselves are ``values``, gathered a tile before (``dense._dense_terms``)."""
     saturated, top = _saturated(table_row, TWO_SPAN)
     if DENSE_SCORES and (HAS_C2P or HAS_P2C):  # either path's terms before the content product
         if saturated:
             position = _end_bias(END, ends, stat_off, stat_numel, i0, j0, offs_m, offs_n, seq_len, top, BLOCK_M,
                                  BLOCK_N, HAS_C2P, HAS_P2C, TRANSPOSED, ENDS_AHEAD)
         else:
-            if BUCKETS_AHEAD:
-                tile_buckets = buckets
+            if VALUES_AHEAD:
+                position = _terms_sum(values, HAS_C2P, HAS_P2C)
             else:
-                tile_buckets = _score_buckets(table_ptr, i0 - j0, offs_m, offs_n, TRANSPOSED)
-            position = _dense_bias(dense[0], dense[1], tile_buckets, i0, j0, offs_m, offs_n, seq_len, HAS_C2P, HAS_P2C,
-                                   TWO_SPAN, TRANSPOSED)
+                if BUCKETS_AHEAD:
+                    tile_buckets = buckets
+                else:
+                    tile_buckets = _score_buckets(table_ptr, i0 - j0, offs_m, offs_n, TRANSPOSED)
+                position = _dense_bias(dense[0], dense[1], tile_buckets, i0, j0, offs_m, offs_n, seq_len, HAS_C2P,
+                                       HAS_P2C, TWO_SPAN, TRANSPOSED)
     if TRANSPOSED:
         s = tl.dot(k, tl.trans(q), input_precision=PRECISION)
     else:

@@ -124,6 +124,91 @@ def test_every_backward_tile_reading_buckets_ahead_matches_the_oracle(tiles, dro
         assert _rel_l2(a, e) < 1e-5, name
 
 
+# every backward tile that gathers its next tile's c2p and p2c at the end of the one before (``Tiles.values_ahead``)
+VALUES_AHEAD_TILES = [t for t in BACKWARD_AHEAD_TILES if t.values_ahead]
+# No tile saturates at these lengths (the top bucket starts past 200 tokens), distances past 32 are log-bucketed:
+# a launch where the tiles take their terms ahead.
+GENERAL_ONLY = dict(position_buckets=64, max_relative_positions=256)
+
+
+def _terms_ahead_launches(monkeypatch) -> list[bool]:
+    """Whether each backward launch from now on gathers its terms a tile ahead (``VALUES_AHEAD``)."""
+    launched, original = [], planning._Problem.launch
+
+    def recorded(self, kernel, tiles, grid, q, has_c2p, has_p2c, **kwargs):
+        if "DENSE" in kwargs:
+            launched.append(kwargs["VALUES_AHEAD"])
+        return original(self, kernel, tiles, grid, q, has_c2p, has_p2c, **kwargs)
+
+    monkeypatch.setattr(planning._Problem, "launch", recorded)
+    return launched
+
+
+@pytest.mark.parametrize("case", ["padded-fp32", "padded-fp16", "c2p-only", "p2c-only", "varlen", "dropout"])
+@pytest.mark.parametrize("tiles", VALUES_AHEAD_TILES,
+                         ids=[f"{t.block_m}x{t.block_n}s{t.num_stages}" for t in VALUES_AHEAD_TILES])
+def test_every_backward_tile_gathering_its_terms_ahead_matches_the_oracle(tiles, case, monkeypatch) -> None:
+    """The backward tiles that gather each next tile's position terms at the end of the one before, through the
+    interpreter with dense backward scores where no tile saturates: sequences ending mid-tile (the gathers a tile
+    and the buckets two tiles past the end masked off), a padding mask and the diagonal mask; one term alone;
+    packed sequences of 1 to 97 tokens; dropout against the oracle given the kernel's own keep mask. The launches
+    are checked to have taken the terms ahead, so the test cannot pass on the tile-by-tile path."""
+    from distaff.kernels import reference
+    from test_attention_triton import make_inputs, run_with_grads
+
+    monkeypatch.setattr(attention.planning, "INTERPRETER_TILES", tiles)
+    monkeypatch.setattr(attention.planning, "backward_scores_design", lambda *args: "dense")
+    launched = _terms_ahead_launches(monkeypatch)
+    n = 128 if case == "dropout" else 150  # the keep mask is recovered through an N x N identity V
+    mask = torch.ones(1, n, dtype=torch.long)
+    mask[0, 6::11] = 0
+    mask[0, n - 9:] = 0
+    kw = dict(GENERAL_ONLY, mask_diagonal=True)
+    seed = 7 + tiles.block_m + tiles.num_stages
+    if case == "varlen":
+        lengths = [5, 1, 97, 40]
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        gen = torch.Generator().manual_seed(seed)
+        inputs = [torch.randn(sum(lengths), 2, 32, generator=gen) for _ in range(3)]
+        inputs += [torch.randn(2, 128, 32, generator=gen) for _ in range(2)]
+        kw.update(cu_seqlens=cu, max_seqlen=max(lengths))
+        got = run_with_grads(attention.disentangled_attention_varlen, inputs, torch.float32, **kw)
+        want = run_with_grads(reference.disentangled_attention_varlen, inputs, torch.float64, **kw)
+        tol = TOL[torch.float32]
+    elif case == "dropout":
+        inputs = [t.double() for t in make_inputs(torch.device("cpu"), 1, 2, n, 32, 64, seed=seed)]
+        got, want = dropout_against_oracle(inputs, 7, attention_mask=mask, **kw)
+        tol = TOL[torch.float32]
+    else:
+        c2p, p2c = case != "p2c-only", case != "c2p-only"
+        dtype = torch.float16 if case == "padded-fp16" else torch.float32
+        inputs = make_inputs(torch.device("cpu"), 1, 2, n, 32, 64, c2p, p2c, seed=seed)
+        got = run_with_grads(attention.disentangled_attention, inputs, dtype, attention_mask=mask, **kw)
+        want = run_with_grads(reference.disentangled_attention, inputs, torch.float64, attention_mask=mask, **kw)
+        tol = TOL[dtype]
+    assert launched and all(launched), launched
+    assert_close(got, want, tol)
+
+
+def test_the_terms_are_taken_ahead_only_where_no_tile_saturates(monkeypatch) -> None:
+    """Past the lengths where no tile saturates, the same tiles take their terms tile by tile (the saturated
+    tiles' end terms have no gathers to take ahead), and the result still matches the oracle."""
+    from distaff.kernels import reference
+    from test_attention_triton import make_inputs, run_with_grads
+
+    tiles = VALUES_AHEAD_TILES[0]
+    monkeypatch.setattr(attention.planning, "INTERPRETER_TILES", tiles)
+    monkeypatch.setattr(attention.planning, "backward_scores_design", lambda *args: "dense")
+    launched = _terms_ahead_launches(monkeypatch)
+    kw = dict(position_buckets=16, max_relative_positions=40)
+    assert attention.tile_paths(150, tiles, 16, 40).saturated > 0
+    inputs = make_inputs(torch.device("cpu"), 1, 2, 150, 32, 16, seed=3)
+    got = run_with_grads(attention.disentangled_attention, inputs, torch.float32, **kw)
+    want = run_with_grads(reference.disentangled_attention, inputs, torch.float64, **kw)
+    assert launched and not any(launched), launched
+    assert_close(got, want, TOL[torch.float32])
+
+
 def test_the_a100_forward_walks_its_paths_apart(monkeypatch) -> None:
     """sm_80's half-precision forward at d = 64 takes the tile-ahead forward: a warp per 16 query rows."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the GPU's tiles, not the interpreter's

@@ -147,10 +147,11 @@ def test_forward_without_position_terms_keeps_a_warp_per_16_rows(tmp_path: Path)
 @pytest.mark.integration
 def test_a_variant_that_spilled_on_its_rows_tile_launches_its_own() -> None:
     """Each variant in ``planning._VARIANT_TILES`` (terms, layout, dropout and perhaps the diagonal mask where the
-    row's tile spilled) launches its own tile, ``maxnreg``, hoisting and buckets ahead included, through the real host
-    planning; the same kernel in the judged variant (both terms, padded, no diagonal mask) launches the row's, or
-    that variant's own entry where it has one (sm_90's dk/dv with dropout). Recorded as the compile check records
-    launches; that they compile without spills is the suite's check (``suite_cases`` holds them)."""
+    row's tile spilled) launches its own tile, ``maxnreg``, hoisting, buckets and terms ahead included (512 tokens:
+    no tile saturates), through the real host planning; the same kernel in the judged variant (both terms, padded,
+    no diagonal mask) launches the row's, or that variant's own entry where it has one (sm_90's dk/dv with
+    dropout). Recorded as the compile check records launches; that they compile without spills is the suite's
+    check (``suite_cases`` holds them)."""
     script = textwrap.dedent("""
         import json, torch
         from distaff.kernels.aot.compile_check import Case, record_launches
@@ -167,11 +168,12 @@ def test_a_variant_that_spilled_on_its_rows_tile_launches_its_own() -> None:
                 # the judged variant takes the row's tile, or its own entry where it has one
                 judged = planning.tiles_for(kernel, d, torch.bfloat16, cc, dense, ("c2p+p2c", "padded", dropout, False))
                 got = [launch[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")] + [
-                    launch.get("maxnreg"), launch["HOIST"], launch.get("BUCKETS_AHEAD", False)]
+                    launch.get("maxnreg"), launch["HOIST"], launch.get("BUCKETS_AHEAD", False),
+                    launch.get("VALUES_AHEAD", False)]
                 # 512 tokens: no tile saturates, so a backward on dense scores takes its tile's general_stages
                 stages = lambda t: t.general_stages if kernel != "fwd" and dense and t.general_stages else t.num_stages
                 want = [[t.block_m, t.block_n, t.num_warps, stages(t), t.maxnreg, t.hoists(bool(features)),
-                         t.buckets_ahead] for t in (own, judged, row)]
+                         t.buckets_ahead, t.values_ahead and dense] for t in (own, judged, row)]
                 found.append([(case_terms, case_layout, features) == (terms, layout, diagonal), got, *want,
                               own != row])  # the entries themselves, at a length where tiles saturate too
         print(json.dumps(found))
