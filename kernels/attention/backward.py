@@ -569,7 +569,7 @@ def _backward_kernel(problem: _Problem, kernel, name: str, q, has_term: bool, bu
     ends_ahead = tiles.hoists(problem.mask_diagonal) and problem.saturates(q)
     # Where no tile of the launch saturates, tiles reading dense scores may gather each next tile's terms at the end
     # of the one before (``Tiles.values_ahead``): no path test, no saturated branch.
-    values_ahead = tiles.values_ahead and problem.general_only and bool(scores)
+    values_ahead = tiles.gathers_ahead(problem.mask_diagonal) and problem.general_only and bool(scores)
     problem.launch(kernel, tiles, (programs, problem.n_heads), q, args["KR"] is not q, args["QR"] is not q,
                    ENDS_AHEAD=ends_ahead, items_per_program=triton.cdiv(items, programs),
                    scratch_elements=buffers.scratch_elements, lo=lo, FOLD=fold, MERGE=merge, JOINS=joins, BAND=band,

@@ -53,6 +53,9 @@ class Tiles:
     # the path test away alone made sm_90's tiles slower (the pipeline wait moved ahead of the gathers). Needs
     # buckets_ahead.
     values_ahead: bool = False
+    # ... under the diagonal mask, where that differs (None: as ``values_ahead``). False for sm_80's dq: 4-16 B
+    # spilled there (padded and packed, c2p alone packed) with the diagonal mask's compares held too.
+    values_ahead_diagonal: bool | None = None
     # The forward's saturated runs (``paths_apart``) load their next tile's K and V rows and each key column's
     # mask word a tile ahead (``_key_tile``), except under the diagonal mask (sm_80 d = 64: 20 B spilled with
     # dropout and per-sequence scales). Off where it spilled: 64 x 64 tiles of 4 warps (sm_90, sm_100: 4-236 B;
@@ -76,8 +79,15 @@ class Tiles:
     general_stages: int | None = None
 
     def __post_init__(self) -> None:
-        if self.values_ahead and not self.buckets_ahead:
+        if (self.values_ahead or self.values_ahead_diagonal) and not self.buckets_ahead:
             raise ValueError(f"{self}: values_ahead gathers with the buckets read a tile ahead (buckets_ahead)")
+
+    def gathers_ahead(self, mask_diagonal: bool) -> bool:
+        """Whether a launch with (or without) the diagonal mask gathers its terms a tile ahead where no tile
+        saturates (``values_ahead``, ``values_ahead_diagonal``)."""
+        if mask_diagonal and self.values_ahead_diagonal is not None:
+            return self.values_ahead_diagonal
+        return self.values_ahead
 
     def hoists(self, mask_diagonal: bool) -> bool:
         """Whether a launch with (or without) the diagonal mask hoists its rows (``hoist``, ``hoist_diagonal``)."""
@@ -172,7 +182,8 @@ _TILES = {
     # ceiling; three stages 4 B; 128 x 64 on 8 warps 8 B; 32 x 64 on 2 warps 4-48 B.
     ("half", 64, 80): dict(fwd=_T(32, 32, 2, 1, keys_ahead=True), dq=_T(16, 16, 2, 1), dkdv=_T(16, 16, 2, 1),
                            fwd_dense=_T(64, 64, 4, 2, maxnreg=255, saturated_stages=1),
-                           dq_dense=_T(64, 32, 4, 2, buckets_ahead=True, values_ahead=True),
+                           dq_dense=_T(64, 32, 4, 2, buckets_ahead=True, values_ahead=True,
+                                        values_ahead_diagonal=False),
                            dkdv_dense=_T(32, 64, 4, 2, buckets_ahead=True)),
     ("half", 128, 80): dict(fwd=_T(32, 32, 4, 1), dq=_T(16, 32, 4, 1), dkdv=_T(16, 16, 4, 1)),
     # sm_100: dk/dv rows not hoisted (hoisted, 8-96 B spilled); forward buckets not loaded ahead (20 B). d = 64

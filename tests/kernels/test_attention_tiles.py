@@ -163,7 +163,7 @@ def test_every_backward_tile_gathering_its_terms_ahead_matches_the_oracle(tiles,
     mask = torch.ones(1, n, dtype=torch.long)
     mask[0, 6::11] = 0
     mask[0, n - 9:] = 0
-    kw = dict(GENERAL_ONLY, mask_diagonal=True)
+    kw = dict(GENERAL_ONLY, mask_diagonal=tiles.gathers_ahead(True))  # the diagonal mask where it gathers ahead
     seed = 7 + tiles.block_m + tiles.num_stages
     if case == "varlen":
         lengths = [5, 1, 97, 40]
@@ -188,6 +188,19 @@ def test_every_backward_tile_gathering_its_terms_ahead_matches_the_oracle(tiles,
         tol = TOL[dtype]
     assert launched and all(launched), launched
     assert_close(got, want, tol)
+
+
+def test_values_ahead_diagonal_overrides_values_ahead_under_the_diagonal_mask_only() -> None:
+    """``values_ahead_diagonal`` decides under the diagonal mask only; unset, ``values_ahead`` does; either
+    needs the buckets a tile ahead."""
+    ahead = dict(buckets_ahead=True)
+    assert [attention.Tiles(64, 32, 4, 2, values_ahead=True, values_ahead_diagonal=False, **ahead).gathers_ahead(d)
+            for d in (False, True)] == [True, False]
+    assert [attention.Tiles(64, 32, 4, 2, values_ahead=True, **ahead).gathers_ahead(d) for d in (False, True)] == [
+        True, True]
+    assert [attention.Tiles(64, 32, 4, 2, **ahead).gathers_ahead(d) for d in (False, True)] == [False, False]
+    with pytest.raises(ValueError, match="buckets_ahead"):
+        attention.Tiles(64, 32, 4, 2, values_ahead=True)
 
 
 def test_the_terms_are_taken_ahead_only_where_no_tile_saturates(monkeypatch) -> None:

@@ -173,7 +173,7 @@ def test_a_variant_that_spilled_on_its_rows_tile_launches_its_own() -> None:
                 # 512 tokens: no tile saturates, so a backward on dense scores takes its tile's general_stages
                 stages = lambda t: t.general_stages if kernel != "fwd" and dense and t.general_stages else t.num_stages
                 want = [[t.block_m, t.block_n, t.num_warps, stages(t), t.maxnreg, t.hoists(bool(features)),
-                         t.buckets_ahead, t.values_ahead and dense] for t in (own, judged, row)]
+                         t.buckets_ahead, t.gathers_ahead(bool(features)) and dense] for t in (own, judged, row)]
                 found.append([(case_terms, case_layout, features) == (terms, layout, diagonal), got, *want,
                               own != row])  # the entries themselves, at a length where tiles saturate too
         print(json.dumps(found))
