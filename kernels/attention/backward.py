@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 from ..contract import in_kernel_layout
-from .dense import (_add_end_sums, _buckets_ahead, _dense_rows, _dense_scores_at, _dense_terms, _joined_column,
-                    _store_buckets, _zero_outside, HeadMajor, dense_buffer, dense_scores, dense_strides,
+from .dense import (_add_end_sums, _buckets_ahead, _dense_rows, _dense_scores_at, _joined_column, _store_buckets,
+                    _terms_ahead, _zero_outside, HeadMajor, dense_buffer, dense_scores, dense_strides,
                     position_gradients)
 from .planning import DELTA_ELEMENTS, _on_device, _Problem, band_folds, band_range, programs_per_head, Tiles
 from .scores import (_dropout_keep, _ends_ahead, _item, _load_rows, _load_stat, _locate, _mask_words, _path_ends,
@@ -275,9 +275,8 @@ def _dq_block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, DQ,
         buckets = _buckets_ahead(TABLE, MIRROR, i0, offs_m, offs_n, seq_len > 0, False)
     values = ()
     if VALUES_AHEAD:  # the first tile's terms now; the loop reads each next tile's at its end
-        values = _dense_terms(dense[0], dense[1], buckets, i0, 0, offs_m, offs_n, seq_len, HAS_C2P, HAS_P2C,
-                              TWO_SPAN, False)
-        buckets = _buckets_ahead(TABLE, MIRROR, i0 - BLOCK_N, offs_m, offs_n, BLOCK_N < seq_len, False)
+        values, buckets = _terms_ahead(dense, TABLE, MIRROR, buckets, i0, 0, i0 - BLOCK_N, BLOCK_N < seq_len, offs_m,
+                                       offs_n, seq_len, HAS_C2P, HAS_P2C, TWO_SPAN, False)
     for j0 in range(0, seq_len, BLOCK_N):
         row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), -BLOCK_N, HOIST, BLOCK_M, BLOCK_N, WINDOW,
                                   SPLIT, VALUES_AHEAD)
@@ -302,10 +301,9 @@ def _dq_block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, DQ,
             sums_lo, sums_hi, first, last = _tile_position(ds, saturated, top, sums_lo, sums_hi, first, last, band,
                                                            band_lo, i0, j0, offs_m, offs_n, BAND, BLOCK_N, False)
         if VALUES_AHEAD:  # the next tile's terms, in flight over the back edge and the next tile's pipeline wait
-            values = _dense_terms(dense[0], dense[1], buckets, i0, j0 + BLOCK_N, offs_m, offs_n, seq_len, HAS_C2P,
-                                  HAS_P2C, TWO_SPAN, False)
-            buckets = _buckets_ahead(TABLE, MIRROR, i0 - j0 - 2 * BLOCK_N, offs_m, offs_n, j0 + 2 * BLOCK_N < seq_len,
-                                     False)
+            values, buckets = _terms_ahead(dense, TABLE, MIRROR, buckets, i0, j0 + BLOCK_N, i0 - j0 - 2 * BLOCK_N,
+                                           j0 + 2 * BLOCK_N < seq_len, offs_m, offs_n, seq_len, HAS_C2P, HAS_P2C,
+                                           TWO_SPAN, False)
     i_out = _rows_after_loop(i0, offs_m, PER_ITEM)  # recomputed with a program per item, as dk/dv's
     if DENSE:  # dq is complete (its position part comes after the kernel): not held across the band pass
         _store_rows(DQ + base, i_out, offs_m, offs_d, stride_n, seq_len, dq)
@@ -387,9 +385,8 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
         buckets = _buckets_ahead(TABLE, TABLE, -j0, offs_m, offs_n, seq_len > 0, True)
     values = ()
     if VALUES_AHEAD:  # the first tile's terms now; the loop reads each next tile's at its end
-        values = _dense_terms(dense[0], dense[1], buckets, 0, j0, offs_m, offs_n, seq_len, HAS_C2P, HAS_P2C,
-                              TWO_SPAN, True)
-        buckets = _buckets_ahead(TABLE, TABLE, BLOCK_M - j0, offs_m, offs_n, BLOCK_M < seq_len, True)
+        values, buckets = _terms_ahead(dense, TABLE, TABLE, buckets, 0, j0, BLOCK_M - j0, BLOCK_M < seq_len, offs_m,
+                                       offs_n, seq_len, HAS_C2P, HAS_P2C, TWO_SPAN, True)
     for i0 in range(0, seq_len, BLOCK_M):
         row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), BLOCK_M, HOIST, BLOCK_M, BLOCK_N, WINDOW,
                                   SPLIT, VALUES_AHEAD)
@@ -416,10 +413,9 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
             sums_lo, sums_hi, first, last = _tile_position(ds, saturated, top, sums_lo, sums_hi, first, last, band,
                                                            band_lo, i0, j0, offs_m, offs_n, BAND, BLOCK_N, True)
         if VALUES_AHEAD:  # the next tile's terms, in flight over the back edge and the next tile's pipeline wait
-            values = _dense_terms(dense[0], dense[1], buckets, i0 + BLOCK_M, j0, offs_m, offs_n, seq_len, HAS_C2P,
-                                  HAS_P2C, TWO_SPAN, True)
-            buckets = _buckets_ahead(TABLE, TABLE, i0 + 2 * BLOCK_M - j0, offs_m, offs_n, i0 + 2 * BLOCK_M < seq_len,
-                                     True)
+            values, buckets = _terms_ahead(dense, TABLE, TABLE, buckets, i0 + BLOCK_M, j0, i0 + 2 * BLOCK_M - j0,
+                                           i0 + 2 * BLOCK_M < seq_len, offs_m, offs_n, seq_len, HAS_C2P, HAS_P2C,
+                                           TWO_SPAN, True)
     if DROPOUT:  # the kept probabilities' 1 / (1 - p), left out of every score by _score_grads
         dv = dv * keep_scale
     # recomputed with a program per item (sm_80's 64-key blocks spilled 20 B without; the fused design's persistent

@@ -129,6 +129,17 @@ def _dense_terms(C2P, P2C, buckets, i0, j0, offs_m, offs_n, seq_len, HAS_C2P: tl
 
 
 @triton.jit
+def _terms_ahead(dense, TABLE, MIRROR, buckets, i0, j0, d_after, needed, offs_m, offs_n, seq_len,
+                 HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, TWO_SPAN: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """``Tiles.values_ahead``: the terms of tile ``(i0, j0)`` gathered at ``buckets`` (:func:`_dense_terms`,
+    ``dense``: the sequence's rows of ``C2P`` and ``P2C``), and the buckets of the tile after it (``i0 - j0 =
+    d_after``, if ``needed``: :func:`_buckets_ahead`), read now for the gathers one tile later."""
+    terms = _dense_terms(dense[0], dense[1], buckets, i0, j0, offs_m, offs_n, seq_len, HAS_C2P, HAS_P2C, TWO_SPAN,
+                         TRANSPOSED)
+    return terms, _buckets_ahead(TABLE, MIRROR, d_after, offs_m, offs_n, needed, TRANSPOSED)
+
+
+@triton.jit
 def _terms_sum(terms, HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr):
     """c2p + p2c in float32 from :func:`_dense_terms`."""
     if HAS_C2P and HAS_P2C:

@@ -46,8 +46,8 @@ class Tiles:
     # ... and, where no tile of the launch saturates (``_Problem.general_only``), gather the next tile's c2p and p2c
     # at the end of the tile before (``dense._dense_terms``), so they are in flight across the loop's back edge and
     # the next tile's pipeline wait (one round trip a tile, not the wait then the gathers), with no path test or
-    # saturated branch. Judge, high end, N = 512, dropout 0 / 0.1: sm_90 dk/dv 0.75 -> 0.61 / 0.81 -> 0.67 ms, dq
-    # 0.70 -> 0.59 / 0.74 -> 0.65; sm_80 dq 1.42 -> 1.03 / 1.60 -> 1.12. The values are held across the back edge:
+    # saturated branch. Judge, high end, N = 512, dropout 0 / 0.1: sm_90 dk/dv 0.75 -> 0.61 / 0.81 -> 0.66 ms, dq
+    # 0.70 -> 0.59 / 0.74 -> 0.63; sm_80 dq 1.42 -> 1.03 / 1.60 -> 1.12. The values are held across the back edge:
     # sm_80's dk/dv spilled 40-216 B with them on 32 x 64 in one or two stages (16 x 64, clean, was slower than
     # 32 x 64 without them), and so did the dense forward's 64 x 64 tile (56 B). Without the gathers ahead, taking
     # the path test away alone made sm_90's tiles slower (the pipeline wait moved ahead of the gathers). Needs

@@ -176,12 +176,11 @@ def _table_ahead(table_ptr, ahead, r0, step, AHEAD: tl.constexpr, BLOCK_M: tl.co
     the window's buckets are read at the tile's start, so the row gathers no longer wait behind the path test
     (reading them a tile ahead too spilled); ``ahead`` gets the next tile's ends (the table reaches a tile past
     either end). Without it the ends are read now and the products read their buckets slice by slice.
-    ``GENERAL_ONLY``: no tile of the launch saturates (``planning._Problem.general_only``), so no ends are read:
-    ``(0, 1)`` stand for them, a path test the compiler decides (general) and whose saturated branch it drops."""
+    ``GENERAL_ONLY`` (a backward reading dense scores where no tile of the launch saturates: ``Tiles.values_ahead``):
+    nothing is read, ``(0, 1)`` stand for the ends, a path test the compiler decides (general) and whose saturated
+    branch it drops; dense tiles read no window buckets."""
     if GENERAL_ONLY:
         current = (0, 1, ())
-        if AHEAD:
-            current = (0, 1, _window_buckets(table_ptr, r0, WINDOW, SPLIT))
     elif AHEAD:
         current = (ahead[0], ahead[1], _window_buckets(table_ptr, r0, WINDOW, SPLIT))
         ahead = _path_ends(table_ptr, r0 + step, BLOCK_M, BLOCK_N)
