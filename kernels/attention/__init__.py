@@ -43,8 +43,8 @@ batched torch GEMMs finish the job: ``dQ += dC2P Kr``, ``dKr = dC2P^T Q``, ``dK 
 Optional features are ``tl.constexpr`` specialisations: ``SCALE_PER_SEQ`` (one softmax scale per
 sequence), ``MASK_DIAGONAL`` (``i != j``, tested only on tiles that meet the diagonal), ``VARLEN``.
 A row left without keys gets ``lse = +inf`` and output 0, hence ``P = 0`` and ``dS = 0`` in backward. The
-padding mask is packed 32 tokens to a word (``planning.mask_bits``): a tile side's visibility is one scalar
-load per 32 tokens.
+padding mask is packed 32 tokens to a word by one launch (``mask.mask_bits``): a tile side's visibility is one
+scalar load per 32 tokens.
 
 Dropout keeps ``(i, j)`` iff a 32-bit integer hash of ``(seed + b*H + h, i * N + j)`` is at least
 ``p * 2**32``: under ten integer instructions per score (Philox costs ~55), regenerated in backward, never
@@ -69,12 +69,13 @@ the benchmarks and tests.
 from __future__ import annotations
 
 from ..contract import AttentionCall
-from . import backward, forward, planning, scores
+from . import backward, forward, mask, planning, scores
 from .backward import BackwardBuffers, attention_backward, backward_buffers, row_delta
 from .forward import attention_forward, end_terms
+from .mask import mask_bits, mask_bits_reference
 from .op import disentangled_attention, disentangled_attention_varlen
 from .planning import (INT32_MAX, KERNELS, DistanceTable, TilePaths, Tiles, band_folds, band_range, capability,
-                       check_offsets_fit_int32, mask_bits, multiprocessors, plan, programs_per_head, tile_paths,
+                       check_offsets_fit_int32, multiprocessors, plan, programs_per_head, tile_paths,
                        tile_saturation, tiles_for)
 
 _SETTINGS = {"PLANNED_CAPABILITY": planning, "INTERPRETER_TILES": planning, "PARTIAL_BUDGET": backward}
@@ -90,5 +91,5 @@ def __getattr__(name: str):
 __all__ = ["AttentionCall", "BackwardBuffers", "DistanceTable", "INT32_MAX", "KERNELS", "TilePaths", "Tiles",
            "attention_backward", "attention_forward", "backward", "backward_buffers", "band_folds", "band_range",
            "capability", "check_offsets_fit_int32", "disentangled_attention", "disentangled_attention_varlen",
-           "end_terms", "forward", "mask_bits", "multiprocessors", "plan", "planning", "programs_per_head",
-           "row_delta", "scores", "tile_paths", "tile_saturation", "tiles_for"]
+           "end_terms", "forward", "mask", "mask_bits", "mask_bits_reference", "multiprocessors", "plan", "planning",
+           "programs_per_head", "row_delta", "scores", "tile_paths", "tile_saturation", "tiles_for"]

@@ -224,19 +224,23 @@ def _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, keep_scale, 
 
     With dropout, ``dS = P (keep dP / (1 - p) - delta) scale``, ``1 / (1 - p)`` (``keep_scale``) computed on the
     host: a launch argument, read from the constant bank, holds no register and costs no division. The first
-    value (``keep P``) leaves it out: ``_dkdv_block`` scales dV once per block instead of every score."""
+    value (``keep P``) leaves it out: ``_dkdv_block`` scales dV once per block instead of every score. The scale
+    goes into ``dP``'s factor and ``delta`` (a row's) instead of a multiply a score: ``dP scale - delta scale``
+    is one fused multiply-add without dropout."""
     if TRANSPOSED:
         p = tl.exp2(s - lse[None, :])
-        delta = delta[None, :]
+        delta = (delta * scale)[None, :]
     else:
         p = tl.exp2(s - lse[:, None])
-        delta = delta[:, None]
+        delta = (delta * scale)[:, None]
     p_dropped = p
     if DROPOUT:
         keep = _dropout_keep(seed, i0, j0, n_ctx, dropout_p, BLOCK_M, BLOCK_N, TRANSPOSED)
         p_dropped = tl.where(keep, p, 0.0)
-        dp = tl.where(keep, dp * keep_scale, 0.0)
-    return p_dropped, p * (dp - delta) * scale
+        dp = tl.where(keep, dp * (keep_scale * scale), 0.0)
+    else:
+        dp = dp * scale
+    return p_dropped, p * (dp - delta)
 
 
 @triton.jit
@@ -614,6 +618,7 @@ def attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, end, pro
     kept them (``problem.keep_scores``), else recomputed here by two GEMMs (:func:`_backward_scores`); padded,
     with either dense design, head-major copies of Q and K (``dense.HeadMajor``), made once for both.
     """
+    problem = problem.packed()  # the forward's, already packed, or a replanned call's
     # One layout for q, k, v, the output and their gradients (planning.plan): copies only for a caller's odd one.
     grad_out, out = (in_kernel_layout(t, q.stride()) for t in (grad_out, out))
     delta = row_delta(problem, out, grad_out)

@@ -333,6 +333,7 @@ def attention_forward(q, k, v, pos_key, pos_query, problem: _Problem):
     general tiles read their position terms from dense GEMM products when the plan says so (``_Problem.forward``),
     which it keeps for the backward with ``_Problem.keep_scores`` (else, and for an absent term, an empty
     stand-in: ``_Problem.kept_shape``)."""
+    problem = problem.packed()
     out = q.new_empty_strided(q.shape, q.stride())  # q's layout (planning.plan): the fake's too
     lse = torch.empty(problem.stat_shape, dtype=torch.float32, device=q.device)
     end = end_terms(problem, q, k, pos_key, pos_query)

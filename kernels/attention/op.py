@@ -14,6 +14,7 @@ from .planning import _Problem, _tables_in, plan
 class _DisentangledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, pos_key, pos_query, problem: _Problem):
+        problem = problem.packed()  # once, for both passes
         out, lse, end, *kept = attention_forward(q, k, v, pos_key, pos_query, problem)
         ctx.save_for_backward(q, k, v, pos_key, pos_query, out, lse, end, *kept)
         ctx.problem = problem

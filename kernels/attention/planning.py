@@ -15,6 +15,7 @@ import triton
 
 from ..contract import TRITON_HEAD_DIMS, AttentionCall, dropout_seed, in_kernel_layout, kernel_strides
 from ..relative_position import attention_span, bucket_table
+from .mask import mask_bits
 
 
 # Largest value a 32-bit in-kernel offset may take (see check_offsets_fit_int32).
@@ -534,6 +535,15 @@ class _Problem:
     general_only: bool = False   # no tile of any kernel saturates (``saturates``): ``Tiles.general_stages`` apply
     keep_scores: bool = False    # the forward's dense scores are kept for the backward (``kept_shape``)
     terms: str = "c2p+p2c"       # the position terms present: "c2p+p2c", "c2p", "p2c" or "none"
+    padding: torch.Tensor | None = None  # the caller's padding mask [B, N], packed into ``mask`` by :meth:`packed`
+
+    def packed(self) -> _Problem:
+        """This plan with its padding mask packed into ``mask`` (``mask.mask_bits``, one launch): the first step of
+        executing it, not of planning, which launches nothing (the op's fake implementation plans on fake
+        tensors)."""
+        if self.padding is None or self.mask is not None:
+            return self
+        return replace(self, mask=mask_bits(self.padding, self.n_ctx))
 
     def kept_shape(self, present: bool) -> tuple:
         """The shape of one of the position scores the forward keeps for the backward (``C2P`` or ``P2C``,
@@ -626,16 +636,6 @@ def programs_per_head(items: int, per_program_bytes: int, budget_bytes: int, n_h
     return max(1, wanted)
 
 
-def mask_bits(mask: torch.Tensor, n_ctx: int) -> torch.Tensor:
-    """The 2-D padding mask ``[B, n_ctx]`` packed 32 tokens to an int32 word (bit ``j % 32`` of word ``j // 32``
-    set where token ``j`` is real), one word past the last token: the kernels read a tile side's visibility with
-    one scalar load per 32 tokens (``_mask_words``), not one byte load per token pair a thread holds."""
-    words = -(-n_ctx // 32) + 1  # as _mask_stride
-    padded = torch.nn.functional.pad(mask.ne(0), (0, words * 32 - n_ctx)).view(mask.shape[0], words, 32)
-    shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
-    return (padded.to(torch.int32) << shifts).sum(-1, dtype=torch.int32)
-
-
 def _check_kernel_inputs(q: torch.Tensor, tensors: dict) -> None:
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q must be float16, bfloat16 or float32 for the Triton kernel, got {q.dtype}")
@@ -679,7 +679,7 @@ def _variant(terms: str, cu_seqlens: torch.Tensor | None, dropout_p: float, mask
 
 
 def _make_problem(call: AttentionCall, *, num_seqs: int, n_ctx: int, strides: tuple, stat_shape: tuple,
-                  stat_strides: tuple, mask, cu_seqlens) -> _Problem:
+                  stat_strides: tuple, padding, cu_seqlens) -> _Problem:
     q = call.q
     heads = q.shape[1]  # [B, H, N, d] and [total, H, d] alike
     two_span = 2 * attention_span(call.position_buckets, call.max_relative_positions)
@@ -696,7 +696,8 @@ def _make_problem(call: AttentionCall, *, num_seqs: int, n_ctx: int, strides: tu
     device_mirror = _on_device((*table.key, "mirrored"), table.mirrored, q.device)[max_distance:]
     problem = _Problem(num_seqs=num_seqs, n_heads=heads, n_ctx=n_ctx,
                     strides=strides, stat_shape=stat_shape, stat_strides=stat_strides, table=table,
-                    device_table=device_table, device_mirror=device_mirror, mask=mask, cu_seqlens=cu_seqlens,
+                    device_table=device_table, device_mirror=device_mirror, mask=None, padding=padding,
+                    cu_seqlens=cu_seqlens,
                     two_span=two_span,
                     scale=1.0 if call.per_sequence_scale else call.softmax_scale,
                     scales=call.softmax_scale if call.per_sequence_scale else None, mask_diagonal=call.mask_diagonal,
@@ -729,13 +730,13 @@ def plan(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
     q, k, v = (in_kernel_layout(t, strides) for t in (call.q, call.k, call.v))
     if call.cu_seqlens is None:
         batch, heads, n, _ = q.shape
-        mask = None if call.attention_mask is None else mask_bits(call.attention_mask, n)
         problem = _make_problem(call, num_seqs=batch, n_ctx=n, strides=(q.stride(0), q.stride(1), q.stride(2)),
-                                stat_shape=(batch, heads, n), stat_strides=(heads * n, n), mask=mask, cu_seqlens=None)
+                                stat_shape=(batch, heads, n), stat_strides=(heads * n, n),
+                                padding=call.attention_mask, cu_seqlens=None)
     else:
         total, heads, _ = q.shape
         problem = _make_problem(call, num_seqs=call.cu_seqlens.numel() - 1, n_ctx=call.max_seqlen,
                                 strides=(0, q.stride(1), q.stride(0)), stat_shape=(heads, total),
-                                stat_strides=(0, total), mask=None,
+                                stat_strides=(0, total), padding=None,
                                 cu_seqlens=call.cu_seqlens.to(torch.int32).contiguous())
     return q, k, v, problem

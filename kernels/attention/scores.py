@@ -287,7 +287,7 @@ def _skewed_read(scratch, offs_m, offs_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
 @triton.jit
 def _mask_words(mask_ptr, idx0, limit, SIZE: tl.constexpr, HAS_MASK: tl.constexpr):
     """The padding-mask bits of tokens ``idx0 .. idx0 + SIZE - 1`` (``SIZE`` <= 64 dividing 64, ``idx0`` a multiple
-    of ``SIZE``): one scalar load of a 32-bit word per 32 tokens (the host packs the mask: :func:`mask_bits`).
+    of ``SIZE``): one scalar load of a 32-bit word per 32 tokens (packed by :func:`.mask.mask_bits`).
     Reading the mask's bytes took one load per pair of columns a thread holds, each consumed before the next
     (ptxas reuses their registers). Nothing is read at or past ``limit``, nor without a mask."""
     lo = 0
@@ -393,34 +393,49 @@ def _sequence_scale(SCALES, seq, scale, SCALE_PER_SEQ: tl.constexpr):
 
 
 @triton.jit
-def _mix32(x):
-    """A 32-bit integer hash with full avalanche (Wellons' "lowbias32"): 2 multiplies, 3 xor-shifts."""
-    x ^= x >> 16
+def _mix32_rounds(x):
+    """Wellons' "lowbias32" between its first and last xor-shifts: multiply, xor-shift, multiply."""
     x *= 0x7FEB352D
     x ^= x >> 15
     x *= 0x846CA68B
-    x ^= x >> 16
     return x
+
+
+@triton.jit
+def _mix32(x):
+    """A 32-bit integer hash with full avalanche (Wellons' "lowbias32"): 2 multiplies, 3 xor-shifts."""
+    x = _mix32_rounds(x ^ (x >> 16))
+    return x ^ (x >> 16)
 
 
 @triton.jit
 def _dropout_keep(seed, i0, j0, n_ctx, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   TRANSPOSED: tl.constexpr):
-    """Keep bits of tile ``(i0, j0)``: ``(i, j)`` keeps iff ``mix32((i << 16) ^ j ^ mix32(seed)) >= p * 2**32``.
-    A pure function of ``(seed, i, j)``, so forward and both backward kernels, whatever their tiles, draw
-    the same bits; ``(i << 16) ^ j`` is distinct for every pair while ``N <= 65,536``. The row and column parts
-    meet by an xor, which the compiler cannot reassociate: ``i * N + j`` let it hoist the tile's constant part
-    ``a * N + b`` out of the tile loop as a ``[BM, BN]`` tensor held in registers (16 a thread), which spilled
-    sm_90's 64-row dk/dv blocks."""
-    rows = (i0 + tl.arange(0, BLOCK_M)).to(tl.uint32) << 16
-    cols = (j0 + tl.arange(0, BLOCK_N)).to(tl.uint32)
+    """Keep bits of tile ``(i0, j0)``: ``(i, j)`` keeps iff ``h >= p * 2**32`` for ``h`` lowbias32 (:func:`_mix32`)
+    of ``x = (i << 16) ^ j ^ mix32(seed)`` without its last xor-shift. A pure function of ``(seed, i, j)``, so
+    forward and both backward kernels, whatever their tiles, draw the same bits; ``(i << 16) ^ j`` is distinct for
+    every pair while ``N <= 65,536``. Four integer instructions a score (two shift-and-xor pairs) are gone from
+    lowbias32 in full:
+
+    * its first xor-shift is taken apart: with ``i, j < 2**16``, ``x >> 16 = i ^ (key >> 16)``, so ``x ^ (x >> 16)
+      = ((i << 16) ^ i) ^ (j ^ key ^ (key >> 16))``, a row part and a column part (``[BM]`` and ``[BN]`` vectors a
+      tile); the key in the row part instead spilled sm_80's packed forward with dropout (128 B);
+    * its last xor-shift changes only the low 16 bits (``x >> 16`` has none above them), which the test reads only
+      where the top 16 tie the threshold's (2^-16 of draws), and those bits are well mixed all the same.
+
+    The row and column parts meet by an xor, which the compiler cannot reassociate: ``i * N + j`` let it hoist the
+    tile's constant part ``a * N + b`` out of the tile loop as a ``[BM, BN]`` tensor held in registers (16 a
+    thread), which spilled sm_90's 64-row dk/dv blocks."""
+    key = _mix32(seed.to(tl.uint32))
+    rows = (i0 + tl.arange(0, BLOCK_M)).to(tl.uint32)
+    rows = (rows << 16) ^ rows
+    cols = (j0 + tl.arange(0, BLOCK_N)).to(tl.uint32) ^ (key ^ (key >> 16))
     if TRANSPOSED:
         counter = cols[:, None] ^ rows[None, :]
     else:
         counter = rows[:, None] ^ cols[None, :]
-    key = _mix32(seed.to(tl.uint32))
     threshold = (tl.zeros([], tl.float32) + dropout_p * 4294967296.0).to(tl.uint32)
-    return _mix32(counter ^ key) >= threshold
+    return _mix32_rounds(counter) >= threshold
 
 
 # A tile's path: where its c2p + p2c come from (a loop that walks one path only makes it a constant).

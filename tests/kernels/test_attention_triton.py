@@ -15,6 +15,7 @@ from helpers import BF16_NEEDS_GPU
 
 import distaff.kernels as kernels
 from distaff.kernels import attention, reference
+from distaff.kernels.contract import dropout_seed
 
 pytestmark = pytest.mark.unit
 
@@ -210,6 +211,31 @@ def test_dropout_keep_rate_and_seeding(device):
     assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0, 0], keep[0, 0, 1])
     assert torch.equal(keep, recover_keep_mask(device, batch, heads, n, seed=11)), "same seed, same mask"
     assert not torch.equal(keep, recover_keep_mask(device, batch, heads, n, seed=12)), "new seed, new mask"
+
+
+def _lowbias32(x: torch.Tensor, last_shift: bool = True) -> torch.Tensor:
+    """Wellons' lowbias32 on int64 tensors holding uint32 values (an implementation independent of the kernels')."""
+    m = 0xFFFFFFFF
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & m
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & m
+    return x ^ (x >> 16) if last_shift else x
+
+
+def test_the_keep_mask_is_the_documented_hash_of_seed_row_and_column(device):
+    """Every bit of the kernel's keep mask is the documented draw (docs/kernels.md, ``scores._dropout_keep``):
+    ``(i, j)`` of sequence ``s``, head ``h`` keeps iff lowbias32 of ``(i << 16) ^ j ^ mix32(seed + s*H + h)``
+    without its last xor-shift is at least ``p * 2**32``; the kernels take its first xor-shift per row."""
+    batch, heads, n, seed = 2, 3, 64, 5
+    keep = recover_keep_mask(device, batch, heads, n, seed).cpu()
+    torch.manual_seed(seed)
+    kernel_seed = dropout_seed(DROP)  # as the kernel's call drew it
+    streams = (kernel_seed + torch.arange(batch * heads)) & 0xFFFFFFFF
+    key = _lowbias32(streams).view(batch, heads, 1, 1)
+    i, j = torch.arange(n).view(n, 1), torch.arange(n).view(1, n)
+    drawn = _lowbias32((i << 16) ^ j ^ key, last_shift=False)
+    assert torch.equal(keep.bool(), drawn >= int(DROP * 2 ** 32))
 
 
 def test_dropout_forward_and_backward_match_oracle_with_same_mask(device):
