@@ -338,7 +338,7 @@ def backward_extra_mib(batch: int, n: int, design: str, scores: str, keep: bool 
     kr, qr = (torch.randn(HEADS, 2 * BUCKETS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2))
     call = attention.AttentionCall(q, k, v, kr, qr, BUCKETS, MAX_REL, 0.0, 0.125)
     problem = attention.planning._make_problem(call, num_seqs=batch, n_ctx=n, strides=q.stride()[:3],
-                                      stat_shape=(batch, HEADS, n), stat_strides=(HEADS * n, n), mask=None,
+                                      stat_shape=(batch, HEADS, n), stat_strides=(HEADS * n, n), padding=None,
                                       cu_seqlens=None)
     problem = dataclasses.replace(problem, backward=design, backward_scores=scores,
                                   keep_scores=keep and scores == "dense")
