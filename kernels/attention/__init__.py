@@ -46,9 +46,9 @@ A row left without keys gets ``lse = +inf`` and output 0, hence ``P = 0`` and ``
 padding mask is packed 32 tokens to a word by one launch (``mask.mask_bits``): a tile side's visibility is one
 scalar load per 32 tokens.
 
-Dropout keeps ``(i, j)`` iff a 32-bit integer hash of ``(seed + b*H + h, i * N + j)`` is at least
-``p * 2**32``: under ten integer instructions per score (Philox costs ~55), regenerated in backward, never
-stored.
+Dropout keeps ``(i, j)`` iff a 32-bit integer hash of ``(seed + b*H + h, (i << 16) ^ j)`` is at least
+``p * 2**32`` (``scores._dropout_keep``): about six integer instructions per score (Philox costs ~55),
+regenerated in backward, never stored.
 Tile sizes per kernel, head dim and target are chosen so every configuration compiles without
 register spills (``compile_check``); the static speed figures are read by ``static_perf`` and
 ``benchmarks/attention_judge.py``; design notes: ``docs/kernels.md``.
