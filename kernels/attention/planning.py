@@ -222,9 +222,13 @@ Variant = tuple[str, str, bool, bool]
 # they take 64 x 32 blocks, buckets ahead, rows not hoisted; so does sm_90's dk/dv with dropout under the diagonal
 # mask (its two-stage tile spilled 8 B with the per-sequence scale at 2,048 tokens). sm_100's fused forward with
 # dropout: ptxas held it to 168 registers and spilled 16 B (since the dropout counter became ``(i << 16) ^ j``);
-# under the ceiling of 255 it takes 242, no spill. sm_90's d = 128 forward with dropout and the diagonal mask:
+# under the ceiling of 255 it takes 242, no spill; so does p2c alone with dropout under the diagonal mask (28-32 B at
+# 168 registers; found by compiling every terms x layout with dropout, the per-sequence scale and the diagonal mask).
+# sm_90's d = 128 forward with dropout and the diagonal mask:
 # 4 B spilled on its 8-warp tile (4 B under the ceiling too, 36 B hoisted, 208 B on 64 x 64 with 4 warps); 64 x 32
-# on 4 warps, window products in 16-column slices, compiles clean. sm_80's 64 x 64 dense forward, both terms: packed
+# on 4 warps, window products in 16-column slices, compiles clean. Packed, it spilled 4 B on its row's tile once the
+# dropout hash's first xor-shift was split into row and column parts (4-8 B on 64 x 32 and six other tiles): 64 x 16
+# on 4 warps compiles clean (and 32 x 32 on 2). sm_80's 64 x 64 dense forward, both terms: packed
 # without dropout spilled 12 B (40 B with the diagonal mask), padded with dropout and the diagonal mask 4 B where
 # tiles saturate; both take the 64 x 32 tile it replaced. sm_80's dq with dropout had its own tile (32 x 64, path
 # ends not hoisted) until a program per item let it take the row's 64 x 32 (``("half", 64, 80)`` above); packed
@@ -232,6 +236,7 @@ Variant = tuple[str, str, bool, bool]
 _SM80_DENSE_FORWARD = _T(64, 32, 4, 2, maxnreg=255)
 _DROPOUT_BACKWARD = _T(32, 64, 4, 2, hoist=False, buckets_ahead=True, values_ahead=True)  # sm_90's dk/dv with dropout
 _SM90_VARLEN_BACKWARD = _T(64, 32, 4, 1, hoist=False, buckets_ahead=True, values_ahead=True)
+_SM100_DROPOUT_FORWARD = _T(64, 64, 4, 1, hoist=False, maxnreg=255)
 _VARIANT_TILES = {
     ("half", 64, 90, "dq", True, ("c2p+p2c", "varlen", True)): _SM90_VARLEN_BACKWARD,
     ("half", 64, 90, "dkdv", True, ("c2p+p2c", "padded", True)): _DROPOUT_BACKWARD,
@@ -240,8 +245,10 @@ _VARIANT_TILES = {
     ("half", 64, 90, "dkdv", True, ("c2p+p2c", "varlen", True)): _SM90_VARLEN_BACKWARD,
     ("half", 64, 90, "dkdv", True, ("p2c", "varlen", True)): _SM90_VARLEN_BACKWARD,
     ("half", 64, 90, "dkdv", True, ("p2c", "varlen", False)): _SM90_VARLEN_BACKWARD,
-    ("half", 64, 100, "fwd", False, ("c2p+p2c", "padded", True)): _T(64, 64, 4, 1, hoist=False, maxnreg=255),
+    ("half", 64, 100, "fwd", False, ("c2p+p2c", "padded", True)): _SM100_DROPOUT_FORWARD,
+    ("half", 64, 100, "fwd", False, ("p2c", "padded", True, True)): _SM100_DROPOUT_FORWARD,
     ("half", 128, 90, "fwd", True, ("c2p+p2c", "padded", True, True)): _T(64, 32, 4, 1, columns=16, hoist=False),
+    ("half", 128, 90, "fwd", True, ("c2p+p2c", "varlen", True, True)): _T(64, 16, 4, 1, columns=16, hoist=False),
     ("half", 64, 80, "dq", True, ("c2p+p2c", "varlen", True)): _T(64, 32, 4, 2, buckets_ahead=True),
     ("half", 64, 80, "fwd", True, ("c2p+p2c", "varlen", False)): _SM80_DENSE_FORWARD,
     ("half", 64, 80, "fwd", True, ("c2p+p2c", "padded", True, True)): _SM80_DENSE_FORWARD,
