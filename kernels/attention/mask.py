@@ -3,8 +3,7 @@
 One Triton launch per call: the torch form (:func:`mask_bits_reference`, the test oracle) is six launches (a
 compare, a pad, an ``arange``, a cast, a shift and a sum), each a GPU-side gap of its own in every layer's
 forward. Bit ``j % 32`` of word ``j // 32`` is set where token ``j`` is real (a nonzero mask value); each row has
-``n_ctx // 32 + 1`` words when 32 divides ``n_ctx``, else ``ceil(n_ctx / 32) + 1``: one word past the last token
-(``scores._mask_stride``), always zero.
+``ceil(n_ctx / 32) + 1`` words (``scores._mask_stride``): the last, past the last token, is always zero.
 """
 
 from __future__ import annotations

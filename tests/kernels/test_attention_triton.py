@@ -226,7 +226,8 @@ def _lowbias32(x: torch.Tensor, last_shift: bool = True) -> torch.Tensor:
 def test_the_keep_mask_is_the_documented_hash_of_seed_row_and_column(device):
     """Every bit of the kernel's keep mask is the documented draw (docs/kernels.md, ``scores._dropout_keep``):
     ``(i, j)`` of sequence ``s``, head ``h`` keeps iff lowbias32 of ``(i << 16) ^ j ^ mix32(seed + s*H + h)``
-    without its last xor-shift is at least ``p * 2**32``; the kernels take its first xor-shift per row."""
+    without its last xor-shift is at least ``p * 2**32`` (the kernels split its first xor-shift into a row and a
+    column part: the same bits)."""
     batch, heads, n, seed = 2, 3, 64, 5
     keep = recover_keep_mask(device, batch, heads, n, seed).cpu()
     torch.manual_seed(seed)
