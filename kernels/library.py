@@ -85,7 +85,10 @@ def _reference_attention(call: AttentionCall) -> torch.Tensor:
     return fn.__wrapped__(call)
 
 
-@torch.library.custom_op("distaff::attention", mutates_args=())
+# Both attention ops take q, k and v as laid out (a model's projections: no copy in) and their fakes give outputs the
+# strides those imply (``contract.kernel_strides``): ``needs_exact_strides`` makes a compiled graph hand the real op the
+# strides its fake saw.
+@torch.library.custom_op("distaff::attention", mutates_args=(), tags=(torch.Tag.needs_exact_strides,))
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_key: Optional[torch.Tensor],
                   pos_query: Optional[torch.Tensor], mask: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
                   scales: Optional[torch.Tensor], scale: float, max_seqlen: int, position_buckets: int,
@@ -132,7 +135,7 @@ def _(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale, max_seqlen, 
     return out, q.new_empty(stats, dtype=torch.float32), q.new_empty(end, dtype=torch.float32), seed, *kept
 
 
-@torch.library.custom_op("distaff::attention_backward", mutates_args=())
+@torch.library.custom_op("distaff::attention_backward", mutates_args=(), tags=(torch.Tag.needs_exact_strides,))
 def _attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            pos_key: Optional[torch.Tensor], pos_query: Optional[torch.Tensor],
                            mask: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
@@ -204,7 +207,7 @@ def _attention(impl: str) -> Callable[[AttentionCall], torch.Tensor]:
     def run(call: AttentionCall) -> torch.Tensor:
         tables = [None if t is None else t.to(call.q.dtype).contiguous() for t in (call.pos_key, call.pos_query)]
         scale = call.softmax_scale
-        out = _attention_op(call.q.contiguous(), call.k.contiguous(), call.v.contiguous(), *tables,
+        out = _attention_op(call.q, call.k, call.v, *tables,
                             call.attention_mask, call.cu_seqlens, scale if call.per_sequence_scale else None,
                             1.0 if call.per_sequence_scale else float(scale), call.max_seqlen, call.position_buckets,
                             call.max_relative_positions, call.dropout_p, call.mask_diagonal, call.keep_scores,

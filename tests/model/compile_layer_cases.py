@@ -73,6 +73,50 @@ def test_the_graph_holds_the_custom_ops_and_no_break(device) -> None:
         assert op in code, f"{op} is not in the traced graph"
 
 
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.transpose.int,
+          torch.ops.aten.permute.default, torch.ops.aten.t.default, torch.ops.aten.unsqueeze.default}
+_COPIES = {torch.ops.aten.clone.default, torch.ops.aten._to_copy.default, torch.ops.aten.copy.default,
+           torch.ops.aten.copy_.default}
+
+
+def _through_views(node):
+    """The node a chain of views starts from."""
+    while node.op == "call_function" and node.target in _VIEWS:
+        node = node.args[0]
+    return node
+
+
+def test_a_compiled_layer_copies_no_activation_into_or_out_of_the_attention(device) -> None:
+    """The attention takes q, k and v as the projections' views and gives its output and dq, dk, dv in that layout
+    (docs/kernels.md, "Memory layout"); compiled, the graph must not copy them either: no copy between a projection
+    and the op, none between the backward op's dq, dk, dv and the projections' backward. (The ops' wrapper made q, k
+    and v contiguous: four copies in the forward (q, k and v in, the output out) and three in the backward (dq, dk,
+    dv), each the size of the hidden states; the ops are tagged ``needs_exact_strides`` so a compiled graph hands
+    them the strides their fakes saw.)"""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, _example_inputs):
+        graphs.append(gm.graph)
+        return gm.forward
+
+    torch._dynamo.reset()
+    cfg = ModelConfig(**CONFIG)
+    layer = Layer(cfg).train().to(device)
+    compiled = torch.compile(layer, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    _run(compiled, *_inputs(cfg, device))
+    forward, backward = graphs
+    (attention,) = [n for n in forward.nodes if n.target is torch.ops.distaff.attention.default]
+    assert [_through_views(a).target for a in attention.args[:3]] == [torch.ops.aten.addmm.default] * 3
+    (gradients,) = [n for n in backward.nodes if n.target is torch.ops.distaff.attention_backward.default]
+    copied = [n for n in backward.nodes if n.target in _COPIES
+              and _through_views(n.args[0]).args[:2] in ((gradients, 0), (gradients, 1), (gradients, 2))]
+    assert copied == [], [str(n) for n in copied]
+    output = [n for n in forward.nodes if n.target in _COPIES and _through_views(n.args[0]).args[:2] == (attention, 0)]
+    assert output == [], [str(n) for n in output]
+
+
 def test_the_masked_lm_loss_on_selected_rows_compiles_whole(device) -> None:
     torch._dynamo.reset()
     cfg = ModelConfig(**CONFIG)
