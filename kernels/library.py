@@ -85,9 +85,9 @@ def _reference_attention(call: AttentionCall) -> torch.Tensor:
     return fn.__wrapped__(call)
 
 
-# Both attention ops take q, k and v as laid out (a model's projections: no copy in) and their fakes give outputs the
-# strides those imply (``contract.kernel_strides``): ``needs_exact_strides`` makes a compiled graph hand the real op the
-# strides its fake saw.
+# Both attention ops take q, k and v as laid out (a model's projections: no copy in) and their fakes give outputs
+# the strides those imply (``contract.kernel_strides``): ``needs_exact_strides`` makes a compiled graph hand the
+# real op the strides its fake saw.
 @torch.library.custom_op("distaff::attention", mutates_args=(), tags=(torch.Tag.needs_exact_strides,))
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_key: Optional[torch.Tensor],
                   pos_query: Optional[torch.Tensor], mask: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
