@@ -23,7 +23,12 @@ import sys
 
 from .shapes import IGNORE_INDEX, IMPLS, TRITON_HEAD_DIMS, attention_span
 
-if "torch" in sys.modules:      # torch's cost is paid already: register torch.ops.distaff.* now
+# With a checkout's root on sys.path (Python started there with ``-c`` or ``-m``: ``python -m pytest``), this folder
+# is also importable as a top-level ``kernels``, and ``import transformers`` imports any ``kernels`` it finds (its
+# probe for the Hugging Face ``kernels`` package). That copy registers nothing: a second ``library`` would register
+# the ``distaff::`` ops again from other function objects, and later traces of them crashed (segfaults,
+# ``vector::reserve`` errors) at random.
+if "torch" in sys.modules and __name__ == "distaff.kernels":  # torch's cost is paid already: register the ops now
     from . import library  # noqa: F401
 
 # a public name -> the submodule that holds it, imported when the name is first read

@@ -7,8 +7,7 @@ without touching data. Both implementations run inside: the Triton one (forward 
 and the reference, whose backward recomputes its forward under autograd (it is the CPU and test path).
 
 The public ops in :mod:`distaff.kernels` route here while ``torch.compile`` traces; eager calls run the
-implementation directly (no recomputation, and the Triton interpreter, which crashed intermittently inside
-these ops on CPU, is not involved). Every op, forward and backward, real and fake, checks its own inputs
+implementation directly (no recomputation). Every op, forward and backward, real and fake, checks its own inputs
 (``kernels/contract.py``: shapes, dtypes, devices, ``impl``, from metadata only), so a direct call of
 ``torch.ops.distaff.*`` is checked as a call through the public ops is.
 Only torch is imported at module level; the Triton modules are imported by the implementations that use them.
@@ -28,6 +27,11 @@ from .contract import (IGNORE_INDEX, AttentionCall, MaskedLMLoss, attention_op, 
                        check_attention_op, check_attention_saved, check_bias_gelu_inputs, check_gradient,
                        check_layer_norm_inputs, check_masked_lm_inputs, check_masked_lm_op, check_row_statistics,
                        dropout_seed, kernel_strides, varlen_attention_op)
+
+if __name__ != "distaff.kernels.library":  # a second copy would register every op again (kernels/__init__.py)
+    raise ImportError(f"{__file__} imported as {__name__!r}: the distaff:: ops are registered once, by "
+                      "distaff.kernels.library; import distaff.kernels (a distaff checkout's root on sys.path makes "
+                      "its folders importable as top-level packages)")
 
 
 def _triton(module: str):
@@ -125,14 +129,17 @@ def _(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale, max_seqlen, 
     seed = torch.empty((), dtype=torch.int64, device="cpu")
     if impl == "reference":
         return torch.empty_like(q), _empty(q), _empty(q), seed, _empty(q), _empty(q)
-    stats, end = attention_stat_shapes(q, cu_seqlens is not None, pos_key is not None or pos_query is not None)
+    has_tables = pos_key is not None or pos_query is not None
+    stats, _ = attention_stat_shapes(q, cu_seqlens is not None, has_tables)
     out = q.new_empty_strided(q.shape, kernel_strides(q))  # the layout the kernels write (planning.plan)
-    # whether and what the forward keeps is the plan's (host arithmetic on the shapes: no device value is read)
+    # the end terms' shape and whether and what the forward keeps are the plan's (host arithmetic on the shapes: no
+    # device value is read)
     problem = _triton("attention").plan(_call(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale,
                                                max_seqlen, position_buckets, max_relative_positions, dropout_p,
                                                mask_diagonal, keep_scores, 0))[-1]
+    end = q.new_empty(problem.end_terms_shape(q, has_tables), dtype=torch.float32)
     kept = (q.new_empty(problem.kept_shape(t is not None)) for t in (pos_key, pos_query))
-    return out, q.new_empty(stats, dtype=torch.float32), q.new_empty(end, dtype=torch.float32), seed, *kept
+    return out, q.new_empty(stats, dtype=torch.float32), end, seed, *kept
 
 
 @torch.library.custom_op("distaff::attention_backward", mutates_args=(), tags=(torch.Tag.needs_exact_strides,))

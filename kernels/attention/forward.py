@@ -318,9 +318,10 @@ def _attn_fwd(Q, K, V, KR, QR, TABLE, MIRROR, MASK, CU, SCALES, END, O, LSE, SCR
 def end_terms(problem: _Problem, q, k, pos_key, pos_query) -> torch.Tensor:
     """``[4, *stat_shape]`` float32: each token's c2p and p2c values against bucket 0 and the top bucket;
     nothing to compute (a one-element stand-in, never read) without position terms or saturated tiles."""
-    if (pos_key is None and pos_query is None) or not problem.saturates(q):
-        return q.new_empty((1,), dtype=torch.float32)
-    end = torch.zeros((4, *problem.stat_shape), dtype=torch.float32, device=q.device)
+    shape = problem.end_terms_shape(q, pos_key is not None or pos_query is not None)
+    if shape == (1,):
+        return q.new_empty(shape, dtype=torch.float32)
+    end = torch.zeros(shape, dtype=torch.float32, device=q.device)
     problem.launch_rows(_attn_end_terms, q, END_ELEMENTS // q.shape[-1], Q=q, K=k,
                         KR=q if pos_key is None else pos_key, QR=q if pos_query is None else pos_query, END=end,
                         stat_numel=problem.stat_numel, TWO_SPAN=problem.two_span, HAS_C2P=pos_key is not None,

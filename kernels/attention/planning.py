@@ -560,6 +560,12 @@ class _Problem:
             return (0,)
         return (self.n_heads, self.stat_numel // self.n_heads, self.two_span)
 
+    def end_terms_shape(self, q: torch.Tensor, has_tables: bool) -> tuple:
+        """The forward's end terms, ``[4, *stat_shape]``, or ``(1,)``: a stand-in, never read, without position
+        terms or a tile that saturates. The forward's and the op's fake implementation's, so a compiled graph
+        expects the shape the kernels return."""
+        return (4, *self.stat_shape) if has_tables and self.saturates(q) else (1,)
+
     def slots(self, tiles: Tiles) -> int:
         """Programs of a launch with ``tiles`` the device runs at once (``WARPS_PER_SM`` warps per SM)."""
         return self.sms * max(1, WARPS_PER_SM // tiles.num_warps)

@@ -1,10 +1,11 @@
 """``torch.compile(fullgraph=True)`` through the ``distaff::`` custom ops (issue 30; the cases are in
 ``compile_layer_cases.py``), run by pytest in a fresh process.
 
-Why a fresh process: in a process where the Triton CPU interpreter has run the packed attention of other tests
-(tests/model/test_classifier.py's packed batch, say), a later dynamo trace of these ops failed with a C++
-``vector::reserve`` error or crashed the interpreter outright (cause not found; alone, the cases pass every
-time). A crash in a separate process fails this test with the cases' output instead of ending the suite.
+Why a fresh process: a dynamo trace of these ops in the suite's processes once failed with a C++ ``vector::reserve``
+error or crashed outright. The cause, found later: pytest started at the checkout's root has it on sys.path, and
+``transformers``' probe for a ``kernels`` package imported ``kernels/`` a second time as a top-level package, which
+registered the ``distaff::`` ops again (kernels/__init__.py now registers them only as ``distaff.kernels``). The
+fresh process stays: a crash there fails this test with the cases' output instead of ending the suite.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ HF ``Trainer`` trains a patched model."""
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,3 +153,82 @@ def test_only_the_encoders_own_relative_positions_take_the_kernel() -> None:
     apply_distaff_kernels(model, impl="reference")  # patching twice wraps the encoder once
     from transformers.models.deberta_v2.modeling_deberta_v2 import DebertaV2Encoder
     assert encoder._distaff_original_get_rel_pos.__func__ is DebertaV2Encoder.get_rel_pos
+    assert encoder._distaff_original_get_attention_mask.__func__ is DebertaV2Encoder.get_attention_mask
+
+
+@pytest.mark.unit
+def test_only_the_encoders_own_pair_mask_takes_the_kernel() -> None:
+    """The pair mask the encoder builds from a ``[B, N]`` token mask is marked with that mask (the kernel's input:
+    no ``N x N`` comparison, no host read); a pair mask a caller built, even a padding mask's product, is not, and
+    the layer runs Hugging Face's forward: its padded query rows average every key, where the kernel's are zero."""
+    torch.manual_seed(0)
+    model = transformers.DebertaV2Model(_config()).eval()
+    patched = copy.deepcopy(model)
+    apply_distaff_kernels(patched, impl="reference")
+    ids, mask = _batch()
+    encoder = patched.encoder
+    assert encoder.get_attention_mask(mask)._distaff_tokens is mask
+    pairs = (mask[:, None, :, None] * mask[:, None, None, :]).to(torch.long)
+    assert encoder.get_attention_mask(pairs) is pairs and not hasattr(pairs, "_distaff_tokens")
+    hidden = torch.randn(2, ids.shape[1], 64)
+    rel = encoder.get_rel_embedding()
+    with torch.no_grad():
+        want, _ = model.encoder.layer[0].attention.self(hidden, pairs, rel_embeddings=rel)
+        got, _ = encoder.layer[0].attention.self(hidden, pairs, rel_embeddings=rel)
+        fused, _ = encoder.layer[0].attention.self(hidden, encoder.get_attention_mask(mask), rel_embeddings=rel)
+    torch.testing.assert_close(got, want)  # every row, the padded ones included: Hugging Face's forward ran
+    padded = ~mask.bool()
+    assert want[padded].abs().amax() > 0 and fused[padded].abs().amax() == 0  # the kernel's zeros, told apart
+    torch.testing.assert_close(fused[~padded], want[~padded])
+
+
+@pytest.mark.integration
+def test_a_patched_model_compiles_to_one_graph_with_the_kernel_in_every_layer() -> None:
+    """``torch.compile(fullgraph=True)`` of a patched model on a padded batch: one graph (the host read by which the
+    patched attention once told a padding mask from another pair mask broke it at every layer), a
+    ``distaff::attention`` op in each of the two layers, and the unpatched model's outputs on the real tokens."""
+    torch.manual_seed(0)
+    model = transformers.DebertaV2Model(_config()).eval()
+    patched = copy.deepcopy(model)
+    apply_distaff_kernels(patched, impl="reference")
+    ids, mask = _batch()
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = torch.compile(patched, backend=recording, fullgraph=True)(input_ids=ids, attention_mask=mask)
+    ops = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+    assert len(graphs) == 1 and ops.count("distaff.attention.default") == 2, (len(graphs), ops)
+    real = mask.bool()
+    torch.testing.assert_close(got.last_hidden_state[real], want[real])
+
+
+_PROBE = """
+import sys
+import torch
+import transformers.activations  # its probe for the Hugging Face ``kernels`` package imports any ``kernels`` found
+import distaff.kernels
+print(sorted(name for name in sys.modules if name.split(".")[0] == "kernels"))
+try:
+    import kernels.library
+except ImportError as error:
+    print(error)
+"""
+
+
+@pytest.mark.integration
+def test_a_checkouts_kernels_folder_seen_as_top_level_registers_no_second_copy_of_the_ops() -> None:
+    """Python started at the checkout's root (``python -c``, ``python -m pytest``) can import ``kernels/`` as a
+    top-level ``kernels``, and ``transformers`` does (its hub-kernels probe): that copy must not register the
+    ``distaff::`` ops again (a second registration made later traces of them crash at random), and importing its
+    ``library`` directly is refused with a message naming ``distaff.kernels``."""
+    run = subprocess.run([sys.executable, "-c", _PROBE], cwd=Path(__file__).resolve().parents[2],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    imported, refusal = run.stdout.strip().splitlines()[-2:]
+    assert "'kernels'" in imported and "kernels.library" not in imported, imported  # the probe did import it
+    assert "imported as 'kernels.library'" in refusal and "import distaff.kernels" in refusal, refusal

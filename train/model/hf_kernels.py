@@ -11,10 +11,13 @@
 * ``DebertaV2Intermediate`` with an erf GELU for :func:`distaff.kernels.bias_gelu`.
 
 Weights, state dicts and ``save_pretrained`` are untouched: only bound methods change (and the encoder's
-``get_rel_pos``, which marks the relative positions it builds itself: Hugging Face's encoder hands every layer
-a ``relative_pos``, and only the encoder's own is what the kernel computes from the token positions).
-The patched attention falls back to the original forward for what the kernel does not compute:
-``output_attentions=True``, caller-given ``relative_pos``, and masks that are not a padding mask.
+``get_rel_pos`` and ``get_attention_mask``, which mark what the encoder builds itself: Hugging Face's encoder
+hands every layer a ``relative_pos`` and a ``[B, 1, N, N]`` pair mask, and only its own are what the kernel
+computes from the token positions and the ``[B, N]`` token mask). So the patched forward decides from marks,
+never from values: no ``N x N`` comparison, no host read of a device value, one graph under ``torch.compile``.
+It falls back to the original forward for what the kernel does not compute: ``output_attentions=True``,
+caller-given ``relative_pos``, and caller-given 3-D or 4-D masks (whether one is a padding mask's product is a
+question about its values).
 Padded query rows output zeros instead of Hugging Face's average over every key (their values
 are ignored downstream; real tokens are equal).
 """
@@ -46,18 +49,9 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _padding_mask(attention_mask: torch.Tensor) -> torch.Tensor | None:
-    """The ``[B, N]`` token mask behind Hugging Face's ``[B, 1, N, N]`` pair mask, or None when the
-    pair mask is not the product of one (then the kernel cannot express it).
-
-    The encoder hands the same mask tensor to every layer, so the answer (an ``N x N`` comparison
-    and a host sync) is computed once per forward and kept on the tensor."""
-    if attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
-        return None
-    if not hasattr(attention_mask, "_distaff_tokens"):
-        pairs = attention_mask[:, 0].bool()
-        tokens = pairs.diagonal(dim1=-2, dim2=-1)
-        attention_mask._distaff_tokens = tokens if torch.equal(pairs, tokens[:, :, None] & tokens[:, None, :]) else None
-    return attention_mask._distaff_tokens
+    """The ``[B, N]`` token mask behind the encoder's own ``[B, 1, N, N]`` pair mask (marked by
+    :func:`_marked_attention_mask`), or None for a pair mask a caller built."""
+    return getattr(attention_mask, "_distaff_tokens", None)
 
 
 def _position_tables(self, rel_embeddings: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -78,6 +72,15 @@ def _marked_rel_pos(self, hidden_states, query_states=None, relative_pos=None):
     if built and relative_pos is not None:
         relative_pos._distaff_standard = True
     return relative_pos
+
+
+def _marked_attention_mask(self, attention_mask):
+    """The encoder's ``get_attention_mask``; the pair mask it builds from a ``[B, N]`` token mask (the product of
+    its rows and columns) marked with that token mask, which the kernel reads as it is (nonzero = token)."""
+    pairs = self._distaff_original_get_attention_mask(attention_mask)
+    if attention_mask.dim() == 2:
+        pairs._distaff_tokens = attention_mask
+    return pairs
 
 
 def _fused_attention(self, hidden_states, attention_mask, output_attentions=False, query_states=None,
@@ -137,6 +140,8 @@ def apply_distaff_kernels(model: nn.Module, impl: str = "auto", keep_scores: boo
         if isinstance(module, hf.DebertaV2Encoder) and not hasattr(module, "_distaff_original_get_rel_pos"):
             module._distaff_original_get_rel_pos = module.get_rel_pos
             module.get_rel_pos = types.MethodType(_marked_rel_pos, module)
+            module._distaff_original_get_attention_mask = module.get_attention_mask
+            module.get_attention_mask = types.MethodType(_marked_attention_mask, module)
         if hasattr(module, "_distaff_original_forward"):
             continue
         if isinstance(module, hf.DisentangledSelfAttention):
