@@ -1,6 +1,7 @@
 """``torch.compile(fullgraph=True)`` of a DeBERTa layer through the fused ops (issue 30): the ``distaff::``
 custom ops trace with no graph break (fullgraph raises on one), the compiled layer's output and every
-parameter gradient equal eager's, and the MLM loss compiles too. On CPU the reference runs inside the ops
+parameter gradient equal eager's, and the MLM loss compiles too; so does a user's Hugging Face model with the
+kernels patched in. On CPU the reference runs inside the ops
 (the Triton implementation too on a GPU); ``aot_eager`` traces forward and backward (AOT autograd) without
 generating code.
 """
@@ -185,3 +186,33 @@ def test_a_compiled_graph_refuses_bad_inputs_to_the_ops(device) -> None:
         with pytest.raises(Exception, match=message):
             torch.compile(fn, fullgraph=True, backend="aot_eager")(*args)
         torch._dynamo.reset()
+
+
+def test_a_patched_hugging_face_model_compiles_to_one_graph_with_the_kernel_in_every_layer() -> None:
+    """``torch.compile(fullgraph=True)`` of a ``transformers`` DeBERTa-v2 model patched by ``apply_distaff_kernels``,
+    on a padded batch: one graph (the host read by which the patched attention once told a padding mask from another
+    pair mask broke it at every layer), a ``distaff::attention`` op in each of the two layers, and the unpatched
+    model's outputs on the real tokens."""
+    transformers = pytest.importorskip("transformers")
+    from distaff.train.model.hf_kernels import apply_distaff_kernels
+    from test_hf_kernels import _batch, _config
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = transformers.DebertaV2Model(_config()).eval()
+    patched = copy.deepcopy(model)
+    apply_distaff_kernels(patched, impl="reference")
+    ids, mask = _batch()
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = torch.compile(patched, backend=recording, fullgraph=True)(input_ids=ids, attention_mask=mask)
+    ops = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+    assert len(graphs) == 1 and ops.count("distaff.attention.default") == 2, (len(graphs), ops)
+    real = mask.bool()
+    torch.testing.assert_close(got.last_hidden_state[real], want[real])

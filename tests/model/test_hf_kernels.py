@@ -182,31 +182,6 @@ def test_only_the_encoders_own_pair_mask_takes_the_kernel() -> None:
     torch.testing.assert_close(fused[~padded], want[~padded])
 
 
-@pytest.mark.integration
-def test_a_patched_model_compiles_to_one_graph_with_the_kernel_in_every_layer() -> None:
-    """``torch.compile(fullgraph=True)`` of a patched model on a padded batch: one graph (the host read by which the
-    patched attention once told a padding mask from another pair mask broke it at every layer), a
-    ``distaff::attention`` op in each of the two layers, and the unpatched model's outputs on the real tokens."""
-    torch.manual_seed(0)
-    model = transformers.DebertaV2Model(_config()).eval()
-    patched = copy.deepcopy(model)
-    apply_distaff_kernels(patched, impl="reference")
-    ids, mask = _batch()
-    graphs = []
-
-    def recording(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    with torch.no_grad():
-        want = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        got = torch.compile(patched, backend=recording, fullgraph=True)(input_ids=ids, attention_mask=mask)
-    ops = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
-    assert len(graphs) == 1 and ops.count("distaff.attention.default") == 2, (len(graphs), ops)
-    real = mask.bool()
-    torch.testing.assert_close(got.last_hidden_state[real], want[real])
-
-
 _PROBE = """
 import sys
 import torch

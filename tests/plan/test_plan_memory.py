@@ -60,6 +60,10 @@ def test_live_bytes_counts_each_reachable_storage_once():
     assert live_bytes(engine) - before == 1_000_000
     del block, views
     assert live_bytes(engine) == before
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():                       # what a compiled graph leaves reachable: no memory, no data pointer
+        fake = torch.zeros(250_000)
+    assert live_bytes(engine) == before and fake.untyped_storage().nbytes() == 1_000_000
 
 
 @pytest.mark.integration

@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -84,8 +86,9 @@ def live_bytes(engine) -> int:
         for state in getattr(optimizer, "state", {}).values():
             tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     for tensor in tensors:
-        if tensor.layout != torch.strided or tensor.device.type == "meta":
-            continue                   # sparse or shapeless tensors hold no storage of their own to count
+        if isinstance(tensor, (FakeTensor, FunctionalTensor)) or tensor.layout != torch.strided \
+                or tensor.device.type == "meta":
+            continue  # a compiled graph's fake tensors, sparse or shapeless ones: no storage of their own to count
         if tensor.untyped_storage().nbytes():
             found.setdefault(tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
     return sum(found.values())
