@@ -1,9 +1,8 @@
 """``torch.compile(fullgraph=True)`` of a DeBERTa layer through the fused ops (issue 30): the ``distaff::``
 custom ops trace with no graph break (fullgraph raises on one), the compiled layer's output and every
 parameter gradient equal eager's, and the MLM loss compiles too; so does a user's Hugging Face model with the
-kernels patched in. On CPU the reference runs inside the ops
-(the Triton implementation too on a GPU); ``aot_eager`` traces forward and backward (AOT autograd) without
-generating code.
+kernels patched in. Both implementations run inside the ops, on CPU the Triton one through the interpreter;
+``aot_eager`` traces forward and backward (AOT autograd) without generating code.
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ HF ``Trainer`` trains a patched model."""
 from __future__ import annotations
 
 import copy
-import json
 import subprocess
 import sys
 from pathlib import Path
