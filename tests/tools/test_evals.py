@@ -7,9 +7,10 @@ checkpoints being evaluated are pruned meanwhile and read from their pins. The f
 (SIGKILL to its process group) once it holds its work folder, while training goes on or, on a loaded machine where
 the niced (19) evaluation starts only after the last step, while the trainer waits for it: either way the run trains
 every step, its checkpoints stay sound, the killed evaluation is run again and every selected checkpoint gets its
-results, filed in ``evals.jsonl`` (config hash, seeds), the run's W&B run (resumed by its id, offline here) and TensorBoard. Then a decay branch and an
-average of the run's checkpoints: ``distaff evals RUN`` evaluates them (backfill, after the run ended), lists them in
-its table beside the run's checkpoints and plots them; run again, it runs nothing.
+results, filed in ``evals.jsonl`` (config hash, seeds), the run's W&B run (resumed by its id, offline here) and
+TensorBoard. Then a decay branch and an average of the run's checkpoints: ``distaff evals RUN`` evaluates them
+(backfill, after the run ended), lists them in its table beside the run's checkpoints and plots them; run again, it
+runs nothing.
 """
 
 from __future__ import annotations
