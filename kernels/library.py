@@ -43,6 +43,11 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((0,))
 
 
+def _no_words(like: torch.Tensor) -> torch.Tensor:
+    """Stands in for the packed padding mask where there is none (the reference, no mask)."""
+    return like.new_empty((0,), dtype=torch.int32)
+
+
 def _or_none(t: torch.Tensor) -> torch.Tensor | None:
     return None if t.numel() == 0 and t.dim() == 1 else t
 
@@ -98,10 +103,12 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_key: Op
                   scales: Optional[torch.Tensor], scale: float, max_seqlen: int, position_buckets: int,
                   max_relative_positions: int, dropout_p: float, mask_diagonal: bool, keep_scores: bool,
                   impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                      torch.Tensor]:
-    """``(out, lse, end, seed, kept_c2p, kept_p2c)``: lse, end terms and the kept position scores are the
-    Triton backward's (empty for the reference, and for scores the plan does not keep: ``_Problem.kept_shape``);
-    ``seed`` is the dropout seed drawn for this call, an int64 CPU scalar the backward reuses."""
+                                      torch.Tensor, torch.Tensor]:
+    """``(out, lse, end, seed, kept_c2p, kept_p2c, mask_words)``: lse, end terms, the kept position scores and
+    the packed padding mask are the Triton backward's (empty for the reference, for scores the plan does not keep:
+    ``_Problem.kept_shape``, and without a mask: ``_Problem.packed_mask_shape``; the backward reads the words
+    instead of packing the mask again, a launch a layer); ``seed`` is the dropout seed drawn for this call, an
+    int64 CPU scalar the backward reuses."""
     check_attention_op(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale, max_seqlen, position_buckets,
                        max_relative_positions, dropout_p, impl, values=True)
     if dropout_p > 0 and q.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -114,11 +121,12 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_key: Op
     seed_tensor = torch.tensor(seed, dtype=torch.int64)
     if impl == "reference":
         with torch.no_grad():
-            return _reference_attention(call), _empty(q), _empty(q), seed_tensor, _empty(q), _empty(q)
+            return _reference_attention(call), _empty(q), _empty(q), seed_tensor, _empty(q), _empty(q), _no_words(q)
     attention = _triton("attention")
     q, k, v, problem = attention.plan(call)
+    problem = problem.packed()
     out, lse, end, kept_c2p, kept_p2c = attention.attention_forward(q, k, v, pos_key, pos_query, problem)
-    return out, lse, end, seed_tensor, kept_c2p, kept_p2c
+    return out, lse, end, seed_tensor, kept_c2p, kept_p2c, _no_words(q) if problem.mask is None else problem.mask
 
 
 @_attention_op.register_fake
@@ -128,7 +136,7 @@ def _(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale, max_seqlen, 
                        max_relative_positions, dropout_p, impl, values=False)
     seed = torch.empty((), dtype=torch.int64, device="cpu")
     if impl == "reference":
-        return torch.empty_like(q), _empty(q), _empty(q), seed, _empty(q), _empty(q)
+        return torch.empty_like(q), _empty(q), _empty(q), seed, _empty(q), _empty(q), _no_words(q)
     has_tables = pos_key is not None or pos_query is not None
     stats, _ = attention_stat_shapes(q, cu_seqlens is not None, has_tables)
     out = q.new_empty_strided(q.shape, kernel_strides(q))  # the layout the kernels write (planning.plan)
@@ -139,7 +147,8 @@ def _(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale, max_seqlen, 
                                                mask_diagonal, keep_scores, 0))[-1]
     end = q.new_empty(problem.end_terms_shape(q, has_tables), dtype=torch.float32)
     kept = (q.new_empty(problem.kept_shape(t is not None)) for t in (pos_key, pos_query))
-    return out, q.new_empty(stats, dtype=torch.float32), end, seed, *kept
+    words = q.new_empty(problem.packed_mask_shape(), dtype=torch.int32)
+    return out, q.new_empty(stats, dtype=torch.float32), end, seed, *kept, words
 
 
 @torch.library.custom_op("distaff::attention_backward", mutates_args=(), tags=(torch.Tag.needs_exact_strides,))
@@ -147,13 +156,15 @@ def _attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
                            pos_key: Optional[torch.Tensor], pos_query: Optional[torch.Tensor],
                            mask: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
                            scales: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, end: torch.Tensor,
-                           seed: torch.Tensor, kept_c2p: torch.Tensor, kept_p2c: torch.Tensor, scale: float,
-                           max_seqlen: int, position_buckets: int, max_relative_positions: int, dropout_p: float,
-                           mask_diagonal: bool, keep_scores: bool,
+                           seed: torch.Tensor, kept_c2p: torch.Tensor, kept_p2c: torch.Tensor,
+                           mask_words: torch.Tensor, scale: float, max_seqlen: int, position_buckets: int,
+                           max_relative_positions: int, dropout_p: float, mask_diagonal: bool, keep_scores: bool,
                            impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``dq, dk, dv, d_pos_key, d_pos_query`` (empty for an absent table)."""
+    """``dq, dk, dv, d_pos_key, d_pos_query`` (empty for an absent table). ``mask_words``: the forward's packed
+    mask, or empty (the mask is packed again)."""
     _check_attention_backward(grad_out, q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse, end, seed,
-                              scale, max_seqlen, position_buckets, max_relative_positions, dropout_p, impl, values=True)
+                              mask_words, scale, max_seqlen, position_buckets, max_relative_positions, dropout_p,
+                              impl, values=True)
     call = _call(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale, max_seqlen, position_buckets,
                  max_relative_positions, dropout_p, mask_diagonal, keep_scores, int(seed))  # CPU scalar: no sync
     if impl == "reference":
@@ -163,6 +174,8 @@ def _attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
     else:
         attention = _triton("attention")
         q, k, v, problem = attention.plan(call)
+        if mask_words.numel():
+            problem = replace(problem, mask=mask_words)
         grads = attention.attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, end, problem,
                                              (kept_c2p, kept_p2c))
     dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
@@ -174,10 +187,11 @@ def _attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
 
 @_attention_backward_op.register_fake
 def _(grad_out, q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse, end, seed, kept_c2p, kept_p2c,
-      scale, max_seqlen, position_buckets, max_relative_positions, dropout_p, mask_diagonal, keep_scores, impl):
+      mask_words, scale, max_seqlen, position_buckets, max_relative_positions, dropout_p, mask_diagonal, keep_scores,
+      impl):
     _check_attention_backward(grad_out, q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse, end, seed,
-                              scale, max_seqlen, position_buckets, max_relative_positions, dropout_p, impl,
-                              values=False)
+                              mask_words, scale, max_seqlen, position_buckets, max_relative_positions, dropout_p,
+                              impl, values=False)
     if impl == "reference":
         grads = tuple(torch.empty_like(t) for t in (q, k, v))
     else:  # dq, dk and dv in the kernels' layout (planning.plan)
@@ -186,12 +200,21 @@ def _(grad_out, q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse,
 
 
 def _check_attention_backward(grad_out, q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, out, lse, end, seed,
-                              scale, max_seqlen, position_buckets, max_relative_positions, dropout_p, impl,
-                              values: bool) -> None:
+                              mask_words, scale, max_seqlen, position_buckets, max_relative_positions, dropout_p,
+                              impl, values: bool) -> None:
     check_attention_op(q, k, v, pos_key, pos_query, mask, cu_seqlens, scales, scale, max_seqlen, position_buckets,
                        max_relative_positions, dropout_p, impl, values=values)
     check_attention_saved(grad_out, q, out, lse, end, seed, cu_seqlens is not None,
                           pos_key is not None or pos_query is not None, impl)
+    if mask_words.numel() == 0:
+        return
+    # words of another mask would be a silent wrong result: only the shape and dtype the forward gives are taken
+    packed = None if mask is None or impl != "triton" else (mask.shape[0], _triton("attention").mask.mask_words(
+        q.shape[-2]))
+    if packed is None or tuple(mask_words.shape) != packed or mask_words.dtype != torch.int32 \
+            or mask_words.device != q.device:
+        raise ValueError(f"mask_words must be the forward's packed mask (int32 {packed} on {q.device}) or empty, "
+                         f"got {mask_words.dtype} {tuple(mask_words.shape)} on {mask_words.device}")
 
 
 def _attention_setup(ctx, inputs, output) -> None:

@@ -15,7 +15,7 @@ import triton
 
 from ..contract import TRITON_HEAD_DIMS, AttentionCall, dropout_seed, in_kernel_layout, kernel_strides
 from ..relative_position import attention_span, bucket_table
-from .mask import mask_bits
+from .mask import mask_bits, mask_words
 
 
 # Largest value a 32-bit in-kernel offset may take (see check_offsets_fit_int32).
@@ -551,6 +551,11 @@ class _Problem:
         if self.padding is None or self.mask is not None:
             return self
         return replace(self, mask=mask_bits(self.padding, self.n_ctx))
+
+    def packed_mask_shape(self) -> tuple:
+        """The shape of the packed padding mask (:meth:`packed`), which ``distaff::attention`` returns for its
+        backward; ``(0,)`` (an empty stand-in) without a padding mask."""
+        return (0,) if self.padding is None else (self.num_seqs, mask_words(self.n_ctx))
 
     def kept_shape(self, present: bool) -> tuple:
         """The shape of one of the position scores the forward keeps for the backward (``C2P`` or ``P2C``,

@@ -17,6 +17,7 @@ import distaff.kernels as kernels
 from distaff.kernels import reference
 from distaff.kernels.attention import planning
 from distaff.kernels.attention.dense import HeadMajor
+from distaff.kernels.attention.mask import mask_bits_reference
 from distaff.kernels.contract import AttentionCall, kernel_strides
 
 pytestmark = pytest.mark.unit
@@ -117,9 +118,42 @@ def test_the_fakes_give_the_strides_the_ops_return(layout, impl) -> None:
     assert fake[0].stride() == real[0].stride()
     # the position scores the forward keeps (the interpreter plans sm_90's dense designs: kept with Triton)
     assert [t.shape for t in fake[4:]] == [t.shape for t in real[4:]]
-    assert all(t.numel() > 0 for t in real[4:]) == (impl == "triton")
+    assert all(t.numel() > 0 for t in real[4:6]) == (impl == "triton")
+    assert real[6].shape == (0,)        # no padding mask: no packed words
     for name, got, want in zip(("dq", "dk", "dv", "d_pos_key", "d_pos_query"), fake_grads, real_grads):
         assert got.shape == want.shape and got.stride() == want.stride(), name
+
+
+def test_the_backward_op_reads_the_forwards_packed_mask_instead_of_packing_it_again(monkeypatch) -> None:
+    """``distaff::attention`` returns the padding mask packed into words (``mask.mask_bits``, one launch) and
+    ``distaff::attention_backward`` reads them: a forward and backward through the ops (what a compiled graph
+    runs) packs once, not once a pass. The words are the mask's, the fake gives their shape, the gradients are
+    those of a backward that packs the mask again (empty words), and words of another shape are refused."""
+    q, k, v, kr, qr = make_inputs("cpu", B, H, N, D, BUCKETS)
+    mask = torch.ones(B, N, dtype=torch.int64)
+    mask[0, N - 5:], mask[1, 7:] = 0, 0
+    packs, pack = [], planning.mask_bits
+    monkeypatch.setattr(planning, "mask_bits", lambda *args: packs.append(args) or pack(*args))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, kr, qr)]
+    scalars = (D ** -0.5, N, BUCKETS, MAX_REL, 0.0, False, True, "triton")
+    saved = torch.ops.distaff.attention(*leaves, mask, None, None, *scalars)
+    grad_out = torch.randn_like(saved[0])
+    grads = torch.autograd.grad(saved[0], leaves, grad_out)
+    assert len(packs) == 1
+    assert torch.equal(saved[-1], mask_bits_reference(mask, N))
+
+    repacked = torch.ops.distaff.attention_backward(grad_out, q, k, v, kr, qr, mask, None, None,
+                                                    *(t.detach() for t in saved[:-1]),
+                                                    torch.empty(0, dtype=torch.int32), *scalars)
+    assert len(packs) == 2
+    for name, got, want in zip(("dq", "dk", "dv", "d_pos_key", "d_pos_query"), grads, repacked):
+        assert torch.equal(got, want), name
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = torch.ops.distaff.attention(q, k, v, kr, qr, mask, None, None, *scalars)
+    assert fake[-1].shape == saved[-1].shape and fake[-1].dtype == torch.int32
+    with pytest.raises(ValueError, match=r"mask_words must be the forward's packed mask \(int32 \(2, 2\)"):
+        torch.ops.distaff.attention_backward(grad_out, q, k, v, kr, qr, mask, None, None,
+                                             *(t.detach() for t in saved[:-1]), saved[-1][:1], *scalars)
 
 
 def test_a_model_layer_copies_no_activation_in_the_attention() -> None:
