@@ -208,13 +208,13 @@ def _check_attention_backward(grad_out, q, k, v, pos_key, pos_query, mask, cu_se
                           pos_key is not None or pos_query is not None, impl)
     if mask_words.numel() == 0:
         return
+    got = f"got {mask_words.dtype} {tuple(mask_words.shape)} on {mask_words.device}"
+    if mask is None or impl != "triton":
+        raise ValueError(f"mask_words must be empty without a padding mask or with impl='reference', {got}")
     # words of another mask would be a silent wrong result: only the shape and dtype the forward gives are taken
-    packed = None if mask is None or impl != "triton" else (mask.shape[0], _triton("attention").mask.mask_words(
-        q.shape[-2]))
-    if packed is None or tuple(mask_words.shape) != packed or mask_words.dtype != torch.int32 \
-            or mask_words.device != q.device:
-        raise ValueError(f"mask_words must be the forward's packed mask (int32 {packed} on {q.device}) or empty, "
-                         f"got {mask_words.dtype} {tuple(mask_words.shape)} on {mask_words.device}")
+    packed = (mask.shape[0], _triton("attention").mask.mask_words(q.shape[-2]))
+    if (tuple(mask_words.shape), mask_words.dtype, mask_words.device) != (packed, torch.int32, q.device):
+        raise ValueError(f"mask_words must be the forward's packed mask (int32 {packed} on {q.device}) or empty, {got}")
 
 
 def _attention_setup(ctx, inputs, output) -> None:

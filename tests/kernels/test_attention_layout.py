@@ -128,7 +128,8 @@ def test_the_backward_op_reads_the_forwards_packed_mask_instead_of_packing_it_ag
     """``distaff::attention`` returns the padding mask packed into words (``mask.mask_bits``, one launch) and
     ``distaff::attention_backward`` reads them: a forward and backward through the ops (what a compiled graph
     runs) packs once, not once a pass. The words are the mask's, the fake gives their shape, the gradients are
-    those of a backward that packs the mask again (empty words), and words of another shape are refused."""
+    those of a backward that packs the mask again (empty words), and words of another shape, or words without a
+    mask, are refused."""
     q, k, v, kr, qr = make_inputs("cpu", B, H, N, D, BUCKETS)
     mask = torch.ones(B, N, dtype=torch.int64)
     mask[0, N - 5:], mask[1, 7:] = 0, 0
@@ -154,6 +155,9 @@ def test_the_backward_op_reads_the_forwards_packed_mask_instead_of_packing_it_ag
     with pytest.raises(ValueError, match=r"mask_words must be the forward's packed mask \(int32 \(2, 2\)"):
         torch.ops.distaff.attention_backward(grad_out, q, k, v, kr, qr, mask, None, None,
                                              *(t.detach() for t in saved[:-1]), saved[-1][:1], *scalars)
+    with pytest.raises(ValueError, match="mask_words must be empty without a padding mask"):
+        torch.ops.distaff.attention_backward(grad_out, q, k, v, kr, qr, None, None, None,
+                                             *(t.detach() for t in saved[:-1]), saved[-1], *scalars)
 
 
 def test_a_model_layer_copies_no_activation_in_the_attention() -> None:
