@@ -217,6 +217,79 @@ def _block_position(acc, OWN, REL, partial, DENSE_GRAD, band, folds, sums_lo, su
 
 
 @triton.jit
+def _next_tile(i0, j0, steps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """``(i, j, d, at)``: the tile ``steps`` after ``(i0, j0)`` in a block's tile loop (over query blocks when
+    ``TRANSPOSED``, a key block's loop, else over key blocks), its ``i - j`` and where the loop then is (``i`` or
+    ``j``: the tile exists while that is inside the sequence). ``d`` is ``i0 - j0`` moved by the steps, the value
+    the tile loop already has: ``i - j`` written out cost sm_80's N = 8192 dq an instruction and 5% of its judged
+    time (ptxas scheduled the loop otherwise)."""
+    if TRANSPOSED:
+        i, j = i0 + steps * BLOCK_M, j0
+        d = i0 + steps * BLOCK_M - j0
+        at = i
+    else:
+        i, j = i0, j0 + steps * BLOCK_N
+        d = i0 - j0 - steps * BLOCK_N
+        at = j
+    return i, j, d, at
+
+
+@triton.jit
+def _terms_then_buckets(dense, TABLE, MIRROR, buckets, i0, j0, steps, offs_m, offs_n, seq_len, HAS_C2P: tl.constexpr,
+                        HAS_P2C: tl.constexpr, TWO_SPAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        TRANSPOSED: tl.constexpr):
+    """``Tiles.values_ahead``: the terms of the tile ``steps`` after ``(i0, j0)`` at its ``buckets`` and the
+    buckets of the tile after that one (:func:`dense._terms_ahead`)."""
+    i, j, _, _ = _next_tile(i0, j0, steps, BLOCK_M, BLOCK_N, TRANSPOSED)
+    _, _, d_after, at = _next_tile(i0, j0, steps + 1, BLOCK_M, BLOCK_N, TRANSPOSED)
+    return _terms_ahead(dense, TABLE, MIRROR, buckets, i, j, d_after, at < seq_len, offs_m, offs_n, seq_len, HAS_C2P,
+                        HAS_P2C, TWO_SPAN, TRANSPOSED)
+
+
+@triton.jit
+def _reads_before_loop(TABLE, MIRROR, END, dense, stat_off, stat_numel, i0, j0, offs_m, offs_n, seq_len,
+                       TWO_SPAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_C2P: tl.constexpr,
+                       HAS_P2C: tl.constexpr, HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr,
+                       BUCKETS_AHEAD: tl.constexpr, VALUES_AHEAD: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """``(path ends, end terms, buckets, terms)``: what a block's tile loop reads a tile ahead, read for its
+    first tile ``(i0, j0)`` (each ``()`` where its flag is off): the two end buckets (``HOIST``), with them the
+    end terms (``ENDS_AHEAD``), the tile's buckets (``BUCKETS_AHEAD``) and, with ``VALUES_AHEAD``, its terms now
+    and the next tile's buckets (the loop reads each next tile's terms at its end)."""
+    ahead = ()
+    if HOIST and not VALUES_AHEAD:
+        ahead = _path_ends(TABLE, i0 - j0 - (BLOCK_N - 1), BLOCK_M, BLOCK_N)
+    ends = ()
+    if ENDS_AHEAD:  # with the path ends (HOIST), a saturated tile's end terms come a tile ahead
+        ends = _ends_ahead(END, stat_off, stat_numel, i0, j0, ahead, offs_m, offs_n, seq_len, TWO_SPAN, BLOCK_M,
+                           BLOCK_N, HAS_C2P, HAS_P2C)
+    buckets = ()
+    if BUCKETS_AHEAD:
+        buckets = _buckets_ahead(TABLE, MIRROR, i0 - j0, offs_m, offs_n, seq_len > 0, TRANSPOSED)
+    values = ()
+    if VALUES_AHEAD:
+        values, buckets = _terms_then_buckets(dense, TABLE, MIRROR, buckets, i0, j0, 0, offs_m, offs_n, seq_len,
+                                              HAS_C2P, HAS_P2C, TWO_SPAN, BLOCK_M, BLOCK_N, TRANSPOSED)
+    return ahead, ends, buckets, values
+
+
+@triton.jit
+def _reads_for_next(TABLE, MIRROR, END, ahead, ends, buckets, stat_off, stat_numel, i0, j0, offs_m, offs_n, seq_len,
+                    TWO_SPAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_C2P: tl.constexpr,
+                    HAS_P2C: tl.constexpr, ENDS_AHEAD: tl.constexpr, BUCKETS_AHEAD: tl.constexpr,
+                    VALUES_AHEAD: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """``(end terms, buckets)`` of the tile after ``(i0, j0)``, read once this tile's scores are issued, while it
+    computes: its buckets (``Tiles.buckets_ahead``; with ``VALUES_AHEAD`` they come with the terms instead) and
+    its end terms (``ENDS_AHEAD``); unchanged where off."""
+    i1, j1, d1, at = _next_tile(i0, j0, 1, BLOCK_M, BLOCK_N, TRANSPOSED)
+    if BUCKETS_AHEAD and not VALUES_AHEAD:
+        buckets = _buckets_ahead(TABLE, MIRROR, d1, offs_m, offs_n, at < seq_len, TRANSPOSED)
+    if ENDS_AHEAD:
+        ends = _ends_ahead(END, stat_off, stat_numel, i1, j1, ahead, offs_m, offs_n, seq_len, TWO_SPAN, BLOCK_M,
+                           BLOCK_N, HAS_C2P, HAS_P2C)
+    return ends, buckets
+
+
+@triton.jit
 def _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, keep_scale, scale, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr):
     """The kept probabilities and the score gradient ``dS`` (scale included) of a tile from its scores ``s``
@@ -267,20 +340,9 @@ def _dq_block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, DQ,
     sums_hi = tl.zeros([BLOCK_M], tl.float32)
     general = 0
     first, last = seq_len, -BLOCK_N  # key blocks of the general tiles
-    ahead = ()
-    ends = ()
-    if HOIST and not VALUES_AHEAD:
-        ahead = _path_ends(TABLE, i0 - (BLOCK_N - 1), BLOCK_M, BLOCK_N)
-    if ENDS_AHEAD:  # with the path ends (HOIST), a saturated tile's end terms come a tile ahead
-        ends = _ends_ahead(END, stat_off, stat_numel, i0, 0, ahead, offs_m, offs_n, seq_len, TWO_SPAN, BLOCK_M,
-                           BLOCK_N, HAS_C2P, HAS_P2C)
-    buckets = ()
-    if BUCKETS_AHEAD:
-        buckets = _buckets_ahead(TABLE, MIRROR, i0, offs_m, offs_n, seq_len > 0, False)
-    values = ()
-    if VALUES_AHEAD:  # the first tile's terms now; the loop reads each next tile's at its end
-        values, buckets = _terms_ahead(dense, TABLE, MIRROR, buckets, i0, 0, i0 - BLOCK_N, BLOCK_N < seq_len, offs_m,
-                                       offs_n, seq_len, HAS_C2P, HAS_P2C, TWO_SPAN, False)
+    ahead, ends, buckets, values = _reads_before_loop(
+        TABLE, MIRROR, END, dense, stat_off, stat_numel, i0, 0, offs_m, offs_n, seq_len, TWO_SPAN, BLOCK_M, BLOCK_N,
+        HAS_C2P, HAS_P2C, HOIST, ENDS_AHEAD, BUCKETS_AHEAD, VALUES_AHEAD, False)
     for j0 in range(0, seq_len, BLOCK_N):
         row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), -BLOCK_N, HOIST, BLOCK_M, BLOCK_N, WINDOW,
                                   SPLIT, VALUES_AHEAD)
@@ -292,11 +354,9 @@ def _dq_block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, DQ,
             stat_numel, i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N,
             WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, False, HOIST, False, ENDS_AHEAD, DENSE_SCORES,
             PRECISION, buckets, BUCKETS_AHEAD, values, VALUES_AHEAD)
-        if BUCKETS_AHEAD and not VALUES_AHEAD:  # the next tile's, while this one computes (``Tiles.buckets_ahead``)
-            buckets = _buckets_ahead(TABLE, MIRROR, i0 - j0 - BLOCK_N, offs_m, offs_n, j0 + BLOCK_N < seq_len, False)
-        if ENDS_AHEAD:
-            ends = _ends_ahead(END, stat_off, stat_numel, i0, j0 + BLOCK_N, ahead, offs_m, offs_n, seq_len, TWO_SPAN,
-                               BLOCK_M, BLOCK_N, HAS_C2P, HAS_P2C)
+        ends, buckets = _reads_for_next(TABLE, MIRROR, END, ahead, ends, buckets, stat_off, stat_numel, i0, j0, offs_m,
+                                        offs_n, seq_len, TWO_SPAN, BLOCK_M, BLOCK_N, HAS_C2P, HAS_P2C, ENDS_AHEAD,
+                                        BUCKETS_AHEAD, VALUES_AHEAD, False)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         _, ds = _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, keep_scale, scale, BLOCK_M, BLOCK_N,
                              DROPOUT, False)
@@ -305,9 +365,8 @@ def _dq_block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, DQ,
             sums_lo, sums_hi, first, last = _tile_position(ds, saturated, top, sums_lo, sums_hi, first, last, band,
                                                            band_lo, i0, j0, offs_m, offs_n, BAND, BLOCK_N, False)
         if VALUES_AHEAD:  # the next tile's terms, in flight over the back edge and the next tile's pipeline wait
-            values, buckets = _terms_ahead(dense, TABLE, MIRROR, buckets, i0, j0 + BLOCK_N, i0 - j0 - 2 * BLOCK_N,
-                                           j0 + 2 * BLOCK_N < seq_len, offs_m, offs_n, seq_len, HAS_C2P, HAS_P2C,
-                                           TWO_SPAN, False)
+            values, buckets = _terms_then_buckets(dense, TABLE, MIRROR, buckets, i0, j0, 1, offs_m, offs_n,
+                                                  seq_len, HAS_C2P, HAS_P2C, TWO_SPAN, BLOCK_M, BLOCK_N, False)
     i_out = _rows_after_loop(i0, offs_m, PER_ITEM)  # recomputed with a program per item, as dk/dv's
     if DENSE:  # dq is complete (its position part comes after the kernel): not held across the band pass
         _store_rows(DQ + base, i_out, offs_m, offs_d, stride_n, seq_len, dq)
@@ -376,21 +435,10 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
     sums_hi = tl.zeros([BLOCK_N], tl.float32)
     general = 0
     first, last = seq_len, -BLOCK_M  # query blocks of the general tiles
-    ahead = ()
-    ends = ()
-    if HOIST and not VALUES_AHEAD:
-        ahead = _path_ends(TABLE, -j0 - (BLOCK_N - 1), BLOCK_M, BLOCK_N)
-    if ENDS_AHEAD:  # with the path ends (HOIST), a saturated tile's end terms come a tile ahead
-        ends = _ends_ahead(END, stat_off, stat_numel, 0, j0, ahead, offs_m, offs_n, seq_len, TWO_SPAN, BLOCK_M,
-                           BLOCK_N, HAS_C2P, HAS_P2C)
+    ahead, ends, buckets, values = _reads_before_loop(
+        TABLE, TABLE, END, dense, stat_off, stat_numel, 0, j0, offs_m, offs_n, seq_len, TWO_SPAN, BLOCK_M, BLOCK_N,
+        HAS_C2P, HAS_P2C, HOIST, ENDS_AHEAD, BUCKETS_AHEAD, VALUES_AHEAD, True)
     keys = _side_visible(mask_ptr, j0, offs_n, seq_len, BLOCK_N, HAS_MASK)  # the block's keys: once
-    buckets = ()
-    if BUCKETS_AHEAD:
-        buckets = _buckets_ahead(TABLE, TABLE, -j0, offs_m, offs_n, seq_len > 0, True)
-    values = ()
-    if VALUES_AHEAD:  # the first tile's terms now; the loop reads each next tile's at its end
-        values, buckets = _terms_ahead(dense, TABLE, TABLE, buckets, 0, j0, BLOCK_M - j0, BLOCK_M < seq_len, offs_m,
-                                       offs_n, seq_len, HAS_C2P, HAS_P2C, TWO_SPAN, True)
     for i0 in range(0, seq_len, BLOCK_M):
         row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), BLOCK_M, HOIST, BLOCK_M, BLOCK_N, WINDOW,
                                   SPLIT, VALUES_AHEAD)
@@ -403,11 +451,9 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
             stat_numel, i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N,
             WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, True, HOIST, False, ENDS_AHEAD, DENSE_SCORES,
             PRECISION, buckets, BUCKETS_AHEAD, values, VALUES_AHEAD)
-        if BUCKETS_AHEAD and not VALUES_AHEAD:  # the next tile's, while this one computes (``Tiles.buckets_ahead``)
-            buckets = _buckets_ahead(TABLE, TABLE, i0 + BLOCK_M - j0, offs_m, offs_n, i0 + BLOCK_M < seq_len, True)
-        if ENDS_AHEAD:
-            ends = _ends_ahead(END, stat_off, stat_numel, i0 + BLOCK_M, j0, ahead, offs_m, offs_n, seq_len, TWO_SPAN,
-                               BLOCK_M, BLOCK_N, HAS_C2P, HAS_P2C)
+        ends, buckets = _reads_for_next(TABLE, TABLE, END, ahead, ends, buckets, stat_off, stat_numel, i0, j0, offs_m,
+                                        offs_n, seq_len, TWO_SPAN, BLOCK_M, BLOCK_N, HAS_C2P, HAS_P2C, ENDS_AHEAD,
+                                        BUCKETS_AHEAD, VALUES_AHEAD, True)
         dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         p_dropped, ds = _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, keep_scale, scale, BLOCK_M,
                                      BLOCK_N, DROPOUT, True)
@@ -417,9 +463,8 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
             sums_lo, sums_hi, first, last = _tile_position(ds, saturated, top, sums_lo, sums_hi, first, last, band,
                                                            band_lo, i0, j0, offs_m, offs_n, BAND, BLOCK_N, True)
         if VALUES_AHEAD:  # the next tile's terms, in flight over the back edge and the next tile's pipeline wait
-            values, buckets = _terms_ahead(dense, TABLE, TABLE, buckets, i0 + BLOCK_M, j0, i0 + 2 * BLOCK_M - j0,
-                                           i0 + 2 * BLOCK_M < seq_len, offs_m, offs_n, seq_len, HAS_C2P, HAS_P2C,
-                                           TWO_SPAN, True)
+            values, buckets = _terms_then_buckets(dense, TABLE, TABLE, buckets, i0, j0, 1, offs_m, offs_n,
+                                                  seq_len, HAS_C2P, HAS_P2C, TWO_SPAN, BLOCK_M, BLOCK_N, True)
     if DROPOUT:  # the kept probabilities' 1 / (1 - p), left out of every score by _score_grads
         dv = dv * keep_scale
     # recomputed with a program per item (sm_80's 64-key blocks spilled 20 B without; the fused design's persistent
