@@ -32,13 +32,20 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _rows_at(ptr, rows, HEAD_DIM: tl.constexpr):
+    """Pointers to ``rows`` (a block of token indices) of the contiguous ``[N, HEAD_DIM]`` matrix at ``ptr`` (one
+    head's): ``[len(rows), HEAD_DIM]``."""
+    return ptr + rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+
+
+@triton.jit
 def _flash2_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seq_len, scale_log2,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m, head = tl.program_id(0), tl.program_id(1)
     base = head.to(tl.int64) * seq_len * HEAD_DIM
     rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + base + rows[:, None] * HEAD_DIM + cols[None, :])
+    q = tl.load(_rows_at(q_ptr + base, rows, HEAD_DIM))
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -54,7 +61,7 @@ def _flash2_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seq_len, scale_log2,
         v = tl.load(v_ptr + offsets)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         row_max = new_max
-    tl.store(out_ptr + base + rows[:, None] * HEAD_DIM + cols[None, :], (acc / row_sum[:, None]).to(q.dtype))
+    tl.store(_rows_at(out_ptr + base, rows, HEAD_DIM), (acc / row_sum[:, None]).to(q.dtype))
     tl.store(lse_ptr + head * seq_len + rows, row_max + tl.math.log2(row_sum))
 
 
@@ -74,23 +81,22 @@ def _flash2_bwd_dkdv(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, 
     start_n, head = tl.program_id(0), tl.program_id(1)
     base = head.to(tl.int64) * seq_len * HEAD_DIM
     keys = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, HEAD_DIM)
-    k = tl.load(k_ptr + base + keys[:, None] * HEAD_DIM + cols[None, :])
-    v = tl.load(v_ptr + base + keys[:, None] * HEAD_DIM + cols[None, :])
+    k = tl.load(_rows_at(k_ptr + base, keys, HEAD_DIM))
+    v = tl.load(_rows_at(v_ptr + base, keys, HEAD_DIM))
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     for start_m in range(0, seq_len, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
-        q = tl.load(q_ptr + base + rows[:, None] * HEAD_DIM + cols[None, :])
-        do = tl.load(dout_ptr + base + rows[:, None] * HEAD_DIM + cols[None, :])
+        q = tl.load(_rows_at(q_ptr + base, rows, HEAD_DIM))
+        do = tl.load(_rows_at(dout_ptr + base, rows, HEAD_DIM))
         lse = tl.load(lse_ptr + head * seq_len + rows)
         delta = tl.load(delta_ptr + head * seq_len + rows)
         p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * scale_log2 - lse[None, :])
         dv += tl.dot(p_t.to(do.dtype), do)
         ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
         dk += tl.dot(ds_t.to(q.dtype), q)
-    tl.store(dk_ptr + base + keys[:, None] * HEAD_DIM + cols[None, :], (dk * sm_scale).to(k.dtype))
-    tl.store(dv_ptr + base + keys[:, None] * HEAD_DIM + cols[None, :], dv.to(v.dtype))
+    tl.store(_rows_at(dk_ptr + base, keys, HEAD_DIM), (dk * sm_scale).to(k.dtype))
+    tl.store(_rows_at(dv_ptr + base, keys, HEAD_DIM), dv.to(v.dtype))
 
 
 @triton.jit
@@ -99,20 +105,19 @@ def _flash2_bwd_dq(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, se
     start_m, head = tl.program_id(0), tl.program_id(1)
     base = head.to(tl.int64) * seq_len * HEAD_DIM
     rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + base + rows[:, None] * HEAD_DIM + cols[None, :])
-    do = tl.load(dout_ptr + base + rows[:, None] * HEAD_DIM + cols[None, :])
+    q = tl.load(_rows_at(q_ptr + base, rows, HEAD_DIM))
+    do = tl.load(_rows_at(dout_ptr + base, rows, HEAD_DIM))
     lse = tl.load(lse_ptr + head * seq_len + rows)
     delta = tl.load(delta_ptr + head * seq_len + rows)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for start_n in range(0, seq_len, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
-        k = tl.load(k_ptr + base + keys[:, None] * HEAD_DIM + cols[None, :])
-        v = tl.load(v_ptr + base + keys[:, None] * HEAD_DIM + cols[None, :])
+        k = tl.load(_rows_at(k_ptr + base, keys, HEAD_DIM))
+        v = tl.load(_rows_at(v_ptr + base, keys, HEAD_DIM))
         p = tl.math.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse[:, None])
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
-    tl.store(dq_ptr + base + rows[:, None] * HEAD_DIM + cols[None, :], (dq * sm_scale).to(q.dtype))
+    tl.store(_rows_at(dq_ptr + base, rows, HEAD_DIM), (dq * sm_scale).to(q.dtype))
 
 
 def _meta(*shape, dtype=torch.bfloat16) -> torch.Tensor:

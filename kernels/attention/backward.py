@@ -184,36 +184,55 @@ def _tile_position(ds, saturated, top, sums_lo, sums_hi, first, last, band, band
 
 
 @triton.jit
-def _block_position(acc, OWN, REL, partial, DENSE_GRAD, band, folds, sums_lo, sums_hi, first, last, block0,
-                    band_lo, lo, item, n_ctx, seq_len, base, stat_off, stride_n, stride_lb, stride_lh, dense_lb,
-                    dense_lh, offs_r, offs_d, TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr, DENSE: tl.constexpr,
-                    PRECISION: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """A block's position gradient after its tile loop: its band's (:func:`_band_gradients`) and its saturated
-    tiles' end terms, added to ``acc`` (dQ, or dK when ``TRANSPOSED``: the block is then key block ``block0``)
-    and the partial table, or with ``DENSE`` written in bucket coordinates to the block's rows of
-    ``DENSE_GRAD`` (located here from the program's ``item``: a 64-bit pointer held across the loop spilled)."""
-    tl.debug_barrier()
-    part_ptr = _program_partial(partial, item, TWO_SPAN, HEAD_DIM, CHUNK)
-    rows_ok = (block0 + offs_r) < seq_len
-    dense = _dense_rows(DENSE_GRAD, stat_off, item // tl.cdiv(n_ctx, BLOCK_N if TRANSPOSED else BLOCK_M),
-                        tl.program_id(1), block0, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN)
-    own = OWN
-    if not DENSE:
-        own = _load_rows(OWN + base, block0, offs_r, offs_d, stride_n, seq_len)  # reloaded: not held across the loop
-    if TRANSPOSED:  # key b at distance dist pairs with query block0 + b + dist: band rows are keys, SIGN -1
-        acc = _band_gradients(acc, own, band, REL, part_ptr, dense, rows_ok, folds, band_lo, lo, block0,
-                              first - block0 - (BLOCK_N - 1), last + BLOCK_M - 1 - block0, first, last, offs_r,
-                              offs_d, TWO_SPAN, HEAD_DIM, BAND, CHUNK, BLOCK_M, -1, DENSE, PRECISION)
-    else:
-        acc = _band_gradients(acc, own, band, REL, part_ptr, dense, rows_ok, folds, band_lo, lo, block0,
-                              block0 - last - (BLOCK_N - 1), block0 - first + BLOCK_M - 1, first, last, offs_r,
-                              offs_d, TWO_SPAN, HEAD_DIM, BAND, CHUNK, BLOCK_N, 1, DENSE, PRECISION)
+def _finish_block(grads, outs, OWN, REL, partial, DENSE_GRAD, band, folds, sums_lo, sums_hi, first, last, block0,
+                  band_lo, lo, item, n_ctx, seq_len, base, stat_off, stride_n, stride_lb, stride_lh, dense_lb,
+                  dense_lh, offs_r, offs_d, TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr, HAS_TERM: tl.constexpr,
+                  DENSE: tl.constexpr, PRECISION: tl.constexpr, PER_ITEM: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """A block's end, after its tile loop: its gradients ``grads`` stored at ``outs`` (``(dQ,)``, or ``(dK, dV)``
+    when ``TRANSPOSED``: the block is then key block ``block0``) with the first one's position part (``HAS_TERM``):
+    its band's (:func:`_band_gradients`) and its saturated tiles' end terms, added to it and to the partial table,
+    or with ``DENSE`` written in bucket coordinates to the block's rows of ``DENSE_GRAD`` (located here from the
+    program's ``item``: a 64-bit pointer held across the loop spilled). In the dense design the gradients are
+    complete before the band pass (their position part comes after the kernel), so they are stored first rather
+    than held across it."""
+    row0 = _rows_after_loop(block0, offs_r, PER_ITEM)  # recomputed with a program per item (sm_80's 64-key
+    # blocks spilled 20 B without; the fused design's persistent ones spilled 4-132 B with it)
     if DENSE:
-        _add_end_sums(dense, sums_lo, sums_hi, rows_ok, offs_r, TWO_SPAN)
-    else:
-        acc = _end_gradients(acc, own, sums_lo, sums_hi, REL, part_ptr, offs_d, TWO_SPAN, HEAD_DIM)
-    return acc
+        _store_block(grads[0], grads, outs, base, row0, offs_r, offs_d, stride_n, seq_len, TRANSPOSED)
+    acc = grads[0]
+    if HAS_TERM:
+        tl.debug_barrier()
+        part_ptr = _program_partial(partial, item, TWO_SPAN, HEAD_DIM, CHUNK)
+        rows_ok = (row0 + offs_r) < seq_len
+        dense = _dense_rows(DENSE_GRAD, stat_off, item // tl.cdiv(n_ctx, BLOCK_N if TRANSPOSED else BLOCK_M),
+                            tl.program_id(1), row0, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN)
+        own = OWN
+        if not DENSE:
+            own = _load_rows(OWN + base, row0, offs_r, offs_d, stride_n, seq_len)  # reloaded: not held across the loop
+        if TRANSPOSED:  # key b at distance dist pairs with query row0 + b + dist: band rows are keys, SIGN -1
+            acc = _band_gradients(acc, own, band, REL, part_ptr, dense, rows_ok, folds, band_lo, lo, row0,
+                                  first - row0 - (BLOCK_N - 1), last + BLOCK_M - 1 - row0, first, last, offs_r,
+                                  offs_d, TWO_SPAN, HEAD_DIM, BAND, CHUNK, BLOCK_M, -1, DENSE, PRECISION)
+        else:
+            acc = _band_gradients(acc, own, band, REL, part_ptr, dense, rows_ok, folds, band_lo, lo, row0,
+                                  row0 - last - (BLOCK_N - 1), row0 - first + BLOCK_M - 1, first, last, offs_r,
+                                  offs_d, TWO_SPAN, HEAD_DIM, BAND, CHUNK, BLOCK_N, 1, DENSE, PRECISION)
+        if DENSE:
+            _add_end_sums(dense, sums_lo, sums_hi, rows_ok, offs_r, TWO_SPAN)
+        else:
+            acc = _end_gradients(acc, own, sums_lo, sums_hi, REL, part_ptr, offs_d, TWO_SPAN, HEAD_DIM)
+    if not DENSE:
+        _store_block(acc, grads, outs, base, row0, offs_r, offs_d, stride_n, seq_len, TRANSPOSED)
+
+
+@triton.jit
+def _store_block(first, grads, outs, base, row0, offs_r, offs_d, stride_n, seq_len, TRANSPOSED: tl.constexpr):
+    """A block's gradients at its rows from ``row0``: ``first`` (dQ, or dK when ``TRANSPOSED``) at ``outs[0]``,
+    and when ``TRANSPOSED`` dV (``grads[1]``) at ``outs[1]``."""
+    _store_rows(outs[0] + base, row0, offs_r, offs_d, stride_n, seq_len, first)
+    if TRANSPOSED:
+        _store_rows(outs[1] + base, row0, offs_r, offs_d, stride_n, seq_len, grads[1])
 
 
 @triton.jit
@@ -367,16 +386,10 @@ def _dq_block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, DQ,
         if VALUES_AHEAD:  # the next tile's terms, in flight over the back edge and the next tile's pipeline wait
             values, buckets = _terms_then_buckets(dense, TABLE, MIRROR, buckets, i0, j0, 1, offs_m, offs_n,
                                                   seq_len, HAS_C2P, HAS_P2C, TWO_SPAN, BLOCK_M, BLOCK_N, False)
-    i_out = _rows_after_loop(i0, offs_m, PER_ITEM)  # recomputed with a program per item, as dk/dv's
-    if DENSE:  # dq is complete (its position part comes after the kernel): not held across the band pass
-        _store_rows(DQ + base, i_out, offs_m, offs_d, stride_n, seq_len, dq)
-    if HAS_C2P:
-        dq = _block_position(dq, Q, KR + rel_off, partial, DENSE_GRAD, band, folds, sums_lo, sums_hi, first,
-                             last, i_out, band_lo, lo, item, n_ctx, seq_len, base, stat_off, stride_n, stride_lb,
-                             stride_lh, dense_lb, dense_lh, offs_m, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, BAND,
-                             CHUNK, DENSE, PRECISION, False)
-    if not DENSE:
-        _store_rows(DQ + base, i_out, offs_m, offs_d, stride_n, seq_len, dq)
+    _finish_block((dq,), (DQ,), Q, KR + rel_off, partial, DENSE_GRAD, band, folds, sums_lo, sums_hi, first, last, i0,
+                  band_lo, lo, item, n_ctx, seq_len, base, stat_off, stride_n, stride_lb, stride_lh, dense_lb, dense_lh,
+                  offs_m, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, BAND, CHUNK, HAS_C2P, DENSE, PRECISION,
+                  PER_ITEM, False)
 
 
 @triton.jit
@@ -467,20 +480,10 @@ def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, p
                                                   seq_len, HAS_C2P, HAS_P2C, TWO_SPAN, BLOCK_M, BLOCK_N, True)
     if DROPOUT:  # the kept probabilities' 1 / (1 - p), left out of every score by _score_grads
         dv = dv * keep_scale
-    # recomputed with a program per item (sm_80's 64-key blocks spilled 20 B without; the fused design's persistent
-    # ones spilled 4-132 B with it)
-    j_out = _rows_after_loop(j0, offs_n, PER_ITEM)
-    if DENSE:  # dk and dv are complete (dk's position part comes after the kernel): not held across the band pass
-        _store_rows(DK + base, j_out, offs_n, offs_d, stride_n, seq_len, dk)
-        _store_rows(DV + base, j_out, offs_n, offs_d, stride_n, seq_len, dv)
-    if HAS_P2C:
-        dk = _block_position(dk, K, QR + rel_off, partial, DENSE_GRAD, band, folds, sums_lo, sums_hi, first,
-                             last, j_out, band_lo, lo, item, n_ctx, seq_len, base, stat_off, stride_n, stride_lb,
-                             stride_lh, dense_lb, dense_lh, offs_n, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, BAND,
-                             CHUNK, DENSE, PRECISION, True)
-    if not DENSE:
-        _store_rows(DK + base, j_out, offs_n, offs_d, stride_n, seq_len, dk)
-        _store_rows(DV + base, j_out, offs_n, offs_d, stride_n, seq_len, dv)
+    _finish_block((dk, dv), (DK, DV), K, QR + rel_off, partial, DENSE_GRAD, band, folds, sums_lo, sums_hi, first,
+                  last, j0, band_lo, lo, item, n_ctx, seq_len, base, stat_off, stride_n, stride_lb, stride_lh,
+                  dense_lb, dense_lh, offs_n, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, BAND, CHUNK, HAS_P2C, DENSE,
+                  PRECISION, PER_ITEM, True)
 
 
 @triton.jit

@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 import yaml
 
-from distaff.train.run.config import (CheckpointSection, DeepSpeedSection, DistributedSection, LoggingSection, OptimSection,
-                     RunSection, WandbSection, ZeroSection, _build, _check_value, check_engine_sections, check_ranges,
-                     check_seed, read_config_values)
+from distaff.train.run.config import (CheckpointSection, DeepSpeedSection, DistributedSection, LoggingSection,
+                                      OptimSection, RunSection, WandbSection, ZeroSection, _check_value, build_sections,
+                                      check_engine_sections, check_ranges, check_seed, read_config_values)
 from distaff.train.core.errors import ConfigError, reject_unknown_keys, shown
 from distaff.train.core.files import check_apart
 from distaff.train.finetune.sift import SiftConfig
@@ -185,12 +185,7 @@ def _validate(cfg: FinetuneConfig) -> None:
 
 def finetune_config_from_dict(values: dict[str, Any]) -> FinetuneConfig:
     """A validated :class:`FinetuneConfig` from nested plain values (YAML after overrides)."""
-    if not isinstance(values, dict):
-        raise ConfigError(f"config: expected a mapping of sections, got {type(values).__name__}")
-    values = dict(values)
-    model = _build_model_section(values.pop("model", {}) or {})
-    cfg = _build(FinetuneConfig, values, "")
-    cfg.model = model
+    cfg = build_sections(FinetuneConfig, values, _build_model_section)
     _validate(cfg)
     return cfg
 

@@ -15,7 +15,7 @@ import re
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import yaml
 
@@ -672,14 +672,21 @@ def _check_heldout_task(key: str, task: EvalTaskSection) -> None:
     check_ranges(positive={}, non_negative={f"{key}.batches": task.batches})
 
 
-def config_from_dict(values: dict[str, Any]) -> RunConfig:
-    """A validated :class:`RunConfig` from nested plain values (YAML after overrides)."""
+def build_sections(cls: type, values: Any, build_model: Callable[[Any], Any]) -> Any:
+    """A ``cls`` config from nested plain values (YAML after overrides), each section built and type-checked, the
+    model section by ``build_model`` (a run's and a fine-tuning's differ); not yet validated as a whole."""
     if not isinstance(values, dict):
         raise ConfigError(f"config: expected a mapping of sections, got {type(values).__name__}")
     values = dict(values)
-    model = _build_model_section(values.pop("model", {}) or {})
-    cfg = _build(RunConfig, values, "")
+    model = build_model(values.pop("model", {}) or {})
+    cfg = _build(cls, values, "")
     cfg.model = model
+    return cfg
+
+
+def config_from_dict(values: dict[str, Any]) -> RunConfig:
+    """A validated :class:`RunConfig` from nested plain values (YAML after overrides)."""
+    cfg = build_sections(RunConfig, values, _build_model_section)
     _validate(cfg)
     cfg.model_config()  # model overrides are validated now, not at the first step
     if cfg.train.objective == "rtd":
