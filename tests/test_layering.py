@@ -33,6 +33,10 @@ ALLOWED = {
                                "distaff.train.run"},
     "distaff.train.tools": {"distaff.kernels", "distaff.train.core", "distaff.train.data", "distaff.train.model",
                             "distaff.train.run", "distaff.train.pretrain", "distaff.train.finetune", "distaff.train.plan"},
+    # An ablation averages checkpoints and scores them as a run does (average, checkpoint_eval).
+    "distaff.train.tools.ablate": {"distaff.kernels", "distaff.train.core", "distaff.train.data", "distaff.train.model",
+                                   "distaff.train.run", "distaff.train.pretrain", "distaff.train.finetune",
+                                   "distaff.train.plan", "distaff.train.tools"},
     # The evaluations attached to checkpoints call the tools that evaluate (probe, checkpoint_eval, export).
     "distaff.train.tools.evals": {"distaff.kernels", "distaff.train.core", "distaff.train.data", "distaff.train.model",
                                   "distaff.train.run", "distaff.train.pretrain", "distaff.train.finetune",

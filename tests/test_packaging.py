@@ -53,7 +53,8 @@ def test_setup_cfg_lists_every_package_of_the_mapped_folders() -> None:
     on_disk = {_in_package(path, mapped).rsplit("/", 1)[0].replace("/", ".")
                for path in _tracked(list(mapped.values())) if path.endswith("/__init__.py")}
     listed = set(_setup_options()["packages"].split())
-    assert on_disk - listed == set(), f"packages missing from setup.cfg's [options] packages: {sorted(on_disk - listed)}"
+    missing = sorted(on_disk - listed)
+    assert missing == [], f"packages missing from setup.cfg's [options] packages: {missing}"
     assert listed - on_disk == set(), f"setup.cfg lists packages with no folder: {sorted(listed - on_disk)}"
 
 
