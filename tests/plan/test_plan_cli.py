@@ -150,6 +150,10 @@ def test_the_report_labels_estimates_and_prints_assumptions(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["zero"] == 2 and data["fits"] is True and data["estimate"]["tokens_per_s"] > 0
     assert data["memory_bytes"]["reduce bucket(s)"] > 0
+    # ZeRO 3's caveat (its gathers' latency is not modelled) stands under a ZeRO 3 plan only, not the preset's ZeRO 1
+    assert not any("ZeRO 3:" in line for line in data["assumptions"])
+    assert cli.main(["--config", "deberta-v3-base", "--gpus", "8xH200", "--json", "--zero", "3"]) == 0
+    assert any("ZeRO 3:" in line for line in json.loads(capsys.readouterr().out)["assumptions"])
 
 
 @pytest.mark.unit

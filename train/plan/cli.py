@@ -96,7 +96,7 @@ def time_lines(plan: Plan) -> list[str]:
               "assumptions:", f"  sequence length {plan.setting.seq_len} from {plan.seq_source}",
               f"  batches {plan.tokens_line()}",
               f"  attention: {t.attention_source}"]
-    return lines + [f"  {line}" for line in plan.assumptions.lines(plan.gpu.is_cpu)]
+    return lines + [f"  {line}" for line in plan.assumptions.lines(plan.gpu.is_cpu, plan.setting.zero)]
 
 
 def cpu_note(plan: Plan) -> str:
@@ -169,7 +169,7 @@ def as_json(plan: Plan) -> dict:
                          "content_only_attention_share": plan.time.reference_share},
             "max_steps": plan.max_steps, "token_budget": plan.token_budget, "global_batch": plan.global_batch,
             "tokens_per_step": plan.tokens_per_step,
-            "assumptions": plan.assumptions.lines(plan.gpu.is_cpu), "summary": summary(plan)}
+            "assumptions": plan.assumptions.lines(plan.gpu.is_cpu, plan.setting.zero), "summary": summary(plan)}
 
 
 def _run_config(path: str, overrides: list[str]):

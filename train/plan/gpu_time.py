@@ -55,7 +55,8 @@ class Assumptions:
     # against (train/plan/anchors.py), so that check does not move with distaff's own kernels.
     attention: str = "distaff"  # "distaff" | "hf_eager"
 
-    def lines(self, cpu: bool = False) -> list[str]:
+    def lines(self, cpu: bool = False, zero: int = 0) -> list[str]:
+        """The assumptions behind a plan's step time, as printed under it (``zero``: the plan's ZeRO stage)."""
         if cpu:
             return ["GEMMs at the probed GEMM rate for the model's hidden size; attention, the ops around the GEMMs "
                     "and AdamW at their measured costs (train/plan/cpu_table.json) scaled by the probed rates; gloo's "
@@ -67,8 +68,8 @@ class Assumptions:
                 f"the link",
                 "attention: the static judge's estimate (no GPU ran), see the attention row's source"
                 + ("" if self.attention == "distaff" else f"; {ATTENTION_KEYS[self.attention][2]}"),
-                "ZeRO 3: prefetched gathers hidden under compute when it is long enough; its per-module hook and "
-                "gather latency is not modelled (ZeRO 3 is an upper bound on speed)",
+                *(["ZeRO 3: prefetched gathers hidden under compute when it is long enough; its per-module hook "
+                   "and gather latency is not modelled (ZeRO 3 is an upper bound on speed)"] if zero == 3 else []),
                 "no data-loading, logging, evaluation or checkpoint time; steady state after warm-up"]
 
 
