@@ -72,11 +72,10 @@ Imports: what ``distaff.train.tools`` imports (run configs, the schedule, metric
 """
 
 from distaff.train.tools.ablate.cli import main
-from distaff.train.tools.ablate.config import AblationConfig, Variant, load_ablation, run_overrides, variant_config
-from distaff.train.tools.ablate.plan import PlannedRun, plan_runs, real_tokens_per_batch, steps_for
-from distaff.train.tools.ablate.report import paired_differences, write_report
+from distaff.train.tools.ablate.config import AblationConfig, load_ablation, variant_config
+from distaff.train.tools.ablate.plan import PlannedRun, plan_runs, real_tokens_per_batch
+from distaff.train.tools.ablate.report import paired_differences
 from distaff.train.tools.ablate.runs import run_parallel, write_job_scripts
 
-__all__ = ["AblationConfig", "PlannedRun", "Variant", "load_ablation", "main", "paired_differences", "plan_runs",
-           "real_tokens_per_batch", "run_overrides", "run_parallel", "steps_for", "variant_config", "write_job_scripts",
-           "write_report"]
+__all__ = ["AblationConfig", "PlannedRun", "load_ablation", "main", "paired_differences", "plan_runs",
+           "real_tokens_per_batch", "run_parallel", "variant_config", "write_job_scripts"]
