@@ -145,7 +145,7 @@ def _figures(kernel, args, kwargs, cc: int) -> tuple:
     case = compile_check.Case("attention", "bfloat16")
     row, stem = compile_check.compile_artifacts(kernel, args, kwargs, case, cc)
     if stem is None:
-        raise Unavailable(f"{kernel.__name__} does not compile for sm_{cc}: {row.error}")
+        raise Unavailable(f"{row.kernel} does not compile for sm_{cc}: {row.error}")
     return row, _kernel_figures(str(stem))
 
 
@@ -183,9 +183,8 @@ class Work:
 def _tile_paths(kernel_name: str, figures) -> list[dict]:
     """The paths of a distaff attention kernel's tile loops that do not branch on the tile's kind (no position
     terms), fewest warp-instructions first."""
-    lines = {"_attn_fwd": ("for j0 in tl.range(j_start, j_end, BLOCK_N", "for j0 in range(0, seq_len, BLOCK_N)"),
-             "_attn_bwd_dkdv": ("for i0 in range(0, seq_len, BLOCK_M)",)}.get(kernel_name,
-                                                                           ("for j0 in range(0, seq_len, BLOCK_N)",))
+    lines = {"_attn_fwd": ("for j0 in tl.range(j_start, j_end, BLOCK_N", "for j0 in range(0, seq_len, BLOCK_N)")}.get(
+        kernel_name, ("for other in range(0, seq_len, BLOCK_M if TRANSPOSED else BLOCK_N)",))  # the backward's
     for line in lines:
         try:
             entries = figures.loops_at(line)
@@ -306,16 +305,18 @@ def estimate_launch(impl: str, launch: tuple, w: Workload, gpu: static_perf.Gpu)
     kernel, args, kwargs, grid = launch
     row, figures = _figures(kernel, args, kwargs, w.cc)
     warps = kwargs.get("num_warps", 4)
-    if impl in DISTAFF and kernel.__name__ in ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv"):
-        works = _distaff_program_work(kernel.__name__, kwargs, grid, figures)
+    name = compile_check.launch_name(kernel, kwargs)
+    tiled = impl in DISTAFF and name in ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv")
+    if tiled:
+        works = _distaff_program_work(name, kwargs, grid, figures)
     else:
         works = _peer_program_work(kwargs, grid, w.n, figures)
     blocks = max(1, static_perf.blocks_per_sm(row.registers, warps, row.shared, gpu))
     bm, bn = kwargs.get("BLOCK_M", 0), kwargs.get("BLOCK_N", 0)
     paths = []
     if figures.loops and bm and bn:
-        if impl in DISTAFF and kernel.__name__ in ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv"):
-            runs = _run_mixes(kernel.__name__, kwargs, figures)
+        if tiled:
+            runs = _run_mixes(name, kwargs, figures)
             picks = runs if runs["top"] is not runs["bottom"] else {"saturated": runs["top"],
                                                                     "general": runs["general"]}
         else:
@@ -325,7 +326,7 @@ def estimate_launch(impl: str, launch: tuple, w: Workload, gpu: static_perf.Gpu)
     unique = _tensor_bytes(args, kwargs)
     miss = max(0.0, 1.0 - gpu.l2_mb * 1e6 / unique) if unique else 0.0
     hbm = (min(unique, l2 or unique), min(unique, l2 or unique) + max(0.0, l2 - unique) * miss)
-    return KernelEstimate(impl, kernel.__name__, f"{bm}x{bn}" if bm and bn else "-", warps, row.stages,
+    return KernelEstimate(impl, name, f"{bm}x{bn}" if bm and bn else "-", warps, row.stages,
                           row.registers, row.spill_stores, row.shared, blocks, len(works),
                           len(works) / (blocks * gpu.sms), paths, figures.repetition, figures.uses_wgmma,
                           _makespan(works, warps, blocks, gpu, None),

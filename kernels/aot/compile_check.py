@@ -226,6 +226,14 @@ def record_launches(case: Case, cc: int = 90) -> list[tuple]:
     return launches
 
 
+def launch_name(kernel, kwargs: dict) -> str:
+    """What the rows call a launch: its kernel's name, and for the attention backward's kernel, launched once over
+    query blocks and once over key blocks (``TRANSPOSED``), the side: ``_attn_bwd_dq``, ``_attn_bwd_dkdv``."""
+    if "TRANSPOSED" in kwargs:
+        return f"{kernel.__name__}_{'dkdv' if kwargs['TRANSPOSED'] else 'dq'}"
+    return kernel.__name__
+
+
 # --------------------------------------------------------------------------- compiling
 
 
@@ -274,7 +282,7 @@ def compile_artifacts(kernel, args: tuple, kwargs: dict, case: Case, cc: int) ->
 
     target = GPUTarget("cuda", cc, 32)
     src, options = _specialise(kernel, args, kwargs, target)
-    row = Row(kernel.__name__, case.name, cc, warps=options.num_warps, stages=options.num_stages,
+    row = Row(launch_name(kernel, kwargs), case.name, cc, warps=options.num_warps, stages=options.num_stages,
               half=case.dtype in HALF)
     stem = _cache_dir() / _cache_key(kernel, src, options, cc)
     cached = stem.with_suffix(".json")
@@ -333,9 +341,10 @@ def check_case(case: Case, targets: tuple[int, ...], only: str | None = None) ->
             continue
         seen = set()
         for kernel, args, kwargs, _ in launches:
-            if (only and only not in kernel.__name__) or kernel.__name__ in seen:
+            name = launch_name(kernel, kwargs)
+            if (only and only not in name) or name in seen:
                 continue
-            seen.add(kernel.__name__)
+            seen.add(name)
             rows.append(compile_launch(kernel, args, kwargs, case, cc))
     return rows
 

@@ -24,9 +24,10 @@ The distances ``i - j`` of a tile form one *window* of ``BLOCK_M + BLOCK_N - 1``
   for them where both passes read dense ones (``_Problem.keep_scores``: 403 MB a layer at v3's batch), else from
   two GEMMs run again at the backward's start.
 
-Backward (no atomics, deterministic): ``_attn_bwd_delta`` (``rowsum(dO * O)``), then two kernels that
-recompute the scores: ``_attn_bwd_dq`` (query blocks: ``dQ`` and the c2p table gradient ``dKr``) and
-``_attn_bwd_dkdv`` (key blocks, the tile held transposed: ``dK``, ``dV`` and the p2c gradient ``dQr``).
+Backward (no atomics, deterministic): ``_attn_bwd_delta`` (``rowsum(dO * O)``), then ``_attn_bwd`` launched
+twice, recomputing the scores: over query blocks (``dQ`` and the c2p table gradient ``dKr``; its rows are called
+``_attn_bwd_dq`` in the compile check and the judge) and over key blocks, the tile held transposed (``dK``, ``dV``
+and the p2c gradient ``dQr``; ``_attn_bwd_dkdv``).
 A position gradient needs ``dS`` in distance coordinates: each general tile stores its ``dS`` into a
 per-program *band* (row, distance) with the same affine skew; after the tile loop of a block, the band
 is read in chunks of distances whose buckets are contiguous: ``merged = band @ one_hot`` adds the distances

@@ -1,5 +1,5 @@
-"""The fused backward, deterministic and without atomics: ``delta = rowsum(dO * O)``, then ``_attn_bwd_dq``
-(query blocks: dQ and the c2p table gradient) and ``_attn_bwd_dkdv`` (key blocks, tiles held transposed: dK,
+"""The fused backward, deterministic and without atomics: ``delta = rowsum(dO * O)``, then ``_attn_bwd`` launched
+twice, over query blocks (dQ and the c2p table gradient) and over key blocks (tiles held transposed: dK,
 dV and the p2c table gradient), which recompute the scores; the position gradients go through a per-program
 band in distance coordinates and one float32 partial table per program, summed on the host in a fixed order."""
 
@@ -132,7 +132,7 @@ def _end_gradients(acc, own, sums_lo, sums_hi, rel_ptr, part_ptr, offs_d, TWO_SP
 
 @triton.jit
 def _program_start(SCRATCH, scratch_elements, n_ctx, num_seqs, items_per_program, BLOCK: tl.constexpr):
-    """Program (p, head) of a backward kernel: its scratch, the blocks of a sequence (``BLOCK`` tokens each) and
+    """Program (p, head) of the backward kernel: its scratch, the blocks of a sequence (``BLOCK`` tokens each) and
     its run ``[first, end)`` of (sequence, block) items."""
     program = (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)).to(tl.int64)
     blocks = tl.cdiv(n_ctx, BLOCK)
@@ -316,7 +316,7 @@ def _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, keep_scale, 
 
     With dropout, ``dS = P (keep dP / (1 - p) - delta) scale``, ``1 / (1 - p)`` (``keep_scale``) computed on the
     host: a launch argument, read from the constant bank, holds no register and costs no division. The first
-    value (``keep P``) leaves it out: ``_dkdv_block`` scales dV once per block instead of every score. The scale
+    value (``keep P``) leaves it out: a key block (``_block``) scales dV once instead of every score. The scale
     goes into ``dP``'s factor and ``delta`` (a row's) instead of a multiply a score: ``dP scale - delta scale``
     is one fused multiply-add without dropout."""
     if TRANSPOSED:
@@ -336,189 +336,143 @@ def _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, keep_scale, 
 
 
 @triton.jit
-def _dq_block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, DQ, partial, DENSE_GRAD, scratch, dense,
-              folds, i0, seed, scale, dropout_p, keep_scale, n_ctx, seq_len, base, rel_off, stat_off, stat_numel,
-              stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh,
-              TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
-              HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
-              DROPOUT: tl.constexpr, HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr,
-              DENSE_SCORES: tl.constexpr, BUCKETS_AHEAD: tl.constexpr, VALUES_AHEAD: tl.constexpr,
-              PRECISION: tl.constexpr, PER_ITEM: tl.constexpr):
-    """dQ of query block ``i0`` (all key blocks), and its c2p gradient added to the partial dKr, or with
-    ``DENSE`` its score gradient in bucket coordinates written to its rows of the dense buffer ``DENSE_GRAD``
-    (located after the tile loop from the program's ``item``: a 64-bit pointer held across it spilled)."""
+def _block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, GRAD, GRAD_V, partial, DENSE_GRAD, scratch,
+           dense, folds, block0, seed, scale, dropout_p, keep_scale, n_ctx, seq_len, base, rel_off, stat_off,
+           stat_numel, stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh,
+           TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
+           HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
+           DROPOUT: tl.constexpr, HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr,
+           DENSE_SCORES: tl.constexpr, BUCKETS_AHEAD: tl.constexpr, VALUES_AHEAD: tl.constexpr,
+           PRECISION: tl.constexpr, PER_ITEM: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """One block's gradients: query block ``block0`` against every key block (dQ into ``GRAD``, and its c2p
+    gradient), or with ``TRANSPOSED`` key block ``block0`` against every query block, its tiles held as ``[BN, BM]``
+    (dK and dV into ``GRAD`` and ``GRAD_V``, and its p2c gradient). The block's own rows are read once, the other
+    side's a tile at a time. The position gradient goes to the partial table, or with ``DENSE`` in bucket
+    coordinates to the block's rows of the dense buffer ``DENSE_GRAD`` (located after the tile loop from the
+    program's ``item``: a 64-bit pointer held across it spilled). ``MIRROR`` (the mirrored bucket table) is read by
+    query blocks only, ``GRAD_V`` written by key blocks only."""
     offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
-    band, band_lo = _band_start(scratch, lo, i0, 0, n_ctx, BLOCK_N, WINDOW, BLOCK_M, False, DENSE_SCORES)
-    q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)
-    do = _load_rows(DO + base, i0, offs_m, offs_d, stride_n, seq_len)
-    lse = _load_stat(LSE + stat_off, i0, offs_m, seq_len, float("inf"))
-    delta = _load_stat(DELTA + stat_off, i0, offs_m, seq_len, 0.0)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    sums_lo = tl.zeros([BLOCK_M], tl.float32)
-    sums_hi = tl.zeros([BLOCK_M], tl.float32)
+    if TRANSPOSED:  # the block's keys and values, their visibility, dK and dV
+        band, band_lo = _band_start(scratch, lo, 0, block0, n_ctx, BLOCK_N, WINDOW, BLOCK_M, True, DENSE_SCORES)
+        k = _load_rows(K + base, block0, offs_n, offs_d, stride_n, seq_len)
+        v = _load_rows(V + base, block0, offs_n, offs_d, stride_n, seq_len)
+        dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+        dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    else:  # the block's queries, output gradients and row statistics, dQ
+        band, band_lo = _band_start(scratch, lo, block0, 0, n_ctx, BLOCK_N, WINDOW, BLOCK_M, False, DENSE_SCORES)
+        q = _load_rows(Q + base, block0, offs_m, offs_d, stride_n, seq_len)
+        do = _load_rows(DO + base, block0, offs_m, offs_d, stride_n, seq_len)
+        lse = _load_stat(LSE + stat_off, block0, offs_m, seq_len, float("inf"))
+        delta = _load_stat(DELTA + stat_off, block0, offs_m, seq_len, 0.0)
+        dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    sums_lo = tl.zeros([BLOCK_N if TRANSPOSED else BLOCK_M], tl.float32)
+    sums_hi = tl.zeros([BLOCK_N if TRANSPOSED else BLOCK_M], tl.float32)
     general = 0
-    first, last = seq_len, -BLOCK_N  # key blocks of the general tiles
+    first, last = seq_len, -(BLOCK_M if TRANSPOSED else BLOCK_N)  # the other side's blocks of the general tiles
     ahead, ends, buckets, values = _reads_before_loop(
-        TABLE, MIRROR, END, dense, stat_off, stat_numel, i0, 0, offs_m, offs_n, seq_len, TWO_SPAN, BLOCK_M, BLOCK_N,
-        HAS_C2P, HAS_P2C, HOIST, ENDS_AHEAD, BUCKETS_AHEAD, VALUES_AHEAD, False)
-    for j0 in range(0, seq_len, BLOCK_N):
-        row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), -BLOCK_N, HOIST, BLOCK_M, BLOCK_N, WINDOW,
-                                  SPLIT, VALUES_AHEAD)
-        keys = _mask_words(mask_ptr, j0, seq_len, BLOCK_N, HAS_MASK)
-        k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
-        v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
+        TABLE, MIRROR, END, dense, stat_off, stat_numel, 0 if TRANSPOSED else block0, block0 if TRANSPOSED else 0,
+        offs_m, offs_n, seq_len, TWO_SPAN, BLOCK_M, BLOCK_N, HAS_C2P, HAS_P2C, HOIST, ENDS_AHEAD, BUCKETS_AHEAD,
+        VALUES_AHEAD, TRANSPOSED)
+    if TRANSPOSED:
+        keys = _side_visible(mask_ptr, block0, offs_n, seq_len, BLOCK_N, HAS_MASK)  # the block's keys: once
+    for other in range(0, seq_len, BLOCK_M if TRANSPOSED else BLOCK_N):  # the tile loop
+        if TRANSPOSED:
+            i0, j0 = other, block0
+        else:
+            i0, j0 = block0, other
+        row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), BLOCK_M if TRANSPOSED else -BLOCK_N, HOIST,
+                                  BLOCK_M, BLOCK_N, WINDOW, SPLIT, VALUES_AHEAD)
+        if TRANSPOSED:
+            q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)
+            do = _load_rows(DO + base, i0, offs_m, offs_d, stride_n, seq_len)
+            lse = _load_stat(LSE + stat_off, i0, offs_m, seq_len, float("inf"))
+            delta = _load_stat(DELTA + stat_off, i0, offs_m, seq_len, 0.0)
+        else:
+            keys = _mask_words(mask_ptr, j0, seq_len, BLOCK_N, HAS_MASK)
+            k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
+            v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
         s, saturated, top, general = _tile_scores(
             q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, keys, END, ends, scratch, dense, stat_off,
             stat_numel, i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N,
-            WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, False, HOIST, False, ENDS_AHEAD, DENSE_SCORES,
-            PRECISION, buckets, BUCKETS_AHEAD, values, VALUES_AHEAD)
+            WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, TRANSPOSED, HOIST, False, ENDS_AHEAD,
+            DENSE_SCORES, PRECISION, buckets, BUCKETS_AHEAD, values, VALUES_AHEAD)
         ends, buckets = _reads_for_next(TABLE, MIRROR, END, ahead, ends, buckets, stat_off, stat_numel, i0, j0, offs_m,
                                         offs_n, seq_len, TWO_SPAN, BLOCK_M, BLOCK_N, HAS_C2P, HAS_P2C, ENDS_AHEAD,
-                                        BUCKETS_AHEAD, VALUES_AHEAD, False)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        _, ds = _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, keep_scale, scale, BLOCK_M, BLOCK_N,
-                             DROPOUT, False)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
-        if HAS_C2P:  # dQ_a += sum_b dS[a,b] Kr[idx];  dKr[t] += sum_{idx=t} dS[a,b] Q_a
+                                        BUCKETS_AHEAD, VALUES_AHEAD, TRANSPOSED)
+        if TRANSPOSED:
+            dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        else:
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        p_dropped, ds = _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, keep_scale, scale, BLOCK_M,
+                                     BLOCK_N, DROPOUT, TRANSPOSED)
+        if TRANSPOSED:
+            dv = tl.dot(p_dropped.to(do.dtype), do, dv, input_precision=PRECISION)
+            dk = tl.dot(ds.to(q.dtype), q, dk, input_precision=PRECISION)
+        else:
+            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+        # dQ_a += sum_b dS[a,b] Kr[idx], dKr[t] += sum_{idx=t} dS[a,b] Q_a (query blocks, c2p); transposed for keys
+        if HAS_P2C if TRANSPOSED else HAS_C2P:
             sums_lo, sums_hi, first, last = _tile_position(ds, saturated, top, sums_lo, sums_hi, first, last, band,
-                                                           band_lo, i0, j0, offs_m, offs_n, BAND, BLOCK_N, False)
+                                                           band_lo, i0, j0, offs_m, offs_n, BAND, BLOCK_N, TRANSPOSED)
         if VALUES_AHEAD:  # the next tile's terms, in flight over the back edge and the next tile's pipeline wait
             values, buckets = _terms_then_buckets(dense, TABLE, MIRROR, buckets, i0, j0, 1, offs_m, offs_n,
-                                                  seq_len, HAS_C2P, HAS_P2C, TWO_SPAN, BLOCK_M, BLOCK_N, False)
-    _finish_block((dq,), (DQ,), Q, KR + rel_off, partial, DENSE_GRAD, band, folds, sums_lo, sums_hi, first, last, i0,
+                                                  seq_len, HAS_C2P, HAS_P2C, TWO_SPAN, BLOCK_M, BLOCK_N, TRANSPOSED)
+    if TRANSPOSED:
+        if DROPOUT:  # the kept probabilities' 1 / (1 - p), left out of every score by _score_grads
+            dv = dv * keep_scale
+        grads, outs, own, rel, offs_own = (dk, dv), (GRAD, GRAD_V), K, QR + rel_off, offs_n
+    else:
+        grads, outs, own, rel, offs_own = (dq,), (GRAD,), Q, KR + rel_off, offs_m
+    _finish_block(grads, outs, own, rel, partial, DENSE_GRAD, band, folds, sums_lo, sums_hi, first, last, block0,
                   band_lo, lo, item, n_ctx, seq_len, base, stat_off, stride_n, stride_lb, stride_lh, dense_lb, dense_lh,
-                  offs_m, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, BAND, CHUNK, HAS_C2P, DENSE, PRECISION,
-                  PER_ITEM, False)
+                  offs_own, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, BAND, CHUNK,
+                  HAS_P2C if TRANSPOSED else HAS_C2P, DENSE, PRECISION, PER_ITEM, TRANSPOSED)
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, KR, QR, TABLE, MIRROR, MASK, CU, SCALES, END, DO, LSE, DELTA, DQ, DKR_PART, DENSE_GRAD,
-                 SCRATCH, C2P, P2C, FOLD, MERGE, JOINS, seed, scale, dropout_p, keep_scale, n_ctx, n_heads, num_seqs,
-                 items_per_program, stat_numel, scratch_elements, lo, stride_b, stride_h, stride_n, stride_lb,
-                 stride_lh, dense_lb, dense_lh,
-                 TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
-                 HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr,
-                 DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
-                 HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr, DENSE_SCORES: tl.constexpr,
-                 BUCKETS_AHEAD: tl.constexpr, VALUES_AHEAD: tl.constexpr,
-                 PRECISION: tl.constexpr, PER_ITEM: tl.constexpr):
-    """Program (p, head) walks a run of (sequence, query block) items of one head into one partial dKr (or,
-    ``DENSE``, into its blocks' rows of the dense buffer); with ``DENSE_SCORES`` its general tiles read their
-    position terms from ``C2P`` and ``P2C`` (laid out as the dense buffer); ``PER_ITEM``: one item a program
-    (``one_item_per_program``)."""
+def _attn_bwd(Q, K, V, KR, QR, TABLE, MIRROR, MASK, CU, SCALES, END, DO, LSE, DELTA, GRAD, GRAD_V, PART, DENSE_GRAD,
+              SCRATCH, C2P, P2C, FOLD, MERGE, JOINS, seed, scale, dropout_p, keep_scale, n_ctx, n_heads, num_seqs,
+              items_per_program, stat_numel, scratch_elements, lo, stride_b, stride_h, stride_n, stride_lb, stride_lh,
+              dense_lb, dense_lh,
+              TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
+              HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr,
+              DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
+              HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr, DENSE_SCORES: tl.constexpr,
+              BUCKETS_AHEAD: tl.constexpr, VALUES_AHEAD: tl.constexpr, PRECISION: tl.constexpr,
+              PER_ITEM: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Program (p, head) walks a run of (sequence, block) items of one head (:func:`_block`): query blocks, or with
+    ``TRANSPOSED`` key blocks, into one partial table ``PART`` (or, ``DENSE``, into its blocks' rows of the dense
+    buffer); with ``DENSE_SCORES`` its general tiles read their position terms from ``C2P`` and ``P2C`` (laid out as
+    the dense buffer); ``PER_ITEM``: one item a program (``one_item_per_program``)."""
     scratch, blocks, first, end = _program_start(SCRATCH, scratch_elements, n_ctx, num_seqs, items_per_program,
-                                                 BLOCK_M)
-    for item in range(first, end):
-        i0, seq_len, base, rel_off, stat_off, mask_ptr, seq_seed, seq_scale = _item(
-            CU, MASK, SCALES, item, blocks, tl.program_id(1), seed, scale, n_ctx, n_heads, stride_b, stride_h, stride_n,
-            stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, BLOCK_M, VARLEN, SCALE_PER_SEQ)
-        if i0 < seq_len:
-            dense = _dense_scores_at(C2P, P2C, stat_off, item // blocks, stride_lb, stride_lh, dense_lb, dense_lh,
-                                     TWO_SPAN, DENSE_SCORES)
-            _dq_block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, DQ, (DKR_PART, items_per_program),
-                      DENSE_GRAD, scratch, dense, (FOLD, MERGE, JOINS), i0, seq_seed, seq_scale, dropout_p, keep_scale,
-                      n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n, lo, item, stride_lb, stride_lh,
-                      dense_lb, dense_lh, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P,
-                      HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST, ENDS_AHEAD, DENSE, DENSE_SCORES, BUCKETS_AHEAD,
-                      VALUES_AHEAD, PRECISION, PER_ITEM)
-        tl.debug_barrier()
-
-
-@triton.jit
-def _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV, partial, DENSE_GRAD, scratch,
-                dense, folds, j0, seed, scale, dropout_p, keep_scale, n_ctx, seq_len, base, rel_off, stat_off,
-                stat_numel, stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh,
-                TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
-                HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
-                DROPOUT: tl.constexpr, HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr,
-                DENSE_SCORES: tl.constexpr, BUCKETS_AHEAD: tl.constexpr, VALUES_AHEAD: tl.constexpr,
-                PRECISION: tl.constexpr, PER_ITEM: tl.constexpr):
-    """dK, dV of key block ``j0`` (all query blocks; tiles held as ``[BN, BM]``), and its p2c gradient
-    added to the partial dQr, or with ``DENSE`` written in bucket coordinates to its rows of ``DENSE_GRAD``."""
-    offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
-    band, band_lo = _band_start(scratch, lo, 0, j0, n_ctx, BLOCK_N, WINDOW, BLOCK_M, True, DENSE_SCORES)
-    k = _load_rows(K + base, j0, offs_n, offs_d, stride_n, seq_len)
-    v = _load_rows(V + base, j0, offs_n, offs_d, stride_n, seq_len)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    sums_lo = tl.zeros([BLOCK_N], tl.float32)
-    sums_hi = tl.zeros([BLOCK_N], tl.float32)
-    general = 0
-    first, last = seq_len, -BLOCK_M  # query blocks of the general tiles
-    ahead, ends, buckets, values = _reads_before_loop(
-        TABLE, TABLE, END, dense, stat_off, stat_numel, 0, j0, offs_m, offs_n, seq_len, TWO_SPAN, BLOCK_M, BLOCK_N,
-        HAS_C2P, HAS_P2C, HOIST, ENDS_AHEAD, BUCKETS_AHEAD, VALUES_AHEAD, True)
-    keys = _side_visible(mask_ptr, j0, offs_n, seq_len, BLOCK_N, HAS_MASK)  # the block's keys: once
-    for i0 in range(0, seq_len, BLOCK_M):
-        row, ahead = _table_ahead(TABLE, ahead, i0 - j0 - (BLOCK_N - 1), BLOCK_M, HOIST, BLOCK_M, BLOCK_N, WINDOW,
-                                  SPLIT, VALUES_AHEAD)
-        q = _load_rows(Q + base, i0, offs_m, offs_d, stride_n, seq_len)
-        do = _load_rows(DO + base, i0, offs_m, offs_d, stride_n, seq_len)
-        lse = _load_stat(LSE + stat_off, i0, offs_m, seq_len, float("inf"))
-        delta = _load_stat(DELTA + stat_off, i0, offs_m, seq_len, 0.0)
-        s, saturated, top, general = _tile_scores(
-            q, k, KR + rel_off, QR + rel_off, TABLE, row, mask_ptr, keys, END, ends, scratch, dense, stat_off,
-            stat_numel, i0, j0, seq_len, scale, offs_m, offs_n, offs_d, general, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N,
-            WINDOW, SPLIT, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, True, HOIST, False, ENDS_AHEAD, DENSE_SCORES,
-            PRECISION, buckets, BUCKETS_AHEAD, values, VALUES_AHEAD)
-        ends, buckets = _reads_for_next(TABLE, TABLE, END, ahead, ends, buckets, stat_off, stat_numel, i0, j0, offs_m,
-                                        offs_n, seq_len, TWO_SPAN, BLOCK_M, BLOCK_N, HAS_C2P, HAS_P2C, ENDS_AHEAD,
-                                        BUCKETS_AHEAD, VALUES_AHEAD, True)
-        dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        p_dropped, ds = _score_grads(s, lse, delta, dp, seed, i0, j0, n_ctx, dropout_p, keep_scale, scale, BLOCK_M,
-                                     BLOCK_N, DROPOUT, True)
-        dv = tl.dot(p_dropped.to(do.dtype), do, dv, input_precision=PRECISION)
-        dk = tl.dot(ds.to(q.dtype), q, dk, input_precision=PRECISION)
-        if HAS_P2C:  # dK_b += sum_a dS[a,b] Qr[idx];  dQr[t] += sum_{idx=t} dS[a,b] K_b
-            sums_lo, sums_hi, first, last = _tile_position(ds, saturated, top, sums_lo, sums_hi, first, last, band,
-                                                           band_lo, i0, j0, offs_m, offs_n, BAND, BLOCK_N, True)
-        if VALUES_AHEAD:  # the next tile's terms, in flight over the back edge and the next tile's pipeline wait
-            values, buckets = _terms_then_buckets(dense, TABLE, TABLE, buckets, i0, j0, 1, offs_m, offs_n,
-                                                  seq_len, HAS_C2P, HAS_P2C, TWO_SPAN, BLOCK_M, BLOCK_N, True)
-    if DROPOUT:  # the kept probabilities' 1 / (1 - p), left out of every score by _score_grads
-        dv = dv * keep_scale
-    _finish_block((dk, dv), (DK, DV), K, QR + rel_off, partial, DENSE_GRAD, band, folds, sums_lo, sums_hi, first,
-                  last, j0, band_lo, lo, item, n_ctx, seq_len, base, stat_off, stride_n, stride_lb, stride_lh,
-                  dense_lb, dense_lh, offs_n, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, BAND, CHUNK, HAS_P2C, DENSE,
-                  PRECISION, PER_ITEM, True)
-
-
-@triton.jit
-def _attn_bwd_dkdv(Q, K, V, KR, QR, TABLE, MASK, CU, SCALES, END, DO, LSE, DELTA, DK, DV, DQR_PART, DENSE_GRAD,
-                   SCRATCH, C2P, P2C, FOLD, MERGE, JOINS, seed, scale, dropout_p, keep_scale, n_ctx, n_heads, num_seqs,
-                   items_per_program, stat_numel, scratch_elements, lo, stride_b, stride_h, stride_n, stride_lb,
-                   stride_lh, dense_lb, dense_lh,
-                   TWO_SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   WINDOW: tl.constexpr, SPLIT: tl.constexpr, BAND: tl.constexpr, CHUNK: tl.constexpr,
-                   HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr,
-                   DROPOUT: tl.constexpr, SCALE_PER_SEQ: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
-                   HOIST: tl.constexpr, ENDS_AHEAD: tl.constexpr, DENSE: tl.constexpr, DENSE_SCORES: tl.constexpr,
-                   BUCKETS_AHEAD: tl.constexpr, VALUES_AHEAD: tl.constexpr,
-                   PRECISION: tl.constexpr, PER_ITEM: tl.constexpr):
-    """Program (p, head) walks a run of (sequence, key block) items of one head into one partial dQr (or,
-    ``DENSE``, into its blocks' rows of the dense buffer); with ``DENSE_SCORES`` as ``_attn_bwd_dq``; ``PER_ITEM``:
-    one item a program (``one_item_per_program``)."""
-    scratch, blocks, first, _ = _program_start(SCRATCH, scratch_elements, n_ctx, num_seqs, items_per_program,
-                                               BLOCK_N)
-    for step in range(0, items_per_program):  # not up to ``end``: a bound held across the tile loop spilled
-        item = first + step
-        if item < num_seqs * blocks:
-            j0, seq_len, base, rel_off, stat_off, mask_ptr, seq_seed, seq_scale = _item(
+                                                 BLOCK_N if TRANSPOSED else BLOCK_M)
+    # Key blocks count their items and test each: the run's end held across the tile loop spilled there. Query
+    # blocks loop up to it: the counted form cost their tiles 174 cycles of chain on sm_90 (ptxas scheduled it so).
+    if TRANSPOSED:
+        start, stop = 0, items_per_program
+    else:
+        start, stop = first, end
+    for step in range(start, stop):
+        if TRANSPOSED:
+            item = first + step
+        else:
+            item = step
+        if (not TRANSPOSED) or item < num_seqs * blocks:
+            block0, seq_len, base, rel_off, stat_off, mask_ptr, seq_seed, seq_scale = _item(
                 CU, MASK, SCALES, item, blocks, tl.program_id(1), seed, scale, n_ctx, n_heads, stride_b, stride_h,
-                stride_n, stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, BLOCK_N, VARLEN, SCALE_PER_SEQ)
-            if j0 < seq_len:
+                stride_n, stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, BLOCK_N if TRANSPOSED else BLOCK_M, VARLEN,
+                SCALE_PER_SEQ)
+            if block0 < seq_len:
                 dense = _dense_scores_at(C2P, P2C, stat_off, item // blocks, stride_lb, stride_lh, dense_lb, dense_lh,
                                          TWO_SPAN, DENSE_SCORES)
-                _dkdv_block(Q, K, V, KR, QR, TABLE, mask_ptr, END, DO, LSE, DELTA, DK, DV,
-                            (DQR_PART, items_per_program), DENSE_GRAD, scratch, dense, (FOLD, MERGE, JOINS), j0,
-                            seq_seed, seq_scale, dropout_p, keep_scale, n_ctx, seq_len, base, rel_off, stat_off,
-                            stat_numel, stride_n, lo, item, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN,
-                            HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW, SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK,
-                            MASK_DIAGONAL, DROPOUT, HOIST, ENDS_AHEAD, DENSE, DENSE_SCORES, BUCKETS_AHEAD,
-                            VALUES_AHEAD, PRECISION, PER_ITEM)
+                _block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, GRAD, GRAD_V,
+                       (PART, items_per_program), DENSE_GRAD, scratch, dense, (FOLD, MERGE, JOINS), block0, seq_seed,
+                       seq_scale, dropout_p, keep_scale, n_ctx, seq_len, base, rel_off, stat_off, stat_numel, stride_n,
+                       lo, item, stride_lb, stride_lh, dense_lb, dense_lh, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOW,
+                       SPLIT, BAND, CHUNK, HAS_C2P, HAS_P2C, HAS_MASK, MASK_DIAGONAL, DROPOUT, HOIST, ENDS_AHEAD,
+                       DENSE, DENSE_SCORES, BUCKETS_AHEAD, VALUES_AHEAD, PRECISION, PER_ITEM, TRANSPOSED)
         tl.debug_barrier()
 
 
@@ -581,11 +535,12 @@ def one_item_per_program(problem: _Problem, scores: tuple) -> bool:
     return problem.backward == "dense" and bool(scores)
 
 
-def _backward_kernel(problem: _Problem, kernel, name: str, q, has_term: bool, budget: int, part_name: str,
-                     scores: tuple, **args) -> torch.Tensor | None:
-    """Launch a backward kernel over (sequence, block) items of each head: its summed partials, or in the dense
-    design its dense score gradient (``[H, rows, 2k]``, :mod:`.dense`); None without its position term.
-    ``scores``: the dense ``(C2P, P2C)`` its general tiles read (``_Problem.backward_scores``), or ``()``."""
+def _backward_kernel(problem: _Problem, name: str, q, has_term: bool, budget: int, scores: tuple,
+                     **args) -> torch.Tensor | None:
+    """Launch the backward kernel over (sequence, block) items of each head, over query blocks (``name`` "dq") or
+    key blocks ("dkdv"): its summed partials, or in the dense design its dense score gradient (``[H, rows, 2k]``,
+    :mod:`.dense`); None without its position term. ``scores``: the dense ``(C2P, P2C)`` its general tiles read
+    (``_Problem.backward_scores``), or ``()``."""
     dense = problem.backward == "dense" and has_term
     tiles = problem.tiles(name, q)
     rows = tiles.block_m if name == "dq" else tiles.block_n
@@ -618,15 +573,15 @@ def _backward_kernel(problem: _Problem, kernel, name: str, q, has_term: bool, bu
     # Where no tile of the launch saturates, tiles reading dense scores may gather each next tile's terms at the end
     # of the one before (``Tiles.values_ahead``): no path test, no saturated branch.
     values_ahead = tiles.gathers_ahead(problem.mask_diagonal) and problem.general_only and bool(scores)
-    problem.launch(kernel, tiles, (programs, problem.n_heads), q, args["KR"] is not q, args["QR"] is not q,
+    problem.launch(_attn_bwd, tiles, (programs, problem.n_heads), q, args["KR"] is not q, args["QR"] is not q,
                    ENDS_AHEAD=ends_ahead, items_per_program=triton.cdiv(items, programs),
                    scratch_elements=buffers.scratch_elements, lo=lo, FOLD=fold, MERGE=merge, JOINS=joins, BAND=band,
                    CHUNK=tiles.chunk, SCRATCH=scratch, DENSE_GRAD=d_scores, dense_lb=dense_lb, dense_lh=dense_lh,
                    DENSE=dense, C2P=scores[0] if scores else q, P2C=scores[1] if scores else q,
                    DENSE_SCORES=bool(scores), BUCKETS_AHEAD=bool(scores) and tiles.buckets_ahead, PER_ITEM=per_item,
                    VALUES_AHEAD=values_ahead,
-                   keep_scale=1.0 / (1.0 - problem.dropout_p),
-                   **{part_name: partial}, **args)
+                   keep_scale=1.0 / (1.0 - problem.dropout_p), TRANSPOSED=name == "dkdv",
+                   MIRROR=problem.device_mirror, PART=partial, **args)
     if dense:
         return d_scores
     return partial.sum(1)[:, :problem.two_span] if has_term else None  # fixed order: deterministic
@@ -680,12 +635,10 @@ def attention_backward(grad_out, q, k, v, pos_key, pos_query, out, lse, end, pro
     heads = HeadMajor(q, k)  # shared by the scores' and the gradients' GEMMs
     common["scores"] = (_backward_scores(problem, heads, pos_key, pos_query, kept)
                         if has_terms and problem.backward_scores == "dense" else ())
-    d_pos_query = _backward_kernel(problem, _attn_bwd_dkdv, "dkdv", q, pos_query is not None, budget, "DQR_PART",
-                                   DK=dk, DV=dv, **common)
+    d_pos_query = _backward_kernel(problem, "dkdv", q, pos_query is not None, budget, GRAD=dk, GRAD_V=dv, **common)
     if problem.backward == "dense" and d_pos_query is not None:  # its buffer freed before dq's is made
         d_pos_query = position_gradients(d_pos_query, heads.k, pos_query, dk)
-    d_pos_key = _backward_kernel(problem, _attn_bwd_dq, "dq", q, pos_key is not None, budget, "DKR_PART", DQ=dq,
-                                 MIRROR=problem.device_mirror, **common)
+    d_pos_key = _backward_kernel(problem, "dq", q, pos_key is not None, budget, GRAD=dq, GRAD_V=q, **common)
     if problem.backward == "dense" and d_pos_key is not None:
         d_pos_key = position_gradients(d_pos_key, heads.q, pos_key, dq)
     return (dq, dk, dv, None if d_pos_key is None else d_pos_key.to(pos_key.dtype),

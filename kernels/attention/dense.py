@@ -8,9 +8,9 @@ forward (``planning.forward_design``) or of either backward kernel (``planning.b
 products kept from the forward or the GEMMs run again at the backward's start) reads score ``(i, j)``'s terms at
 ``C2P[row(i), bucket(i - j)]`` and ``P2C[row(j), bucket(i - j)]`` (``_score_buckets``, ``_dense_bias``).
 
-``dC2P[h, row(i), t] = sum_{j: idx(i, j) = t} dS[i, j]`` (what ``_attn_bwd_dq`` merges from its band per query
+``dC2P[h, row(i), t] = sum_{j: idx(i, j) = t} dS[i, j]`` (what ``_attn_bwd`` merges from its band per query
 block, plus its saturated tiles' row sums at the two ends) and ``dP2C[h, row(j), t] = sum_{i: idx(i, j) = t}
-dS[i, j]`` (``_attn_bwd_dkdv``, per key block), ``dS`` with the softmax scale in it. Then
+dS[i, j]`` (the same kernel, per key block), ``dS`` with the softmax scale in it. Then
 
     dQ += dC2P @ Kr,   dKr = dC2P^T @ Q,   dK += dP2C @ Qr,   dQr = dP2C^T @ K
 

@@ -16,6 +16,7 @@ import torch
 from test_attention_triton import TOL, assert_close, dropout_against_oracle, make_inputs, run_with_grads
 
 from distaff.kernels import attention, reference
+from distaff.kernels.aot.compile_check import launch_name
 from distaff.kernels.attention import planning
 from distaff.kernels.attention.planning import _Problem
 
@@ -51,7 +52,7 @@ def design(request, monkeypatch) -> tuple[str, str, str, bool]:
         if "DENSE" in kwargs:
             assert kwargs["BUCKETS_AHEAD"] == (ahead and kwargs["DENSE_SCORES"]), kwargs["BUCKETS_AHEAD"]
             seen.append((self.backward, kwargs["DENSE"], self.backward_scores, kwargs["DENSE_SCORES"], has_c2p,
-                         has_p2c, kernel.fn.__name__))
+                         has_p2c, launch_name(kernel.fn, kwargs)))
         elif "DENSE_SCORES" in kwargs:
             forwards.append((self.forward, kwargs["DENSE_SCORES"], has_c2p or has_p2c))
         return original(self, kernel, tiles, grid, q, has_c2p, has_p2c, **kwargs)
@@ -130,7 +131,7 @@ def _planned(cc: int, n: int, monkeypatch, backward: bool = True) -> list[tuple]
     original = _Problem.launch
 
     def recorded(self, kernel, tiles, grid, q, has_c2p, has_p2c, **kwargs):
-        launched.append((self, kernel.fn.__name__, kwargs, tiles))
+        launched.append((self, launch_name(kernel.fn, kwargs), kwargs, tiles))
         return original(self, kernel, tiles, grid, q, has_c2p, has_p2c, **kwargs)
 
     monkeypatch.setattr(_Problem, "launch", recorded)

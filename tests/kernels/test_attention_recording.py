@@ -54,12 +54,13 @@ _DISTAFF_BACKWARD = """
 import json, sys
 sys.path.insert(0, "benchmarks")
 import attention_recording as rec
+from distaff.kernels.aot.compile_check import launch_name
 passes = rec.record_distaff(rec.Workload(512, 32, 64, 0.0, int(sys.argv[1])), keep_scores=sys.argv[2] == "keep")
 print(json.dumps(dict(
     gemms=[(op.name, op.bytes, op.flops) for op in passes["bwd"].outside if op.name in ("bmm", "baddbmm_")],
     efficiency=passes["bwd"].gemm_efficiency, cublas=rec.CUBLAS_EFFICIENCY[int(sys.argv[1])], heads=rec.HEADS,
-    dense={kernel.__name__: kwargs.get("DENSE") for kernel, _, kwargs, _ in passes["bwd"].launches},
-    scores={kernel.__name__: kwargs.get("DENSE_SCORES") for kernel, _, kwargs, _ in passes["bwd"].launches})))
+    dense={launch_name(k, kwargs): kwargs.get("DENSE") for k, _, kwargs, _ in passes["bwd"].launches},
+    scores={launch_name(k, kwargs): kwargs.get("DENSE_SCORES") for k, _, kwargs, _ in passes["bwd"].launches})))
 """
 
 

@@ -15,6 +15,7 @@ import torch
 from test_attention_triton import TOL, assert_close, dropout_against_oracle, make_inputs, run_with_grads
 
 from distaff.kernels import attention, reference
+from distaff.kernels.aot.compile_check import launch_name
 from distaff.kernels.attention.planning import _Problem
 from distaff.kernels.contract import AttentionCall
 from distaff.kernels.relative_position import attention_span, relative_position_index
@@ -127,7 +128,7 @@ def test_the_backward_reads_end_terms_ahead_only_where_a_tile_can_saturate(n, bu
     original = _Problem.launch
 
     def recorded(self, kernel, *args, **kwargs):
-        launched[kernel.__name__] = kwargs.get("ENDS_AHEAD")
+        launched[launch_name(kernel, kwargs)] = kwargs.get("ENDS_AHEAD")
         return original(self, kernel, *args, **kwargs)
 
     monkeypatch.setattr(_Problem, "launch", recorded)

@@ -154,7 +154,7 @@ def test_a_variant_that_spilled_on_its_rows_tile_launches_its_own() -> None:
     check (``suite_cases`` holds them)."""
     script = textwrap.dedent("""
         import json, torch
-        from distaff.kernels.aot.compile_check import Case, record_launches
+        from distaff.kernels.aot.compile_check import Case, launch_name, record_launches
         from distaff.kernels.attention import planning
         names = {"fwd": "_attn_fwd", "dq": "_attn_bwd_dq", "dkdv": "_attn_bwd_dkdv"}
         found = []
@@ -163,7 +163,7 @@ def test_a_variant_that_spilled_on_its_rows_tile_launches_its_own() -> None:
             diagonal = "diagonal" if variant[3:] == (True,) else ""
             for case_terms, case_layout, features in ((terms, layout, diagonal), ("c2p+p2c", "padded", "")):
                 case = Case("attention", "bfloat16", d, case_terms, case_layout, dropout, features=features)
-                launch = [kw for k, _, kw, _ in record_launches(case, cc) if k.__name__ == names[kernel]][0]
+                launch = [kw for k, _, kw, _ in record_launches(case, cc) if launch_name(k, kw) == names[kernel]][0]
                 row = planning.tiles_for(kernel, d, torch.bfloat16, cc, dense)
                 # the judged variant takes the row's tile, or its own entry where it has one
                 judged = planning.tiles_for(kernel, d, torch.bfloat16, cc, dense, ("c2p+p2c", "padded", dropout, False))

@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distaff.kernels import attention, fused_layer_norm, gelu, mlm_loss
+from distaff.kernels.aot.compile_check import launch_name
 
 pytestmark = pytest.mark.unit
 
@@ -45,7 +46,7 @@ def planned_only():
     originals = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
 
     def record(self, *args, grid, warmup, **kwargs):
-        launches.append(self.fn.__name__)
+        launches.append(launch_name(self.fn, kwargs))
 
     for cls in originals:
         cls.run = record
