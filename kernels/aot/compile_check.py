@@ -376,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--full", action="store_true", help="every attention variant, not the suite's matrix")
     parser.add_argument("--targets", type=int, nargs="+", default=list(TARGETS), help="compute capabilities")
-    parser.add_argument("--only", help="only kernels whose name contains this")
+    parser.add_argument("--only", help="only launches whose name contains this (launch_name: the attention "
+                        "backward's are _attn_bwd_dq and _attn_bwd_dkdv)")
     parser.add_argument("--jobs", type=int, help="parallel compiler processes (default: all cores)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     opts = parser.parse_args(argv)
