@@ -19,10 +19,12 @@ TORCHRUN_NOISE = ("Traceback", "ChildFailedError", "Root Cause", "torch.distribu
 
 @pytest.fixture(scope="module")
 def rank_script(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A rank that says its one line and exits with its argument; rank 1 exits first when told to die."""
+    """A rank that says its one line and exits with its argument once both ranks have said theirs; rank 1 exits
+    first when told to die."""
     path = tmp_path_factory.mktemp("ranks") / "rank.py"
     path.write_text(textwrap.dedent("""
         import os, signal, sys, time
+        from pathlib import Path
         code, rank = sys.argv[1], int(os.environ["RANK"])
         if code == "kill":
             if rank == 1:
@@ -31,6 +33,14 @@ def rank_script(tmp_path_factory: pytest.TempPathFactory) -> Path:
         # one write(2) per line: the two ranks share the node's stderr, and a print's text and newline may go out
         # as two writes (unbuffered streams), which the other rank's line can split
         os.write(2, f"distaff: rank {rank}: its own line; exiting with {code}\\n".encode())
+        # torchrun ends the other ranks as soon as one exits with an error: on a loaded machine rank 1 could still
+        # be starting when rank 0 exits, and its line never written. Each waits (at most 30 s) for both lines.
+        said = Path(__file__).parent / os.environ["TORCHELASTIC_RUN_ID"]
+        said.mkdir(exist_ok=True)
+        (said / str(rank)).touch()
+        deadline = time.monotonic() + 30
+        while len(list(said.iterdir())) < int(os.environ["WORLD_SIZE"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
         sys.exit(int(code))
     """))
     return path
