@@ -184,7 +184,7 @@ def _tile_paths(kernel_name: str, figures) -> list[dict]:
     """The paths of a distaff attention kernel's tile loops that do not branch on the tile's kind (no position
     terms), fewest warp-instructions first."""
     lines = {"_attn_fwd": ("for j0 in tl.range(j_start, j_end, BLOCK_N", "for j0 in range(0, seq_len, BLOCK_N)")}.get(
-        kernel_name, ("for other in range(0, seq_len, BLOCK_M if TRANSPOSED else BLOCK_N)",))  # the backward's
+        kernel_name, ("for other in range(0, seq_len, BLOCK_OTHER)",))  # the backward's
     for line in lines:
         try:
             entries = figures.loops_at(line)
@@ -342,11 +342,14 @@ LAUNCH_GAP_US = {"low": 1.0, "high": 2.0}
 HOST_SYNC_US = {"low": 15.0, "high": 40.0}
 
 
-def kernel_ms(r: KernelEstimate, gpu: static_perf.Gpu, factor: float, end: str) -> float:
-    """One launch at latency ``end``: its calibrated makespan, never under its L2 or HBM bandwidth floor."""
+def kernel_ms(r: KernelEstimate, gpu: static_perf.Gpu, factor: float, end: str, waits: bool = True) -> float:
+    """One launch at latency ``end``: its calibrated makespan, never under its L2 or HBM bandwidth floor.
+    Without ``waits``: its calibrated issue floor instead of the makespan, the launch as if no warp ever
+    waited on a dependent result (its floor: what no latency hiding can beat, the bytes still charged)."""
     l2_floor = r.l2_bytes / (gpu.l2_tb_s[ENDS.index(end)] * 1e12)
     hbm_floor = r.hbm_bytes[ENDS.index(end)] / (gpu.hbm_tb_s * 1e12)
-    return max(factor * r.span[end] / (gpu.clock_ghz * 1e9), l2_floor, hbm_floor) * 1e3
+    cycles = r.span[end] if waits else r.cycles
+    return max(factor * cycles / (gpu.clock_ghz * 1e9), l2_floor, hbm_floor) * 1e3
 
 
 def projections_ms(w: Workload, gpu: static_perf.Gpu, pass_: str) -> float:
@@ -365,6 +368,7 @@ class PassEstimate:
     impl: str
     pass_: str
     kernel_ms: dict
+    floor_ms: dict          # end -> the kernels with no dependent wait (``kernel_ms(waits=False)``)
     outside_ms: float
     launches: int
     syncs: int
@@ -380,6 +384,11 @@ class PassEstimate:
     def total_ms(self) -> float:
         """The high end: what the bar is judged on."""
         return self.total("high")
+
+    @property
+    def floor_total_ms(self) -> float:
+        """The high end with every kernel at its floor: the most any latency hiding in these kernels can give."""
+        return self.floor_ms["high"] + self.outside_ms + self.overhead_ms("high")
 
 
 # --------------------------------------------------------------------------- calibration
@@ -461,7 +470,8 @@ def calibration() -> Calibration:
 
 def pass_estimate_rows(impl: str, rec: Recording, rows: list, gpu: static_perf.Gpu, factor: dict) -> PassEstimate:
     kernels = {end: sum(kernel_ms(r, gpu, factor[end], end) for r in rows) for end in ENDS}
-    return PassEstimate(impl, rec.pass_, kernels, rec.outside_seconds(gpu) * 1e3,
+    floors = {end: sum(kernel_ms(r, gpu, factor[end], end, waits=False) for r in rows) for end in ENDS}
+    return PassEstimate(impl, rec.pass_, kernels, floors, rec.outside_seconds(gpu) * 1e3,
                         len(rec.launches) + len(rec.outside), rec.syncs, rows)
 
 
@@ -559,36 +569,45 @@ CONTENT_BARS = {90: {"fwd": 4.0, "bwd": 8.0}, 80: {"fwd": 8.0, "bwd": 10.0}}
 def verdicts(results: dict) -> list[dict]:
     """Every bar of the issue on every cell, at the high end: DisentangledFlash under both backward figures,
     FlashDeBERTa where it has the option, HF eager on fwd+bwd at N = 512, the content-only FlashAttention-2 at
-    N = 512 (its bar per target)."""
+    N = 512 (its bar per target). Each also at distaff's floor (``floor_ratio``: its kernels with no dependent
+    wait, ``PassEstimate.floor_total_ms``): a bar unmet there is out of reach of these kernels' design, whatever
+    latency they come to hide."""
     rows = []
     for w, result in results.items():
-        ours = {p: result["distaff"][p].total_ms for p in PASSES}
+        ours = {p: result["distaff"][p] for p in PASSES}
         for p in PASSES:
             for figure in DF_BACKWARD_FIGURES:
                 if (theirs := peer_ms(result, "DisentangledFlash", p, figure)) and (p == "bwd" or figure == "profile"):
                     rows.append(_verdict(w, p, f"DisentangledFlash ({figure})" if p == "bwd" else "DisentangledFlash",
-                                         ours[p] / theirs, BARS["DisentangledFlash"]))
+                                         [ours[p]], theirs, BARS["DisentangledFlash"]))
             if theirs := peer_ms(result, "FlashDeBERTa", p):
-                rows.append(_verdict(w, p, "FlashDeBERTa", ours[p] / theirs, BARS["FlashDeBERTa"]))
+                rows.append(_verdict(w, p, "FlashDeBERTa", [ours[p]], theirs, BARS["FlashDeBERTa"]))
             if w.n == 512 and w.cc in CONTENT_BARS and (theirs := peer_ms(result, CONTENT, p)):
-                rows.append(_verdict(w, p, CONTENT, ours[p] / theirs, CONTENT_BARS[w.cc][p]))
+                rows.append(_verdict(w, p, CONTENT, [ours[p]], theirs, CONTENT_BARS[w.cc][p]))
         if w.n == 512 and isinstance(result.get(HF_EAGER), dict):
             hf = sum(peer_ms(result, HF_EAGER, p) for p in PASSES)
-            rows.append(_verdict(w, "fwd+bwd", HF_EAGER, sum(ours.values()) / hf, BARS[HF_EAGER]))
+            rows.append(_verdict(w, "fwd+bwd", HF_EAGER, list(ours.values()), hf, BARS[HF_EAGER]))
     return rows
 
 
-def _verdict(w: Workload, p: str, against: str, ratio: float, bar: float) -> dict:
+def _verdict(w: Workload, p: str, against: str, ours: list[PassEstimate], theirs: float, bar: float) -> dict:
+    ratio = sum(e.total_ms for e in ours) / theirs
+    floor_ratio = sum(e.floor_total_ms for e in ours) / theirs
     return dict(workload=w.name, target=f"sm_{w.cc}", pass_=p, against=against, ratio=round(ratio, 3), bar=bar,
-                met=ratio <= bar)
+                met=ratio <= bar, floor_ratio=round(floor_ratio, 3), met_at_floor=floor_ratio <= bar)
 
 
 def verdict_lines(rows: list[dict]) -> list[str]:
-    lines = ["| workload | target | pass | against | distaff / it (high) | bar | met |", "|---|---|---|---|---|---|---|"]
+    lines = ["| workload | target | pass | against | distaff / it (high) | bar | met | distaff with no dependent "
+             "wait / it | met there |", "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['workload']} | {r['target']} | {r['pass_']} | {r['against']} | {r['ratio']:.2f} | "
-              f"<= {r['bar']:g} | {'yes' if r['met'] else '**no**'} |" for r in rows]
+              f"<= {r['bar']:g} | {'yes' if r['met'] else '**no**'} | {r['floor_ratio']:.2f} | "
+              f"{'yes' if r['met_at_floor'] else '**no**'} |" for r in rows]
     met = sum(r["met"] for r in rows)
-    return lines + ["", f"{met} of {len(rows)} bars met (ESTIMATES at the 600-cycle end)."]
+    reach = sum(r["met_at_floor"] and not r["met"] for r in rows)
+    return lines + ["", f"{met} of {len(rows)} bars met (ESTIMATES at the 600-cycle end); of the {len(rows) - met} "
+                        f"unmet, {reach} would be met with no dependent wait in distaff's kernels (each at its "
+                        "calibrated issue floor or its L2 / HBM floor), the rest are out of reach of their design."]
 
 
 def kernel_rows(results: dict) -> list[str]:

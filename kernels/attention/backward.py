@@ -352,6 +352,9 @@ def _block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, GRAD, 
     coordinates to the block's rows of the dense buffer ``DENSE_GRAD`` (located after the tile loop from the
     program's ``item``: a 64-bit pointer held across it spilled). ``MIRROR`` (the mirrored bucket table) is read by
     query blocks only, ``GRAD_V`` written by key blocks only."""
+    BLOCK_OWN: tl.constexpr = BLOCK_N if TRANSPOSED else BLOCK_M  # the block's rows
+    BLOCK_OTHER: tl.constexpr = BLOCK_M if TRANSPOSED else BLOCK_N  # a tile's rows of the other side
+    HAS_TERM: tl.constexpr = HAS_P2C if TRANSPOSED else HAS_C2P  # the position term the block's rows index
     offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
     if TRANSPOSED:  # the block's keys and values, their visibility, dK and dV
         band, band_lo = _band_start(scratch, lo, 0, block0, n_ctx, BLOCK_N, WINDOW, BLOCK_M, True, DENSE_SCORES)
@@ -366,17 +369,17 @@ def _block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, GRAD, 
         lse = _load_stat(LSE + stat_off, block0, offs_m, seq_len, float("inf"))
         delta = _load_stat(DELTA + stat_off, block0, offs_m, seq_len, 0.0)
         dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    sums_lo = tl.zeros([BLOCK_N if TRANSPOSED else BLOCK_M], tl.float32)
-    sums_hi = tl.zeros([BLOCK_N if TRANSPOSED else BLOCK_M], tl.float32)
+    sums_lo = tl.zeros([BLOCK_OWN], tl.float32)
+    sums_hi = tl.zeros([BLOCK_OWN], tl.float32)
     general = 0
-    first, last = seq_len, -(BLOCK_M if TRANSPOSED else BLOCK_N)  # the other side's blocks of the general tiles
+    first, last = seq_len, -BLOCK_OTHER  # the other side's blocks of the general tiles
     ahead, ends, buckets, values = _reads_before_loop(
         TABLE, MIRROR, END, dense, stat_off, stat_numel, 0 if TRANSPOSED else block0, block0 if TRANSPOSED else 0,
         offs_m, offs_n, seq_len, TWO_SPAN, BLOCK_M, BLOCK_N, HAS_C2P, HAS_P2C, HOIST, ENDS_AHEAD, BUCKETS_AHEAD,
         VALUES_AHEAD, TRANSPOSED)
     if TRANSPOSED:
         keys = _side_visible(mask_ptr, block0, offs_n, seq_len, BLOCK_N, HAS_MASK)  # the block's keys: once
-    for other in range(0, seq_len, BLOCK_M if TRANSPOSED else BLOCK_N):  # the tile loop
+    for other in range(0, seq_len, BLOCK_OTHER):  # the tile loop
         if TRANSPOSED:
             i0, j0 = other, block0
         else:
@@ -412,7 +415,7 @@ def _block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, GRAD, 
         else:
             dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
         # dQ_a += sum_b dS[a,b] Kr[idx], dKr[t] += sum_{idx=t} dS[a,b] Q_a (query blocks, c2p); transposed for keys
-        if HAS_P2C if TRANSPOSED else HAS_C2P:
+        if HAS_TERM:
             sums_lo, sums_hi, first, last = _tile_position(ds, saturated, top, sums_lo, sums_hi, first, last, band,
                                                            band_lo, i0, j0, offs_m, offs_n, BAND, BLOCK_N, TRANSPOSED)
         if VALUES_AHEAD:  # the next tile's terms, in flight over the back edge and the next tile's pipeline wait
@@ -427,7 +430,7 @@ def _block(Q, K, V, KR, QR, TABLE, MIRROR, mask_ptr, END, DO, LSE, DELTA, GRAD, 
     _finish_block(grads, outs, own, rel, partial, DENSE_GRAD, band, folds, sums_lo, sums_hi, first, last, block0,
                   band_lo, lo, item, n_ctx, seq_len, base, stat_off, stride_n, stride_lb, stride_lh, dense_lb, dense_lh,
                   offs_own, offs_d, TWO_SPAN, HEAD_DIM, BLOCK_M, BLOCK_N, BAND, CHUNK,
-                  HAS_P2C if TRANSPOSED else HAS_C2P, DENSE, PRECISION, PER_ITEM, TRANSPOSED)
+                  HAS_TERM, DENSE, PRECISION, PER_ITEM, TRANSPOSED)
 
 
 @triton.jit
@@ -446,8 +449,8 @@ def _attn_bwd(Q, K, V, KR, QR, TABLE, MIRROR, MASK, CU, SCALES, END, DO, LSE, DE
     ``TRANSPOSED`` key blocks, into one partial table ``PART`` (or, ``DENSE``, into its blocks' rows of the dense
     buffer); with ``DENSE_SCORES`` its general tiles read their position terms from ``C2P`` and ``P2C`` (laid out as
     the dense buffer); ``PER_ITEM``: one item a program (``one_item_per_program``)."""
-    scratch, blocks, first, end = _program_start(SCRATCH, scratch_elements, n_ctx, num_seqs, items_per_program,
-                                                 BLOCK_N if TRANSPOSED else BLOCK_M)
+    BLOCK: tl.constexpr = BLOCK_N if TRANSPOSED else BLOCK_M  # an item's block: keys, or queries
+    scratch, blocks, first, end = _program_start(SCRATCH, scratch_elements, n_ctx, num_seqs, items_per_program, BLOCK)
     # Key blocks count their items and test each: the run's end held across the tile loop spilled there. Query
     # blocks loop up to it: the counted form cost their tiles 174 cycles of chain on sm_90 (ptxas scheduled it so).
     if TRANSPOSED:
@@ -462,7 +465,7 @@ def _attn_bwd(Q, K, V, KR, QR, TABLE, MIRROR, MASK, CU, SCALES, END, DO, LSE, DE
         if (not TRANSPOSED) or item < num_seqs * blocks:
             block0, seq_len, base, rel_off, stat_off, mask_ptr, seq_seed, seq_scale = _item(
                 CU, MASK, SCALES, item, blocks, tl.program_id(1), seed, scale, n_ctx, n_heads, stride_b, stride_h,
-                stride_n, stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, BLOCK_N if TRANSPOSED else BLOCK_M, VARLEN,
+                stride_n, stride_lb, stride_lh, TWO_SPAN, HEAD_DIM, BLOCK, VARLEN,
                 SCALE_PER_SEQ)
             if block0 < seq_len:
                 dense = _dense_scores_at(C2P, P2C, stat_off, item // blocks, stride_lb, stride_lh, dense_lb, dense_lh,

@@ -11,6 +11,7 @@ forward; no product repeated across warps; no spill. Compiles are cached with th
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -43,6 +44,29 @@ MET = {*((90, n, p, "fwd", "DisentangledFlash") for n in (512, 8192) for p in (0
        *((90, 512, p, "bwd", "FlashAttention-2 (content only)") for p in (0.0, 0.1))}
 GPU = {90: "H100 SXM", 80: "A100 SXM 80GB"}
 CONTENT = "FlashAttention-2 (content only)"
+
+
+def _judge():
+    """The sibling script as a module (its dataclasses need it in ``sys.modules``)."""
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+    return importlib.import_module("attention_judge")
+
+
+@pytest.mark.unit
+def test_a_launch_at_its_floor_loses_its_waits_and_keeps_its_bytes() -> None:
+    judge = _judge()
+    gpu = judge.static_perf.GPUS[90]
+    launch = judge.KernelEstimate(impl="distaff", kernel="k", tile="64x64", warps=4, stages=2, registers=128, spills=0,
+                                  shared=0, blocks_per_sm=2, programs=264, waves=1.0, paths=[], repetition=1.0,
+                                  wgmma=False, cycles=1e6, span={"low": 1.5e6, "high": 2e6}, l2_bytes=0.0,
+                                  hbm_bytes=(1e8, 4e9))
+    calibrated = lambda cycles: 2.0 * cycles / (gpu.clock_ghz * 1e9) * 1e3  # noqa: E731
+    hbm_ms = 4e9 / (gpu.hbm_tb_s * 1e12) * 1e3
+    assert calibrated(1e6) < hbm_ms < calibrated(2e6)  # the HBM floor between the issue floor and the makespan
+    assert judge.kernel_ms(launch, gpu, 2.0, "high") == pytest.approx(calibrated(2e6))
+    assert judge.kernel_ms(launch, gpu, 2.0, "high", waits=False) == pytest.approx(hbm_ms)
+    assert judge.kernel_ms(launch, gpu, 2.0, "low", waits=False) == pytest.approx(calibrated(1e6))
 
 
 @pytest.mark.integration
@@ -93,6 +117,8 @@ def test_judge_is_calibrated_and_judges_every_bar_under_both_df_figures(tmp_path
                 verdict = verdicts[(target, name, pass_, against)]
                 assert verdict["met"], verdict
     assert all(v["met"] == (v["ratio"] <= v["bar"]) for v in report["verdicts"])
+    for v in report["verdicts"]:  # the same passes with no dependent wait: never above the estimate
+        assert v["floor_ratio"] <= v["ratio"] + 1e-3 and v["met_at_floor"] == (v["floor_ratio"] <= v["bar"]), v
     hf_records = [r for r in records if r["impl"] == "HF eager"]
     assert len(hf_records) == 16 and all(not r["kernels"] and r["launches"] > 20 for r in hf_records)
     assert {(json.dumps(r["workload"]), r["pass_"]) for r in records if r["impl"] == CONTENT} == {
