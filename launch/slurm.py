@@ -9,6 +9,9 @@ The job survives preemption and time limits by itself:
 - One task per node (``srun --ntasks-per-node=1``) runs torchrun with a c10d rendezvous on the
   first node, through :mod:`distaff.launch.node_ranks`: the node exits with the status of its rank that failed
   first (torchrun alone turns any failed rank into exit 1, with a traceback).
+- A node whose ranks exited 75 exits 0 and leaves a mark in the log folder: ``srun --kill-on-bad-exit`` (below)
+  would otherwise end the step on the nodes still saving or exiting, turning a checkpoint into a failure (a node
+  slower to tear down lost its 75 to srun's kill). The batch script reads the marks back as the attempt's 75.
 - On 75 after SIGUSR1 the batch script requeues the job (``--requeue``, logs opened with
   ``--open-mode=append``); the next attempt keeps the job id, hence the rendezvous port, the log
   files and the W&B run id, and resumes from the latest checkpoint (``checkpoint.resume=auto``).
@@ -231,12 +234,9 @@ trap on_term TERM
 # config error) ends the step on every node (SIGTERM, then SIGKILL after KillWait), so that a rank frozen on
 # another node cannot hold the job. srun's own lines go to a file, shown after it.
 srun_lines=$(mktemp)
-srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task={spec.cpus} \\
-    --kill-on-bad-exit=1 --open-mode=append --output={shlex.quote(spec.node_log)} \\
-    {spec.site.srun_options(spec.workdir)}bash -c "$node_script" 2>"$srun_lines" &
-srun_pid=$!
-while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid"; done
-wait "$srun_pid"; status=$?
+{_waited(_srun_command(spec), "trap : USR1 TERM")}# The nodes whose ranks checkpointed on a signal exited 0, each leaving a mark (the node script): the attempt's 75.
+if [ "$status" -eq 0 ] && compgen -G "$preempted_marks.node*" > /dev/null; then status={EXIT_PREEMPTED}; fi
+rm -f "$preempted_marks".node*
 show_srun_lines "$srun_lines" "$status"
 echo "distaff: job $SLURM_JOB_ID ranks exited with $status at $(date -Is)"
 {_attempts_end(spec)}rm -f "$attempt_start"
@@ -269,12 +269,43 @@ resume=()
 [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ] && resume=(checkpoint.resume=auto)
 # torchrun ignores USR1 (it would die of it) and TERM (it would kill the ranks 30 s later); the ranks install
 # their own handlers. It exits with the status of the rank that failed first.
-(trap '' USR1 TERM; exec {prefix}{_torchrun_command(spec)}) &
+{_waited(prefix + _torchrun_command(spec), "trap '' USR1 TERM")}echo "distaff: node $SLURM_NODEID ranks exited with $status"
+# A checkpoint on a signal is not a failure: exit 0, so that srun --kill-on-bad-exit leaves the other nodes to
+# finish theirs, and say {EXIT_PREEMPTED} with a mark the batch script reads back.
+if [ "$status" -eq {EXIT_PREEMPTED} ]; then touch {_preempted_marks(spec)}.node"$SLURM_NODEID" && exit 0; fi
+exit "$status"
+"""
+
+
+def _preempted_marks(spec: SlurmJobSpec) -> str:
+    """Shell text: the stem of this attempt's marks, one a node whose ranks exited 75 (in the log folder, which
+    every node sees: the nodes' logs are written there)."""
+    return f'{shlex.quote(str(spec.log_dir))}/.preempted-"$SLURM_JOB_ID"-"${{SLURM_RESTART_COUNT:-0}}"'
+
+
+def _srun_command(spec: SlurmJobSpec) -> str:
+    """Shell text: the step, one task a node running the node script, its own lines to ``$srun_lines``."""
+    return f"""srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \\
+    --cpus-per-task={spec.cpus} --kill-on-bad-exit=1 --open-mode=append --output={shlex.quote(spec.node_log)} \\
+    {spec.site.srun_options(spec.workdir)}bash -c "$node_script" 2>"$srun_lines\""""
+
+
+def _waited(command: str, traps: str) -> str:
+    """Shell text: ``command`` run in the background by a subshell that first sets ``traps``, waited for through
+    the script's own traps (how the script outlives the signals it acts on); then ``$status`` is its exit status.
+    The subshell writes that status down: bash's ``wait`` returns 128 + N, not the status, when a trapped signal N
+    arrives as the command ends (a node's ranks exited 75 as srun ended the step, and the node reported -1)."""
+    return f"""status_file=$(mktemp)
+(
+{traps}
+{command}
+echo "$?" > "$status_file"
+) &
 pid=$!
 while kill -0 "$pid" 2>/dev/null; do wait "$pid"; done
 wait "$pid"; status=$?
-echo "distaff: node $SLURM_NODEID ranks exited with $status"
-exit "$status"
+[ -s "$status_file" ] && status=$(cat "$status_file")    # else the subshell was killed: wait's status
+rm -f "$status_file"
 """
 
 
@@ -338,6 +369,7 @@ attempts={shlex.quote(str(spec.log_dir))}/attempts-"$SLURM_JOB_ID".txt
 batch_log={shlex.quote(str(spec.log_dir))}/"$SLURM_JOB_NAME-$SLURM_JOB_ID".out
 out_dir={shlex.quote(str(spec.target.out_dir))}
 attempt=${{SLURM_RESTART_COUNT:-0}}
+preempted_marks={_preempted_marks(spec)}
 max_requeues={spec.max_requeues}
 {_ATTEMPT_FUNCTIONS}
 last=$(tail -n 1 "$attempts" 2>/dev/null)

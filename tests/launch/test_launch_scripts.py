@@ -4,7 +4,9 @@ real Slurm, is tests/launch/test_slurm_e2e.py.)"""
 
 from __future__ import annotations
 
+import contextlib
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ import pytest
 from distaff.launch import cli
 from distaff.launch.launcher import format_deepspeed_env, hosts_from_environment, node_environment, plan_launch
 from distaff.launch.run_config import resolve_launch_target
+from distaff.launch.script_values import NODE_SCRIPT_END
 from distaff.launch.slurm import EXIT_PREEMPTED, EXIT_STALLED, SlurmJobSpec, render_sbatch_script
 
 pytestmark = pytest.mark.unit
@@ -352,3 +355,62 @@ def test_a_verbose_submit_writes_verbose_into_the_script(target, monkeypatch: py
     assert "DISTAFF_VERBOSE=1" not in render_sbatch_script(spec)
     monkeypatch.setenv("DISTAFF_VERBOSE", "1")     # what `distaff --verbose` sets
     assert "\nexport DISTAFF_VERBOSE=1   # submitted with --verbose" in render_sbatch_script(spec)
+
+
+@pytest.mark.parametrize("ranks_status", [EXIT_PREEMPTED, EXIT_STALLED, 0])
+def test_a_node_that_checkpointed_on_a_signal_leaves_the_others_to_finish_and_the_attempt_says_75(
+        target, tmp_path: Path, ranks_status: int) -> None:
+    """srun --kill-on-bad-exit ends the step on every node once one exits non-zero: a node whose ranks exited 75
+    first used to get a slower node's ranks killed while they exited, and the attempt ended 255, not requeued (seen
+    on the suite's local Slurm). The node script, run by bash with a stand-in for the node's python, exits 0 on 75
+    and leaves a mark; the batch script's lines after srun read the marks back as 75."""
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/bash\n[ "$1" = -c ] && {{ echo 1; exit 0; }}\nexit {ranks_status}\n')
+    python.chmod(0o755)
+    script = render_sbatch_script(SlurmJobSpec(target=target, nodes=2, ranks_per_node=1, cpu=True,
+                                               python=str(python)))
+    node_script = script.split(f"<<'{NODE_SCRIPT_END}'\n")[1].split(f"\n{NODE_SCRIPT_END}\n")[0]
+    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "2", "SLURMD_NODENAME": "n1",
+           "MASTER_ADDR": "n1", "MASTER_PORT": "10042"}
+    logs = target.out_dir / "slurm"
+    logs.mkdir(parents=True)
+    for node in ("0", "1"):
+        ran = subprocess.run(["bash", "-c", node_script], env={**env, "SLURM_NODEID": node}, capture_output=True,
+                             text=True, timeout=60)
+        assert ran.stdout.endswith(f"distaff: node {node} ranks exited with {ranks_status}\n"), ran.stdout + ran.stderr
+        assert ran.returncode == (0 if ranks_status == EXIT_PREEMPTED else ranks_status), ran.stderr
+    marks = sorted(p.name for p in logs.glob(".preempted-*"))
+    assert marks == ([".preempted-42-0.node0", ".preempted-42-0.node1"] if ranks_status == EXIT_PREEMPTED else [])
+
+    marks_line = re.search(r"^preempted_marks=.*$", script, re.M).group(0)
+    after_srun = re.search(r"^# The nodes whose ranks checkpointed.*?\nrm -f .*?\n", script, re.M | re.S).group(0)
+    for srun_status in (0, 1):          # all nodes exited 0 (75 among them), or one failed outright
+        batch = subprocess.run(["bash", "-c", f'{marks_line}\nstatus={srun_status}\n{after_srun}echo "$status"'],
+                               env=env, capture_output=True, text=True, check=True)
+        preempted = srun_status == 0 and ranks_status == EXIT_PREEMPTED
+        assert batch.stdout == f"{EXIT_PREEMPTED if preempted else srun_status}\n", batch.stderr
+        assert not list(logs.glob(".preempted-*"))           # read once: the next attempt starts without them
+
+
+def test_the_node_reports_its_ranks_status_through_a_storm_of_signals(target, tmp_path: Path) -> None:
+    """bash's ``wait`` returns 128 + N when a trapped signal N arrives as the waited command ends, not the command's
+    status (a node whose ranks exited 75 as srun ended the step reported -1, the job failed instead of requeueing):
+    the node script, under SIGTERM after SIGTERM while a stand-in for its ranks exits 76, still reports 76."""
+    python = tmp_path / "python"
+    python.write_text('#!/bin/bash\n[ "$1" = -c ] && { echo 1; exit 0; }\nsleep 0.5\nexit 76\n')
+    python.chmod(0o755)
+    script = render_sbatch_script(SlurmJobSpec(target=target, nodes=1, ranks_per_node=1, cpu=True,
+                                               python=str(python)))
+    node_script = script.split(f"<<'{NODE_SCRIPT_END}'\n")[1].split(f"\n{NODE_SCRIPT_END}\n")[0]
+    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "1", "SLURMD_NODENAME": "n1",
+           "SLURM_NODEID": "0", "MASTER_ADDR": "n1", "MASTER_PORT": "10042"}
+    for _ in range(5):
+        node = subprocess.Popen(["bash", "-c", node_script], env=env, stdout=subprocess.PIPE, text=True)
+        assert node.stdout.readline() == "distaff: node 0 (n1): 1 CPUs for its ranks\n"    # its traps are set
+        signals = 0
+        while node.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                node.send_signal(signal.SIGTERM)
+            signals += 1
+        assert node.stdout.read() == "distaff: node 0 ranks exited with 76\n" and node.returncode == 76, signals
+        assert signals > 50       # the signals kept coming until the script had exited

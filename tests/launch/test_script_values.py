@@ -73,8 +73,8 @@ def _options(script: str) -> dict[str, str]:
 
 
 def torchrun_argv(script: str) -> list[str]:
-    """The per-node torchrun command as bash splits it (the line that execs it, in the node heredoc)."""
-    line = re.search(r"^\(trap '' USR1 TERM; exec (.*)\) &$", script, re.M).group(1)
+    """The per-node torchrun command as bash splits it (the line after its subshell's traps, in the node heredoc)."""
+    line = re.search(r"^trap '' USR1 TERM\n(.*)$", script, re.M).group(1)
     return shlex.split(line.replace('"${resume[@]}"', ""))
 
 

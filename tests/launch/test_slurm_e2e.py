@@ -21,6 +21,7 @@ import contextlib
 import gzip
 import json
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -180,7 +181,16 @@ def _wait_for_file(path: Path, job_id: str, slurm: SlurmCluster, timeout: float)
 def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(
         slurm: SlurmCluster, run_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     out_dir = tmp_path / "slurm-run"
-    job_id = _submit(slurm, run_config, tmp_path, monkeypatch, capsys, f"run.out_dir={out_dir}")
+    # Node 0 is slower to tear down than node 1 (a real one can be): its ranks' launcher exits 8 s after them. srun
+    # --kill-on-bad-exit must not kill it when node 1's ranks have exited 75 first (that ended the attempt 255,
+    # not requeued, on a loaded machine).
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/bash\n{shlex.quote(sys.executable)} "$@"; status=$?\n'
+                      '[ "$2" = distaff.launch.node_ranks ] && [ "$SLURM_NODEID" = 0 ] && [ "$status" = 75 ] && sleep 8\n'
+                      'exit "$status"\n')
+    python.chmod(0o755)
+    job_id = _submit(slurm, run_config, tmp_path, monkeypatch, capsys, f"run.out_dir={out_dir}", "--python",
+                     str(python))
     log_dir = out_dir / "slurm"
 
     # It trains and checkpoints; then the signal: every rank checkpoints and exits 75.
@@ -200,6 +210,7 @@ def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(
     node_logs = _node_logs(log_dir, job_id)
     for node, name in enumerate(("n1", "n2")):
         assert node_logs.count(f"distaff: node {node} ({name}): 2 CPUs for its ranks") == 2, node_logs
+    assert node_logs.count("ranks exited with 75") == 2 and "CANCELLED" not in node_logs, node_logs  # srun waited
     stopped = re.search(r"signal received; checkpoint saved at step (\d+)", node_logs)
     assert stopped, node_logs
     stop_step = int(stopped.group(1))

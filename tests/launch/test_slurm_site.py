@@ -88,14 +88,14 @@ def test_a_pyxis_container_runs_each_node_script_in_the_image(config: Path, caps
     code, script, err = _submit(config, capsys, "--container-image", "nvcr.io#nvidia/pytorch:24.01-py3",
                                 "--container-mounts", mounts, "--setup", "nvidia-smi")
     assert code == 0 and "warning" not in err
-    srun = re.search(r"^srun .*?bash -c \"\$node_script\" 2>\"\$srun_lines\" &$", script, re.S | re.M).group(0)
+    srun = re.search(r"^srun .*?bash -c \"\$node_script\" 2>\"\$srun_lines\"$", script, re.S | re.M).group(0)
     assert ("'--container-image=nvcr.io#nvidia/pytorch:24.01-py3' "
             f"--container-workdir={config.parent} --container-mounts={mounts} ") in srun
     assert "# Every node runs python: inside the container nvcr.io#nvidia/pytorch:24.01-py3." in script
-    assert "exec python -m distaff.launch.node_ranks --nproc-per-node=4" in script    # the image's python
+    assert "\npython -m distaff.launch.node_ranks --nproc-per-node=4" in script    # the image's python
     code, script, _ = _submit(config, capsys, "--container-image", "img.sqsh", "--python", "/opt/conda/bin/python",
                               "--container-mounts", str(config.parent))
-    assert "exec /opt/conda/bin/python -m distaff.launch.node_ranks" in script
+    assert "\n/opt/conda/bin/python -m distaff.launch.node_ranks" in script
 
 
 def test_apptainer_wraps_each_python_the_nodes_run(config: Path, capsys) -> None:
@@ -104,7 +104,7 @@ def test_apptainer_wraps_each_python_the_nodes_run(config: Path, capsys) -> None
     assert code == 0
     prefix = "apptainer exec --nv --bind /shared docker://nvcr.io/nvidia/pytorch:24.01-py3 python "
     node = _node_script(script)
-    assert f"exec {prefix}-m distaff.launch.node_ranks" in node and f"$({prefix}-c " in node    # the ranks, the affinity
+    assert f"\n{prefix}-m distaff.launch.node_ranks" in node and f"$({prefix}-c " in node    # the ranks, the affinity
     assert node.index("module load apptainer") < node.index("apptainer exec")               # set-up on the host
     assert "--container-image" not in script
     config.parent.joinpath("out").mkdir()
