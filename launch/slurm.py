@@ -9,9 +9,11 @@ The job survives preemption and time limits by itself:
 - One task per node (``srun --ntasks-per-node=1``) runs torchrun with a c10d rendezvous on the
   first node, through :mod:`distaff.launch.node_ranks`: the node exits with the status of its rank that failed
   first (torchrun alone turns any failed rank into exit 1, with a traceback).
-- A node whose ranks exited 75 exits 0 and leaves a mark in the log folder: ``srun --kill-on-bad-exit`` (below)
-  would otherwise end the step on the nodes still saving or exiting, turning a checkpoint into a failure (a node
-  slower to tear down lost its 75 to srun's kill). The batch script reads the marks back as the attempt's 75.
+- A node whose ranks exited 75 leaves a mark in the log folder and exits 0 once every node has left one:
+  ``srun --kill-on-bad-exit`` (below) would otherwise end the step on the nodes still exiting, turning a
+  checkpoint into a failure (a node slower to tear down lost its 75 to srun's kill). Past ``PREEMPTED_GRACE_S``
+  it exits 75, and srun ends a node whose ranks froze after the checkpoint. The batch script reads any mark
+  back as the attempt's 75: the checkpoint ends with a barrier, so one node's 75 means every rank saved it.
 - On 75 after SIGUSR1 the batch script requeues the job (``--requeue``, logs opened with
   ``--open-mode=append``); the next attempt keeps the job id, hence the rendezvous port, the log
   files and the W&B run id, and resumes from the latest checkpoint (``checkpoint.resume=auto``).
@@ -64,6 +66,7 @@ from distaff.train.core.threads import check_ranks_per_node, rank_bound
 from distaff.train.core.verbosity import VERBOSE_ENV, verbose
 
 DEFAULT_SIGNAL_LEAD_S = 300
+PREEMPTED_GRACE_S = 60       # a node whose ranks exited 75 waits this long for every node's mark, then ends the step
 DEFAULT_MAX_REQUEUES = 3     # stalled or lost attempts a job comes back from; then it stops for a person to look
 MAX_REQUEUES = 1000          # the batch script counts attempts in shell arithmetic: a bound far inside it
 MAX_SIGNAL_LEAD_S = 65535    # the most seconds sbatch --signal takes
@@ -234,8 +237,9 @@ trap on_term TERM
 # config error) ends the step on every node (SIGTERM, then SIGKILL after KillWait), so that a rank frozen on
 # another node cannot hold the job. srun's own lines go to a file, shown after it.
 srun_lines=$(mktemp)
-{_waited(_srun_command(spec), "trap : USR1 TERM")}# The nodes whose ranks checkpointed on a signal exited 0, each leaving a mark (the node script): the attempt's 75.
-if [ "$status" -eq 0 ] && compgen -G "$preempted_marks.node*" > /dev/null; then status={EXIT_PREEMPTED}; fi
+{_waited(_srun_command(spec), "trap : USR1 TERM")}# A node whose ranks checkpointed on a signal left a mark (the node script): every rank saved that checkpoint (it
+# ends with a barrier), so the attempt's status is {EXIT_PREEMPTED}, whatever srun says of a node it ended after that.
+if [ "$status" -ne {EXIT_STALLED} ] && compgen -G "$preempted_marks.node*" > /dev/null; then status={EXIT_PREEMPTED}; fi
 rm -f "$preempted_marks".node*
 show_srun_lines "$srun_lines" "$status"
 echo "distaff: job $SLURM_JOB_ID ranks exited with $status at $(date -Is)"
@@ -270,9 +274,16 @@ resume=()
 # torchrun ignores USR1 (it would die of it) and TERM (it would kill the ranks 30 s later); the ranks install
 # their own handlers. It exits with the status of the rank that failed first.
 {_waited(prefix + _torchrun_command(spec), "trap '' USR1 TERM")}echo "distaff: node $SLURM_NODEID ranks exited with $status"
-# A checkpoint on a signal is not a failure: exit 0, so that srun --kill-on-bad-exit leaves the other nodes to
-# finish theirs, and say {EXIT_PREEMPTED} with a mark the batch script reads back.
-if [ "$status" -eq {EXIT_PREEMPTED} ]; then touch {_preempted_marks(spec)}.node"$SLURM_NODEID" && exit 0; fi
+# A checkpoint on a signal is not a failure: say {EXIT_PREEMPTED} with a mark the batch script reads back, and exit 0
+# once every node has left one, so that srun --kill-on-bad-exit does not end the step on a node still exiting.
+# Past {PREEMPTED_GRACE_S} s exit {EXIT_PREEMPTED}: srun then ends a node whose ranks froze after the checkpoint.
+marks={_preempted_marks(spec)}
+if [ "$status" -eq {EXIT_PREEMPTED} ] && touch "$marks.node$SLURM_NODEID"; then
+    for _ in $(seq {PREEMPTED_GRACE_S * 10}); do
+        [ "$(compgen -G "$marks.node*" | wc -l)" -ge "$SLURM_JOB_NUM_NODES" ] && exit 0
+        sleep 0.1
+    done
+fi
 exit "$status"
 """
 

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -357,53 +358,74 @@ def test_a_verbose_submit_writes_verbose_into_the_script(target, monkeypatch: py
     assert "\nexport DISTAFF_VERBOSE=1   # submitted with --verbose" in render_sbatch_script(spec)
 
 
+def _node_script_with_ranks_exiting(target, tmp_path: Path, status: int, nodes: int = 2, delay: str = "0") -> str:
+    """The node script of a ``nodes``-node job whose python is a stand-in: its ranks exit ``status`` after
+    ``delay`` seconds (the affinity query answers 1)."""
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/bash\n[ "$1" = -c ] && {{ echo 1; exit 0; }}\nsleep {delay}\nexit {status}\n')
+    python.chmod(0o755)
+    script = render_sbatch_script(SlurmJobSpec(target=target, nodes=nodes, ranks_per_node=1, cpu=True,
+                                               python=str(python)))
+    return script.split(f"<<'{NODE_SCRIPT_END}'\n")[1].split(f"\n{NODE_SCRIPT_END}\n")[0]
+
+
+# What a node's script finds in a step of job 42 on 2 nodes (plus SLURM_NODEID)
+STEP_ENV = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "2", "SLURMD_NODENAME": "n1",
+            "MASTER_ADDR": "n1", "MASTER_PORT": "10042"}
+
+
 @pytest.mark.parametrize("ranks_status", [EXIT_PREEMPTED, EXIT_STALLED, 0])
 def test_a_node_that_checkpointed_on_a_signal_leaves_the_others_to_finish_and_the_attempt_says_75(
         target, tmp_path: Path, ranks_status: int) -> None:
     """srun --kill-on-bad-exit ends the step on every node once one exits non-zero: a node whose ranks exited 75
     first used to get a slower node's ranks killed while they exited, and the attempt ended 255, not requeued (seen
-    on the suite's local Slurm). The node script, run by bash with a stand-in for the node's python, exits 0 on 75
-    and leaves a mark; the batch script's lines after srun read the marks back as 75."""
-    python = tmp_path / "python"
-    python.write_text(f'#!/bin/bash\n[ "$1" = -c ] && {{ echo 1; exit 0; }}\nexit {ranks_status}\n')
-    python.chmod(0o755)
-    script = render_sbatch_script(SlurmJobSpec(target=target, nodes=2, ranks_per_node=1, cpu=True,
-                                               python=str(python)))
-    node_script = script.split(f"<<'{NODE_SCRIPT_END}'\n")[1].split(f"\n{NODE_SCRIPT_END}\n")[0]
-    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "2", "SLURMD_NODENAME": "n1",
-           "MASTER_ADDR": "n1", "MASTER_PORT": "10042"}
+    on the suite's local Slurm). Both nodes' scripts, run by bash with a stand-in for their python, exit 0 on 75
+    once both have left their mark (node 1 a second after node 0); the batch script's lines after srun read a mark
+    back as 75 whatever srun says, but for a stall's 76."""
+    node_script = _node_script_with_ranks_exiting(target, tmp_path, ranks_status)
     logs = target.out_dir / "slurm"
     logs.mkdir(parents=True)
-    for node in ("0", "1"):
-        ran = subprocess.run(["bash", "-c", node_script], env={**env, "SLURM_NODEID": node}, capture_output=True,
-                             text=True, timeout=60)
-        assert ran.stdout.endswith(f"distaff: node {node} ranks exited with {ranks_status}\n"), ran.stdout + ran.stderr
-        assert ran.returncode == (0 if ranks_status == EXIT_PREEMPTED else ranks_status), ran.stderr
+    nodes = [subprocess.Popen(["bash", "-c", f"{'sleep 1; ' * int(node)}{node_script}"], text=True,
+                              env={**STEP_ENV, "SLURM_NODEID": node}, stdout=subprocess.PIPE) for node in ("0", "1")]
+    for node, ran in enumerate(nodes):
+        out, _ = ran.communicate(timeout=60)
+        assert out.endswith(f"distaff: node {node} ranks exited with {ranks_status}\n"), out
+        assert ran.returncode == (0 if ranks_status == EXIT_PREEMPTED else ranks_status)
     marks = sorted(p.name for p in logs.glob(".preempted-*"))
     assert marks == ([".preempted-42-0.node0", ".preempted-42-0.node1"] if ranks_status == EXIT_PREEMPTED else [])
 
+    script = render_sbatch_script(SlurmJobSpec(target=target, nodes=2, ranks_per_node=1, cpu=True))
     marks_line = re.search(r"^preempted_marks=.*$", script, re.M).group(0)
-    after_srun = re.search(r"^# The nodes whose ranks checkpointed.*?\nrm -f .*?\n", script, re.M | re.S).group(0)
-    for srun_status in (0, 1):          # all nodes exited 0 (75 among them), or one failed outright
+    after_srun = re.search(r"^# A node whose ranks checkpointed.*?\nrm -f .*?\n", script, re.M | re.S).group(0)
+    for srun_status in (0, 1, 143, EXIT_STALLED):   # srun's status: a node it ended after the checkpoint, a stall
+        if ranks_status == EXIT_PREEMPTED:
+            (logs / ".preempted-42-0.node1").touch()
         batch = subprocess.run(["bash", "-c", f'{marks_line}\nstatus={srun_status}\n{after_srun}echo "$status"'],
-                               env=env, capture_output=True, text=True, check=True)
-        preempted = srun_status == 0 and ranks_status == EXIT_PREEMPTED
+                               env=STEP_ENV, capture_output=True, text=True, check=True)
+        preempted = ranks_status == EXIT_PREEMPTED and srun_status != EXIT_STALLED
         assert batch.stdout == f"{EXIT_PREEMPTED if preempted else srun_status}\n", batch.stderr
         assert not list(logs.glob(".preempted-*"))           # read once: the next attempt starts without them
+
+
+def test_a_node_whose_peer_never_leaves_its_mark_ends_the_step_after_the_grace(
+        target, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank frozen after the checkpoint (its node never exits): the node whose ranks exited 75 waits the grace,
+    then exits 75, so that srun ends the step there rather than the job waiting for its time limit."""
+    monkeypatch.setattr("distaff.launch.slurm.PREEMPTED_GRACE_S", 1)
+    node_script = _node_script_with_ranks_exiting(target, tmp_path, EXIT_PREEMPTED)
+    (target.out_dir / "slurm").mkdir(parents=True)
+    began = time.monotonic()
+    ran = subprocess.run(["bash", "-c", node_script], env={**STEP_ENV, "SLURM_NODEID": "0"}, capture_output=True,
+                         text=True, timeout=60)
+    assert ran.returncode == EXIT_PREEMPTED and 1 <= time.monotonic() - began < 30, ran.stdout + ran.stderr
 
 
 def test_the_node_reports_its_ranks_status_through_a_storm_of_signals(target, tmp_path: Path) -> None:
     """bash's ``wait`` returns 128 + N when a trapped signal N arrives as the waited command ends, not the command's
     status (a node whose ranks exited 75 as srun ended the step reported -1, the job failed instead of requeueing):
     the node script, under SIGTERM after SIGTERM while a stand-in for its ranks exits 76, still reports 76."""
-    python = tmp_path / "python"
-    python.write_text('#!/bin/bash\n[ "$1" = -c ] && { echo 1; exit 0; }\nsleep 0.5\nexit 76\n')
-    python.chmod(0o755)
-    script = render_sbatch_script(SlurmJobSpec(target=target, nodes=1, ranks_per_node=1, cpu=True,
-                                               python=str(python)))
-    node_script = script.split(f"<<'{NODE_SCRIPT_END}'\n")[1].split(f"\n{NODE_SCRIPT_END}\n")[0]
-    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "1", "SLURMD_NODENAME": "n1",
-           "SLURM_NODEID": "0", "MASTER_ADDR": "n1", "MASTER_PORT": "10042"}
+    node_script = _node_script_with_ranks_exiting(target, tmp_path, EXIT_STALLED, nodes=1, delay="0.5")
+    env = {**STEP_ENV, "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0"}
     for _ in range(5):
         node = subprocess.Popen(["bash", "-c", node_script], env=env, stdout=subprocess.PIPE, text=True)
         assert node.stdout.readline() == "distaff: node 0 (n1): 1 CPUs for its ranks\n"    # its traps are set
